@@ -1,0 +1,204 @@
+"""The command line: parse, call one function per command, map errors to exit codes.
+
+Exit codes (CONTRACT §5): 0 healthy, 1 a rung failed, 2 bad spec or usage, 3 the user's code
+could not run. Torch is imported only inside `diagnose`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from . import __version__
+from .errors import AmpdoctorError, SpecError, UsageError, UserCodeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="Triage PyTorch training that combines gradient accumulation with mixed "
+                       "precision (fp16 + GradScaler, or bf16).")
+
+INTERNAL_ERROR = 4
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"ampdoctor {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main_callback(version: bool = typer.Option(False, "--version", callback=_version,
+                                               is_eager=True, help="Print the version and exit.")):
+    """ampdoctor: find the line that breaks accumulation + AMP."""
+
+
+def _stderr() -> Console:
+    return Console(stderr=True)
+
+
+def _fail(exc: AmpdoctorError, debug: bool) -> int:
+    err = _stderr()
+    if debug and exc.cause is not None:
+        traceback.print_exception(type(exc.cause), exc.cause, exc.cause.__traceback__,
+                                  file=sys.stderr)
+    label = {2: "spec error" if isinstance(exc, SpecError) else "usage error",
+             3: "user code error"}.get(exc.exit_code, "error")
+    err.print(f"[bold red]ampdoctor: {label}:[/] ", end="", highlight=False)
+    err.print(exc.message, markup=False, highlight=False)
+    return exc.exit_code
+
+
+def _internal(exc: BaseException, debug: bool) -> int:
+    if debug:
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    _stderr().print(f"[bold red]ampdoctor: internal error:[/] {type(exc).__name__}: {exc} "
+                    "(run again with --debug for the traceback)", highlight=False)
+    return INTERNAL_ERROR
+
+
+@app.command()
+def diagnose(
+    spec: Path = typer.Argument(..., help="The YAML spec of the run to triage."),
+    json_out: bool = typer.Option(False, "--json", help="Print the run record as JSON on stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder for run records "
+                                       "(default .ampdoctor/runs)."),
+) -> None:
+    """Run the triage ladder on SPEC and report what is wrong, with numbers and file:line."""
+    raise typer.Exit(_diagnose(spec, json_out, debug, out))
+
+
+def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None) -> int:
+    from . import record as records
+    from .spec import load_spec
+
+    try:
+        spec = load_spec(spec_path)
+    except SpecError as exc:
+        return _fail(exc, debug)
+
+    from .diagnose import error_record, run_diagnose
+    from .report.terminal import render
+
+    err = _stderr()
+    status = err.status("loading the spec's code...") if err.is_terminal else contextlib.nullcontext()
+
+    def on_start(rung: str) -> None:
+        if hasattr(status, "update"):
+            status.update(f"rung [bold]{rung}[/]...")
+        elif not json_out:
+            err.print(f"  rung {rung}...", highlight=False)
+
+    try:
+        with status, contextlib.redirect_stdout(sys.stderr):
+            record = run_diagnose(spec, on_start=on_start)
+    except UserCodeError as exc:
+        record = error_record(spec, exc)
+        code = _fail(exc, debug)
+        _save_and_show(record, out, json_out, render, err)
+        return code
+    except SpecError as exc:
+        return _fail(exc, debug)
+    except KeyboardInterrupt:
+        err.print("ampdoctor: interrupted; torch was restored, no record written.")
+        return 130
+    except Exception as exc:  # a bug in ampdoctor itself
+        return _internal(exc, debug)
+    _save_and_show(record, out, json_out, render, err)
+    return records.exit_code(record)
+
+
+def _save_and_show(record, out, json_out, render, err) -> None:
+    from . import record as records
+    try:
+        path = records.save(record, out)
+        record_note = f"record saved to {path}"
+    except OSError as exc:
+        record_note = f"could not save the record: {exc}"
+    if json_out:
+        sys.stdout.write(json.dumps(record, indent=2, default=str) + "\n")
+    else:
+        render(record, Console())
+    err.print(record_note, highlight=False, style="dim")
+
+
+@app.command()
+def report(
+    record: Optional[Path] = typer.Argument(None, help="A saved run record (default: the latest)."),
+    html: bool = typer.Option(False, "--html", help="Write a self-contained HTML postmortem."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the HTML."),
+    json_out: bool = typer.Option(False, "--json", help="Print the record as JSON on stdout."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Folder of run records."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Re-render a saved run record (no torch needed)."""
+    from . import record as records
+    from .report.terminal import render
+    try:
+        path = record if record is not None else records.latest(out)
+        data = records.load(path)
+        if html:
+            from .report.html import write_html
+            target = output or Path(path).with_suffix(".html")
+            write_html(data, target)
+            _stderr().print(f"HTML report written to {target}", highlight=False)
+        elif json_out:
+            sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+        else:
+            render(data, Console())
+    except AmpdoctorError as exc:
+        raise typer.Exit(_fail(exc, debug))
+    except OSError as exc:
+        raise typer.Exit(_fail(UsageError(f"cannot write the report: {exc}", cause=exc), debug))
+    raise typer.Exit(records.exit_code(data))
+
+
+@app.command()
+def scan(
+    paths: list[Path] = typer.Argument(..., help="Files and folders to search."),
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON on stdout."),
+    fmt: str = typer.Option("text", "--format", help="text, json or sarif."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write to this file."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+) -> None:
+    """Search code and configs for more than one loss-scale owner (never runs them)."""
+    if fmt not in ("text", "json", "sarif"):
+        raise typer.Exit(_fail(UsageError(f"--format must be text, json or sarif, not {fmt!r}."),
+                               debug))
+    from .scan.command import run_scan
+    raise typer.Exit(run_scan([str(p) for p in paths], as_json=json_out or fmt == "json",
+                              fmt="json" if json_out else fmt,
+                              output=str(output) if output else None, debug=debug))
+
+
+@app.command()
+def explain(kind: str = typer.Argument(..., help="A diagnosis kind, e.g. clip-before-unscale.")) -> None:
+    """Explain a diagnosis kind: what it is, why it matters, how to fix it."""
+    from .findings import CATALOGUE
+    entry = CATALOGUE.get(kind)
+    if entry is None:
+        import difflib
+        close = difflib.get_close_matches(kind, list(CATALOGUE), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise typer.Exit(_fail(UsageError(f"unknown kind {kind!r}.{hint} Kinds: "
+                                          f"{', '.join(CATALOGUE)}"), False))
+    console = Console()
+    console.print(f"[bold]{entry.name}[/]: {entry.title}\n")
+    console.print(f"[bold]Why is this bad?[/]\n{entry.why}\n", highlight=False)
+    if entry.example:
+        console.print(f"[bold]Example[/]\n{entry.example}\n", highlight=False, markup=False)
+    console.print(f"[bold]Fix[/]\n{entry.fix}", highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""(g_user, g_ref) -> a verdict with numbers. Pure maths on dicts of tensors; no probe here.
+
+The comparison is teacher-forced (DESIGN §1): each optimizer step's consumed gradient is
+compared with the fp32 reference gradient at the same parameters on the data that step should
+have used. When they differ, `classify` tests the known shapes: each hypothesis builds the
+gradient a particular mistake would produce from the same per-micro-batch gradients, and the
+one that matches the user's gradient names the kind. Ratios alone are ambiguous (a factor 4 is
+"no average" when K = 4 and "sum reduction" when b = 4); whole-vector hypotheses are not.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+Grads = dict[str, "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+
+#: Defaults from the noise floor measured on the healthy recipes (see README "Tolerances"):
+#: fp32 teacher-forced relative error ~1e-7 on CPU, bf16 ~1e-2, fp16 ~1e-3. The defaults sit
+#: well above the floor and far below the smallest factor of a real bug.
+DEFAULT_TOLERANCES = {
+    "fp32": Tolerance(rtol=1e-4, atol=1e-7),
+    "bf16": Tolerance(rtol=6e-2, atol=1e-5),
+    "fp16": Tolerance(rtol=2e-2, atol=1e-6),
+}
+
+
+def flatten(grads: Grads, names: Sequence[str], shapes: dict[str, torch.Size]) -> torch.Tensor:
+    parts = []
+    for name in names:
+        g = grads.get(name)
+        if g is None:
+            parts.append(torch.zeros(shapes[name]).flatten())
+        else:
+            parts.append(g.detach().float().flatten().cpu())
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+@dataclass
+class Metrics:
+    rel_err: float
+    ratio: float
+    cosine: float
+    norm_user: float
+    norm_ref: float
+    ok: bool
+    allowed: float
+
+    def as_evidence(self) -> dict[str, float]:
+        return {"ratio": _round(self.ratio), "cosine": _round(self.cosine),
+                "relative_error": _round(self.rel_err), "norm_user": _round(self.norm_user),
+                "norm_reference": _round(self.norm_ref)}
+
+
+def _round(value: float, digits: int = 6) -> float:
+    if not math.isfinite(value) or value == 0:
+        return value
+    return float(f"{value:.{digits}g}")
+
+
+def metrics(user: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Metrics:
+    user = user.double()
+    ref = ref.double()
+    norm_u = float(torch.linalg.vector_norm(user))
+    norm_r = float(torch.linalg.vector_norm(ref))
+    diff = float(torch.linalg.vector_norm(user - ref))
+    allowed = tol.rtol * norm_r + tol.atol * math.sqrt(max(ref.numel(), 1))
+    rel = diff / norm_r if norm_r > 0 else (0.0 if diff == 0 else math.inf)
+    if norm_u > 0 and norm_r > 0:
+        cosine = float(torch.dot(user, ref)) / (norm_u * norm_r)
+    else:
+        cosine = 1.0 if norm_u == norm_r else 0.0
+    ratio = norm_u / norm_r if norm_r > 0 else (1.0 if norm_u == 0 else math.inf)
+    finite = math.isfinite(diff)
+    return Metrics(rel, ratio, cosine, norm_u, norm_r, finite and diff <= allowed, allowed)
+
+
+def clip_vector(vector: torch.Tensor, max_norm: float | None) -> torch.Tensor:
+    """What clip_grad_norm_ (norm 2) makes of a gradient: same formula, same epsilon."""
+    if max_norm is None or not math.isfinite(max_norm):
+        return vector
+    norm = float(torch.linalg.vector_norm(vector.double()))
+    coef = max_norm / (norm + 1e-6)
+    return vector * min(coef, 1.0)
+
+
+@dataclass
+class Hypothesis:
+    kind: str
+    label: str
+    vector: torch.Tensor
+    factor: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Classification:
+    kind: str
+    label: str
+    rel_err: float
+    factor: float | None
+    extra: dict
+
+
+def window_hypotheses(per_mb: list[torch.Tensor], counts: list[float], weighted: bool,
+                      reference: torch.Tensor, accumulation_steps: int,
+                      contributing_from: int | None = None) -> list[Hypothesis]:
+    """The gradients the known accumulation mistakes would produce on this window.
+
+    per_mb[k] is micro-batch k's own mean gradient (its loss normalised over its own samples or
+    tokens); counts[k] its sample count, or token/sample weight when the loss is weighted.
+    """
+    K = accumulation_steps
+    equal = torch.stack(per_mb).mean(0)
+    total_count = sum(counts)
+    sums = [g * n for g, n in zip(per_mb, counts)]
+    summed = torch.stack(sums).sum(0)
+    out = [
+        Hypothesis("missing-accumulation-average", f"sum of the {K} micro-batch gradients "
+                   "(loss not divided by K)", equal * K, float(K)),
+        Hypothesis("double-average", f"the step gradient divided by K={K} once more",
+                   reference / K, 1.0 / K),
+        Hypothesis("double-average", f"the equal-weight mean divided by K={K} once more",
+                   equal / K, 1.0 / K),
+        Hypothesis("reduction-mismatch", "per-sample sum divided by K (reduction='sum' with / K)",
+                   summed / K, total_count / K),
+        Hypothesis("reduction-mismatch", "per-sample sum not averaged at all (reduction='sum')",
+                   summed, total_count),
+    ]
+    if weighted:
+        out.append(Hypothesis("weighted-average-mismatch",
+                              "equal-weight mean of the per-micro-batch weighted means",
+                              equal, None, {"weights": [_round(c) for c in counts]}))
+    else:
+        # Without weights known to ampdoctor (loop-as-reference mode), an equal-weight mean that
+        # differs from the whole-step gradient still means the loop weights micro-batches equally.
+        out.append(Hypothesis("weighted-average-mismatch",
+                              "equal-weight mean of the per-micro-batch means", equal, None))
+    # zero_grad inside the window: only micro-batches j..K-1 reach the step.
+    starts = range(1, K) if contributing_from is None else [contributing_from]
+    for j in starts:
+        if not 0 < j < K:
+            continue
+        tail_eq = torch.stack(per_mb[j:]).sum(0) / K
+        tail_plain = torch.stack(per_mb[j:]).sum(0)
+        label = f"only micro-batches {j}..{K - 1} of the window"
+        extra = {"contributing_microbatches": K - j}
+        out.append(Hypothesis("zero-grad-inside-accumulation", label + " (each / K)", tail_eq,
+                              None, extra))
+        out.append(Hypothesis("zero-grad-inside-accumulation", label, tail_plain, None, extra))
+        if weighted and total_count > 0:
+            tail_w = torch.stack(sums[j:]).sum(0) / total_count
+            out.append(Hypothesis("zero-grad-inside-accumulation", label + " (weighted)", tail_w,
+                                  None, extra))
+    return out
+
+
+def scale_hypotheses(reference: torch.Tensor, scale: float | None) -> list[Hypothesis]:
+    """The fp16 shapes: a step on still-scaled gradients, or gradients divided by S twice."""
+    if not scale or scale == 1.0:
+        return []
+    return [
+        Hypothesis("missing-unscale", f"the reference times the loss scale S={scale:g}",
+                   reference * scale, scale),
+        Hypothesis("unscale-twice", f"the reference divided by the loss scale S={scale:g}",
+                   reference / scale, 1.0 / scale),
+    ]
+
+
+def classify(user: torch.Tensor, reference: torch.Tensor, hypotheses: list[Hypothesis],
+             tolerance: float) -> Classification | None:
+    """The hypothesis closest to the user's gradient, if it is within `tolerance`."""
+    best: Classification | None = None
+    ref_norm = float(torch.linalg.vector_norm(reference.double()))
+    for hyp in hypotheses:
+        target = hyp.vector.double()
+        norm_t = float(torch.linalg.vector_norm(target))
+        if norm_t == 0:
+            continue
+        # A hypothesis that coincides with the reference explains nothing.
+        if float(torch.linalg.vector_norm(target - reference.double())) <= tolerance * ref_norm:
+            continue
+        err = float(torch.linalg.vector_norm(user.double() - target)) / norm_t
+        if err <= tolerance and (best is None or err < best.rel_err):
+            best = Classification(hyp.kind, hyp.label, err, hyp.factor, dict(hyp.extra))
+    return best
+
+
+def nearest_integer_factor(ratio: float, base: float) -> int | None:
+    """If ratio is (within 1 %) an integer multiple m >= 1 of base, return m."""
+    if base <= 0 or not math.isfinite(ratio):
+        return None
+    m = round(ratio / base)
+    if m >= 1 and abs(ratio / base - m) <= 0.01 * m:
+        return m
+    return None

@@ -1,0 +1,117 @@
+"""`ampdoctor diagnose`: load the spec, install the probe, import the user's code, run the
+ladder, and build the run record. Torch is restored and the user's modules forgotten on every
+exit path."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import AmpdoctorError, UserCodeError
+from .findings import Finding, Location, RungResult
+from .spec import Spec
+
+
+@contextlib.contextmanager
+def _deterministic_cuda():
+    """TF32 would put ~1e-3 noise into fp32 matmuls on Ampere+: off while we compare."""
+    import torch
+    if not torch.cuda.is_available():
+        yield
+        return
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
+                 on_done: Callable[[RungResult], None] | None = None) -> dict[str, Any]:
+    """Run the ladder on a validated spec and return the run record (a dict)."""
+    import torch
+
+    from .ladder import run_ladder
+    from .loading import UserCode, check_finite, cut_micro_batches, resolve_device
+    from .probe import patches, recorder
+    from .probe.callsite import CallSiteFinder
+    from .session import Session
+
+    started = time.perf_counter()
+    device = resolve_device(spec.device)
+    finder = CallSiteFinder([spec.root, spec.spec_dir])
+    record = new_record(spec, str(device))
+    rng_state = torch.get_rng_state()
+    code = None
+    with patches.installed(recorder.install), _deterministic_cuda():
+        try:
+            code = UserCode(spec, finder)
+            data = code.call("the data factory", code.data_factory)
+            micro_batches = cut_micro_batches(data, spec)
+            check_finite(micro_batches)
+            session = Session(spec, code, device, finder, micro_batches)
+            results = run_ladder(session, on_start, on_done)
+        finally:
+            recorder.activate(None)
+            if code is not None:
+                code.forget()
+            torch.set_rng_state(rng_state)
+    fill_record(record, results)
+    record["seconds"] = round(time.perf_counter() - started, 3)
+    record["reference_mode"] = "loss" if spec.loss else "loop"
+    return record
+
+
+def new_record(spec: Spec, device: str) -> dict[str, Any]:
+    return {
+        "record_version": 1,
+        "ampdoctor_version": __version__,
+        "spec": str(spec.spec_path) if spec.spec_path else None,
+        "name": spec.display_name,
+        "device": device,
+        "cuda_available": device.startswith("cuda"),
+        "accumulation_steps": spec.accumulation_steps,
+        "optimizer_steps": spec.optimizer_steps,
+        "micro_batch_size": spec.micro_batch_size,
+        "verdict": "error",
+        "failed_rung": None,
+        "rungs": [],
+        "findings": [],
+        "series": {"scale": [], "grad_norm_before_unscale": [], "grad_norm_after_unscale": [],
+                   "skipped": []},
+        "error": None,
+    }
+
+
+def fill_record(record: dict[str, Any], results: list[RungResult]) -> None:
+    record["rungs"] = [r.to_dict() for r in results]
+    record["findings"] = [f.to_dict() for r in results for f in r.findings]
+    failed = next((r for r in results if r.status == "fail"), None)
+    record["failed_rung"] = failed.id if failed else None
+    loop_errors = [f for r in results for f in r.findings if f.kind == "loop-error"]
+    if loop_errors:
+        record["verdict"] = "error"
+    else:
+        record["verdict"] = "failed" if failed else "healthy"
+    for r in results:
+        series = r.details.pop("series", None)
+        if series:
+            record["series"].update(series)
+
+
+def error_record(spec: Spec | None, exc: AmpdoctorError, device: str = "unknown") -> dict[str, Any]:
+    """A record for a run that could not start (bad spec is not recorded; user code is)."""
+    record = new_record(spec, device) if spec is not None else {
+        "record_version": 1, "ampdoctor_version": __version__, "verdict": "error"}
+    record["verdict"] = "error"
+    record["error"] = {"type": type(exc).__name__, "message": exc.message,
+                       "exit_code": exc.exit_code}
+    if isinstance(exc, UserCodeError) and exc.location:
+        record["error"]["location"] = {"file": exc.location[0], "line": exc.location[1]}
+    return record

@@ -1,0 +1,40 @@
+"""Errors as types: each carries a human message and maps to one exit code (CONTRACT §5)."""
+
+from __future__ import annotations
+
+
+class AmpdoctorError(Exception):
+    """Base class: `message` is what the CLI prints; `exit_code` what it returns."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, cause: BaseException | None = None):
+        super().__init__(message)
+        self.message = message
+        self.cause = cause
+
+
+class SpecError(AmpdoctorError):
+    """The spec is malformed or names something that does not exist (exit 2)."""
+
+    exit_code = 2
+
+
+class UsageError(AmpdoctorError):
+    """A bad command line: missing record, unreadable file (exit 2)."""
+
+    exit_code = 2
+
+
+class UserCodeError(AmpdoctorError):
+    """The user's model, data or loop could not run at all (exit 3).
+
+    `location` is the (file, line) in the user's code where it failed, when known.
+    """
+
+    exit_code = 3
+
+    def __init__(self, message: str, *, cause: BaseException | None = None,
+                 location: tuple[str, int] | None = None):
+        super().__init__(message, cause=cause)
+        self.location = location

@@ -1,0 +1,272 @@
+"""The catalogue of diagnosis kinds, and the `Finding` / `RungResult` data every rung returns.
+
+One place says what each kind means and how to fix it (`ampdoctor explain KIND` prints it);
+the rungs only decide *whether* a kind applies and attach the numbers of the run that shows it.
+Grep a kind's name to find where it is raised.
+
+This module must not import torch: `report` and `explain` run without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: The rung ids of CONTRACT §3, in ladder order.
+RUNG_IDS: tuple[str, ...] = (
+    "reproducibility",
+    "fp32-accum",
+    "bf16-no-scaler",
+    "fp16-scaler",
+    "double-scaling",
+    "clip-space",
+    "skips",
+    "ddp-sync",
+)
+
+RUNG_STATUSES = ("pass", "fail", "warn", "skip", "not-run")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One diagnosis kind: what it is, why it matters, and the fix."""
+
+    name: str
+    title: str
+    why: str
+    fix: str
+    example: str = ""
+
+
+_KINDS = [
+    Kind(
+        "nondeterministic-baseline",
+        "The fp32 reference is not repeatable",
+        "Two fp32 runs from identical weights and data give different gradients, so any later "
+        "difference could be noise. Usually a random layer (dropout) is active in the triage model, "
+        "or the loss draws random numbers.",
+        "Make the triage model deterministic: build it with dropout p=0 (or a factory that calls "
+        "`model.eval()` on the random layers), and keep random augmentation out of `train_loop`.",
+    ),
+    Kind(
+        "missing-accumulation-average",
+        "The loss is not divided by the accumulation steps",
+        "K micro-batch gradients are summed, so the optimizer sees K times the full-batch gradient: "
+        "the effective learning rate is K times too large (and Adam hides it, clipping masks it).",
+        "Divide each micro-batch loss by `accumulation_steps` before backward: "
+        "`loss = criterion(out, y) / accumulation_steps`.",
+        "loss = criterion(model(x), y)\nscaler.scale(loss).backward()   # no / K",
+    ),
+    Kind(
+        "double-average",
+        "The gradient is averaged twice",
+        "The loss is divided by K and the gradient (or the loss again) is divided by K once more, "
+        "so the update is K times too small.",
+        "Average exactly once: either `loss / accumulation_steps` before backward, or divide the "
+        "summed gradients by K before the step, not both.",
+    ),
+    Kind(
+        "reduction-mismatch",
+        "The loss reduction does not match the averaging factor",
+        "The loss sums over samples (`reduction='sum'`) while the loop divides only by K, so the "
+        "gradient is scaled by the number of samples per micro-batch.",
+        "Use `reduction='mean'` and divide by K, or keep the sum and divide by the number of samples "
+        "in the whole optimizer step (K x micro-batch size).",
+    ),
+    Kind(
+        "weighted-average-mismatch",
+        "Micro-batches are weighted equally although the loss is token/sample weighted",
+        "Each micro-batch loss is a weighted mean over its own tokens, then the K means are averaged "
+        "with equal weight. When micro-batches hold different numbers of tokens this is not the "
+        "weighted mean over the whole step: short micro-batches count too much.",
+        "Accumulate `loss_sum / total_weight_of_the_step` for each micro-batch (count the step's "
+        "tokens before the window), or return `(loss_sum, weight_sum)` and normalise once.",
+    ),
+    Kind(
+        "step-per-microbatch",
+        "The optimizer steps on every micro-batch",
+        "The optimizer steps K times per window instead of once: each update uses one micro-batch, "
+        "the effective batch is b instead of K*b and the scheduler and scaler run K times too fast.",
+        "Step only when `(micro_step + 1) % accumulation_steps == 0`, then zero the gradients.",
+    ),
+    Kind(
+        "zero-grad-inside-accumulation",
+        "Gradients are zeroed inside the accumulation window",
+        "`zero_grad` runs before the window is complete, so only the last micro-batch(es) reach the "
+        "optimizer step; the other K-1 are thrown away.",
+        "Call `zero_grad` once per window, right after the optimizer step (or before the first "
+        "micro-batch of the window), never between the micro-batches of a window.",
+    ),
+    Kind(
+        "missing-no-sync",
+        "DDP all-reduces on every micro-batch",
+        "Without `no_sync()` on the first K-1 micro-batches, DDP all-reduces the gradients K times "
+        "per optimizer step: K times the communication for the same result.",
+        "Wrap the first K-1 backward passes of each window in `with model.no_sync():`.",
+    ),
+    Kind(
+        "half-open-amp",
+        "Mixed precision is only half switched on (or off)",
+        "The precision the run asks for and what the code does disagree: a GradScaler left enabled "
+        "in bf16, autocast never entered, autocast with another dtype, or fp16 without a scaler.",
+        "Branch explicitly on the precision: bf16 -> autocast(bfloat16) and no scaler; fp16 -> "
+        "autocast(float16) and an enabled GradScaler; fp32 -> neither.",
+    ),
+    Kind(
+        "clip-before-unscale",
+        "Gradients are clipped while still scaled",
+        "`clip_grad_norm_` runs before `scaler.unscale_`, so it sees gradients multiplied by the loss "
+        "scale S: the threshold is effectively max_norm*S in true-gradient space, or the update is "
+        "crushed by 1/S.",
+        "Call `scaler.unscale_(optimizer)` before `clip_grad_norm_`, then `scaler.step(optimizer)`.",
+    ),
+    Kind(
+        "missing-unscale",
+        "An optimizer steps on scaled gradients",
+        "The optimizer's `.step()` runs while its gradients are still multiplied by the loss scale "
+        "(e.g. a second optimizer stepped directly instead of through `scaler.step`): its update "
+        "is S times too large, and overflow is never checked.",
+        "Step every optimizer through `scaler.step(opt)` (unscale_ each one before clipping), then "
+        "call `scaler.update()` once.",
+    ),
+    Kind(
+        "unscale-twice",
+        "Gradients are unscaled twice",
+        "`unscale_` (or a hand-written division by the scale) runs twice on the same gradients in "
+        "one optimizer step, so they are divided by S twice.",
+        "Call `scaler.unscale_(optimizer)` at most once per optimizer per step, and do not divide "
+        "by `scaler.get_scale()` by hand.",
+    ),
+    Kind(
+        "update-per-microbatch",
+        "`scaler.update()` runs on every micro-batch",
+        "The scale is updated K times per optimizer step, so one overflowing micro-batch backs the "
+        "scale off K times and growth happens K times too fast.",
+        "Call `scaler.update()` once per optimizer step, right after `scaler.step`.",
+    ),
+    Kind(
+        "double-scaling",
+        "Two loss-scale state machines on one loss",
+        "The loss is scaled twice (two GradScalers, a GradScaler inside DeepSpeed/Trainer/accelerate/"
+        "Lightning AMP, or a constant loss scale on top of a GradScaler): skips, scale and clipping "
+        "no longer mean anything.",
+        "Keep exactly one owner of loss scaling: the framework's (DeepSpeed fp16, Trainer fp16, "
+        "accelerate, Lightning) or your GradScaler, not both.",
+    ),
+    Kind(
+        "scheduler-per-microbatch",
+        "The LR scheduler steps on every micro-batch",
+        "The scheduler advances K times per optimizer step, so warmup and decay run K times too "
+        "fast.",
+        "Call `scheduler.step()` once per optimizer step, next to the optimizer step.",
+    ),
+    Kind(
+        "scheduler-steps-on-skip",
+        "The LR scheduler steps when the optimizer step was skipped",
+        "GradScaler skipped the update (inf/NaN gradients) but the scheduler still advanced, so the "
+        "schedule runs ahead of the real number of updates.",
+        "Step the scheduler only when the optimizer stepped: compare `scaler.get_scale()` before and "
+        "after `scaler.update()` (a drop means a skip).",
+    ),
+    Kind(
+        "no-zero-grad-after-skip",
+        "Gradients are not cleared after a skipped step",
+        "After GradScaler skipped a step, the inf/NaN gradients stay in `.grad` and poison the next "
+        "window, which is skipped too.",
+        "Call `optimizer.zero_grad()` after every `scaler.step`, skipped or not.",
+    ),
+    Kind(
+        "frequent-skips",
+        "fp16 skips updates too often",
+        "Many optimizer steps are skipped for overflow, or the scale collapses: fewer real updates "
+        "than the schedule assumes.",
+        "Look for the overflow source (learning rate, initialisation, bad data) before tuning the "
+        "scaler; consider bf16.",
+    ),
+    Kind(
+        "gradient-mismatch",
+        "The update differs from the reference in no known shape",
+        "The gradient the optimizer consumed differs from the fp32 full-batch reference beyond the "
+        "tolerance, and the difference matches none of the known shapes (a factor K, 1/K, b, S...).",
+        "Compare the loop with the correct skeleton: scale -> backward x K -> unscale_ -> clip -> "
+        "step -> update -> zero_grad, with loss / K.",
+    ),
+    Kind(
+        "loop-error",
+        "The training loop raised an error",
+        "The loop raised an exception ampdoctor does not recognise as one of the known mistakes.",
+        "Fix the error at the reported line; run the loop alone to reproduce it.",
+    ),
+]
+
+CATALOGUE: dict[str, Kind] = {k.name: k for k in _KINDS}
+
+
+@dataclass
+class Location:
+    """Where the offending call stands in the user's code."""
+
+    file: str
+    line: int
+    function: str | None = None
+    code: str | None = None
+
+    def short(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+@dataclass
+class Finding:
+    """One diagnosis: a kind from the catalogue plus the numbers of this run."""
+
+    rung: str
+    kind: str
+    severity: str  # "error" | "warning"
+    message: str
+    evidence: dict[str, Any] = field(default_factory=dict)
+    location: Location | None = None
+    title: str = ""
+    fix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in CATALOGUE:
+            raise ValueError(f"unknown finding kind {self.kind!r}")
+        entry = CATALOGUE[self.kind]
+        self.title = self.title or entry.title
+        self.fix = self.fix or entry.fix
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if self.location is not None:
+            data["location"] = {k: v for k, v in data["location"].items() if v is not None}
+        return data
+
+
+@dataclass
+class RungResult:
+    """What a rung established: its status, a one-line summary and its findings."""
+
+    id: str
+    status: str
+    summary: str = ""
+    findings: list[Finding] = field(default_factory=list)
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "status": self.status,
+            "seconds": round(self.seconds, 3),
+            "summary": self.summary,
+            "details": self.details,
+        }
+
+
+def status_from_findings(findings: list[Finding]) -> str:
+    """`fail` on any error, `warn` on warnings only, else `pass`."""
+    if any(f.severity == "error" for f in findings):
+        return "fail"
+    if findings:
+        return "warn"
+    return "pass"

@@ -1,0 +1,52 @@
+"""The ladder (CONTRACT §3): rungs in order; the first that fails stops the ladder.
+
+Each rung is `run(session) -> RungResult`. "Stop at the first failure" lives here only.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+
+from ..errors import AmpdoctorError
+from ..findings import RUNG_IDS, RungResult
+
+
+def _rungs() -> dict[str, Callable]:
+    from . import fp32_accum, reproducibility
+    from . import precision_rungs
+    return {
+        "reproducibility": reproducibility.run,
+        "fp32-accum": fp32_accum.run,
+        "bf16-no-scaler": precision_rungs.run_bf16,
+        "fp16-scaler": precision_rungs.run_fp16,
+        "double-scaling": precision_rungs.run_double_scaling,
+        "clip-space": precision_rungs.run_clip_space,
+        "skips": precision_rungs.run_skips,
+        "ddp-sync": precision_rungs.run_ddp,
+    }
+
+
+def run_ladder(session, on_start: Callable[[str], None] | None = None,
+               on_done: Callable[[RungResult], None] | None = None) -> list[RungResult]:
+    rungs = _rungs()
+    results: list[RungResult] = []
+    failed = False
+    for rung_id in RUNG_IDS:
+        if failed:
+            results.append(RungResult(rung_id, "not-run", "an earlier rung failed"))
+            continue
+        if on_start:
+            on_start(rung_id)
+        started = time.perf_counter()
+        try:
+            result = rungs[rung_id](session)
+        except AmpdoctorError:
+            raise
+        result.seconds = time.perf_counter() - started
+        results.append(result)
+        if on_done:
+            on_done(result)
+        failed = result.status == "fail"
+    return results

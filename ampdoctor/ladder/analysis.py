@@ -1,0 +1,310 @@
+"""Shared analysis of one trace: loop errors, step and scheduler counts, and the step-by-step
+teacher-forced comparison with classification of a mismatch. Used by every comparison rung.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import compare
+from ..findings import Finding, Location
+from ..probe.callsite import Site
+from ..probe.recorder import Event, StepRecord
+from ..session import Session, Trace, flat
+
+#: torch's own error messages that name a known mistake (matched on a stable fragment).
+KNOWN_TORCH_ERRORS = (
+    ("unscale_() has already been called on this optimizer since the last update()",
+     "unscale-twice"),
+)
+
+
+def location(site: Site | None) -> Location | None:
+    if site is None:
+        return None
+    return Location(site.file, site.line, site.function, site.code or None)
+
+
+def tolerance(session: Session, precision: str) -> compare.Tolerance:
+    default = compare.DEFAULT_TOLERANCES[precision]
+    override = session.spec.tolerances.get(precision)  # type: ignore[call-overload]
+    if override is None:
+        return default
+    return compare.Tolerance(override.rtol if override.rtol is not None else default.rtol,
+                             override.atol if override.atol is not None else default.atol)
+
+
+def loop_error_finding(trace: Trace, rung: str) -> Finding:
+    exc = trace.error
+    assert exc is not None
+    text = f"{type(exc).__name__}: {exc}"
+    for fragment, kind in KNOWN_TORCH_ERRORS:
+        if fragment in str(exc):
+            unscales = [e for e in trace.of_kind("unscale") if "error" in e.data]
+            site = unscales[-1].site if unscales else trace.error_site
+            return Finding(rung, kind, "error",
+                           f"In the {trace.precision} run torch refused a second unscale_() of "
+                           "the same optimizer in one step: the gradients would be divided by "
+                           "the scale twice.",
+                           evidence={"error": text, "measured": 2, "expected": 1,
+                                     "unscale_calls_in_step": 2},
+                           location=location(site))
+    return Finding(rung, "loop-error", "error",
+                   f"The loop raised in the {trace.precision} run: {text}",
+                   evidence={"error": text, "precision": trace.precision},
+                   location=location(trace.error_site))
+
+
+def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
+    """An LR scheduler stepped more than once between two optimizer steps."""
+    scheduler_events = trace.of_kind("scheduler")
+    if not scheduler_events:
+        return []
+    # Window boundaries: every scaler.step (skipped or not) and every direct optimizer.step.
+    boundaries = [e.seq for e in trace.events if e.kind == "scaler_step"
+                  or (e.kind == "step" and not e.data.get("via_scaler"))]
+    counts: dict[tuple[int, Any, Any], int] = {}
+    for e in scheduler_events:
+        interval = sum(1 for s in boundaries if s < e.seq)
+        key = (interval, e.data.get("type"), e.optimizer)
+        counts[key] = counts.get(key, 0) + 1
+    worst = max(counts.values())
+    if worst <= 1:
+        return []
+    optimizer_steps = max(1, len(_step_groups(trace)))
+    schedulers = max(1, len({(k[1], k[2]) for k in counts}))
+    per_step = len(scheduler_events) / schedulers / optimizer_steps
+    first = scheduler_events[0]
+    return [Finding(
+        rung, "scheduler-per-microbatch", "error",
+        f"The LR scheduler ({first.data.get('type')}) stepped {len(scheduler_events)} times for "
+        f"{optimizer_steps} optimizer steps in the {trace.precision} run, up to {worst} times "
+        f"between two optimizer steps: the schedule runs {per_step:.3g}x too fast.",
+        evidence={"measured": round(per_step, 6), "expected": 1.0,
+                  "scheduler_steps": len(scheduler_events),
+                  "optimizer_steps": optimizer_steps,
+                  "max_between_optimizer_steps": worst},
+        location=location(first.site))]
+
+
+def _step_groups(trace: Trace) -> list[int]:
+    seen: list[int] = []
+    for step in trace.steps:
+        if step.group not in seen:
+            seen.append(step.group)
+    return seen
+
+
+def step_count_finding(session: Session, trace: Trace, rung: str,
+                       skipped_windows: int = 0) -> Finding | None:
+    """More optimizer steps than windows: the optimizer steps on every micro-batch."""
+    per_optimizer: dict[int, list[StepRecord]] = {}
+    for step in trace.steps:
+        per_optimizer.setdefault(step.optimizer, []).append(step)
+    expected = session.N - skipped_windows
+    for slot, steps in sorted(per_optimizer.items()):
+        if len(steps) > session.N:
+            mb_before_first = steps[0].microbatch + 1
+            per_window = len(steps) / session.N
+            return Finding(
+                rung, "step-per-microbatch", "error",
+                f"The optimizer stepped {len(steps)} times for {session.N} windows of "
+                f"K={session.K} micro-batches in the {trace.precision} run "
+                f"({per_window:.3g} steps per window; the first step came after "
+                f"{mb_before_first} micro-batch(es)). Each update used a fraction of the window.",
+                evidence={"measured": len(steps), "expected": expected,
+                          "steps_per_window": round(per_window, 6),
+                          "microbatches_before_first_step": mb_before_first,
+                          "optimizer": slot},
+                location=location(steps[0].site))
+    return None
+
+
+@dataclass
+class StepComparison:
+    ordinal: int
+    window: int
+    step: StepRecord
+    metrics: compare.Metrics
+
+
+def _window_events(trace: Trace, step: StepRecord, previous_step_seq: int) -> list[Event]:
+    return [e for e in trace.events if previous_step_seq < e.seq < step.seq]
+
+
+def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
+                  skip_steps: set[int] | None = None) -> tuple[list[Finding], list[StepComparison]]:
+    """Teacher-forced comparison of every optimizer step; classify the first bad one."""
+    tol = tolerance(session, precision)
+    comparisons: list[StepComparison] = []
+    groups = _step_groups(trace)
+    names_all = session.param_order
+    max_norm = session.spec.max_grad_norm
+    previous_seq = -1
+    for ordinal, group in enumerate(groups):
+        steps = [s for s in trace.steps if s.group == group]
+        snapshot = trace.probe.snapshots.get(group)
+        if snapshot is None:
+            continue
+        window = session.window_of(steps[0], ordinal, trace)
+        ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
+        ref_all = flat(session, ref.full, names_all)
+        coef = 1.0
+        if max_norm is not None:
+            norm = float(torch.linalg.vector_norm(ref_all.double()))
+            coef = min(1.0, max_norm / (norm + 1e-6))
+        for step in steps:
+            names = [n for n in step.grads if n in session.param_shapes]
+            user = flat(session, step.grads, names)
+            expected = flat(session, ref.full, names) * coef
+            m = compare.metrics(user, expected, tol)
+            comparisons.append(StepComparison(ordinal, window, step, m))
+            if not m.ok:
+                window_events = _window_events(trace, step, previous_seq)
+                finding = classify_step(session, trace, rung, precision, tol, ordinal, window,
+                                        step, snapshot, names, user, m, window_events)
+                return [finding], comparisons
+        previous_seq = max(s.seq for s in steps)
+    return [], comparisons
+
+
+def _unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, float | None]:
+    """Undo a clip that bit on these gradients, from the norm clip_grad_norm_ returned."""
+    clips = [e for e in events if e.kind == "clip" and e.data.get("kind") == "norm"]
+    if not clips:
+        return user, None
+    clip = clips[-1]
+    total, max_norm = clip.data.get("total_norm"), clip.data.get("max_norm")
+    if total is None or max_norm is None or not math.isfinite(total):
+        return user, total
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        return user / coef, total
+    return user, total
+
+
+def classify_step(session: Session, trace: Trace, rung: str, precision: str,
+                  tol: compare.Tolerance, ordinal: int, window: int, step: StepRecord,
+                  snapshot, names: list[str], user: torch.Tensor, m: compare.Metrics,
+                  window_events: list[Event]) -> Finding:
+    K = session.K
+    ref = session.reference(window, snapshot.state, snapshot.training, per_mb=True)
+    full = flat(session, ref.full, names)
+    per_mb = [flat(session, g, names) for g in ref.per_mb or []]
+    user_u, clip_norm = _unclipped(user, window_events)
+    backwards = [e for e in window_events if e.kind == "backward"]
+    first_backward_seq = backwards[0].seq if backwards else -1
+    inside_zero = [e for e in window_events if e.kind == "zero_grad" and e.seq > first_backward_seq
+                   and (e.optimizer is None or e.optimizer == step.optimizer
+                        or e.data.get("owner") == "module")]
+    contributing_from = None
+    if inside_zero:
+        last_zero = inside_zero[-1]
+        after = sum(1 for e in backwards if e.seq > last_zero.seq)
+        contributing_from = K - after
+    scale = None
+    scale_events = [e for e in window_events if e.kind == "scale" and e.data.get("scale")]
+    if scale_events:
+        scale = scale_events[-1].data["scale"]
+    hyps = compare.window_hypotheses(per_mb, ref.counts or [1.0] * len(per_mb), ref.weighted,
+                                     full, K, None) if per_mb else []
+    hyps += compare.scale_hypotheses(full, scale)
+    cand_tol = max(3 * tol.rtol, 2e-3)
+    found = compare.classify(user_u, full, hyps, cand_tol)
+    measured_ratio = float(torch.linalg.vector_norm(user_u.double())) / max(
+        float(torch.linalg.vector_norm(full.double())), 1e-30)
+    evidence: dict[str, Any] = {
+        "measured": compare._round(measured_ratio), "expected": 1.0,
+        "tolerance": tol.rtol, **m.as_evidence(),
+        "step": ordinal, "window": window, "accumulation_steps": K,
+        "precision": precision,
+    }
+    if session.spec.micro_batch_size:
+        evidence["micro_batch_size"] = session.spec.micro_batch_size
+    if clip_norm is not None:
+        evidence["clip_total_norm"] = compare._round(clip_norm)
+    last_backward_site = backwards[-1].site if backwards else None
+
+    if inside_zero and (found is None or found.kind in ("zero-grad-inside-accumulation",
+                                                         "double-average",
+                                                         "weighted-average-mismatch")):
+        contributing = K - (contributing_from or 0)
+        evidence.update({"measured": contributing, "expected": K,
+                         "contributing_microbatches": contributing,
+                         "norm_ratio": compare._round(measured_ratio)})
+        return Finding(rung, "zero-grad-inside-accumulation", "error",
+                       f"Step {ordinal}: zero_grad ran inside the accumulation window, so only "
+                       f"{contributing} of {K} micro-batches reached the optimizer step "
+                       f"(gradient norm ratio {measured_ratio:.4g} to the reference, cosine "
+                       f"{m.cosine:.4f}).",
+                       evidence=evidence, location=location(inside_zero[-1].site))
+    if found is not None:
+        kind = found.kind
+        if kind == "double-average" and ref.mode == "loop" and per_mb:
+            # Relative to the loop's own K = 1 run a sum reduction divided by K looks like a
+            # second average; the full-batch gradient being the *sum* of micro-batch gradients
+            # says the loss sums over samples.
+            summed = torch.stack(per_mb).sum(0)
+            if compare.metrics(full, summed, compare.Tolerance(cand_tol, 0)).ok:
+                kind = "reduction-mismatch"
+        evidence["hypothesis"] = found.label
+        evidence["hypothesis_error"] = compare._round(found.rel_err)
+        if found.factor is not None:
+            evidence["factor"] = compare._round(found.factor)
+        evidence.update(found.extra)
+        site = last_backward_site
+        if kind in ("missing-unscale",):
+            site = step.site
+        message = _MESSAGES.get(kind, "{label}").format(
+            step=ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
+            precision=precision, tol=tol.rtol, factor=found.factor or 0)
+        return Finding(rung, kind, "error", message, evidence=evidence, location=location(site))
+    # No known shape: say so, with the numbers.
+    b = session.spec.micro_batch_size
+    hint = ""
+    if m.cosine > 0.999 and b:
+        multiple = compare.nearest_integer_factor(measured_ratio, b)
+        if multiple is not None and measured_ratio > 1.5:
+            return Finding(rung, "reduction-mismatch", "error",
+                           f"Step {ordinal}: the gradient is {measured_ratio:.4g}x the reference "
+                           f"({multiple} x micro_batch_size {b}) with cosine {m.cosine:.5f}: the "
+                           "loss sums over samples instead of averaging.",
+                           evidence=evidence, location=location(last_backward_site))
+        hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
+    return Finding(rung, "gradient-mismatch", "error",
+                   f"Step {ordinal} (window {window}) of the {precision} run: the gradient the "
+                   f"optimizer consumed differs from the fp32 reference by {m.rel_err:.3g} "
+                   f"(relative; tolerance {tol.rtol:g}), norm ratio {measured_ratio:.4g}, cosine "
+                   f"{m.cosine:.4f}, matching no known mistake.{hint}",
+                   evidence=evidence, location=location(step.site))
+
+
+_MESSAGES = {
+    "missing-accumulation-average":
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
+        "{cos:.5f}) = the sum of the K={K} micro-batch gradients: the loss is not divided by "
+        "accumulation_steps.",
+    "double-average":
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
+        "{cos:.5f}), 1/K with K={K}: the gradient is averaged twice.",
+    "reduction-mismatch":
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
+        "{cos:.5f}): {label}. The loss reduction and the averaging factor disagree.",
+    "weighted-average-mismatch":
+        "Step {step}: the optimizer consumed the {label} (norm ratio {ratio:.4g}, cosine "
+        "{cos:.5f} to the weighted reference): micro-batches with few tokens count as much as "
+        "full ones.",
+    "zero-grad-inside-accumulation":
+        "Step {step}: the optimizer consumed {label} (norm ratio {ratio:.4g}, cosine {cos:.5f}): "
+        "gradients were cleared inside the window.",
+    "missing-unscale":
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: it "
+        "stepped on scaled gradients.",
+    "unscale-twice":
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
+        "gradients were divided by the scale twice.",
+}

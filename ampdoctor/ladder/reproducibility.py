@@ -1,0 +1,70 @@
+"""Rung `reproducibility`: the fp32 reference is repeatable, so later differences mean something.
+
+Two checks. The reference gradient at the initial weights, computed twice under different RNG
+states, must agree (a dropout layer or a random loss fails here). Two fp32 runs of the user's
+loop from identical weights and data, again under different RNG states, must agree step by step.
+"""
+
+from __future__ import annotations
+
+from .. import compare
+from ..findings import Finding, RungResult, status_from_findings
+from ..session import Session, flat
+from .analysis import location
+
+RUNG = "reproducibility"
+#: Two fp32 evaluations of the same computation on CPU agree bit for bit; this leaves room for
+#: reduction-order noise on GPUs while staying far below any real randomness (dropout: ~1e-1).
+REPEAT_TOLERANCE = compare.Tolerance(rtol=1e-5, atol=1e-8)
+
+
+def _nondeterministic(session: Session, what: str, m: compare.Metrics) -> Finding:
+    modules = session.random_modules()
+    named = (f" Random layers active in the model: {', '.join(modules)}." if modules
+             else " No dropout-like layer was found: the loss or the loop draws random numbers.")
+    site = session.module_sites.get(modules[0].split(" ")[0]) if modules else None
+    return Finding(RUNG, "nondeterministic-baseline", "error",
+                   f"{what} differ by {m.rel_err:.3g} (relative) under a different RNG state "
+                   f"(cosine {m.cosine:.5f}).{named}",
+                   evidence={"measured": compare._round(m.rel_err), "expected": 0.0,
+                             "tolerance": REPEAT_TOLERANCE.rtol, "cosine": compare._round(m.cosine),
+                             "random_modules": modules},
+                   location=location(site))
+
+
+def run(session: Session) -> RungResult:
+    names = session.param_order
+    seed = session.spec.seed
+    first = session.reference(0, rng_seed=seed + 11, per_mb=False)
+    second = session.reference(0, rng_seed=seed + 12, per_mb=False)
+    m = compare.metrics(flat(session, second.full, names), flat(session, first.full, names),
+                        REPEAT_TOLERANCE)
+    if not m.ok:
+        finding = _nondeterministic(session, "Two fp32 reference gradients at the same weights",
+                                    m)
+        return RungResult(RUNG, "fail", "the fp32 reference is not repeatable", [finding])
+
+    run_a = session.trace("fp32")
+    if run_a.error is not None:
+        return RungResult(RUNG, "pass", "the fp32 reference is repeatable (the loop itself "
+                          "raised; see fp32-accum)", [],
+                          details={"reference_mode": first.mode})
+    run_b = session.run_loop("fp32", rng_seed=seed + 2)
+    worst = None
+    for step_a, step_b in zip(run_a.steps, run_b.steps):
+        keys = [n for n in step_a.grads if n in session.param_shapes]
+        mm = compare.metrics(flat(session, step_b.grads, keys), flat(session, step_a.grads, keys),
+                             REPEAT_TOLERANCE)
+        if worst is None or mm.rel_err > worst.rel_err:
+            worst = mm
+    if len(run_a.steps) != len(run_b.steps) or (worst is not None and not worst.ok):
+        m = worst or compare.metrics(compare.torch.zeros(1), compare.torch.ones(1),
+                                     REPEAT_TOLERANCE)
+        finding = _nondeterministic(session, "Two fp32 runs of the loop from the same weights", m)
+        return RungResult(RUNG, "fail", "two fp32 runs of the loop disagree", [finding])
+    findings: list[Finding] = []
+    summary = (f"reference repeatable ({first.mode} mode); two fp32 runs agree "
+               f"(max relative difference {worst.rel_err if worst else 0:.2g})")
+    return RungResult(RUNG, status_from_findings(findings), summary, findings,
+                      details={"reference_mode": first.mode,
+                               "loop_repeat_error": worst.rel_err if worst else 0.0})

@@ -1,0 +1,253 @@
+"""Import the user's callables and build model, optimizer(s) and micro-batches from the spec.
+
+A name that cannot be found is the spec's fault (SpecError, exit 2); user code that raises
+while it is imported or called is the user's (UserCodeError, exit 3, with their file:line).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import SpecError, UserCodeError
+from .probe.callsite import CallSiteFinder
+from .spec import Spec, spec_line
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The read-only `run` handed to `train_loop` (CONTRACT §2)."""
+
+    precision: str
+    device: torch.device
+    device_type: str
+    autocast_dtype: torch.dtype | None
+    accumulation_steps: int
+    max_grad_norm: float | None
+    rank: int = 0
+    world_size: int = 1
+    micro_batch_size: int | None = None
+    optimizer_steps: int = 1
+
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecError(f"spec key 'device': {name!r} was asked for but this machine has no CUDA "
+                        "device; use 'auto' or 'cpu'.")
+    return device
+
+
+def _user_error(what: str, exc: BaseException, finder: CallSiteFinder) -> UserCodeError:
+    site = finder.from_traceback(exc.__traceback__)
+    where = f" at {site.file}:{site.line}" if site else ""
+    one_line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    return UserCodeError(f"{what} raised{where}: {one_line}", cause=exc,
+                         location=(site.file, site.line) if site else None)
+
+
+class UserCode:
+    """The user's callables, imported once per diagnose."""
+
+    def __init__(self, spec: Spec, finder: CallSiteFinder):
+        self.spec = spec
+        self.finder = finder
+        self._imported_before = set(sys.modules)
+        root = str(spec.root)
+        if root not in sys.path:
+            sys.path.insert(0, root)
+            self._added_path = root
+        else:
+            self._added_path = None
+        self.model_factory = self.resolve("model")
+        self.data_factory = self.resolve("data")
+        self.train_loop = self.resolve("train_loop")
+        self.loss = self.resolve("loss") if spec.loss else None
+        self.optimizer_factory = (self.resolve("optimizer")
+                                  if isinstance(spec.optimizer, str) else None)
+
+    def resolve(self, key: str) -> Callable[..., Any]:
+        ref: str = getattr(self.spec, key)
+        module_name, _, attr_path = ref.partition(":")
+        line = spec_line(self.spec, key)
+        where = f"{self.spec.spec_path}:{line}" if line else str(self.spec.spec_path)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            missing = exc.name or module_name
+            if missing == module_name or module_name.startswith(missing + "."):
+                raise SpecError(
+                    f"{where}: spec key '{key}': module '{module_name}' was not found under "
+                    f"project_root {self.spec.root} (nor on sys.path).", cause=exc) from exc
+            raise _user_error(f"importing '{module_name}' (spec key '{key}')", exc,
+                              self.finder) from exc
+        except Exception as exc:  # the user's module raised while imported
+            raise _user_error(f"importing '{module_name}' (spec key '{key}')", exc,
+                              self.finder) from exc
+        obj: Any = module
+        for part in attr_path.split("."):
+            if not hasattr(obj, part):
+                names = [n for n in dir(module) if not n.startswith("_")]
+                import difflib
+                close = difflib.get_close_matches(part, names, n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise SpecError(f"{where}: spec key '{key}': module '{module_name}' has no "
+                                f"attribute '{attr_path}'.{hint}")
+            obj = getattr(obj, part)
+        if not callable(obj):
+            raise SpecError(f"{where}: spec key '{key}': '{ref}' is a "
+                            f"{type(obj).__name__}, not a callable.")
+        return obj
+
+    def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:
+            raise _user_error(what, exc, self.finder) from exc
+
+    def forget(self) -> None:
+        """Drop the modules this diagnose imported and its sys.path entry."""
+        for name in set(sys.modules) - self._imported_before:
+            module = sys.modules.get(name)
+            path = getattr(module, "__file__", None) or ""
+            if path.startswith(str(self.spec.root)):
+                del sys.modules[name]
+        if self._added_path and self._added_path in sys.path:
+            sys.path.remove(self._added_path)
+
+
+# --- model and optimizer -----------------------------------------------------------------
+
+def build_model(code: UserCode, device: torch.device, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = code.call("the model factory", code.model_factory)
+    if not isinstance(model, torch.nn.Module):
+        raise UserCodeError(f"the model factory '{code.spec.model}' returned a "
+                            f"{type(model).__name__}, not a torch.nn.Module.")
+    model = model.to(device=device, dtype=torch.float32)
+    return model
+
+
+def build_optimizers(code: UserCode, model: torch.nn.Module) -> tuple[Any, list[torch.optim.Optimizer]]:
+    """Return (what the loop receives, the flat list of optimizers)."""
+    spec_opt = code.spec.optimizer
+    if code.optimizer_factory is not None:
+        result = code.call("the optimizer factory", code.optimizer_factory, model)
+    else:
+        options = {"name": "SGD", "lr": 0.05}
+        if spec_opt is not None:
+            options = dict(spec_opt.model_dump())
+        name = options.pop("name")
+        cls = getattr(torch.optim, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise SpecError(f"spec key 'optimizer.name': torch.optim has no optimizer {name!r}.")
+        try:
+            result = cls(model.parameters(), **options)
+        except TypeError as exc:
+            raise SpecError(f"spec key 'optimizer': {name}({', '.join(options)}) is not "
+                            f"valid: {exc}", cause=exc) from exc
+    flat = list(result) if isinstance(result, (list, tuple)) else [result]
+    if isinstance(result, dict):
+        flat = list(result.values())
+    for opt in flat:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise UserCodeError(f"the optimizer factory returned a {type(opt).__name__}, not a "
+                                "torch.optim.Optimizer (or a list of them).")
+    return result, flat
+
+
+# --- data ----------------------------------------------------------------------------------
+
+def _is_tensor_tuple(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) > 0 and all(
+        isinstance(t, torch.Tensor) for t in value)
+
+
+def _is_micro_batch(value: Any) -> bool:
+    if isinstance(value, dict):
+        return len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value.values())
+    return _is_tensor_tuple(value)
+
+
+def cut_micro_batches(data: Any, spec: Spec) -> list[Any]:
+    """Cut the slice into exactly optimizer_steps * K micro-batches (CONTRACT §1 `data`)."""
+    needed = spec.optimizer_steps * spec.accumulation_steps
+    if _is_tensor_tuple(data):
+        tensors = list(data)
+        length = tensors[0].shape[0] if tensors[0].dim() > 0 else 0
+        if any(t.dim() == 0 or t.shape[0] != length for t in tensors):
+            raise UserCodeError("the data factory returned tensors whose first dimensions "
+                                f"differ ({[tuple(t.shape) for t in tensors]}); a slice of "
+                                "tensors must share its first (sample) dimension.")
+        b = spec.micro_batch_size
+        if b is None:
+            raise SpecError("spec key 'micro_batch_size': required because the data factory "
+                            "returns a tuple of tensors that ampdoctor cuts into micro-batches.")
+        if length < needed * b:
+            raise SpecError(f"spec key 'micro_batch_size': the data slice holds {length} "
+                            f"samples but optimizer_steps x accumulation_steps x "
+                            f"micro_batch_size = {spec.optimizer_steps} x "
+                            f"{spec.accumulation_steps} x {b} = {needed * b} are needed.")
+        return [tuple(t[i * b:(i + 1) * b] for t in tensors) for i in range(needed)]
+    if isinstance(data, (list, tuple)) and data and all(_is_micro_batch(m) for m in data):
+        if len(data) < needed:
+            raise SpecError(f"spec key 'optimizer_steps': the data factory returned "
+                            f"{len(data)} micro-batches but optimizer_steps x "
+                            f"accumulation_steps = {needed} are needed.")
+        return [dict(m) if isinstance(m, dict) else tuple(m) for m in data[:needed]]
+    raise UserCodeError(
+        "the data factory must return a tuple/list of tensors with the same first dimension, "
+        f"or a list of micro-batches (tuples or dicts of tensors); it returned "
+        f"{type(data).__name__}.")
+
+
+def check_finite(micro_batches: list[Any]) -> None:
+    for index, mb in enumerate(micro_batches):
+        values = mb.items() if isinstance(mb, dict) else enumerate(mb)
+        for key, tensor in values:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise UserCodeError(
+                    f"the data slice has NaN/inf in micro-batch {index} (field {key!r}): the "
+                    "fp32 baseline itself would not be finite, so no comparison means anything. "
+                    "Give ampdoctor a finite slice.")
+
+
+def to_device(mb: Any, device: torch.device) -> Any:
+    if isinstance(mb, dict):
+        return {k: v.to(device) for k, v in mb.items()}
+    return tuple(t.to(device) for t in mb)
+
+
+def merge_micro_batches(mbs: list[Any]) -> Any:
+    """One micro-batch holding a whole window's data (for the loop-as-reference at K = 1)."""
+    first = mbs[0]
+    try:
+        if isinstance(first, dict):
+            return {k: torch.cat([mb[k] for mb in mbs]) for k in first}
+        return tuple(torch.cat([mb[i] for mb in mbs]) for i in range(len(first)))
+    except RuntimeError as exc:
+        raise SpecError(
+            "spec key 'loss': without a `loss` callable the reference runs your train_loop on one "
+            "micro-batch holding the whole step's data, but these micro-batches cannot be "
+            f"concatenated ({exc}). Add `loss: module:fn` to the spec.") from exc
+
+
+def micro_batch_size_of(mb: Any) -> int:
+    tensors = list(mb.values()) if isinstance(mb, dict) else list(mb)
+    return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
+
+
+def path_for_display(path: str | Path, base: Path | None = None) -> str:
+    return str(path)

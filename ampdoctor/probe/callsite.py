@@ -1,0 +1,95 @@
+"""Find the user's call site: the first stack frame that is the user's code, not torch or ours."""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import sysconfig
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType, TracebackType
+
+_AMPDOCTOR_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
+
+
+def _library_dirs() -> tuple[str, ...]:
+    dirs = {_AMPDOCTOR_DIR}
+    for key in ("stdlib", "platstdlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(str(Path(path).resolve()) + os.sep)
+    torch_mod = sys.modules.get("torch")
+    if torch_mod is not None and getattr(torch_mod, "__file__", None):
+        dirs.add(str(Path(torch_mod.__file__).resolve().parent) + os.sep)
+    return tuple(sorted(dirs))
+
+
+@dataclass(frozen=True)
+class Site:
+    """A file:line in the user's code."""
+
+    file: str
+    line: int
+    function: str
+
+    @property
+    def code(self) -> str:
+        return linecache.getline(self.file, self.line).strip()
+
+
+class CallSiteFinder:
+    """Walks frames outward; prefers frames under the user's roots, skips library frames."""
+
+    def __init__(self, user_roots: list[Path] | None = None):
+        self.user_roots = tuple(str(Path(r).resolve()) + os.sep for r in (user_roots or []))
+        self.library_dirs = _library_dirs()
+        self._cache: dict[str, tuple[bool, bool]] = {}
+
+    def _classify(self, filename: str) -> tuple[bool, bool]:
+        """(is_library, is_user_root) for one file name, cached."""
+        hit = self._cache.get(filename)
+        if hit is None:
+            if filename.startswith("<"):
+                hit = (True, False)
+            else:
+                path = os.path.realpath(filename)
+                if path.startswith(self.user_roots) and self.user_roots:
+                    hit = (False, True)
+                else:
+                    hit = (path.startswith(self.library_dirs)
+                           or f"{os.sep}site-packages{os.sep}" in path
+                           or f"{os.sep}dist-packages{os.sep}" in path, False)
+            self._cache[filename] = hit
+        return hit
+
+    def from_frame(self, frame: FrameType | None) -> Site | None:
+        first_outside: Site | None = None
+        while frame is not None:
+            filename = frame.f_code.co_filename
+            is_library, is_user = self._classify(filename)
+            if is_user:
+                return Site(os.path.realpath(filename), frame.f_lineno, frame.f_code.co_name)
+            if not is_library and first_outside is None:
+                first_outside = Site(os.path.realpath(filename), frame.f_lineno,
+                                     frame.f_code.co_name)
+            frame = frame.f_back
+        return first_outside
+
+    def here(self) -> Site | None:
+        return self.from_frame(sys._getframe(1))
+
+    def from_traceback(self, tb: TracebackType | None) -> Site | None:
+        """The deepest frame of the traceback that is the user's code."""
+        best: Site | None = None
+        best_outside: Site | None = None
+        for frame, lineno in traceback.walk_tb(tb):
+            filename = frame.f_code.co_filename
+            is_library, is_user = self._classify(filename)
+            site = Site(os.path.realpath(filename), lineno, frame.f_code.co_name)
+            if is_user:
+                best = site
+            elif not is_library:
+                best_outside = site
+        return best or best_outside

@@ -1,0 +1,106 @@
+"""The JSON run record: save atomically under .ampdoctor/runs/, load the latest or a named one.
+
+No torch here: `ampdoctor report` re-renders a record without it. Records written by older
+versions load too: missing keys get their defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+DEFAULT_DIR = Path(".ampdoctor") / "runs"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")[:60] or "run"
+
+
+def save(record: dict[str, Any], out_dir: Path | None = None) -> Path:
+    out_dir = Path(out_dir) if out_dir else DEFAULT_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    base = f"{stamp}-{_slug(str(record.get('name', 'run')))}"
+    path = out_dir / f"{base}.json"
+    n = 1
+    while path.exists():
+        n += 1
+        path = out_dir / f"{base}-{n}.json"
+    # Write to a temporary file and rename: never a half-written record.
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(record, fh, indent=2, default=str)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def latest(out_dir: Path | None = None) -> Path:
+    out_dir = Path(out_dir) if out_dir else DEFAULT_DIR
+    records = sorted(out_dir.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name)) \
+        if out_dir.is_dir() else []
+    if not records:
+        raise UsageError(f"no saved run record under {out_dir}; run `ampdoctor diagnose "
+                         "SPEC` first or give the record's path.")
+    return records[-1]
+
+
+def load(path: Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        return load(latest(path))
+    if not path.exists():
+        raise UsageError(f"{path}: no such run record.")
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a readable ampdoctor run record ({exc}).") from exc
+    if not isinstance(record, dict) or "verdict" not in record:
+        raise UsageError(f"{path}: not an ampdoctor run record (no 'verdict').")
+    return upgrade(record)
+
+
+def upgrade(record: dict[str, Any]) -> dict[str, Any]:
+    """Fill what older records lack, so every renderer can rely on the current shape."""
+    record.setdefault("record_version", 1)
+    record.setdefault("name", "run")
+    record.setdefault("device", "unknown")
+    record.setdefault("failed_rung", None)
+    record.setdefault("rungs", [])
+    record.setdefault("findings", [])
+    series = record.setdefault("series", {})
+    for key in ("scale", "grad_norm_before_unscale", "grad_norm_after_unscale", "skipped"):
+        series.setdefault(key, [])
+    for rung in record["rungs"]:
+        rung.setdefault("summary", "")
+        rung.setdefault("seconds", 0.0)
+    for finding in record["findings"]:
+        finding.setdefault("evidence", {})
+        finding.setdefault("location", None)
+        finding.setdefault("fix", "")
+        finding.setdefault("title", finding.get("kind", ""))
+        finding.setdefault("message", "")
+    return record
+
+
+def exit_code(record: dict[str, Any]) -> int:
+    if record.get("verdict") == "healthy":
+        return 0
+    if record.get("verdict") == "failed":
+        return 1
+    err = record.get("error") or {}
+    if err.get("exit_code"):
+        return int(err["exit_code"])
+    return 3

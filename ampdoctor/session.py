@@ -1,0 +1,308 @@
+"""One diagnose: the user's code loaded once, runs of their loop under the probe, and the
+teacher-forced fp32 reference gradients (DESIGN §1), cached per window and parameter state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import compare
+from .errors import UserCodeError
+from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
+                      merge_micro_batches, micro_batch_size_of, to_device)
+from .probe import recorder
+from .probe.callsite import CallSiteFinder, Site
+from .spec import Spec
+
+RANDOM_MODULE_TYPES = (
+    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
+    "RReLU",
+)
+
+
+@dataclass
+class Trace:
+    """What one run of the user's loop did."""
+
+    precision: str
+    accumulation_steps: int
+    probe: recorder.Probe
+    settings: RunSettings
+    error: BaseException | None = None
+    error_site: Site | None = None
+    final_state: dict[str, torch.Tensor] = field(default_factory=dict)
+    optimizer_count: int = 1
+
+    @property
+    def events(self) -> list[recorder.Event]:
+        return self.probe.events
+
+    @property
+    def steps(self) -> list[recorder.StepRecord]:
+        return self.probe.steps
+
+    def of_kind(self, *kinds: str) -> list[recorder.Event]:
+        return [e for e in self.probe.events if e.kind in kinds]
+
+
+@dataclass
+class WindowReference:
+    """The fp32 reference of one window at one parameter state."""
+
+    full: dict[str, torch.Tensor | None]        # unclipped step gradient
+    per_mb: list[dict[str, torch.Tensor | None]] | None
+    counts: list[float] | None
+    weighted: bool
+    mode: str                                   # "loss" or "loop"
+
+
+class Session:
+    def __init__(self, spec: Spec, code: UserCode, device: torch.device, finder: CallSiteFinder,
+                 micro_batches: list[Any]):
+        self.spec = spec
+        self.code = code
+        self.device = device
+        self.finder = finder
+        self.micro_batches = [to_device(mb, device) for mb in micro_batches]
+        self.K = spec.accumulation_steps
+        self.N = spec.optimizer_steps
+        self._ref_model: torch.nn.Module | None = None
+        self.module_sites: dict[str, Site] = {}
+        self._template = self._build_template()
+        self.param_shapes = {n: p.shape for n, p in self._template.named_parameters()}
+        self.param_order = [n for n, _ in self._template.named_parameters()]
+        self.initial_state = {k: v.detach().clone() for k, v in self._template.state_dict().items()}
+        self.traces: dict[str, Trace] = {}
+
+    def _build_template(self) -> torch.nn.Module:
+        """Build the model once while recording where each submodule was constructed, so a
+        finding about a layer (dropout) can point at the user's line."""
+        created: list[tuple[torch.nn.Module, Site | None]] = []
+        original = torch.nn.Module.__init__
+        finder = self.finder
+
+        def __init__(module, *args, **kwargs):
+            original(module, *args, **kwargs)
+            created.append((module, finder.here()))
+
+        torch.nn.Module.__init__ = __init__
+        try:
+            model = build_model(self.code, self.device, self.spec.seed)
+        finally:
+            torch.nn.Module.__init__ = original
+        sites = {id(m): site for m, site in created}
+        for name, module in model.named_modules():
+            site = sites.get(id(module))
+            if site is not None:
+                self.module_sites[name or "(model)"] = site
+        return model
+
+    # --- running the loop --------------------------------------------------------------
+    def settings(self, precision: str, K: int | None = None,
+                 max_grad_norm: float | None | str = "spec", steps: int | None = None) -> RunSettings:
+        return RunSettings(
+            precision=precision, device=self.device, device_type=self.device.type,
+            autocast_dtype=AUTOCAST_DTYPES[precision],
+            accumulation_steps=K or self.K,
+            max_grad_norm=self.spec.max_grad_norm if max_grad_norm == "spec" else max_grad_norm,
+            rank=0, world_size=1, micro_batch_size=self.spec.micro_batch_size,
+            optimizer_steps=steps or self.N)
+
+    def run_loop(self, precision: str, *, micro_batches: list[Any] | None = None,
+                 K: int | None = None, state: dict[str, torch.Tensor] | None = None,
+                 training: bool = True, max_grad_norm: float | None | str = "spec",
+                 rng_seed: int | None = None, capture: bool = True,
+                 before_backward=None) -> Trace:
+        model = build_model(self.code, self.device, self.spec.seed)
+        if state is not None:
+            model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
+            model.train(training)
+        loop_optimizer, flat = build_optimizers(self.code, model)
+        mbs = self.micro_batches if micro_batches is None else micro_batches
+        settings = self.settings(precision, K, max_grad_norm, steps=len(mbs) // (K or self.K) or 1)
+        probe = recorder.Probe(self.finder, model, flat)
+        probe.capture_grads = capture
+        probe.before_backward = before_backward
+        feed = recorder.MicroBatchFeed(mbs, probe)
+        trace = Trace(precision, settings.accumulation_steps, probe, settings,
+                      optimizer_count=len(flat))
+        if rng_seed is not None:
+            torch.manual_seed(rng_seed)
+        previous = recorder.activate(probe)
+        try:
+            self.code.train_loop(model, loop_optimizer, feed, settings)
+        except Exception as exc:  # the user's loop raised: recorded, judged by the rung
+            trace.error = exc
+            trace.error_site = self.finder.from_traceback(exc.__traceback__)
+        finally:
+            recorder.activate(previous)
+        trace.final_state = {k: v.detach().to("cpu", copy=True)
+                             for k, v in model.state_dict().items()}
+        return trace
+
+    def trace(self, precision: str) -> Trace:
+        """The plain run of a precision, run once and cached."""
+        if precision not in self.traces:
+            self.traces[precision] = self.run_loop(precision, rng_seed=self.spec.seed + 1)
+        return self.traces[precision]
+
+    # --- windows ------------------------------------------------------------------------
+    def window(self, index: int) -> list[Any]:
+        return self.micro_batches[index * self.K:(index + 1) * self.K]
+
+    def window_of(self, step: recorder.StepRecord, ordinal: int, trace: Trace) -> int:
+        """Which window a step closes: by the last micro-batch handed out, unless the loop
+        fetched everything up front (then by order)."""
+        total = len(self.micro_batches)
+        first_step_mb = trace.steps[0].microbatch if trace.steps else -1
+        if first_step_mb >= total - 1 and len(trace.steps) > 1:
+            return min(ordinal, self.N - 1)
+        return max(0, min(step.microbatch, total - 1)) // self.K
+
+    # --- the reference ----------------------------------------------------------------
+    def random_modules(self) -> list[str]:
+        found = []
+        for name, module in self._template.named_modules():
+            cls = type(module).__name__
+            if cls in RANDOM_MODULE_TYPES and module.training:
+                p = getattr(module, "p", getattr(module, "lower", None))
+                if cls.startswith("Dropout") or "Dropout" in cls:
+                    if not p:
+                        continue
+                found.append(f"{name or '(model)'} ({cls}{f', p={p}' if p is not None else ''})")
+        return found
+
+    def has_batch_statistics(self) -> bool:
+        return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
+                   for m in self._template.modules())
+
+    def _model_at(self, state: dict[str, torch.Tensor], training: bool) -> torch.nn.Module:
+        if self._ref_model is None:
+            self._ref_model = build_model(self.code, self.device, self.spec.seed)
+        model = self._ref_model
+        model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
+        model.train(training)
+        return model
+
+    def _grads_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+        return {n: None if p.grad is None else p.grad.detach().to("cpu", torch.float32, copy=True)
+                for n, p in model.named_parameters()}
+
+    def reference(self, window: int, state: dict[str, torch.Tensor] | None = None,
+                  training: bool = True, rng_seed: int | None = None,
+                  per_mb: bool = True) -> WindowReference:
+        state = self.initial_state if state is None else state
+        mbs = self.window(window)
+        previous = recorder.activate(None)
+        try:
+            if rng_seed is not None:
+                torch.manual_seed(rng_seed)
+            if self.code.loss is not None:
+                return self._reference_from_loss(mbs, state, training)
+            return self._reference_from_loop(mbs, state, training, per_mb)
+        finally:
+            recorder.activate(previous)
+
+    def _reference_from_loss(self, mbs, state, training) -> WindowReference:
+        model = self._model_at(state, training)
+        per_mb, counts, sums = [], [], []
+        weighted = False
+        for index, mb in enumerate(mbs):
+            model.zero_grad(set_to_none=True)
+            out = self.code.call("the loss function", self.code.loss, model, mb)
+            if isinstance(out, (tuple, list)) and len(out) == 2:
+                weighted = True
+                loss_sum, weight = out
+                weight = float(weight.detach()) if isinstance(weight, torch.Tensor) else float(weight)
+                if weight <= 0:
+                    raise UserCodeError(f"the loss function returned a weight of {weight} for "
+                                        f"micro-batch {index}; weights must be positive.")
+                loss = loss_sum
+            elif isinstance(out, torch.Tensor) and out.numel() == 1:
+                loss, weight = out, float(micro_batch_size_of(mb))
+            else:
+                raise UserCodeError("the loss function must return a scalar tensor or a pair "
+                                    f"(loss_sum, weight_sum); it returned {type(out).__name__}.")
+            if not torch.isfinite(loss.detach()).all():
+                raise UserCodeError(f"the fp32 reference loss is not finite on micro-batch "
+                                    f"{index} ({float(loss.detach())}); the baseline itself "
+                                    "diverges, so nothing can be compared.")
+            self.code.call("backward through the loss function", loss.backward)
+            grads = self._grads_of(model)
+            if weighted:
+                sums.append(grads)
+                per_mb.append(_scale(grads, 1.0 / weight))
+            else:
+                per_mb.append(grads)
+            counts.append(weight)
+        if weighted:
+            total = sum(counts)
+            full = _combine(sums, [1.0 / total] * len(sums))
+        else:
+            full = _combine(per_mb, [1.0 / len(per_mb)] * len(per_mb))
+        model.zero_grad(set_to_none=True)
+        return WindowReference(full, per_mb, counts, weighted, "loss")
+
+    def loop_gradient(self, mbs: list[Any], state, training, K: int = 1) -> dict[str, torch.Tensor | None]:
+        """Run the user's loop in fp32 from `state` on `mbs` and return the first step's
+        gradients (all optimizers), before clipping."""
+        no_clip = math.inf if self.spec.max_grad_norm is not None else None
+        trace = self.run_loop("fp32", micro_batches=mbs, K=K, state=state, training=training,
+                              max_grad_norm=no_clip)
+        if trace.error is not None:
+            site = trace.error_site
+            where = f" at {site.file}:{site.line}" if site else ""
+            raise UserCodeError(
+                "the reference run (your train_loop in fp32 with K = 1 on one micro-batch holding "
+                f"the whole step's data) raised{where}: {type(trace.error).__name__}: "
+                f"{trace.error}. Give the spec a `loss` callable to use ampdoctor's own reference.",
+                cause=trace.error, location=(site.file, site.line) if site else None)
+        if not trace.steps:
+            raise UserCodeError(
+                "the reference run (your train_loop in fp32 with K = 1) never called "
+                "optimizer.step(), so there is no reference gradient. Give the spec a `loss` "
+                "callable to use ampdoctor's own reference.")
+        first_group = trace.steps[0].group
+        grads: dict[str, torch.Tensor | None] = {}
+        for step in trace.steps:
+            if step.group == first_group:
+                grads.update(step.grads)
+        return {n: grads.get(n) for n in self.param_order}
+
+    def _reference_from_loop(self, mbs, state, training, per_mb: bool) -> WindowReference:
+        batch_stats = self.has_batch_statistics()
+        per = None
+        if per_mb or batch_stats:
+            per = [self.loop_gradient([mb], state, training) for mb in mbs]
+        if batch_stats:
+            # BatchNorm normalises per micro-batch: the full-batch gradient is not what a correct
+            # accumulation computes, the equal-weight mean of micro-batch gradients is.
+            full = _combine(per, [1.0 / len(per)] * len(per))
+        else:
+            full = self.loop_gradient([merge_micro_batches(mbs)], state, training)
+        counts = [float(micro_batch_size_of(mb)) for mb in mbs]
+        return WindowReference(full, per, counts, False, "loop")
+
+
+def _scale(grads: dict[str, torch.Tensor | None], factor: float) -> dict[str, torch.Tensor | None]:
+    return {n: None if g is None else g * factor for n, g in grads.items()}
+
+
+def _combine(items: list[dict[str, torch.Tensor | None]], weights: list[float]) -> dict[str, torch.Tensor | None]:
+    out: dict[str, torch.Tensor | None] = {}
+    for name in items[0]:
+        acc = None
+        for grads, w in zip(items, weights):
+            g = grads.get(name)
+            if g is not None:
+                acc = g * w if acc is None else acc + g * w
+        out[name] = acc
+    return out
+
+
+def flat(session: Session, grads: dict[str, torch.Tensor | None], names: list[str]) -> torch.Tensor:
+    return compare.flatten(grads, names, session.param_shapes)

@@ -1,0 +1,259 @@
+"""The spec (CONTRACT §1): a pydantic model of every key, and YAML loading with line numbers.
+
+pydantic does the type checking and defaults; this module turns its errors into one paragraph
+per problem that names the key and the YAML line, and suggests the nearest key for a typo.
+No torch here: validation must be fast and usable without it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import SpecError
+
+CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _check_callable(value: str) -> str:
+    if not CALLABLE_RE.match(value):
+        raise ValueError(
+            f"{value!r} is not a callable reference: write it as 'module.path:attribute' "
+            "(for example 'train:train_loop')"
+        )
+    return value
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class Tolerance(_Strict):
+    rtol: float | None = Field(default=None, ge=0)
+    atol: float | None = Field(default=None, ge=0)
+
+
+class ScanSettings(_Strict):
+    paths: list[str] = Field(default_factory=list)
+
+
+class DDPSettings(_Strict):
+    world_size: int = Field(default=2, ge=1)
+
+
+class OptimizerMapping(BaseModel):
+    """`{name: SGD, lr: 0.05, ...}`: a torch.optim class and its keyword arguments."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+
+
+class Spec(_Strict):
+    name: str | None = None
+    project_root: str | None = None
+    model: str
+    data: str
+    loss: str | None = None
+    optimizer: str | OptimizerMapping | None = None
+    train_loop: str
+    accumulation_steps: int = Field(ge=1)
+    micro_batch_size: int | None = Field(default=None, ge=1)
+    optimizer_steps: int = Field(default=3, ge=1)
+    max_grad_norm: float | None = Field(default=None, gt=0)
+    device: str = "auto"
+    seed: int = 0
+    scan: ScanSettings | None = None
+    tolerances: dict[Literal["fp32", "bf16", "fp16"], Tolerance] = Field(default_factory=dict)
+    ddp: DDPSettings | None = None
+
+    # Filled in by load_spec, not by the user.
+    spec_path: Path | None = Field(default=None, exclude=True)
+
+    @field_validator("model", "data", "train_loop")
+    @classmethod
+    def _callable(cls, value: str) -> str:
+        return _check_callable(value)
+
+    @field_validator("loss")
+    @classmethod
+    def _optional_callable(cls, value: str | None) -> str | None:
+        return None if value is None else _check_callable(value)
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _optimizer(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return _check_callable(value)
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not DEVICE_RE.match(value):
+            raise ValueError(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N")
+        return value
+
+    # --- derived paths -----------------------------------------------------------------
+    @property
+    def spec_dir(self) -> Path:
+        return self.spec_path.parent if self.spec_path else Path.cwd()
+
+    @property
+    def root(self) -> Path:
+        """The folder put first on sys.path: `project_root` relative to the spec."""
+        if self.project_root is None:
+            return self.spec_dir.resolve()
+        return (self.spec_dir / self.project_root).resolve()
+
+    @property
+    def display_name(self) -> str:
+        if self.name:
+            return self.name
+        return self.spec_path.stem if self.spec_path else "spec"
+
+    def scan_paths(self) -> list[Path]:
+        if self.scan and self.scan.paths:
+            return [(self.spec_dir / p).resolve() for p in self.scan.paths]
+        return [self.root]
+
+
+# --- YAML with line numbers --------------------------------------------------------------
+
+def _top_level_lines(text: str) -> dict[str, int]:
+    """Map each top-level key (and `key.sub` for one level of nesting) to its 1-based line."""
+    lines: dict[str, int] = {}
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return lines
+    if not isinstance(node, yaml.MappingNode):
+        return lines
+    for key_node, value_node in node.value:
+        key = str(key_node.value)
+        lines[key] = key_node.start_mark.line + 1
+        if isinstance(value_node, yaml.MappingNode):
+            for sub_key, _ in value_node.value:
+                lines[f"{key}.{sub_key.value}"] = sub_key.start_mark.line + 1
+    return lines
+
+
+def _describe_location(loc: tuple[Any, ...], lines: dict[str, int]) -> tuple[str, int | None]:
+    parts = [str(p) for p in loc if not isinstance(p, int)]
+    # pydantic puts the union branch name ('str', 'OptimizerMapping') in the location.
+    parts = [p for p in parts if p not in {"str", "OptimizerMapping", "function-after[_optimizer(), union[str,OptimizerMapping]]"}
+             and not p.startswith("function-")]
+    key = ".".join(parts) if parts else "(spec)"
+    line = None
+    for n in range(len(parts), 0, -1):
+        line = lines.get(".".join(parts[:n]))
+        if line is not None:
+            break
+    return key, line
+
+
+def _paragraph(path: Path, key: str, line: int | None, what: str) -> str:
+    where = f"{path}:{line}" if line else str(path)
+    return f"{where}: spec key '{key}': {what}"
+
+
+def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int]) -> list[str]:
+    """One sentence per problem, each naming the key and the line."""
+    messages: list[str] = []
+    seen: set[str] = set()
+    known = list(Spec.model_fields.keys())
+    known.remove("spec_path")
+    for err in exc.errors():
+        key, line = _describe_location(err["loc"], lines)
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            leaf = key.split(".")[-1]
+            pool = known if "." not in key else _nested_keys(key)
+            close = difflib.get_close_matches(leaf, pool, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else f" Valid keys: {', '.join(pool)}."
+            text = f"unknown key.{hint}"
+        elif kind == "missing":
+            text = "is required but missing."
+        else:
+            msg = err["msg"]
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, "):]
+            got = err.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            text = f"{msg}{shown}."
+        paragraph = _paragraph(path, key, line, text)
+        if paragraph not in seen:
+            seen.add(paragraph)
+            messages.append(paragraph)
+    return messages
+
+
+def _nested_keys(key: str) -> list[str]:
+    head = key.split(".")[0]
+    nested = {"scan": ScanSettings, "ddp": DDPSettings}
+    if head in nested:
+        return [k for k in nested[head].model_fields]
+    if head == "tolerances":
+        return list(PRECISIONS) + ["rtol", "atol"]
+    return []
+
+
+def load_spec(path: str | Path) -> Spec:
+    """Read and validate a spec file; raise SpecError with a readable paragraph."""
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(f"{path}: the spec file does not exist.")
+    if path.is_dir():
+        raise SpecError(f"{path}: is a folder; give the path of a YAML spec file.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read the spec: {exc}", cause=exc) from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(f"{where}: the spec is not valid YAML: {problem}.", cause=exc) from exc
+    if data is None:
+        raise SpecError(f"{path}: the spec is empty; it needs at least model, data, train_loop "
+                        "and accumulation_steps.")
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: the spec must be a YAML mapping of keys, not a "
+                        f"{type(data).__name__}.")
+    lines = _top_level_lines(text)
+    non_string = [k for k in data if not isinstance(k, str)]
+    if non_string:
+        raise SpecError(f"{path}: spec keys must be names, got {non_string[0]!r}.")
+    try:
+        spec = Spec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError("\n".join(validation_messages(exc, path, lines)), cause=exc) from exc
+    spec.spec_path = path.resolve()
+    root = spec.root
+    if not root.is_dir():
+        line = lines.get("project_root")
+        raise SpecError(_paragraph(path, "project_root", line,
+                                   f"the folder {root} does not exist."))
+    for p in spec.scan_paths():
+        if not p.exists():
+            raise SpecError(_paragraph(path, "scan.paths", lines.get("scan.paths"),
+                                       f"{p} does not exist."))
+    return spec
+
+
+def spec_line(spec: Spec, key: str) -> int | None:
+    """The YAML line of a top-level key, for messages raised after validation."""
+    if spec.spec_path is None:
+        return None
+    try:
+        return _top_level_lines(spec.spec_path.read_text(encoding="utf-8")).get(key)
+    except OSError:
+        return None
