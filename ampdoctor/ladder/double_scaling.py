@@ -1,0 +1,94 @@
+"""The `double-scaling` rung (CONTRACT §3): one loss-scale state machine only, in code and configs.
+
+The search is static (`ampdoctor.scan`): it reads the spec's `scan.paths` (default
+`project_root`) without importing anything, and adds the owner the fp16-scaler trace saw at
+run time (the GradScaler the loop really used), merged with the static one at that file:line.
+No torch here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ampdoctor.findings import RungResult, status_from_findings
+from ampdoctor.scan import describe, scan_paths
+
+RUNG = "double-scaling"
+
+
+def _base(paths: list[str]) -> str | None:
+    folders = [p if os.path.isdir(p) else os.path.dirname(p) for p in paths if os.path.exists(p)]
+    if not folders:
+        return None
+    try:
+        return os.path.commonpath(folders)
+    except ValueError:
+        return folders[0]
+
+
+def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] | None = None) -> RungResult:
+    """Run the static search over `scan_paths_` and turn it into the rung's result.
+
+    `runtime_owner`: `{"kind": "GradScaler", "file": "/abs/train.py", "line": 12}` from the
+    fp16-scaler trace, or None. Paths that do not exist are listed under `skipped`.
+    """
+    paths = [os.path.abspath(os.fspath(p)) for p in scan_paths_]
+    base = _base(paths)
+    report = scan_paths(paths, runtime_owner=runtime_owner, display_base=base, missing_ok=True)
+    owners = report.owners
+    errors = [f for f in report.findings if f.severity == "error"]
+    warnings = [f for f in report.findings if f.severity == "warning"]
+    runtime = next((s for s in owners if s.runtime), None)
+    runtime_note = ""
+    if runtime is not None:
+        runtime_note = f"; the fp16 run used {describe(runtime, base)}"
+
+    if errors:
+        worst = max(errors, key=lambda f: f.evidence.get("measured", 0))
+        listed = [f"{o['kind']} at {_where(o, base)}" for o in worst.evidence["owners"]]
+        summary = (f"{worst.evidence['measured']} loss-scale owners on one training path: "
+                   + " and ".join(listed) + runtime_note)
+    elif warnings:
+        listed = [f"{o['kind']} at {_where(o, base)}" for o in warnings[0].evidence["owners"]]
+        summary = "loss-scale owners in separate entry points: " + " and ".join(listed) + runtime_note
+    elif len(owners) == 1:
+        summary = f"one loss-scale owner: {describe(owners[0], base)}"
+        if owners[0].runtime:
+            summary += " (the one the fp16 run used)"
+    elif owners:
+        summary = (f"{len(owners)} loss-scale owners, each alone on its training path: "
+                   + ", ".join(describe(o, base) for o in owners) + runtime_note)
+    else:
+        summary = f"no loss-scale owner in {report.files_scanned} file(s)"
+    if report.skipped:
+        summary += f" ({len(report.skipped)} file(s) skipped)"
+
+    return RungResult(
+        id=RUNG,
+        status=status_from_findings(report.findings),
+        summary=summary,
+        findings=list(report.findings),
+        seconds=report.seconds,
+        details={
+            "owners": [o.to_dict() for o in owners],
+            "infos": [o.to_dict() for o in report.infos],
+            "groups": report.groups,
+            "skipped": report.skipped,
+            "files_scanned": report.files_scanned,
+            "runtime_owner": report.runtime_owner,
+            "scan_paths": paths,
+        },
+    )
+
+
+def _where(owner: dict[str, Any], base: str | None) -> str:
+    from ampdoctor.scan import display_path
+
+    text = display_path(owner["file"], base)
+    if owner.get("line") is not None:
+        text += f":{owner['line']}"
+    if owner.get("key_path"):
+        text += f" ({owner['key_path']})"
+    return text

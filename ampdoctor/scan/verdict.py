@@ -1,0 +1,259 @@
+"""From sites and training paths to owners, groups and `double-scaling` findings.
+
+Rules (docs/scan.md says the same for users):
+
+1. An *owner* is a loss-scale state machine: an enabled GradScaler (a literal `enabled=False`
+   is not one; a non-literal `enabled=` is, since it can be on), DeepSpeed `fp16.enabled: true`
+   (or DeepSpeed's apex `amp`), Trainer `fp16=True`, accelerate `mixed_precision: fp16`,
+   Lightning `precision: 16 / "16-mixed"`, apex `amp.initialize`, or a constant loss scale
+   multiplied into the loss before backward. bf16 settings are information, never owners.
+2. A `scaler.scale(loss)` whose GradScaler is built in a file on the same training path is
+   that GradScaler; one whose GradScaler is built nowhere in the scanned files is an owner.
+3. DeepSpeed `"enabled": "auto"` is an owner only on a path where a Trainer, accelerate or
+   Lightning fp16 owner also stands (they fill the "auto" in); elsewhere it is information.
+4. On one path, sites of one framework (DeepSpeed, Trainer, accelerate, Lightning, apex) are
+   one state machine (the code and its config, or alternative configs); a Trainer, accelerate
+   or Lightning site that hands fp16 to DeepSpeed (`deepspeed=`, `distributed_type: DEEPSPEED`,
+   a deepspeed strategy) is the DeepSpeed state machine; sites in exclusive arms of one `if` in
+   one file are alternatives. Two GradScalers, or a GradScaler and any other owner, are two.
+5. Two or more state machines on one training path: `double-scaling` error. Otherwise, owners
+   of different frameworks on separate training paths: one `double-scaling` warning naming them
+   (a launcher the scan does not see may still combine them). Owners of one framework on
+   separate paths (two scripts, each with its own GradScaler) are fine.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from ampdoctor.findings import Finding, Location
+from ampdoctor.scan.graph import Graph
+from ampdoctor.scan.sites import DELEGATING_FRAMEWORKS, SINGLETON_FRAMEWORKS, FileScan, Site
+
+RUNG = "double-scaling"
+
+
+def _exclusive(a: tuple, b: tuple) -> bool:
+    arms = dict(a)
+    return any(bid in arms and arms[bid] != arm for bid, arm in b)
+
+
+def _same_machine(a: Site, b: Site) -> bool:
+    if a.file == b.file and a.line == b.line and a.kind == b.kind:
+        return True
+    if a.framework == b.framework and a.framework in SINGLETON_FRAMEWORKS:
+        return True
+    pair = {a.framework, b.framework}
+    if "deepspeed" in pair:
+        other = b if a.framework == "deepspeed" else a
+        if other.framework in DELEGATING_FRAMEWORKS and other.delegates:
+            return True
+    return a.file == b.file and _exclusive(a.branch, b.branch)
+
+
+def _representative(group: list[Site]) -> Site:
+    deepspeed = [s for s in group if s.framework == "deepspeed"]
+    pool = deepspeed or group
+    return sorted(pool, key=Site.sort_key)[0]
+
+
+def machines(owners: list[Site]) -> list[list[Site]]:
+    """Partition the owners of one path into state machines (union-find, owners are few)."""
+    parent = list(range(len(owners)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i in range(len(owners)):
+        for j in range(i + 1, len(owners)):
+            if _same_machine(owners[i], owners[j]):
+                parent[find(i)] = find(j)
+    classes: dict[int, list[Site]] = defaultdict(list)
+    for i, site in enumerate(owners):
+        classes[find(i)].append(site)
+    out = []
+    for group in classes.values():
+        rep = _representative(group)
+        out.append([rep] + sorted((s for s in group if s is not rep), key=Site.sort_key))
+    out.sort(key=lambda g: g[0].sort_key())
+    return out
+
+
+def machine_dict(group: list[Site]) -> dict[str, Any]:
+    data = group[0].to_dict()
+    if len(group) > 1:
+        data["also_at"] = [s.to_dict() for s in group[1:]]
+    return data
+
+
+def _describe(group: list[Site], base: str | None) -> str:
+    rep = group[0]
+    text = f"{rep.kind} at {rep.where(base)}"
+    if len(group) > 1:
+        text += " (with " + ", ".join(f"{s.kind} at {s.where(base)}" for s in group[1:]) + ")"
+    return text
+
+
+class Decision:
+    def __init__(self) -> None:
+        self.owners: list[Site] = []
+        self.infos: list[Site] = []
+        self.groups: list[dict[str, Any]] = []
+        self.findings: list[Finding] = []
+
+
+def decide(scans: dict[str, FileScan], graph: Graph, base: str | None) -> Decision:
+    sites = [s for scan in scans.values() if not scan.skipped for s in scan.sites]
+    for uid, site in enumerate(sites):
+        site.uid = uid
+    by_file: dict[str, list[Site]] = defaultdict(list)
+    for site in sites:
+        by_file[site.file].append(site)
+    relevant = {
+        s.file for s in sites if s.role in ("owner", "possible", "use") or s.framework == "gradscaler"
+    }
+    raw_paths = graph.paths(relevant)
+    path_sites: list[tuple[str, list[Site]]] = []
+    for entry, files in raw_paths:
+        found = [s for f in sorted(files) for s in by_file.get(f, ())]
+        if found:
+            path_sites.append((entry, found))
+    # keep the largest site sets only (a path inside another path says nothing new)
+    path_sites.sort(key=lambda p: (-len(p[1]), p[0]))
+    kept: list[tuple[str, list[Site], frozenset[int]]] = []
+    for entry, found in path_sites:
+        ids = frozenset(s.uid for s in found)
+        if any(ids <= other for _, _, other in kept):
+            continue
+        kept.append((entry, found, ids))
+
+    # rule 2: uses of a GradScaler built on the same path are that GradScaler
+    covered: set[int] = set()
+    for _, found, _ in kept:
+        if any(s.framework == "gradscaler" and s.role in ("owner", "info") for s in found):
+            covered.update(s.uid for s in found if s.role == "use")
+    promoted: dict[tuple[str, str], Site] = {}
+    for site in sites:
+        if site.role != "use" or site.uid in covered:
+            continue
+        key = (site.file, site.ref)
+        if key in promoted:
+            site.role = "duplicate-use"
+            continue
+        promoted[key] = site
+        site.role = "owner"
+        site.detail += "; the GradScaler itself is built outside the scanned files"
+
+    # rule 3: "auto" becomes an owner where a framework fp16 owner shares the path
+    activated: dict[int, Site] = {}
+    for _, found, _ in kept:
+        enabler = next(
+            (s for s in found if s.role == "owner" and s.framework in DELEGATING_FRAMEWORKS), None
+        )
+        if enabler is None:
+            continue
+        for site in found:
+            if site.role == "possible" and site.uid not in activated:
+                activated[site.uid] = enabler
+    for uid, enabler in activated.items():
+        site = sites[uid]
+        site.detail += f"; filled in as fp16 by {enabler.kind} at {enabler.where(base)}"
+
+    def is_owner(site: Site) -> bool:
+        return site.role == "owner" or (site.role == "possible" and site.uid in activated)
+
+    decision = Decision()
+    decision.owners = sorted((s for s in sites if is_owner(s)), key=Site.sort_key)
+    decision.infos = sorted(
+        (s for s in sites if not is_owner(s) and s.role in ("info", "possible")), key=Site.sort_key
+    )
+
+    errors_seen: set[frozenset[int]] = set()
+    all_machines: dict[int, list[Site]] = {}
+    entries_of: dict[int, list[str]] = defaultdict(list)
+    for entry, found, _ in kept:
+        owners = [s for s in found if is_owner(s)]
+        if not owners:
+            continue
+        groups = machines(owners)
+        decision.groups.append(
+            {
+                "entry": entry,
+                "owners": [machine_dict(g) for g in groups],
+                "measured": len(groups),
+                "double_scaling": len(groups) > 1,
+            }
+        )
+        for group in groups:
+            all_machines.setdefault(group[0].uid, group)
+            if entry not in entries_of[group[0].uid]:
+                entries_of[group[0].uid].append(entry)
+        if len(groups) < 2:
+            continue
+        key = frozenset(g[0].uid for g in groups)
+        if key in errors_seen:
+            continue
+        errors_seen.add(key)
+        first = groups[0][0]
+        names = "; ".join(_describe(g, base) for g in groups)
+        decision.findings.append(
+            Finding(
+                rung=RUNG,
+                kind="double-scaling",
+                severity="error",
+                message=(
+                    f"{len(groups)} loss-scale owners on one training path (entry point "
+                    f"{_short(entry, base)}): {names}."
+                ),
+                evidence={
+                    "owners": [machine_dict(g) for g in groups],
+                    "measured": len(groups),
+                    "expected": 1,
+                    "scope": "same-path",
+                    "entry": entry,
+                },
+                location=Location(file=first.file, line=first.line or 1),
+            )
+        )
+
+    if not decision.findings and all_machines:
+        groups = sorted(all_machines.values(), key=lambda g: g[0].sort_key())
+        frameworks = {g[0].framework for g in groups}
+        if len(frameworks) > 1:
+            first = groups[0][0]
+            names = "; ".join(
+                f"{_describe(g, base)} (entry point "
+                f"{', '.join(_short(e, base) for e in entries_of[g[0].uid])})"
+                for g in groups
+            )
+            decision.findings.append(
+                Finding(
+                    rung=RUNG,
+                    kind="double-scaling",
+                    severity="warning",
+                    message=(
+                        f"{len(groups)} loss-scale owners of different kinds in separate entry "
+                        f"points: {names}. No scanned file runs them together; check that no "
+                        "launcher, command line or config combines them on one loss."
+                    ),
+                    evidence={
+                        "owners": [machine_dict(g) for g in groups],
+                        "measured": len(groups),
+                        "expected": 1,
+                        "scope": "separate-entry-points",
+                        "entries": sorted({e for g in groups for e in entries_of[g[0].uid]}),
+                    },
+                    location=Location(file=first.file, line=first.line or 1),
+                )
+            )
+    return decision
+
+
+def _short(path: str, base: str | None) -> str:
+    from ampdoctor.scan.sites import display_path
+
+    return display_path(path, base)
