@@ -169,7 +169,9 @@ def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int])
     seen: set[str] = set()
     known = list(Spec.model_fields.keys())
     known.remove("spec_path")
-    for err in exc.errors():
+    # Unknown keys first: a typo'd key is usually also the "missing" one.
+    errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    for err in errors:
         key, line = _describe_location(err["loc"], lines)
         kind = err["type"]
         if kind == "extra_forbidden":

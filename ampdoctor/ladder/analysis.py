@@ -257,8 +257,10 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
             evidence["factor"] = compare._round(found.factor)
         evidence.update(found.extra)
         site = last_backward_site
-        if kind in ("missing-unscale",):
+        if kind == "missing-unscale":
             site = step.site
+        elif kind == "unscale-twice":
+            site = _second_unscale_site(window_events) or step.site
         message = _MESSAGES.get(kind, "{label}").format(
             step=ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
             precision=precision, tol=tol.rtol, factor=found.factor or 0)
@@ -281,6 +283,16 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
                    f"(relative; tolerance {tol.rtol:g}), norm ratio {measured_ratio:.4g}, cosine "
                    f"{m.cosine:.4f}, matching no known mistake.{hint}",
                    evidence=evidence, location=location(step.site))
+
+
+def _second_unscale_site(events: list[Event]) -> Site | None:
+    """Where gradients were divided by the scale a second time: a `get_scale()` read after
+    unscale_ (a hand-written division), else the unscale_ call itself."""
+    unscales = [e for e in events if e.kind == "unscale" and e.data.get("enabled")]
+    if not unscales:
+        return None
+    after = [e for e in events if e.kind == "get_scale" and e.seq > unscales[0].seq]
+    return (after[0] if after else unscales[-1]).site
 
 
 _MESSAGES = {

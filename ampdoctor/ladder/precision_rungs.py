@@ -10,11 +10,13 @@ def _pending(rung: str, why: str) -> RungResult:
 
 
 def run_bf16(session) -> RungResult:
-    return _pending("bf16-no-scaler", "not implemented in this version")
+    from .amp import run_bf16 as run
+    return run(session)
 
 
 def run_fp16(session) -> RungResult:
-    return _pending("fp16-scaler", "not implemented in this version")
+    from .amp import run_fp16 as run
+    return run(session)
 
 
 def run_double_scaling(session) -> RungResult:

@@ -266,7 +266,27 @@ def _scale_value(scaler) -> float | None:
     """The scaler's current scale through its public API (None when disabled)."""
     if not scaler.is_enabled():
         return None
-    return float(scaler.get_scale())
+    probe = _active()
+    if probe is not None:
+        probe.enter("internal")
+    try:
+        return float(scaler.get_scale())
+    finally:
+        if probe is not None:
+            probe.leave("internal")
+
+
+def _wrap_get_scale(original):
+    @functools.wraps(original)
+    def get_scale(self):
+        result = original(self)
+        probe = _active()
+        if probe is not None and not probe.inside("internal") and not probe.inside("scaler_step"):
+            probe.record("get_scale", scaler=probe.scaler_slot(self),
+                         site=probe.finder.from_frame(_caller(2)),
+                         data={"scale": float(result)})
+        return result
+    return get_scale
 
 
 def _wrap_scaler_init(original):
@@ -280,7 +300,7 @@ def _wrap_scaler_init(original):
         enabled = bool(self.is_enabled())
         data: dict[str, Any] = {"enabled": enabled}
         if enabled:  # a disabled GradScaler does not even keep its settings
-            data.update(init_scale=float(self.get_scale()),
+            data.update(init_scale=_scale_value(self),
                         growth_interval=self.get_growth_interval(),
                         backoff_factor=self.get_backoff_factor(),
                         growth_factor=self.get_growth_factor())
@@ -363,9 +383,14 @@ def _wrap_update(original):
             return original(self, new_scale)
         slot = probe.scaler_slot(self)
         before = _scale_value(self)
-        result = original(self, new_scale)
-        probe.record("update", scaler=slot, site=probe.finder.from_frame(_caller(2)),
-                     data={"scale_before": before, "scale_after": _scale_value(self)})
+        event = probe.record("update", scaler=slot, site=probe.finder.from_frame(_caller(2)),
+                             data={"scale_before": before})
+        try:
+            result = original(self, new_scale)
+        except Exception as exc:
+            event.data["error"] = str(exc)
+            raise
+        event.data["scale_after"] = _scale_value(self)
         return result
     return update
 
@@ -490,6 +515,7 @@ def install(patcher: Patcher) -> None:
     patcher.setattr(scaler_cls, "unscale_", _wrap_unscale(scaler_cls.unscale_))
     patcher.setattr(scaler_cls, "step", _wrap_scaler_step(scaler_cls.step))
     patcher.setattr(scaler_cls, "update", _wrap_update(scaler_cls.update))
+    patcher.setattr(scaler_cls, "get_scale", _wrap_get_scale(scaler_cls.get_scale))
 
     patcher.setattr(torch.optim.Optimizer, "zero_grad",
                     _wrap_zero_grad(torch.optim.Optimizer.zero_grad, "optimizer"))

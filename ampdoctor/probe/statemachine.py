@@ -1,0 +1,120 @@
+"""The step state machine of the article's section 16, as a small pure class.
+
+Fed the probe's events in order, one state per optimizer:
+
+    READY --unscale_--> UNSCALED --step--> STEPPED --update--> READY
+
+with `clip` legal only in UNSCALED while a scaler is enabled, a direct `optimizer.step()` legal
+only on unscaled gradients, and one `update` per optimizer step. Each illegal transition becomes
+a `Violation` carrying the event (and so the user's call site) that made it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+READY, UNSCALED, STEPPED = "READY", "UNSCALED", "STEPPED"
+
+
+@dataclass
+class Violation:
+    kind: str
+    event: Any
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class StepStateMachine:
+    """Checks scale -> backward xK -> unscale_ -> clip -> step -> update -> zero_grad."""
+
+    def __init__(self, param_owner: dict[int, int] | None = None):
+        #: id(param) -> optimizer slot, to know whose gradients a clip touched.
+        self.param_owner = param_owner or {}
+        self.state: dict[int, str] = {}
+        self.scaled_backward = False      # a backward of a scaled loss since the last update
+        self.steps_since_update = 0
+        self.unscaled_by_hand: set[int] = set()
+        self.violations: list[Violation] = []
+        self.updates = 0
+
+    def _get(self, slot: int) -> str:
+        return self.state.setdefault(slot, READY)
+
+    def _violate(self, kind: str, event: Any, detail: str, **data: Any) -> None:
+        self.violations.append(Violation(kind, event, detail, data))
+
+    def feed(self, event: Any) -> None:
+        handler = getattr(self, f"on_{event.kind}", None)
+        if handler is not None:
+            handler(event)
+
+    def feed_all(self, events: list[Any]) -> list[Violation]:
+        for event in events:
+            self.feed(event)
+        return self.violations
+
+    # --- transitions ----------------------------------------------------------------------
+    def on_scale(self, event: Any) -> None:
+        if not event.data.get("enabled"):
+            return
+        if event.data.get("input_already_scaled"):
+            self._violate("double-scaling", event,
+                          "scaler.scale() was given a tensor that was already scaled",
+                          first_scale=event.data.get("input_already_scaled"),
+                          scale=event.data.get("scale"))
+
+    def on_backward(self, event: Any) -> None:
+        if event.data.get("scaled_by") is not None:
+            self.scaled_backward = True
+
+    def on_unscale(self, event: Any) -> None:
+        if not event.data.get("enabled"):
+            return
+        slot = event.optimizer
+        state = self._get(slot)
+        if event.data.get("inside_step") and state == READY:
+            self.state[slot] = UNSCALED      # scaler.step unscales for you: legal
+            return
+        if state == UNSCALED:
+            self._violate("unscale-twice", event,
+                          "unscale_() called twice on the same optimizer in one step")
+        self.state[slot] = UNSCALED
+
+    def on_clip(self, event: Any) -> None:
+        if not self.scaled_backward:
+            return
+        owners = {self.param_owner.get(pid) for pid in event.data.get("param_ids", [])}
+        owners.discard(None)
+        for slot in sorted(owners):
+            if self._get(slot) == READY:
+                self._violate("clip-before-unscale", event,
+                              "clip_grad_norm_ ran on gradients that were still scaled",
+                              optimizer=slot, total_norm=event.data.get("total_norm"),
+                              max_norm=event.data.get("max_norm"))
+                return
+
+    def on_scaler_step(self, event: Any) -> None:
+        self.state[event.optimizer] = STEPPED
+        self.steps_since_update += 1
+
+    def on_step(self, event: Any) -> None:
+        slot = event.optimizer
+        if event.data.get("via_scaler"):
+            return
+        if self.scaled_backward and self._get(slot) == READY:
+            self._violate("missing-unscale", event,
+                          "optimizer.step() ran on gradients still multiplied by the loss scale",
+                          optimizer=slot)
+        self.state[slot] = STEPPED
+        self.steps_since_update += 1
+
+    def on_update(self, event: Any) -> None:
+        self.updates += 1
+        if self.steps_since_update == 0:
+            self._violate("update-per-microbatch", event,
+                          "scaler.update() ran with no optimizer step since the last update")
+        self.steps_since_update = 0
+        self.scaled_backward = False
+        for slot in self.state:
+            self.state[slot] = READY
