@@ -137,13 +137,14 @@ def _window_events(trace: Trace, step: StepRecord, previous_step_seq: int) -> li
 
 
 def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
-                  skip_steps: set[int] | None = None) -> tuple[list[Finding], list[StepComparison]]:
+                  max_norm: float | None | str = "spec") -> tuple[list[Finding], list[StepComparison]]:
     """Teacher-forced comparison of every optimizer step; classify the first bad one."""
     tol = tolerance(session, precision)
     comparisons: list[StepComparison] = []
     groups = _step_groups(trace)
     names_all = session.param_order
-    max_norm = session.spec.max_grad_norm
+    if max_norm == "spec":
+        max_norm = session.spec.max_grad_norm
     previous_seq = -1
     for ordinal, group in enumerate(groups):
         steps = [s for s in trace.steps if s.group == group]

@@ -20,15 +20,25 @@ def run_fp16(session) -> RungResult:
 
 
 def run_double_scaling(session) -> RungResult:
-    return _pending("double-scaling", "not implemented in this version")
+    from .double_scaling import evaluate
+    runtime_owner = None
+    trace = session.traces.get("fp16")
+    if trace is not None:
+        inits = [e for e in trace.of_kind("scaler_init") if e.data.get("enabled") and e.site]
+        if inits:
+            runtime_owner = {"kind": "GradScaler", "file": inits[0].site.file,
+                             "line": inits[0].site.line}
+    return evaluate(session.spec.scan_paths(), runtime_owner)
 
 
 def run_clip_space(session) -> RungResult:
-    return _pending("clip-space", "not implemented in this version")
+    from .clip_space import run
+    return run(session)
 
 
 def run_skips(session) -> RungResult:
-    return _pending("skips", "not implemented in this version")
+    from .skips import run
+    return run(session)
 
 
 def run_ddp(session) -> RungResult:

@@ -453,8 +453,13 @@ def _wrap_scheduler_step(original):
             result = original(self, *args, **kwargs)
         finally:
             probe.leave("scheduler")
+        lr = None
+        try:
+            lr = float(self.get_last_lr()[0])
+        except Exception:  # ReduceLROnPlateau before its first step, custom schedulers
+            pass
         probe.record("scheduler", site=site, optimizer=slot,
-                     data={"type": type(self).__name__,
+                     data={"type": type(self).__name__, "lr": lr,
                            "last_epoch": getattr(self, "last_epoch", None)})
         return result
     return step

@@ -1,0 +1,215 @@
+"""Rung `skips`: an injected fp16 overflow is skipped and recovered from (article §§12, 13).
+
+ampdoctor writes one inf into one parameter's gradient during one micro-batch's backward (a
+one-shot tensor hook; the user's code is untouched) and checks from the trace that the window's
+update was skipped, the scale backed off once (x backoff_factor, not x backoff_factor^K), the
+next window started from clean gradients, and the scheduler did not advance for the skipped
+step. The plain fp16 run gives the natural skip rate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import compare
+from ..findings import Finding, RungResult, status_from_findings
+from ..probe.recorder import Probe
+from ..session import Session, Trace
+from .analysis import location, loop_error_finding
+
+RUNG = "skips"
+#: frequent-skips: more than this fraction of the plain fp16 run's steps skipped (and at least
+#: two of them), or the scale below MIN_SCALE. The default GradScaler skips a few steps while it
+#: searches for its scale; a quarter of all steps is far beyond that search.
+SKIP_RATE_THRESHOLD = 0.25
+MIN_SCALE = 1.0
+
+
+class OverflowInjector:
+    """Before the backward of micro-batch `target`, hook one parameter to receive an inf."""
+
+    def __init__(self, model: torch.nn.Module | None, target: int):
+        self.target = target
+        self.fired = False
+        self._handle = None
+        self.param_name: str | None = None
+
+    def __call__(self, probe: Probe, loss: torch.Tensor) -> None:
+        if self.fired:
+            if self._handle is not None:  # removed outside backward, never while it runs
+                self._handle.remove()
+                self._handle = None
+            return
+        if probe.current_microbatch != self.target or probe.model is None:
+            return
+        name, param = next((n, p) for n, p in probe.model.named_parameters() if p.requires_grad)
+        self.fired = True
+        self.param_name = name
+        state = {"done": False}
+
+        def poison(grad: torch.Tensor) -> torch.Tensor | None:
+            if state["done"]:
+                return None
+            state["done"] = True
+            grad = grad.clone()
+            grad.view(-1)[0] = float("inf")
+            return grad
+
+        self._handle = param.register_hook(poison)
+
+
+def _scaler(trace: Trace):
+    return trace.probe.scalers[0] if trace.probe.scalers else None
+
+
+def _windows(trace: Trace, K: int) -> dict[int, dict[str, list]]:
+    """Events grouped by the window of the micro-batch last handed out."""
+    out: dict[int, dict[str, list]] = {}
+    for e in trace.events:
+        if e.kind in ("scaler_step", "update", "scheduler", "step", "zero_grad"):
+            w = max(e.microbatch, 0) // K
+            out.setdefault(w, {}).setdefault(e.kind, []).append(e)
+    return out
+
+
+def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
+    steps = plain.of_kind("scaler_step")
+    skipped = [e for e in steps if e.data.get("skipped")]
+    scales = [e.data.get("scale_after") for e in plain.of_kind("update")
+              if e.data.get("scale_after") is not None]
+    rate = len(skipped) / len(steps) if steps else 0.0
+    collapsed = bool(scales) and min(scales) < MIN_SCALE
+    if not ((rate > SKIP_RATE_THRESHOLD and len(skipped) >= 2) or collapsed):
+        return None
+    inits = [e for e in plain.of_kind("scaler_init") if e.data.get("enabled")]
+    site = inits[0].site if inits else (skipped[0].site if skipped else None)
+    return Finding(
+        RUNG, "frequent-skips", "warning",
+        f"The fp16 run skipped {len(skipped)} of {len(steps)} optimizer steps "
+        f"({rate:.0%}, threshold {SKIP_RATE_THRESHOLD:.0%})"
+        + (f" and the scale fell to {min(scales):g}" if collapsed else "")
+        + ": fewer real updates than the schedule assumes.",
+        evidence={"measured": compare._round(rate), "expected": 0.0,
+                  "threshold": SKIP_RATE_THRESHOLD, "skipped": len(skipped),
+                  "steps": len(steps), "scale": scales,
+                  "growth_interval": inits[0].data.get("growth_interval") if inits else None},
+        location=location(site))
+
+
+def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
+    """Is the schedule a warmup (the LR rising over the run)?"""
+    lrs = [e.data.get("lr") for e in trace.of_kind("scheduler")
+           if e.data.get("lr") is not None and (optimizer_slot is None or e.optimizer == optimizer_slot)]
+    return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + 1e-9)
+
+
+def run(session: Session) -> RungResult:
+    plain = session.trace("fp16")
+    scaler = _scaler(plain)
+    if scaler is None or not scaler.is_enabled():
+        return RungResult(RUNG, "skip", "the fp16 run has no enabled GradScaler")
+    findings: list[Finding] = []
+    K, N = session.K, session.N
+    inject_window = 1 if N >= 2 else 0
+    target_mb = inject_window * K + K // 2
+    injector = OverflowInjector(None, target_mb)
+    trace = session.run_loop("fp16", rng_seed=session.spec.seed + 1, before_backward=injector)
+    details: dict[str, Any] = {"injected_window": inject_window, "injected_microbatch": target_mb}
+    if trace.error is not None:
+        finding = loop_error_finding(trace, RUNG)
+        return RungResult(RUNG, "fail", "the fp16 run with an injected overflow raised",
+                          [finding], details=details)
+    if not injector.fired:
+        return RungResult(RUNG, "skip", f"micro-batch {target_mb} never reached backward; "
+                          "nothing was injected", details=details)
+    details["injected_parameter"] = injector.param_name
+    windows = _windows(trace, K)
+    injected = windows.get(inject_window, {})
+    backoff = _scaler(trace).get_backoff_factor() if _scaler(trace) else 0.5
+    scaler_steps = injected.get("scaler_step", [])
+    skipped_flags = [bool(e.data.get("skipped")) for e in trace.of_kind("scaler_step")]
+    details["skipped"] = skipped_flags
+    details["scale"] = [e.data.get("scale_after") for e in trace.of_kind("update")]
+
+    # The injected window must be skipped.
+    if not any(e.data.get("skipped") for e in scaler_steps):
+        stepped = injected.get("step", [])
+        findings.append(Finding(
+            RUNG, "missing-unscale", "error",
+            f"An inf was injected into {injector.param_name}.grad in window {inject_window} but "
+            "the optimizer stepped anyway: the step did not go through scaler.step's inf check.",
+            evidence={"measured": len(stepped), "expected": 0},
+            location=location(stepped[0].site if stepped else None)))
+    # The scale backs off once per window, not once per micro-batch.
+    updates = injected.get("update", [])
+    if updates and updates[0].data.get("scale_before"):
+        before = updates[0].data["scale_before"]
+        after = updates[-1].data.get("scale_after") or before
+        backoffs = round(math.log(after / before) / math.log(backoff)) if after != before else 0
+        details["backoffs_in_injected_window"] = backoffs
+        details["scale_before_after"] = [before, after]
+        if backoffs > 1:
+            findings.append(Finding(
+                RUNG, "update-per-microbatch", "error",
+                f"One overflowing micro-batch backed the scale off {backoffs} times "
+                f"({before:g} -> {after:g}, backoff factor {backoff:g}): scaler.update() runs "
+                "more than once per optimizer step.",
+                evidence={"measured": backoffs, "expected": 1, "scale_before": before,
+                          "scale_after": after, "backoff_factor": backoff},
+                location=location(updates[-1].site)))
+    # The next window must start clean: no inf carried over, so not skipped again (beyond
+    # what the plain run skipped on its own at the same step).
+    all_steps = trace.of_kind("scaler_step")
+    plain_flags = [bool(e.data.get("skipped")) for e in plain.of_kind("scaler_step")]
+    injected_idx = [i for i, e in enumerate(all_steps) if max(e.microbatch, 0) // K == inject_window]
+    in_a_row = 0
+    if injected_idx:
+        for i in range(injected_idx[-1] + 1, len(skipped_flags)):
+            natural = plain_flags[i] if i < len(plain_flags) else False
+            if not skipped_flags[i] or natural:
+                break
+            in_a_row += 1
+    details["skipped_in_a_row_after_injection"] = in_a_row
+    if in_a_row > 0:
+        zero_grads = plain.of_kind("zero_grad") or trace.of_kind("zero_grad")
+        site = zero_grads[-1].site if zero_grads else (scaler_steps[-1].site if scaler_steps else None)
+        findings.append(Finding(
+            RUNG, "no-zero-grad-after-skip", "error",
+            f"After the injected overflow in window {inject_window} the next {in_a_row} "
+            "step(s) were skipped too: the inf stayed in .grad and poisoned the following "
+            "window(s). Gradients must be cleared after a skipped step as after a good one.",
+            evidence={"measured": in_a_row, "expected": 0, "injected_window": inject_window,
+                      "skipped": skipped_flags},
+            location=location(site)))
+    # The scheduler must not advance for the skipped step.
+    sched = injected.get("scheduler", [])
+    if sched and scaler_steps and all(e.data.get("skipped") for e in scaler_steps):
+        real_steps = len(trace.steps)
+        sched_steps = len(trace.of_kind("scheduler"))
+        warmup = _lr_rising(plain, sched[0].optimizer)
+        findings.append(Finding(
+            RUNG, "scheduler-steps-on-skip", "error" if warmup else "warning",
+            f"The scheduler ({sched[0].data.get('type')}) stepped in window {inject_window} "
+            f"although the optimizer step was skipped: {sched_steps} scheduler steps for "
+            f"{len({s.group for s in trace.steps})} real optimizer steps."
+            + (" The LR is in warmup, so every skip shortens the warmup." if warmup else ""),
+            evidence={"measured": sched_steps,
+                      "expected": len({s.group for s in trace.steps}),
+                      "scheduler_steps": sched_steps, "optimizer_steps": real_steps,
+                      "warmup": warmup},
+            location=location(sched[0].site)))
+    frequent = _frequent_skips(session, plain)
+    if frequent is not None:
+        findings.append(frequent)
+    status = status_from_findings(findings)
+    if status == "fail":
+        summary = f"{findings[0].kind}: {findings[0].message[:110]}"
+    else:
+        summary = (f"overflow injected in window {inject_window} was skipped, scale backed off "
+                   f"once, the next window was clean")
+        if findings:
+            summary += f"; {len(findings)} warning(s)"
+    return RungResult(RUNG, status, summary, findings, details=details)
