@@ -33,17 +33,7 @@ def save(record: dict[str, Any], out_dir: Path | None = None) -> Path:
     while path.exists():
         n += 1
         path = out_dir / f"{base}-{n}.json"
-    # Write to a temporary file and rename: never a half-written record.
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(record, fh, indent=2, default=str)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
     return path
 
 
@@ -104,3 +94,23 @@ def exit_code(record: dict[str, Any]) -> int:
     if err.get("exit_code"):
         return int(err["exit_code"])
     return 3
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path` and rename: never a half-written file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -45,6 +45,16 @@ class Trace:
     def steps(self) -> list[recorder.StepRecord]:
         return self.probe.steps
 
+    @property
+    def lazy_feed(self) -> bool:
+        """Did the loop take micro-batches one at a time (each before its backward)?"""
+        first = next((e for e in self.probe.events if e.kind == "backward"), None)
+        return first is None or first.microbatch == 0
+
+    def window_of_event(self, event: recorder.Event | recorder.StepRecord) -> int:
+        index = event.microbatch if self.lazy_feed else event.backwards - 1
+        return max(index, 0) // self.accumulation_steps
+
     def of_kind(self, *kinds: str) -> list[recorder.Event]:
         return [e for e in self.probe.events if e.kind in kinds]
 
@@ -154,14 +164,21 @@ class Session:
     def window(self, index: int) -> list[Any]:
         return self.micro_batches[index * self.K:(index + 1) * self.K]
 
-    def window_of(self, step: recorder.StepRecord, ordinal: int, trace: Trace) -> int:
-        """Which window a step closes: by the last micro-batch handed out, unless the loop
-        fetched everything up front (then by order)."""
-        total = len(self.micro_batches)
-        first_step_mb = trace.steps[0].microbatch if trace.steps else -1
-        if first_step_mb >= total - 1 and len(trace.steps) > 1:
-            return min(ordinal, self.N - 1)
-        return max(0, min(step.microbatch, total - 1)) // self.K
+    def window_of(self, step: recorder.StepRecord | recorder.Event, ordinal: int = 0,
+                  trace: Trace | None = None) -> int:
+        """Which window an event (or step) belongs to.
+
+        By the micro-batch last handed out when the loop consumes micro-batches lazily, else
+        (a loop that did `list(micro_batches)` up front) by the backward calls made so far:
+        one backward per micro-batch.
+        """
+        lazy = trace is None or trace.lazy_feed
+        if lazy:
+            index = step.microbatch
+        else:
+            index = step.backwards - 1
+        index = max(0, min(index, len(self.micro_batches) - 1))
+        return min(index // self.K, self.N - 1)
 
     # --- the reference ----------------------------------------------------------------
     def random_modules(self) -> list[str]:

@@ -145,7 +145,7 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             continue
         seen.add(v.kind)
         event = v.event
-        window = max(event.microbatch, 0) // session.K
+        window = min(trace.window_of_event(event), session.N - 1)
         scale = _last_scale_before(trace, event.seq)
         evidence: dict[str, Any] = {"scale": scale, "window": window}
         if v.kind == "clip-before-unscale":

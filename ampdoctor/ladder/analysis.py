@@ -108,7 +108,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
     expected = session.N - skipped_windows
     for slot, steps in sorted(per_optimizer.items()):
         if len(steps) > session.N:
-            mb_before_first = steps[0].microbatch + 1
+            mb_before_first = steps[0].backwards
             per_window = len(steps) / session.N
             return Finding(
                 rung, "step-per-microbatch", "error",

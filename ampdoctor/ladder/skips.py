@@ -43,7 +43,9 @@ class OverflowInjector:
                 self._handle.remove()
                 self._handle = None
             return
-        if probe.current_microbatch != self.target or probe.model is None:
+        # Counted in backward calls, not micro-batches handed out: a loop may fetch them all
+        # up front. probe.backward_count already includes this backward.
+        if probe.backward_count != self.target + 1 or probe.model is None:
             return
         name, param = next((n, p) for n, p in probe.model.named_parameters() if p.requires_grad)
         self.fired = True
@@ -70,7 +72,7 @@ def _windows(trace: Trace, K: int) -> dict[int, dict[str, list]]:
     out: dict[int, dict[str, list]] = {}
     for e in trace.events:
         if e.kind in ("scaler_step", "update", "scheduler", "step", "zero_grad"):
-            w = max(e.microbatch, 0) // K
+            w = trace.window_of_event(e)
             out.setdefault(w, {}).setdefault(e.kind, []).append(e)
     return out
 
@@ -164,7 +166,7 @@ def run(session: Session) -> RungResult:
     # what the plain run skipped on its own at the same step).
     all_steps = trace.of_kind("scaler_step")
     plain_flags = [bool(e.data.get("skipped")) for e in plain.of_kind("scaler_step")]
-    injected_idx = [i for i, e in enumerate(all_steps) if max(e.microbatch, 0) // K == inject_window]
+    injected_idx = [i for i, e in enumerate(all_steps) if trace.window_of_event(e) == inject_window]
     in_a_row = 0
     if injected_idx:
         for i in range(injected_idx[-1] + 1, len(skipped_flags)):

@@ -34,6 +34,7 @@ class Event:
     optimizer: int | None = None
     scaler: int | None = None
     data: dict[str, Any] = field(default_factory=dict)
+    backwards: int = 0        # backward calls so far in the run
 
 
 @dataclass
@@ -154,6 +155,7 @@ class Probe:
     def record(self, kind: str, site: Site | None = None, **kw: Any) -> Event:
         event = Event(len(self.events), kind, self.current_microbatch,
                       site if site is not None else self.finder.from_frame(_caller(3)), **kw)
+        event.backwards = self.backward_count
         self.events.append(event)
         return event
 

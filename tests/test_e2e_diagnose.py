@@ -1,0 +1,157 @@
+"""End-to-end: the real CLI on every sample config.
+
+Each broken recipe must fail at the right rung with the right kind, evidence within a stated
+band, and the exact file:line its `# BUG:` marker names. Every healthy recipe must pass clean.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, RECIPES, marked_line, run_cli
+
+HEALTHY = sorted(p.stem for p in CONFIGS.glob("healthy_*.yaml"))
+
+# config -> (rung, kind, evidence key, band, file holding the marker)
+BROKEN = {
+    "broken_missing_average": ("fp32-accum", "missing-accumulation-average", "measured",
+                               (3.99, 4.01), "broken_missing_average.py"),
+    "broken_double_average": ("fp32-accum", "double-average", "measured", (0.249, 0.251),
+                              "broken_double_average.py"),
+    "broken_reduction_sum": ("fp32-accum", "reduction-mismatch", "measured", (7.99, 8.01),
+                             "broken_reduction_sum.py"),
+    "broken_weighted_average": ("fp32-accum", "weighted-average-mismatch", "cosine", (0.3, 0.995),
+                                "broken_weighted_average.py"),
+    "broken_step_per_microbatch": ("fp32-accum", "step-per-microbatch", "measured", (12, 12),
+                                   "broken_step_per_microbatch.py"),
+    "broken_zero_grad_inside": ("fp32-accum", "zero-grad-inside-accumulation", "measured", (1, 1),
+                                "broken_zero_grad_inside.py"),
+    "broken_scheduler_per_microbatch": ("fp32-accum", "scheduler-per-microbatch", "measured",
+                                        (3.9, 4.4), "broken_scheduler_per_microbatch.py"),
+    "broken_dropout": ("reproducibility", "nondeterministic-baseline", "measured", (1e-3, 10),
+                       "common.py"),
+    # fp16-scaler: the state machine and the scale-space shapes
+    "broken_clip_before_unscale": ("fp16-scaler", "clip-before-unscale", "measured",
+                                   (0.9 * 65536, 1.1 * 65536), "broken_clip_before_unscale.py"),
+    "broken_missing_unscale_second_optimizer": ("fp16-scaler", "missing-unscale", "measured",
+                                                (0.9 * 65536, 1.1 * 65536),
+                                                "broken_missing_unscale_second_optimizer.py"),
+    "broken_unscale_twice": ("fp16-scaler", "unscale-twice", "measured", (2, 2),
+                             "broken_unscale_twice.py"),
+    "broken_manual_unscale_twice": ("fp16-scaler", "unscale-twice", "measured",
+                                    (0.9 / 65536, 1.1 / 65536), "broken_manual_unscale_twice.py"),
+    "broken_update_per_microbatch": ("fp16-scaler", "update-per-microbatch", "measured", (1, 100),
+                                     "broken_update_per_microbatch.py"),
+    "broken_double_scaling": ("fp16-scaler", "double-scaling", "extra_factor", (1000, 1050),
+                              "broken_double_scaling.py"),
+    "broken_autocast_never": ("fp16-scaler", "half-open-amp", "autocast_enabled", (0, 0),
+                              "broken_autocast_never.py"),
+    # skips: overflow injection
+    "broken_no_zero_grad_after_skip": ("skips", "no-zero-grad-after-skip", "measured", (1, 1),
+                                       "broken_no_zero_grad_after_skip.py"),
+    "broken_scheduler_steps_on_skip": ("skips", "scheduler-steps-on-skip", "measured", (3, 3),
+                                       "broken_scheduler_steps_on_skip.py"),
+}
+
+# Warnings: the rung is `warn`, the verdict stays healthy (exit 0).
+WARNINGS = {
+    "broken_bf16_scaler_on": ("bf16-no-scaler", "half-open-amp", "broken_bf16_scaler_on.py"),
+    "broken_frequent_skips": ("skips", "frequent-skips", "broken_frequent_skips.py"),
+}
+
+
+@pytest.mark.parametrize("name", HEALTHY)
+def test_healthy_recipe_passes_clean(name, records_dir):
+    result = run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir)
+    record = result.record
+    errors = [f for f in record["findings"] if f["severity"] == "error"]
+    assert errors == [], errors
+    assert result.returncode == 0, result.stderr
+    assert record["verdict"] == "healthy"
+    statuses = {r["id"]: r["status"] for r in record["rungs"]}
+    for rung in ("reproducibility", "fp32-accum", "bf16-no-scaler", "fp16-scaler",
+                 "double-scaling", "skips"):
+        assert statuses[rung] == "pass", (rung, record["rungs"])
+    assert statuses["clip-space"] in ("pass", "skip")
+    assert statuses["ddp-sync"] == "skip"
+    assert record["device"] == "cpu"
+    # the fp16 series for the charts
+    assert len(record["series"]["scale"]) >= 3
+    assert len(record["series"]["skipped"]) >= 3
+    assert not any(record["series"]["skipped"])
+
+
+def test_clip_space_runs_when_clipping_is_configured(records_dir):
+    record = run_cli("diagnose", CONFIGS / "healthy_clip_active.yaml", "--json", "--out",
+                     records_dir).record
+    rung = next(r for r in record["rungs"] if r["id"] == "clip-space")
+    assert rung["status"] == "pass"
+    assert all(abs(r - 1) < 1e-3 for r in rung["details"]["clip_ratios"])
+    assert rung["details"]["forced_steps_compared"] >= 3
+
+
+@pytest.mark.parametrize("name", sorted(WARNINGS))
+def test_warning_recipe(name, records_dir):
+    rung, kind, marker_file = WARNINGS[name]
+    result = run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir)
+    record = result.record
+    assert result.returncode == 0, result.stderr
+    finding = next(f for f in record["findings"] if f["kind"] == kind)
+    assert finding["rung"] == rung
+    assert finding["severity"] == "warning"
+    assert {r["id"]: r["status"] for r in record["rungs"]}[rung] == "warn"
+    marker = RECIPES / marker_file
+    assert finding["location"]["line"] == marked_line(marker, kind)
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_recipe_is_diagnosed(name, records_dir):
+    rung, kind, key, (low, high), marker_file = BROKEN[name]
+    result = run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir)
+    record = result.record
+    assert result.returncode == 1, result.stderr
+    assert record["verdict"] == "failed"
+    assert record["failed_rung"] == rung
+    finding = record["findings"][0]
+    assert finding["kind"] == kind, record["findings"]
+    assert finding["rung"] == rung
+    assert finding["severity"] == "error"
+    assert low <= finding["evidence"][key] <= high, finding["evidence"]
+    assert "expected" in finding["evidence"]
+    marker = RECIPES / marker_file
+    assert Path(finding["location"]["file"]).resolve() == marker.resolve()
+    assert finding["location"]["line"] == marked_line(marker, kind)
+    statuses = [r["status"] for r in record["rungs"]]
+    failed_at = [r["id"] for r in record["rungs"]].index(rung)
+    assert statuses[failed_at] == "fail"
+    assert all(s == "not-run" for s in statuses[failed_at + 1:])
+    # the record was saved too
+    assert list(records_dir.glob("*.json"))
+
+
+def test_loop_error_exits_3_with_record_and_line(records_dir):
+    result = run_cli("diagnose", CONFIGS / "broken_loop_error.yaml", "--json", "--out", records_dir)
+    assert result.returncode == 3
+    record = result.record
+    assert record["verdict"] == "error"
+    finding = record["findings"][0]
+    assert finding["kind"] == "loop-error"
+    assert finding["rung"] == "fp32-accum"
+    recipe = RECIPES / "broken_loop_error.py"
+    assert finding["location"]["line"] == marked_line(recipe, "loop-error")
+    assert "RuntimeError" in finding["evidence"]["error"]
+    assert len(list(records_dir.glob("*.json"))) == 1
+
+
+def test_terminal_report_names_kind_line_and_fix(records_dir):
+    result = run_cli("diagnose", CONFIGS / "broken_missing_average.yaml", "--out", records_dir)
+    assert result.returncode == 1
+    line = marked_line(RECIPES / "broken_missing_average.py", "missing-accumulation-average")
+    assert "missing-accumulation-average" in result.stdout
+    assert f"broken_missing_average.py:{line}" in result.stdout
+    assert "fix:" in result.stdout
+    assert "measured=4" in result.stdout
+    # progress goes to stderr, never stdout
+    assert "record saved to" in result.stderr
