@@ -1,0 +1,108 @@
+"""The CLI outside diagnose: version, help without torch, report, explain, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONFIGS, run_cli
+from ampdoctor import __version__
+from ampdoctor.findings import CATALOGUE, RUNG_IDS
+
+
+def _modules_after(*args: str) -> set[str]:
+    code = ("import sys\nfrom ampdoctor.cli import app\n"
+            f"try:\n    app({list(args)!r})\nexcept SystemExit:\n    pass\n"
+            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return out.stdout
+
+
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert __version__ in result.stdout
+
+
+def test_help_does_not_import_torch():
+    assert _modules_after("--help").strip().endswith("NO-TORCH")
+
+
+@pytest.fixture(scope="module")
+def saved_record(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    result = run_cli("diagnose", CONFIGS / "broken_missing_average.yaml", "--out", out)
+    assert result.returncode == 1
+    return out
+
+
+def test_report_rerenders_latest_without_torch(saved_record):
+    result = run_cli("report", "--out", saved_record)
+    assert result.returncode == 1
+    assert "missing-accumulation-average" in result.stdout
+    assert _modules_after("report", "--out", str(saved_record)).strip().endswith("NO-TORCH")
+
+
+def test_report_json_and_html(saved_record, tmp_path):
+    result = run_cli("report", "--out", saved_record, "--json")
+    record = json.loads(result.stdout)
+    assert record["failed_rung"] == "fp32-accum"
+    assert [r["id"] for r in record["rungs"]] == list(RUNG_IDS)
+    target = tmp_path / "postmortem.html"
+    result = run_cli("report", "--out", saved_record, "--html", "-o", target)
+    html = target.read_text()
+    assert "missing-accumulation-average" in html
+    assert "<svg" not in html or "polyline" in html
+    assert "broken_missing_average.py" in html
+
+
+def test_report_of_an_old_record(tmp_path):
+    old = {"ampdoctor_version": "0.0.1", "verdict": "failed", "failed_rung": "fp32-accum",
+           "rungs": [{"id": "fp32-accum", "status": "fail"}],
+           "findings": [{"rung": "fp32-accum", "kind": "double-average", "severity": "error"}]}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    result = run_cli("report", path)
+    assert result.returncode == 1
+    assert "double-average" in result.stdout
+    html = tmp_path / "old.html"
+    assert run_cli("report", path, "--html", "-o", html).returncode == 1
+    assert "double-average" in html.read_text()
+
+
+def test_report_without_records_is_a_usage_error(tmp_path):
+    result = run_cli("report", "--out", tmp_path / "none")
+    assert result.returncode == 2
+    assert "no saved run record" in result.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert run_cli("report", bad).returncode == 2
+
+
+def test_json_output_is_only_json(tmp_path):
+    result = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--json", "--out", tmp_path)
+    assert result.returncode == 0
+    record = json.loads(result.stdout)          # nothing else on stdout
+    for key in ("ampdoctor_version", "spec", "name", "device", "verdict", "failed_rung", "rungs",
+                "findings", "series"):
+        assert key in record
+    assert record["name"] == "healthy_sgd"
+
+
+def test_explain_every_kind():
+    for kind in CATALOGUE:
+        result = run_cli("explain", kind)
+        assert result.returncode == 0
+        assert CATALOGUE[kind].title in result.stdout
+    result = run_cli("explain", "clip-befor-unscale")
+    assert result.returncode == 2
+    assert "clip-before-unscale" in result.stderr
+
+
+def test_missing_spec_file_is_exit_2(tmp_path):
+    result = run_cli("diagnose", tmp_path / "nope.yaml")
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr

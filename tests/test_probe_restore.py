@@ -1,0 +1,89 @@
+"""The probe restores torch exactly on every exit path, and never changes the user's files."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from ampdoctor.diagnose import run_diagnose
+from ampdoctor.errors import UserCodeError
+from ampdoctor.probe import patches, recorder
+from ampdoctor.spec import load_spec
+from conftest import CONFIGS, RECIPES
+
+
+def _patched_now():
+    """Every (target, name) the probe patches, with the object there right now."""
+    patcher = patches.Patcher()
+    recorder.install(patcher)
+    saved = [(target, name, old) for target, name, old in patcher.patched]
+    patcher.undo()
+    return saved
+
+
+def _snapshot():
+    return {(id(t), n): t.__dict__.get(n) if isinstance(t, type) else getattr(t, n)
+            for t, n, _ in _patched_now()}
+
+
+def _hooks():
+    from torch.optim import optimizer as opt_module
+    return dict(opt_module._global_optimizer_pre_hooks)
+
+
+def _recipes_digest():
+    h = hashlib.sha256()
+    for path in sorted(RECIPES.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("config,raises", [
+    ("healthy_sgd", None),
+    ("broken_clip_before_unscale", None),
+    ("broken_loop_error", None),
+    ("bad/factory_raises", UserCodeError),
+])
+def test_torch_is_restored_after_diagnose(config, raises):
+    before = _snapshot()
+    hooks_before = _hooks()
+    originals = (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_,
+                 torch.amp.GradScaler.step, torch.optim.Optimizer.zero_grad,
+                 torch.autocast.__enter__, torch.nn.Module.__init__)
+    digest = _recipes_digest()
+    spec = load_spec(CONFIGS / f"{config}.yaml")
+    if raises:
+        with pytest.raises(raises):
+            run_diagnose(spec)
+    else:
+        record = run_diagnose(spec)
+        assert record["verdict"] in ("healthy", "failed", "error")
+    assert _snapshot() == before
+    assert _hooks() == hooks_before
+    assert (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler.step,
+            torch.optim.Optimizer.zero_grad, torch.autocast.__enter__,
+            torch.nn.Module.__init__) == originals
+    assert recorder.ACTIVE is None
+    assert _recipes_digest() == digest
+
+
+def test_patcher_undo_twice_is_harmless():
+    class Target:
+        value = 1
+    patcher = patches.Patcher()
+    patcher.setattr(Target, "value", 2)
+    patcher.setattr(Target, "added", 3)
+    assert Target.value == 2 and Target.added == 3
+    patcher.undo()
+    patcher.undo()
+    assert Target.value == 1 and not hasattr(Target, "added")
+
+
+def test_user_modules_are_forgotten_between_runs():
+    import sys
+    run_diagnose(load_spec(CONFIGS / "healthy_sgd.yaml"))
+    assert "healthy_sgd" not in sys.modules
+    assert str(RECIPES) not in sys.path

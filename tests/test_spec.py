@@ -1,0 +1,123 @@
+"""Spec validation: every bad spec names the key (and the YAML line) and exits 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ampdoctor.errors import SpecError
+from ampdoctor.spec import load_spec
+from conftest import CONFIGS, run_cli
+
+GOOD = """\
+model: common:make_mlp
+data: common:make_regression_data
+train_loop: healthy_sgd:train_loop
+accumulation_steps: 4
+micro_batch_size: 8
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults(tmp_path):
+    spec = load_spec(write(tmp_path, GOOD))
+    assert spec.optimizer_steps == 3
+    assert spec.device == "auto"
+    assert spec.seed == 0
+    assert spec.max_grad_norm is None
+    assert spec.display_name == "spec"
+    assert spec.root == tmp_path.resolve()
+    assert spec.scan_paths() == [tmp_path.resolve()]
+
+
+@pytest.mark.parametrize("text,key,line,words", [
+    (GOOD.replace("accumulation_steps", "accumulation_step"), "accumulation_step", 4,
+     "Did you mean 'accumulation_steps'"),
+    (GOOD.replace("accumulation_steps: 4", "accumulation_steps: four"), "accumulation_steps", 4,
+     "integer"),
+    (GOOD.replace("accumulation_steps: 4", "accumulation_steps: 0"), "accumulation_steps", 4,
+     "greater than or equal to 1"),
+    (GOOD.replace("model: common:make_mlp", "model: common.make_mlp"), "model", 1,
+     "module.path:attribute"),
+    (GOOD.replace("train_loop: healthy_sgd:train_loop\n", ""), "train_loop", None, "missing"),
+    (GOOD + "device: tpu\n", "device", 6, "auto, cpu, cuda"),
+    (GOOD + "max_grad_norm: -1\n", "max_grad_norm", 6, "greater than 0"),
+    (GOOD + "scan: {pathz: [x]}\n", "scan.pathz", 6, "Did you mean 'paths'"),
+    (GOOD + "tolerances: {fp8: {rtol: 1}}\n", "tolerances", 6, ""),
+])
+def test_bad_spec_names_key_and_line(tmp_path, text, key, line, words):
+    with pytest.raises(SpecError) as info:
+        load_spec(write(tmp_path, text))
+    message = info.value.message
+    assert f"'{key}" in message
+    if line is not None:
+        assert f"spec.yaml:{line}:" in message
+    assert words in message
+
+
+def test_yaml_syntax_error_names_line(tmp_path):
+    with pytest.raises(SpecError) as info:
+        load_spec(write(tmp_path, GOOD + "optimizer: {name: SGD, lr: 0.1\n"))
+    assert "not valid YAML" in info.value.message
+    assert "spec.yaml:" in info.value.message
+
+
+def test_non_mapping_and_empty(tmp_path):
+    with pytest.raises(SpecError, match="mapping"):
+        load_spec(write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(SpecError, match="empty"):
+        load_spec(write(tmp_path, ""))
+
+
+def test_missing_project_root_and_file(tmp_path):
+    with pytest.raises(SpecError, match="project_root"):
+        load_spec(write(tmp_path, GOOD + "project_root: nowhere\n"))
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "absent.yaml")
+
+
+def test_optimizer_mapping_and_callable(tmp_path):
+    spec = load_spec(write(tmp_path, GOOD + "optimizer: {name: AdamW, lr: 0.001}\n"))
+    assert spec.optimizer.name == "AdamW"
+    spec = load_spec(write(tmp_path, GOOD + "optimizer: opts:make\n"))
+    assert spec.optimizer == "opts:make"
+
+
+BAD_CONFIGS = {
+    "unknown_key": (2, "accumulation_step"),
+    "missing_train_loop": (2, "train_loop"),
+    "bad_callable": (2, "'model'"),
+    "missing_module": (2, "nosuchmodule"),
+    "missing_attr": (2, "no_such_factory"),
+    "wrong_type": (2, "accumulation_steps"),
+    "yaml_syntax": (2, "not valid YAML"),
+    "bad_project_root": (2, "project_root"),
+    "factory_raises": (3, "bad_factories.py:"),
+    "import_raises": (3, "bad_import.py:"),
+    "nan_data": (3, "NaN"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CONFIGS))
+def test_bad_input_exit_code_and_message(name, tmp_path):
+    code, words = BAD_CONFIGS[name]
+    result = run_cli("diagnose", CONFIGS / "bad" / f"{name}.yaml", "--out", tmp_path)
+    assert result.returncode == code, result.stderr
+    assert words in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    # a bad spec writes no record; user code that failed does
+    assert bool(list(tmp_path.glob("*.json"))) == (code == 3)
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = run_cli("diagnose", CONFIGS / "bad" / "factory_raises.yaml", "--debug", "--out",
+                     tmp_path)
+    assert result.returncode == 3
+    assert "Traceback" in result.stderr
+    assert "ValueError" in result.stderr
