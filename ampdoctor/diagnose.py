@@ -57,6 +57,7 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
             check_finite(micro_batches)
             session = Session(spec, code, device, finder, micro_batches)
             results = run_ladder(session, on_start, on_done)
+            record["notes"] = sorted(session.notes)
         finally:
             recorder.activate(None)
             if code is not None:

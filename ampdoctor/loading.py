@@ -230,18 +230,38 @@ def to_device(mb: Any, device: torch.device) -> Any:
     return tuple(t.to(device) for t in mb)
 
 
-def merge_micro_batches(mbs: list[Any]) -> Any:
-    """One micro-batch holding a whole window's data (for the loop-as-reference at K = 1)."""
+def merge_micro_batches(mbs: list[Any]) -> Any | None:
+    """One micro-batch holding a whole window's data (for the loop-as-reference at K = 1), or
+    None when the micro-batches cannot be concatenated (different sequence lengths)."""
     first = mbs[0]
     try:
         if isinstance(first, dict):
             return {k: torch.cat([mb[k] for mb in mbs]) for k in first}
         return tuple(torch.cat([mb[i] for mb in mbs]) for i in range(len(first)))
-    except RuntimeError as exc:
-        raise SpecError(
-            "spec key 'loss': without a `loss` callable the reference runs your train_loop on one "
-            "micro-batch holding the whole step's data, but these micro-batches cannot be "
-            f"concatenated ({exc}). Add `loss: module:fn` to the spec.") from exc
+    except (RuntimeError, KeyError, IndexError):
+        return None
+
+
+def resplit_micro_batches(mbs: list[Any]) -> list[Any] | None:
+    """The same window's data cut differently: each micro-batch halved (2K of b/2), or, when
+    that is impossible, neighbours merged (K/2 of 2b). None when neither applies."""
+    def tensors(mb):
+        return list(mb.values()) if isinstance(mb, dict) else list(mb)
+
+    def halve(mb):
+        n = micro_batch_size_of(mb)
+        if isinstance(mb, dict):
+            return [{k: v[:n // 2] for k, v in mb.items()}, {k: v[n // 2:] for k, v in mb.items()}]
+        return [tuple(t[:n // 2] for t in mb), tuple(t[n // 2:] for t in mb)]
+
+    if all(micro_batch_size_of(mb) % 2 == 0 and all(t.dim() > 0 and t.shape[0] ==
+           micro_batch_size_of(mb) for t in tensors(mb)) for mb in mbs):
+        return [half for mb in mbs for half in halve(mb)]
+    if len(mbs) % 2 == 0:
+        merged = [merge_micro_batches(mbs[i:i + 2]) for i in range(0, len(mbs), 2)]
+        if all(m is not None for m in merged):
+            return merged
+    return None
 
 
 def micro_batch_size_of(mb: Any) -> int:

@@ -87,6 +87,8 @@ class Session:
         self.param_order = [n for n, _ in self._template.named_parameters()]
         self.initial_state = {k: v.detach().clone() for k, v in self._template.state_dict().items()}
         self.traces: dict[str, Trace] = {}
+        #: Caveats about how the reference was built, shown in the record.
+        self.notes: set[str] = set()
 
     def _build_template(self) -> torch.nn.Module:
         """Build the model once while recording where each submodule was constructed, so a
@@ -296,11 +298,23 @@ class Session:
         if per_mb or batch_stats:
             per = [self.loop_gradient([mb], state, training) for mb in mbs]
         if batch_stats:
+            self.notes.add("the model normalises over the batch (BatchNorm): the loop-as-reference "
+                           "is the equal-weight mean of per-micro-batch gradients")
             # BatchNorm normalises per micro-batch: the full-batch gradient is not what a correct
             # accumulation computes, the equal-weight mean of micro-batch gradients is.
             full = _combine(per, [1.0 / len(per)] * len(per))
         else:
-            full = self.loop_gradient([merge_micro_batches(mbs)], state, training)
+            merged = merge_micro_batches(mbs)
+            if merged is None:
+                # Micro-batches of different shapes cannot form one batch: the reference falls
+                # back to the equal-weight mean of per-micro-batch gradients (a token-weighted
+                # mismatch then needs a `loss` in the spec to be seen).
+                per = per or [self.loop_gradient([mb], state, training) for mb in mbs]
+                full = _combine(per, [1.0 / len(per)] * len(per))
+                self.notes.add("micro-batches differ in shape: the loop-as-reference is the "
+                               "equal-weight mean of per-micro-batch gradients")
+            else:
+                full = self.loop_gradient([merged], state, training)
         counts = [float(micro_batch_size_of(mb)) for mb in mbs]
         return WindowReference(full, per, counts, False, "loop")
 

@@ -22,6 +22,15 @@ BROKEN = {
                               "broken_double_average.py"),
     "broken_reduction_sum": ("fp32-accum", "reduction-mismatch", "measured", (7.99, 8.01),
                              "broken_reduction_sum.py"),
+    # K == micro_batch_size: "no average" and "sum reduction" give the same factor; a re-split
+    # pass must tell them apart
+    "broken_reduction_sum_k_equals_b": ("fp32-accum", "reduction-mismatch", "measured",
+                                        (3.99, 4.01), "broken_reduction_sum.py"),
+    "broken_missing_average_k_equals_b": ("fp32-accum", "missing-accumulation-average",
+                                          "measured", (3.99, 4.01), "broken_missing_average.py"),
+    # without `loss` the loop at K = 1 is the reference: its sum reduction makes the K-run 1/K
+    "broken_reduction_sum_noloss": ("fp32-accum", "reduction-mismatch", "measured",
+                                    (0.249, 0.251), "broken_reduction_sum.py"),
     "broken_weighted_average": ("fp32-accum", "weighted-average-mismatch", "cosine", (0.3, 0.995),
                                 "broken_weighted_average.py"),
     "broken_step_per_microbatch": ("fp32-accum", "step-per-microbatch", "measured", (12, 12),

@@ -243,15 +243,34 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
                        f"(gradient norm ratio {measured_ratio:.4g} to the reference, cosine "
                        f"{m.cosine:.4f}).",
                        evidence=evidence, location=location(inside_zero[-1].site))
+    if found is not None and found.kind in _SIZE_FACTOR_KINDS:
+        rival = _SIZE_FACTOR_KINDS[found.kind]
+        tied = [h for h in hyps if h.kind == rival and float(torch.linalg.vector_norm(
+            user_u.double() - h.vector.double())) <= cand_tol * float(torch.linalg.vector_norm(
+                h.vector.double()))]
+        if tied:
+            # K equal to the micro-batch size makes "no average" and "sum reduction" the same
+            # factor: cut the same window differently and see which factor moves.
+            decided, resplit = _disambiguate(session, window, snapshot, names, full)
+            if decided is not None:
+                evidence["resplit"] = resplit
+                if decided != found.kind:
+                    hyp = tied[0]
+                    found = compare.Classification(hyp.kind, hyp.label, found.rel_err,
+                                                   hyp.factor, dict(hyp.extra))
     if found is not None:
         kind = found.kind
-        if kind == "double-average" and ref.mode == "loop" and per_mb:
+        if kind in ("double-average", "weighted-average-mismatch") and ref.mode == "loop" and per_mb:
             # Relative to the loop's own K = 1 run a sum reduction divided by K looks like a
             # second average; the full-batch gradient being the *sum* of micro-batch gradients
             # says the loss sums over samples.
             summed = torch.stack(per_mb).sum(0)
             if compare.metrics(full, summed, compare.Tolerance(cand_tol, 0)).ok:
                 kind = "reduction-mismatch"
+                found = compare.Classification(
+                    kind, "the loss sums over samples (the full-batch gradient is the sum of the "
+                    "micro-batch gradients) and the loop divides by K only", found.rel_err,
+                    found.factor, {})
         evidence["hypothesis"] = found.label
         evidence["hypothesis_error"] = compare._round(found.rel_err)
         if found.factor is not None:
@@ -284,6 +303,38 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
                    f"(relative; tolerance {tol.rtol:g}), norm ratio {measured_ratio:.4g}, cosine "
                    f"{m.cosine:.4f}, matching no known mistake.{hint}",
                    evidence=evidence, location=location(step.site))
+
+
+_SIZE_FACTOR_KINDS = {"missing-accumulation-average": "reduction-mismatch",
+                      "reduction-mismatch": "missing-accumulation-average"}
+
+
+def _disambiguate(session: Session, window: int, snapshot, names: list[str],
+                  full: torch.Tensor) -> tuple[str | None, dict[str, Any]]:
+    """Re-run one window in fp32 with the data cut into K' micro-batches of b' and see whether
+    the gradient's factor follows K' (no average) or b' (sum reduction)."""
+    from ..loading import micro_batch_size_of, resplit_micro_batches
+    resplit = resplit_micro_batches(session.window(window))
+    if resplit is None:
+        return None, {}
+    K2, b2 = len(resplit), micro_batch_size_of(resplit[0])
+    no_clip = math.inf if session.spec.max_grad_norm is not None else None
+    trace = session.run_loop("fp32", micro_batches=resplit, K=K2, state=snapshot.state,
+                             training=snapshot.training, max_grad_norm=no_clip)
+    if trace.error is not None or not trace.steps:
+        return None, {}
+    grads: dict[str, torch.Tensor | None] = {}
+    for step in trace.steps:
+        if step.group == trace.steps[0].group:
+            grads.update(step.grads)
+    ratio = float(torch.linalg.vector_norm(flat(session, grads, names))) / max(
+        float(torch.linalg.vector_norm(full)), 1e-30)
+    info = {"accumulation_steps": K2, "micro_batch_size": b2, "ratio": compare._round(ratio)}
+    if K2 != b2 and abs(ratio / K2 - 1) < 0.02:
+        return "missing-accumulation-average", info
+    if K2 != b2 and abs(ratio / b2 - 1) < 0.02:
+        return "reduction-mismatch", info
+    return None, info
 
 
 def _second_unscale_site(events: list[Event]) -> Site | None:
