@@ -221,10 +221,21 @@ class Session:
             if rng_seed is not None:
                 torch.manual_seed(rng_seed)
             if self.code.loss is not None:
-                return self._reference_from_loss(mbs, state, training)
-            return self._reference_from_loop(mbs, state, training, per_mb)
+                ref = self._reference_from_loss(mbs, state, training)
+            else:
+                ref = self._reference_from_loop(mbs, state, training, per_mb)
+            return self._check_finite(ref, window)
         finally:
             recorder.activate(previous)
+
+    def _check_finite(self, ref: WindowReference, window: int) -> WindowReference:
+        bad = [n for n, g in ref.full.items() if g is not None and not bool(torch.isfinite(g).all())]
+        if bad:
+            raise UserCodeError(
+                f"the fp32 reference gradient of window {window} is not finite (parameter "
+                f"{bad[0]}): the baseline itself diverges, so no comparison means anything. Check "
+                "the data slice and the loss.")
+        return ref
 
     def _reference_from_loss(self, mbs, state, training) -> WindowReference:
         model = self._model_at(state, training)

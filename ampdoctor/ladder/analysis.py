@@ -42,6 +42,16 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
     exc = trace.error
     assert exc is not None
     text = f"{type(exc).__name__}: {exc}"
+    if "unscale_()" in str(exc) and _update_missing(trace):
+        steps = trace.of_kind("scaler_step")
+        return Finding(rung, "loop-error", "error",
+                       f"In the {trace.precision} run torch refused unscale_(): scaler.step() ran "
+                       "but scaler.update() was never called after it, so the next window's "
+                       "unscale_ counts as a second one. Call scaler.update() once after every "
+                       "scaler.step().",
+                       evidence={"error": text, "updates": len(trace.of_kind("update")),
+                                 "scaler_steps": len(steps)},
+                       location=location(steps[-1].site if steps else trace.error_site))
     for fragment, kind in KNOWN_TORCH_ERRORS:
         if fragment in str(exc):
             unscales = [e for e in trace.of_kind("unscale") if "error" in e.data]
@@ -57,6 +67,14 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                    f"The loop raised in the {trace.precision} run: {text}",
                    evidence={"error": text, "precision": trace.precision},
                    location=location(trace.error_site))
+
+
+def _update_missing(trace: Trace) -> bool:
+    """A scaler.step since the previous unscale_ with no update() between them."""
+    last_step = next((e for e in reversed(trace.events) if e.kind == "scaler_step"), None)
+    if last_step is None:
+        return False
+    return not any(e.kind == "update" and e.seq > last_step.seq for e in trace.events)
 
 
 def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
