@@ -242,32 +242,6 @@ def merge_micro_batches(mbs: list[Any]) -> Any | None:
         return None
 
 
-def resplit_micro_batches(mbs: list[Any]) -> list[Any] | None:
-    """The same window's data cut differently: each micro-batch halved (2K of b/2), or, when
-    that is impossible, neighbours merged (K/2 of 2b). None when neither applies."""
-    def tensors(mb):
-        return list(mb.values()) if isinstance(mb, dict) else list(mb)
-
-    def halve(mb):
-        n = micro_batch_size_of(mb)
-        if isinstance(mb, dict):
-            return [{k: v[:n // 2] for k, v in mb.items()}, {k: v[n // 2:] for k, v in mb.items()}]
-        return [tuple(t[:n // 2] for t in mb), tuple(t[n // 2:] for t in mb)]
-
-    if all(micro_batch_size_of(mb) % 2 == 0 and all(t.dim() > 0 and t.shape[0] ==
-           micro_batch_size_of(mb) for t in tensors(mb)) for mb in mbs):
-        return [half for mb in mbs for half in halve(mb)]
-    if len(mbs) % 2 == 0:
-        merged = [merge_micro_batches(mbs[i:i + 2]) for i in range(0, len(mbs), 2)]
-        if all(m is not None for m in merged):
-            return merged
-    return None
-
-
 def micro_batch_size_of(mb: Any) -> int:
     tensors = list(mb.values()) if isinstance(mb, dict) else list(mb)
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
-
-
-def path_for_display(path: str | Path, base: Path | None = None) -> str:
-    return str(path)

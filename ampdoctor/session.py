@@ -214,8 +214,14 @@ class Session:
     def reference(self, window: int, state: dict[str, torch.Tensor] | None = None,
                   training: bool = True, rng_seed: int | None = None,
                   per_mb: bool = True) -> WindowReference:
+        return self.reference_for(self.window(window), state, training, rng_seed, per_mb,
+                                  label=f"window {window}")
+
+    def reference_for(self, mbs: list[Any], state: dict[str, torch.Tensor] | None = None,
+                      training: bool = True, rng_seed: int | None = None, per_mb: bool = True,
+                      label: str = "window") -> WindowReference:
+        """The fp32 reference gradient of one optimizer step over `mbs` at `state`."""
         state = self.initial_state if state is None else state
-        mbs = self.window(window)
         previous = recorder.activate(None)
         try:
             if rng_seed is not None:
@@ -224,15 +230,15 @@ class Session:
                 ref = self._reference_from_loss(mbs, state, training)
             else:
                 ref = self._reference_from_loop(mbs, state, training, per_mb)
-            return self._check_finite(ref, window)
+            return self._check_finite(ref, label)
         finally:
             recorder.activate(previous)
 
-    def _check_finite(self, ref: WindowReference, window: int) -> WindowReference:
+    def _check_finite(self, ref: WindowReference, window: str) -> WindowReference:
         bad = [n for n, g in ref.full.items() if g is not None and not bool(torch.isfinite(g).all())]
         if bad:
             raise UserCodeError(
-                f"the fp32 reference gradient of window {window} is not finite (parameter "
+                f"the fp32 reference gradient of {window} is not finite (parameter "
                 f"{bad[0]}): the baseline itself diverges, so no comparison means anything. Check "
                 "the data slice and the loss.")
         return ref
@@ -309,11 +315,20 @@ class Session:
         if per_mb or batch_stats:
             per = [self.loop_gradient([mb], state, training) for mb in mbs]
         if batch_stats:
-            self.notes.add("the model normalises over the batch (BatchNorm): the loop-as-reference "
-                           "is the equal-weight mean of per-micro-batch gradients")
             # BatchNorm normalises per micro-batch: the full-batch gradient is not what a correct
-            # accumulation computes, the equal-weight mean of micro-batch gradients is.
-            full = _combine(per, [1.0 / len(per)] * len(per))
+            # accumulation computes, the mean (or, for a loss that sums over samples, the sum) of
+            # the micro-batch gradients is. Which of the two the loss does, the full-batch run
+            # still tells: it is far closer to one than to the other (a factor K apart).
+            mean = _combine(per, [1.0 / len(per)] * len(per))
+            total = _combine(per, [1.0] * len(per))
+            merged = merge_micro_batches(mbs)
+            full = mean
+            if merged is not None:
+                whole = self.loop_gradient([merged], state, training)
+                if _distance(whole, total) < _distance(whole, mean):
+                    full = total
+            self.notes.add("the model normalises over the batch (BatchNorm): the loop-as-reference "
+                           "combines per-micro-batch gradients")
         else:
             merged = merge_micro_batches(mbs)
             if merged is None:
@@ -328,6 +343,15 @@ class Session:
                 full = self.loop_gradient([merged], state, training)
         counts = [float(micro_batch_size_of(mb)) for mb in mbs]
         return WindowReference(full, per, counts, False, "loop")
+
+
+def _distance(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
+    total = 0.0
+    for name, g in a.items():
+        h = b.get(name)
+        if g is not None and h is not None:
+            total += float(torch.sum((g.double() - h.double()) ** 2))
+    return total
 
 
 def _scale(grads: dict[str, torch.Tensor | None], factor: float) -> dict[str, torch.Tensor | None]:

@@ -35,6 +35,7 @@ class OverflowInjector:
         self.target = target
         self.fired = False
         self._handle = None
+        self.param_id: int | None = None
         self.param_name: str | None = None
 
     def __call__(self, probe: Probe, loss: torch.Tensor) -> None:
@@ -50,6 +51,7 @@ class OverflowInjector:
         name, param = next((n, p) for n, p in probe.model.named_parameters() if p.requires_grad)
         self.fired = True
         self.param_name = name
+        self.param_id = id(param)
         state = {"done": False}
 
         def poison(grad: torch.Tensor) -> torch.Tensor | None:
@@ -75,6 +77,20 @@ def _windows(trace: Trace, K: int) -> dict[int, dict[str, list]]:
             w = trace.window_of_event(e)
             out.setdefault(w, {}).setdefault(e.kind, []).append(e)
     return out
+
+
+def _applied_windows(session: Session, trace: Trace, optimizer: int | None) -> set[int]:
+    """The windows in which the optimizer really stepped (GradScaler checks inf per optimizer,
+    so only the optimizer holding the poisoned parameter must skip)."""
+    return {session.window_of(step, 0, trace) for step in trace.steps
+            if optimizer is None or step.optimizer == optimizer}
+
+
+def _owner_slot(trace: Trace, param_id: int | None) -> int | None:
+    for slot, opt in enumerate(trace.probe.optimizers):
+        if any(id(p) == param_id for group in opt.param_groups for p in group["params"]):
+            return slot
+    return None
 
 
 def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
@@ -136,15 +152,22 @@ def run(session: Session) -> RungResult:
     details["skipped"] = skipped_flags
     details["scale"] = [e.data.get("scale_after") for e in trace.of_kind("update")]
 
-    # The injected window must be skipped.
-    if not any(e.data.get("skipped") for e in scaler_steps):
-        stepped = injected.get("step", [])
+    # The injected window must be skipped (whether scaler.step skipped it or the loop's own
+    # non-finite check did).
+    owner = _owner_slot(trace, injector.param_id)
+    applied = _applied_windows(session, trace, owner)
+    applied_plain = _applied_windows(session, plain, owner)
+    details["applied_windows"] = sorted(applied)
+    if inject_window in applied:
+        stepped = [s for s in trace.steps if session.window_of(s, 0, trace) == inject_window
+                   and (owner is None or s.optimizer == owner)]
+        direct = [s for s in stepped if s.via_scaler is None]
         findings.append(Finding(
             RUNG, "missing-unscale", "error",
             f"An inf was injected into {injector.param_name}.grad in window {inject_window} but "
-            "the optimizer stepped anyway: the step did not go through scaler.step's inf check.",
+            "the optimizer stepped anyway: the step bypassed scaler.step's inf check.",
             evidence={"measured": len(stepped), "expected": 0},
-            location=location(stepped[0].site if stepped else None)))
+            location=location((direct or stepped)[0].site if stepped else None)))
     # The scale backs off once per window, not once per micro-batch.
     updates = injected.get("update", [])
     if updates and updates[0].data.get("scale_before"):
@@ -162,18 +185,13 @@ def run(session: Session) -> RungResult:
                 evidence={"measured": backoffs, "expected": 1, "scale_before": before,
                           "scale_after": after, "backoff_factor": backoff},
                 location=location(updates[-1].site)))
-    # The next window must start clean: no inf carried over, so not skipped again (beyond
-    # what the plain run skipped on its own at the same step).
-    all_steps = trace.of_kind("scaler_step")
-    plain_flags = [bool(e.data.get("skipped")) for e in plain.of_kind("scaler_step")]
-    injected_idx = [i for i, e in enumerate(all_steps) if trace.window_of_event(e) == inject_window]
+    # The next window must start clean: no inf carried over, so not skipped again (where the
+    # plain run did update).
     in_a_row = 0
-    if injected_idx:
-        for i in range(injected_idx[-1] + 1, len(skipped_flags)):
-            natural = plain_flags[i] if i < len(plain_flags) else False
-            if not skipped_flags[i] or natural:
-                break
-            in_a_row += 1
+    for w in range(inject_window + 1, N):
+        if w in applied or w not in applied_plain:
+            break
+        in_a_row += 1
     details["skipped_in_a_row_after_injection"] = in_a_row
     if in_a_row > 0:
         zero_grads = plain.of_kind("zero_grad") or trace.of_kind("zero_grad")
@@ -181,14 +199,14 @@ def run(session: Session) -> RungResult:
         findings.append(Finding(
             RUNG, "no-zero-grad-after-skip", "error",
             f"After the injected overflow in window {inject_window} the next {in_a_row} "
-            "step(s) were skipped too: the inf stayed in .grad and poisoned the following "
+            "window(s) were skipped too: the inf stayed in .grad and poisoned the following "
             "window(s). Gradients must be cleared after a skipped step as after a good one.",
             evidence={"measured": in_a_row, "expected": 0, "injected_window": inject_window,
-                      "skipped": skipped_flags},
+                      "applied_windows": sorted(applied), "skipped": skipped_flags},
             location=location(site)))
     # The scheduler must not advance for the skipped step.
-    sched = injected.get("scheduler", [])
-    if sched and scaler_steps and all(e.data.get("skipped") for e in scaler_steps):
+    sched = [e for e in injected.get("scheduler", []) if owner is None or e.optimizer in (None, owner)]
+    if sched and inject_window not in applied:
         real_steps = len(trace.steps)
         sched_steps = len(trace.of_kind("scheduler"))
         warmup = _lr_rising(plain, sched[0].optimizer)

@@ -198,7 +198,7 @@ def decide(scans: dict[str, FileScan], graph: Graph, base: str | None) -> Decisi
         if key in errors_seen:
             continue
         errors_seen.add(key)
-        first = groups[0][0]
+        first = _to_remove(groups)
         names = "; ".join(_describe(g, base) for g in groups)
         decision.findings.append(
             Finding(
@@ -224,7 +224,7 @@ def decide(scans: dict[str, FileScan], graph: Graph, base: str | None) -> Decisi
         groups = sorted(all_machines.values(), key=lambda g: g[0].sort_key())
         frameworks = {g[0].framework for g in groups}
         if len(frameworks) > 1:
-            first = groups[0][0]
+            first = _to_remove(groups)
             names = "; ".join(
                 f"{_describe(g, base)} (entry point "
                 f"{', '.join(_short(e, base) for e in entries_of[g[0].uid])})"
@@ -257,3 +257,14 @@ def _short(path: str, base: str | None) -> str:
     from ampdoctor.scan.sites import display_path
 
     return display_path(path, base)
+
+
+#: Which owner a finding points at: the one a user should remove. A hand-written static scale
+#: before a GradScaler; a hand-written GradScaler before a framework's own loss scaling
+#: (DeepSpeed, Trainer, accelerate, Lightning own the loop they run).
+_REMOVE_FIRST = {"static loss scale": 0, "GradScaler": 1}
+
+
+def _to_remove(groups):
+    ranked = sorted(enumerate(groups), key=lambda ig: (_REMOVE_FIRST.get(ig[1][0].kind, 2), ig[0]))
+    return ranked[0][1][0]
