@@ -41,6 +41,9 @@ BROKEN = {
                                         (3.9, 4.4), "broken_scheduler_per_microbatch.py"),
     "broken_dropout": ("reproducibility", "nondeterministic-baseline", "measured", (1e-3, 10),
                        "common.py"),
+    # no catalogue shape: an off-by-one accumulation condition, named with its numbers
+    "broken_accumulation_off_by_one": ("fp32-accum", "gradient-mismatch", "measured", (1, 1),
+                                       "broken_accumulation_off_by_one.py"),
     # fp16-scaler: the state machine and the scale-space shapes
     "broken_clip_before_unscale": ("fp16-scaler", "clip-before-unscale", "measured",
                                    (0.9 * 65536, 1.1 * 65536), "broken_clip_before_unscale.py"),

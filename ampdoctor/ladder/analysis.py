@@ -141,6 +141,22 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
                           "microbatches_before_first_step": mb_before_first,
                           "optimizer": slot},
                 location=location(steps[0].site))
+    # As many steps as windows, but not on window boundaries: an off-by-one accumulation
+    # condition (`i % K == 0` with i from 0 steps after the first micro-batch).
+    for slot, steps in sorted(per_optimizer.items()):
+        consumed = [(s.microbatch + 1) if trace.lazy_feed else s.backwards for s in steps]
+        off = [(s, n) for s, n in zip(steps, consumed) if n % session.K != 0]
+        if off:
+            step, n = off[0]
+            return Finding(
+                rung, "gradient-mismatch", "error",
+                f"The optimizer stepped after {n} micro-batch(es), not on a boundary of "
+                f"K={session.K}: the accumulation condition is off by one (e.g. "
+                "`i % K == 0` with i counted from 0), so the first window holds "
+                f"{consumed[0]} micro-batch(es) and every later window straddles two.",
+                evidence={"measured": consumed[0], "expected": session.K,
+                          "microbatches_at_each_step": consumed, "optimizer": slot},
+                location=location(step.site))
     return None
 
 
