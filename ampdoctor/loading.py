@@ -111,6 +111,22 @@ class UserCode:
                             f"{type(obj).__name__}, not a callable.")
         return obj
 
+    def source_files(self) -> list[str]:
+        """The files that define the spec's callables (the diagnosed loop's own path)."""
+        import inspect
+        files = []
+        for fn in (self.train_loop, self.model_factory, self.data_factory, self.loss,
+                   self.optimizer_factory):
+            if fn is None:
+                continue
+            try:
+                path = inspect.getsourcefile(inspect.unwrap(fn))
+            except TypeError:
+                path = None
+            if path:
+                files.append(path)
+        return files
+
     def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)

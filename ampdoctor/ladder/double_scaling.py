@@ -28,7 +28,8 @@ def _base(paths: list[str]) -> str | None:
         return folders[0]
 
 
-def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] | None = None) -> RungResult:
+def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] | None = None,
+             focus_files: list[str] | None = None) -> RungResult:
     """Run the static search over `scan_paths_` and turn it into the rung's result.
 
     `runtime_owner`: `{"kind": "GradScaler", "file": "/abs/train.py", "line": 12}` from the
@@ -38,8 +39,17 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
     base = _base(paths)
     report = scan_paths(paths, runtime_owner=runtime_owner, display_base=base, missing_ok=True)
     owners = report.owners
-    errors = [f for f in report.findings if f.severity == "error"]
-    warnings = [f for f in report.findings if f.severity == "warning"]
+    findings = list(report.findings)
+    elsewhere = 0
+    if focus_files:
+        # In a diagnose, only owners on the diagnosed loop's own path matter: another script's
+        # scaler elsewhere in project_root is that script's business (`ampdoctor scan` shows it).
+        focus = {os.path.realpath(f) for f in focus_files}
+        kept = [f for f in findings if _touches(f, focus)]
+        elsewhere = len(findings) - len(kept)
+        findings = kept
+    errors = [f for f in findings if f.severity == "error"]
+    warnings = [f for f in findings if f.severity == "warning"]
     runtime = next((s for s in owners if s.runtime), None)
     runtime_note = ""
     if runtime is not None:
@@ -58,18 +68,24 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
         if owners[0].runtime:
             summary += " (the one the fp16 run used)"
     elif owners:
+        listed = ", ".join(describe(o, base) for o in owners[:4])
+        if len(owners) > 4:
+            listed += f", ... ({len(owners) - 4} more)"
         summary = (f"{len(owners)} loss-scale owners, each alone on its training path: "
-                   + ", ".join(describe(o, base) for o in owners) + runtime_note)
+                   + listed + runtime_note)
     else:
         summary = f"no loss-scale owner in {report.files_scanned} file(s)"
     if report.skipped:
         summary += f" ({len(report.skipped)} file(s) skipped)"
+    if elsewhere:
+        summary += (f"; {elsewhere} finding(s) elsewhere in the scanned tree, off this loop's "
+                    "path (see `ampdoctor scan`)")
 
     return RungResult(
         id=RUNG,
-        status=status_from_findings(report.findings),
+        status=status_from_findings(findings),
         summary=summary,
-        findings=list(report.findings),
+        findings=findings,
         seconds=report.seconds,
         details={
             "owners": [o.to_dict() for o in owners],
@@ -81,6 +97,14 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
             "scan_paths": paths,
         },
     )
+
+
+def _touches(finding, focus: set[str]) -> bool:
+    """Does a finding involve one of the diagnosed loop's own files?"""
+    ev = finding.evidence
+    files = {o.get("file") for o in ev.get("owners", [])}
+    files |= {ev.get("entry")} | set(ev.get("entries", []))
+    return any(f and os.path.realpath(f) in focus for f in files)
 
 
 def _where(owner: dict[str, Any], base: str | None) -> str:

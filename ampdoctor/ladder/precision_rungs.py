@@ -28,7 +28,7 @@ def run_double_scaling(session) -> RungResult:
         if inits:
             runtime_owner = {"kind": "GradScaler", "file": inits[0].site.file,
                              "line": inits[0].site.line}
-    return evaluate(session.spec.scan_paths(), runtime_owner)
+    return evaluate(session.spec.scan_paths(), runtime_owner, session.code.source_files())
 
 
 def run_clip_space(session) -> RungResult:
