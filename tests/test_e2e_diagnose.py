@@ -44,6 +44,9 @@ BROKEN = {
     # no catalogue shape: an off-by-one accumulation condition, named with its numbers
     "broken_accumulation_off_by_one": ("fp32-accum", "gradient-mismatch", "measured", (1, 1),
                                        "broken_accumulation_off_by_one.py"),
+    # ddp-sync: 2 gloo ranks, all-reduces counted by a DDP communication hook
+    "broken_missing_no_sync": ("ddp-sync", "missing-no-sync", "measured", (4, 4),
+                               "broken_missing_no_sync.py"),
     # fp16-scaler: the state machine and the scale-space shapes
     "broken_clip_before_unscale": ("fp16-scaler", "clip-before-unscale", "measured",
                                    (0.9 * 65536, 1.1 * 65536), "broken_clip_before_unscale.py"),
@@ -87,7 +90,7 @@ def test_healthy_recipe_passes_clean(name, records_dir):
                  "double-scaling", "skips"):
         assert statuses[rung] == "pass", (rung, record["rungs"])
     assert statuses["clip-space"] in ("pass", "skip")
-    assert statuses["ddp-sync"] == "skip"
+    assert statuses["ddp-sync"] == ("pass" if name.endswith("_ddp") else "skip")
     assert record["device"] == "cpu"
     # the fp16 series for the charts
     assert len(record["series"]["scale"]) >= 3

@@ -1,12 +1,8 @@
-"""Rungs after fp32-accum. Placeholders until their issues land: each skips with its reason."""
+"""The rungs after fp32-accum, imported lazily (each pulls in its own machinery)."""
 
 from __future__ import annotations
 
 from ..findings import RungResult
-
-
-def _pending(rung: str, why: str) -> RungResult:
-    return RungResult(rung, "skip", why)
 
 
 def run_bf16(session) -> RungResult:
@@ -42,6 +38,5 @@ def run_skips(session) -> RungResult:
 
 
 def run_ddp(session) -> RungResult:
-    if session.spec.ddp is None:
-        return RungResult("ddp-sync", "skip", "no `ddp` in the spec")
-    return _pending("ddp-sync", "the DDP rung is not implemented in this version")
+    from .ddp_sync import run
+    return run(session)
