@@ -7,12 +7,11 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from . import __version__
 from .errors import AmpdoctorError, UserCodeError
-from .findings import Finding, Location, RungResult
+from .findings import RungResult
 from .spec import Spec
 
 

@@ -263,6 +263,21 @@ class RungResult:
         }
 
 
+def conclude(rung: str, findings: list[Finding], summary_ok: str,
+             details: dict[str, Any] | None = None) -> RungResult:
+    """A rung's result from its findings: failed on the first error (the summary names it),
+    `warn` with the count of warnings, else `pass` with `summary_ok`."""
+    status = status_from_findings(findings)
+    if status == "fail":
+        first = next(f for f in findings if f.severity == "error")
+        summary = f"{first.kind}: {first.message[:120]}"
+    elif status == "warn":
+        summary = f"{summary_ok}; {len(findings)} warning(s)"
+    else:
+        summary = summary_ok
+    return RungResult(rung, status, summary, findings, details=details or {})
+
+
 def status_from_findings(findings: list[Finding]) -> str:
     """`fail` on any error, `warn` on warnings only, else `pass`."""
     if any(f.severity == "error" for f in findings):

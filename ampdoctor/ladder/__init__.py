@@ -6,7 +6,6 @@ Each rung is `run(session) -> RungResult`. "Stop at the first failure" lives her
 from __future__ import annotations
 
 import time
-import traceback
 from collections.abc import Callable
 
 from ..errors import AmpdoctorError

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .. import compare
-from ..findings import Finding, Location, RungResult, status_from_findings
+from ..findings import Finding, Location, RungResult, conclude
 from ..probe.callsite import Site
 from ..probe.recorder import Event
 from ..probe.statemachine import StepStateMachine
@@ -154,7 +154,6 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     violations = machine.feed_all(trace.events)
     findings: list[Finding] = []
     seen: set[str] = set()
-    name_of = {id(p): n for n, p in session._template.named_parameters()}
     for v in violations:
         if v.kind in seen:
             continue
@@ -277,18 +276,6 @@ def _map_loop_error(trace: Trace, rung: str) -> Finding:
     return loop_error_finding(trace, rung)
 
 
-def _finish(rung: str, findings: list[Finding], summary_ok: str, details: dict) -> RungResult:
-    status = status_from_findings(findings)
-    if status == "fail":
-        first = next(f for f in findings if f.severity == "error")
-        summary = f"{first.kind}: {first.message[:120]}"
-    elif status == "warn":
-        summary = f"{summary_ok}; {len(findings)} warning(s)"
-    else:
-        summary = summary_ok
-    return RungResult(rung, status, summary, findings, details=details)
-
-
 def run_precision(session: Session, precision: str, rung: str) -> RungResult:
     trace = session.trace(precision)
     details: dict[str, Any] = {}
@@ -300,19 +287,19 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
                           [finding], details=details)
     findings = half_open_findings(session, trace, rung)
     if any(f.severity == "error" for f in findings):
-        return _finish(rung, findings, "", details)
+        return conclude(rung, findings, "", details)
     if precision == "fp16":
         violations = violation_findings(session, trace, rung)
         if violations:
-            return _finish(rung, findings + violations, "", details)
+            return conclude(rung, findings + violations, "", details)
         double = runtime_double_scaling(session, trace, rung)
         if double is not None:
-            return _finish(rung, findings + [double], "", details)
+            return conclude(rung, findings + [double], "", details)
     findings += scheduler_findings(session, trace, rung)
     skipped = _skipped(trace)
     count = step_count_finding(session, trace, rung, skipped_windows=skipped)
     if count is not None:
-        return _finish(rung, findings + [count], "", details)
+        return conclude(rung, findings + [count], "", details)
     mismatch, comparisons = compare_trace(session, trace, rung, precision)
     findings += mismatch
     worst = max((c.metrics.rel_err for c in comparisons), default=0.0)
@@ -327,7 +314,7 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
               "size: cosine >= 0.95, norm ratio within 0.8-1.25)")
     if skipped:
         ok += f"; {skipped} step(s) skipped by the scaler"
-    return _finish(rung, findings, ok, details)
+    return conclude(rung, findings, ok, details)
 
 
 def bf16_supported(session: Session) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from .. import compare
-from ..findings import Finding, RungResult, status_from_findings
+from ..findings import Finding, RungResult, conclude
 from ..session import Session, flat
 from .analysis import compare_trace, location, loop_error_finding
 
@@ -93,11 +93,7 @@ def run(session: Session) -> RungResult:
         details["forced_steps_compared"] = len(comparisons)
         details["forced_max_relative_error"] = max((c.metrics.rel_err for c in comparisons),
                                                    default=0.0)
-    status = status_from_findings(findings)
-    if status == "fail":
-        summary = f"{findings[0].kind}: {findings[0].message[:100]}"
-    else:
-        shown = ", ".join(f"{r:.4g}" for r in ratios[:3]) or "n/a"
-        summary = (f"clip saw the true gradient norm (ratio {shown}); with clipping forced at "
-                   f"{threshold:.3g} the update matches the reference")
-    return RungResult(RUNG, status, summary, findings, details=details)
+    shown = ", ".join(f"{r:.4g}" for r in ratios[:3]) or "n/a"
+    return conclude(RUNG, findings, f"clip saw the true gradient norm (ratio {shown}); with "
+                    f"clipping forced at {threshold:.3g} the update matches the reference",
+                    details)

@@ -3,7 +3,7 @@ reference, step by step (averaging factor, reduction, zero_grad placement, steps
 
 from __future__ import annotations
 
-from ..findings import RungResult, status_from_findings
+from ..findings import RungResult, conclude
 from ..session import Session
 from .analysis import compare_trace, loop_error_finding, scheduler_findings, step_count_finding
 
@@ -30,11 +30,6 @@ def run(session: Session) -> RungResult:
     mismatch, comparisons = compare_trace(session, trace, RUNG, "fp32")
     findings = mismatch + findings
     worst = max((c.metrics.rel_err for c in comparisons), default=0.0)
-    status = status_from_findings(findings)
-    if status == "fail":
-        summary = f"{findings[0].kind} at step {findings[0].evidence.get('step', '?')}"
-    else:
-        summary = (f"{len(comparisons)} optimizer steps match the fp32 full-batch reference "
-                   f"(max relative error {worst:.2g})")
-    return RungResult(RUNG, status, summary, findings,
-                      details={"max_relative_error": worst, "steps_compared": len(comparisons)})
+    return conclude(RUNG, findings, f"{len(comparisons)} optimizer steps match the fp32 "
+                    f"full-batch reference (max relative error {worst:.2g})",
+                    {"max_relative_error": worst, "steps_compared": len(comparisons)})

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .. import compare
-from ..findings import Finding, RungResult, status_from_findings
+from ..findings import Finding, RungResult, conclude
 from ..probe.recorder import Probe
 from ..session import Session, Trace
 from .analysis import location, loop_error_finding
@@ -224,12 +224,5 @@ def run(session: Session) -> RungResult:
     frequent = _frequent_skips(session, plain)
     if frequent is not None:
         findings.append(frequent)
-    status = status_from_findings(findings)
-    if status == "fail":
-        summary = f"{findings[0].kind}: {findings[0].message[:110]}"
-    else:
-        summary = (f"overflow injected in window {inject_window} was skipped, scale backed off "
-                   f"once, the next window was clean")
-        if findings:
-            summary += f"; {len(findings)} warning(s)"
-    return RungResult(RUNG, status, summary, findings, details=details)
+    return conclude(RUNG, findings, f"overflow injected in window {inject_window} was skipped, "
+                    "the scale backed off once, the next window was clean", details)

@@ -4,10 +4,9 @@ evidence, the user's file:line and the fix."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
