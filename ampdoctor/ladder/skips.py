@@ -21,9 +21,10 @@ from ..session import Session, Trace
 from .analysis import location, loop_error_finding
 
 RUNG = "skips"
-#: frequent-skips: more than this fraction of the plain fp16 run's steps skipped (and at least
-#: two of them), or the scale below MIN_SCALE. The default GradScaler skips a few steps while it
-#: searches for its scale; a quarter of all steps is far beyond that search.
+#: frequent-skips: after the first real update, more than this fraction of the plain fp16 run's
+#: steps skipped; or no update at all in the run; or the scale below MIN_SCALE. The default
+#: GradScaler skips a few leading steps while it searches down for its scale (not counted); a
+#: quarter of the steps after that is far beyond the one skip per growth_interval it costs.
 SKIP_RATE_THRESHOLD = 0.25
 MIN_SCALE = 1.0
 
@@ -100,7 +101,16 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
               if e.data.get("scale_after") is not None]
     rate = len(skipped) / len(steps) if steps else 0.0
     collapsed = bool(scales) and min(scales) < MIN_SCALE
-    if not ((rate > SKIP_RATE_THRESHOLD and len(skipped) >= 2) or collapsed):
+    flags = [bool(e.data.get("skipped")) for e in steps]
+    # Leading skips are the scaler searching down from init_scale: normal at the start of
+    # training. What counts is skipping once it has found a scale that works, or never finding
+    # one within the run.
+    first_ok = flags.index(False) if False in flags else len(flags)
+    after = flags[first_ok + 1:]
+    skipped_after = sum(after)
+    never_settled = len(flags) >= 2 and first_ok == len(flags)
+    unsettled = skipped_after >= 1 and skipped_after / len(after) > SKIP_RATE_THRESHOLD
+    if not (never_settled or unsettled or collapsed):
         return None
     inits = [e for e in plain.of_kind("scaler_init") if e.data.get("enabled")]
     site = inits[0].site if inits else (skipped[0].site if skipped else None)
@@ -112,6 +122,7 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
         + ": fewer real updates than the schedule assumes.",
         evidence={"measured": compare._round(rate), "expected": 0.0,
                   "threshold": SKIP_RATE_THRESHOLD, "skipped": len(skipped),
+                  "initial_search_skips": first_ok, "skipped_after_first_update": skipped_after,
                   "steps": len(steps), "scale": scales,
                   "growth_interval": inits[0].data.get("growth_interval") if inits else None},
         location=location(site))
