@@ -166,16 +166,26 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             seen_norm = v.data.get("total_norm")
             true_norm = _reference_norm(session, trace, window)
             ratio = (seen_norm / true_norm) if seen_norm and true_norm else None
+            by_value = event.data.get("kind") == "value"
+            if by_value:
+                # clip_grad_value_ returns nothing: the threshold is off by the scale itself.
+                ratio = scale
             evidence.update({"measured": compare._round(ratio) if ratio else None,
                              "expected": 1.0, "norm_seen_by_clip": seen_norm,
                              "true_norm": compare._round(true_norm) if true_norm else None,
                              "max_grad_norm": v.data.get("max_norm")})
-            message = (f"clip_grad_norm_ ran before scaler.unscale_: it saw a gradient norm of "
-                       f"{seen_norm:.6g} where the true norm is {true_norm:.6g} — a ratio of "
-                       f"{ratio:.6g}, the loss scale ({scale:g}). The threshold "
-                       f"{v.data.get('max_norm')} was applied in scaled space."
-                       if ratio else "clip_grad_norm_ ran before scaler.unscale_ on scaled "
-                       "gradients.")
+            if by_value:
+                message = (f"clip_grad_value_ ran before scaler.unscale_: the clip value "
+                           f"{v.data.get('max_norm')} was applied to gradients multiplied by the "
+                           f"loss scale {scale:g}, i.e. a clip value {scale:g}x too small in "
+                           "true-gradient space.")
+            elif ratio and seen_norm and true_norm:
+                message = (f"clip_grad_norm_ ran before scaler.unscale_: it saw a gradient norm "
+                           f"of {seen_norm:.6g} where the true norm is {true_norm:.6g} — a ratio "
+                           f"of {ratio:.6g}, the loss scale ({scale:g}). The threshold "
+                           f"{v.data.get('max_norm')} was applied in scaled space.")
+            else:
+                message = "clip_grad_norm_ ran before scaler.unscale_ on scaled gradients."
         elif v.kind == "missing-unscale":
             slot = v.data.get("optimizer")
             ratio = _step_ratio(session, trace, event)

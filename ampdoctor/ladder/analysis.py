@@ -46,14 +46,18 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
     text = f"{type(exc).__name__}: {exc}"
     if "unscale_()" in str(exc) and _update_missing(trace):
         steps = trace.of_kind("scaler_step")
+        updates = trace.of_kind("update")
+        # Point at the update() that exists but was skipped on this path, else at the step.
+        site = (updates[-1].site if updates else steps[-1].site if steps else trace.error_site)
         return Finding(rung, "loop-error", "error",
-                       f"In the {trace.precision} run torch refused unscale_(): scaler.step() ran "
-                       "but scaler.update() was never called after it, so the next window's "
-                       "unscale_ counts as a second one. Call scaler.update() once after every "
-                       "scaler.step().",
-                       evidence={"error": text, "updates": len(trace.of_kind("update")),
-                                 "scaler_steps": len(steps)},
-                       location=location(steps[-1].site if steps else trace.error_site))
+                       f"In the {trace.precision} run torch refused unscale_(): the previous "
+                       "window never reached scaler.update() (a skip path that returns early, "
+                       "or no update at all), so the next window's unscale_ counts as a second "
+                       "one. Call scaler.update() once per window on every path, skipped or not.",
+                       evidence={"error": text, "updates": len(updates),
+                                 "scaler_steps": len(steps),
+                                 "measured": len(updates), "expected": len(steps) or 1},
+                       location=location(site))
     for fragment, kind in KNOWN_TORCH_ERRORS:
         if fragment in str(exc):
             unscales = [e for e in trace.of_kind("unscale") if "error" in e.data]
@@ -72,11 +76,23 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
 
 
 def _update_missing(trace: Trace) -> bool:
-    """A scaler.step since the previous unscale_ with no update() between them."""
+    """torch refused an unscale_ because the previous window never reached update(): a
+    scaler.step with no update after it, or (a hand-written skip path) a previous unscale_ of
+    the same optimizer followed by new backward passes but no update."""
     last_step = next((e for e in reversed(trace.events) if e.kind == "scaler_step"), None)
-    if last_step is None:
+    if last_step is not None and not any(e.kind == "update" and e.seq > last_step.seq
+                                         for e in trace.events):
+        return True
+    unscales = [e for e in trace.of_kind("unscale") if not e.data.get("inside_step")]
+    if len(unscales) < 2:
         return False
-    return not any(e.kind == "update" and e.seq > last_step.seq for e in trace.events)
+    failing, previous = unscales[-1], next(
+        (e for e in reversed(unscales[:-1]) if e.optimizer == unscales[-1].optimizer), None)
+    if previous is None:
+        return False
+    between = [e for e in trace.events if previous.seq < e.seq < failing.seq]
+    return (any(e.kind == "backward" for e in between)
+            and not any(e.kind == "update" for e in between))
 
 
 def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
@@ -181,6 +197,10 @@ def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
     names_all = session.param_order
     if max_norm == "spec":
         max_norm = session.spec.max_grad_norm
+    # The reference clips the way the loop does: by total norm (clip_grad_norm_), or element-wise
+    # (clip_grad_value_, with the threshold handed to the loop as run.max_grad_norm).
+    clip_kinds = {e.data.get("kind") for e in trace.of_kind("clip")}
+    by_value = clip_kinds == {"value"}
     previous_seq = -1
     for ordinal, group in enumerate(groups):
         steps = [s for s in trace.steps if s.group == group]
@@ -191,13 +211,15 @@ def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
         ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
         ref_all = flat(session, ref.full, names_all)
         coef = 1.0
-        if max_norm is not None:
+        if max_norm is not None and not by_value:
             norm = float(torch.linalg.vector_norm(ref_all.double()))
             coef = min(1.0, max_norm / (norm + 1e-6))
         for step in steps:
             names = [n for n in step.grads if n in session.param_shapes]
             user = flat(session, step.grads, names)
             expected = flat(session, ref.full, names) * coef
+            if max_norm is not None and by_value:
+                expected = expected.clamp(-max_norm, max_norm)
             m = compare.metrics(user, expected, tol)
             comparisons.append(StepComparison(ordinal, window, step, m))
             if not m.ok and not compare.is_precision_noise(m, precision):
@@ -317,6 +339,8 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
             site = step.site
         elif kind == "unscale-twice":
             site = _second_unscale_site(window_events) or step.site
+        elif kind == "double-average":
+            site = _grad_division_between(last_backward_site, step.site) or site
         message = _MESSAGES.get(kind, "{label}").format(
             step=ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
             precision=precision, tol=tol.rtol, factor=found.factor or 0)
@@ -375,6 +399,17 @@ def _disambiguate(session: Session, window: int, snapshot, names: list[str],
     if abs(ratio / b - 1) < 0.02:
         return "reduction-mismatch", info
     return None, info
+
+
+def _grad_division_between(first: Site | None, last: Site | None) -> Site | None:
+    """A hand-written `p.grad.div_(K)` / `p.grad /= K` between the backward and the step."""
+    if first is None or last is None or first.file != last.file or last.line <= first.line:
+        return None
+    for line in range(first.line + 1, last.line):
+        code = linecache.getline(first.file, line).split("#", 1)[0]
+        if _GRAD_DIVISION.search(code):
+            return Site(first.file, line, first.function)
+    return None
 
 
 def _second_unscale_site(events: list[Event]) -> Site | None:
