@@ -286,11 +286,31 @@ def _map_loop_error(trace: Trace, rung: str) -> Finding:
     return loop_error_finding(trace, rung)
 
 
+#: torch's own "this op has no kernel for this dtype on this device" errors: a limit of the
+#: backend (oneDNN LSTM in bf16 on CPU, an op without a Half kernel), not of the user's loop.
+_BACKEND_LIMITS = re.compile(r"not implemented for '(BFloat16|Half)'|could not create a "
+                             r"primitive|onednn|mkldnn|no kernel", re.IGNORECASE)
+
+
+def _backend_cannot(session: Session, trace: Trace) -> bool:
+    exc = trace.error
+    if not isinstance(exc, (RuntimeError, NotImplementedError)):
+        return False
+    fp32 = session.traces.get("fp32")
+    if fp32 is None or fp32.error is not None:   # it must run in fp32 to blame the dtype
+        return False
+    return bool(_BACKEND_LIMITS.search(str(exc)))
+
+
 def run_precision(session: Session, precision: str, rung: str) -> RungResult:
     trace = session.trace(precision)
     details: dict[str, Any] = {}
     if precision == "fp16":
         details["series"] = _series(trace)
+    if trace.error is not None and _backend_cannot(session, trace):
+        return RungResult(rung, "skip", f"torch on {session.device.type} cannot run this model in "
+                          f"{precision}: {str(trace.error).splitlines()[0][:160]}",
+                          details=details)
     if trace.error is not None:
         finding = _map_loop_error(trace, rung)
         return RungResult(rung, "fail", f"the {precision} loop raised ({finding.kind})",

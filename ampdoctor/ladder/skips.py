@@ -137,6 +137,8 @@ def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
 
 def run(session: Session) -> RungResult:
     plain = session.trace("fp16")
+    if plain.error is not None:   # fp16-scaler skipped it: the backend cannot run fp16 here
+        return RungResult(RUNG, "skip", "the fp16 run cannot run on this device (see fp16-scaler)")
     scaler = _scaler(plain)
     if scaler is None or not scaler.is_enabled():
         return RungResult(RUNG, "skip", "the fp16 run has no enabled GradScaler")
