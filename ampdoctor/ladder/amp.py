@@ -274,12 +274,14 @@ def _map_loop_error(trace: Trace, rung: str) -> Finding:
     if isinstance(exc, AssertionError) and "No inf checks were recorded" in str(exc):
         updates = [e for e in trace.of_kind("update") if "error" in e.data]
         site: Site | None = updates[-1].site if updates else trace.error_site
-        n_updates = len(trace.of_kind("update"))
+        last_step = max((e.seq for e in trace.of_kind("scaler_step")), default=-1)
+        early = [e for e in trace.of_kind("update") if e.seq > last_step]
         return Finding(rung, "update-per-microbatch", "error",
                        "scaler.update() was called again before any unscale_/step of the window: "
                        "torch refused it ('No inf checks were recorded prior to update'). The "
                        "scale must be updated once per optimizer step, not per micro-batch.",
-                       evidence={"measured": n_updates, "expected": max(1, n_updates - 1),
+                       evidence={"measured": len(early), "expected": 0,
+                                 "updates_before_the_windows_step": len(early),
                                  "error": f"{type(exc).__name__}: {exc}",
                                  "microbatch": trace.events[-1].microbatch if trace.events else None},
                        location=location(site))
