@@ -107,6 +107,8 @@ def fill_record(record: dict[str, Any], results: list[RungResult]) -> None:
 
 def error_record(spec: Spec | None, exc: AmpdoctorError, device: str = "unknown") -> dict[str, Any]:
     """A record for a run that could not start (bad spec is not recorded; user code is)."""
+    if device == "unknown" and spec is not None:
+        device = spec.device
     record = new_record(spec, device) if spec is not None else {
         "record_version": 1, "ampdoctor_version": __version__, "verdict": "error"}
     record["verdict"] = "error"

@@ -168,9 +168,12 @@ def build_optimizers(code: UserCode, model: torch.nn.Module) -> tuple[Any, list[
         cls = getattr(torch.optim, name, None)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise SpecError(f"spec key 'optimizer.name': torch.optim has no optimizer {name!r}.")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise UserCodeError(f"the model factory '{code.spec.model}' built a model with no "
+                                "trainable parameters: there is nothing to optimize.")
         try:
             result = cls(model.parameters(), **options)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise SpecError(f"spec key 'optimizer': {name}({', '.join(options)}) is not "
                             f"valid: {exc}", cause=exc) from exc
     flat = list(result) if isinstance(result, (list, tuple)) else [result]

@@ -83,6 +83,9 @@ class Session:
         self._ref_model: torch.nn.Module | None = None
         self.module_sites: dict[str, Site] = {}
         self._template = self._build_template()
+        if not any(p.requires_grad for p in self._template.parameters()):
+            raise UserCodeError(f"the model factory '{spec.model}' built a model with no "
+                                "trainable parameters: there is nothing to optimize.")
         self.param_shapes = {n: p.shape for n, p in self._template.named_parameters()}
         self.param_order = [n for n, _ in self._template.named_parameters()]
         self.initial_state = {k: v.detach().clone() for k, v in self._template.state_dict().items()}

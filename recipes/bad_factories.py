@@ -19,3 +19,12 @@ def make_nan_data():
     x = x.clone()
     x[5, 3] = float("nan")
     return x, y
+
+
+def make_frozen_model():
+    """A model whose every parameter was frozen (a fine-tuning script that forgot to unfreeze
+    the head): nothing for an optimizer to update."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    for param in model.parameters():
+        param.requires_grad_(False)
+    return model

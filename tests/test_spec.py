@@ -101,6 +101,7 @@ BAD_CONFIGS = {
     "factory_raises": (3, "bad_factories.py:"),
     "import_raises": (3, "bad_import.py:"),
     "nan_data": (3, "NaN"),
+    "no_parameters": (3, "no trainable parameters"),
 }
 
 
