@@ -106,7 +106,9 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     counts: dict[tuple[int, Any, Any], int] = {}
     for e in scheduler_events:
         interval = sum(1 for s in boundaries if s < e.seq)
-        key = (interval, e.data.get("type"), e.optimizer)
+        # one count per scheduler object: two schedulers on one optimizer (warmup + decay)
+        # each stepping once per optimizer step are fine
+        key = (interval, e.data.get("scheduler", e.data.get("type")), e.optimizer)
         counts[key] = counts.get(key, 0) + 1
     worst = max(counts.values())
     if worst <= 1:

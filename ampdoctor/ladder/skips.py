@@ -45,9 +45,12 @@ class OverflowInjector:
                 self._handle.remove()
                 self._handle = None
             return
-        # Counted in backward calls, not micro-batches handed out: a loop may fetch them all
-        # up front. probe.backward_count already includes this backward.
-        if probe.backward_count != self.target + 1 or probe.model is None:
+        # By the micro-batch handed out when the loop takes them one at a time, else (a loop
+        # that fetched them all up front) by backward calls; backward_count includes this one.
+        first = next((e for e in probe.events if e.kind == "backward"), None)
+        lazy = first is not None and first.microbatch == 0
+        here = probe.current_microbatch if lazy else probe.backward_count - 1
+        if here != self.target or probe.model is None:
             return
         name, param = next((n, p) for n, p in probe.model.named_parameters() if p.requires_grad)
         self.fired = True

@@ -461,7 +461,7 @@ def _wrap_scheduler_step(original):
         except Exception:  # ReduceLROnPlateau before its first step, custom schedulers
             pass
         probe.record("scheduler", site=site, optimizer=slot,
-                     data={"type": type(self).__name__, "lr": lr,
+                     data={"type": type(self).__name__, "lr": lr, "scheduler": id(self),
                            "last_epoch": getattr(self, "last_epoch", None)})
         return result
     return step
