@@ -36,6 +36,7 @@ class Trace:
     error_site: Site | None = None
     final_state: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer_count: int = 1
+    microbatches: int = 0
 
     @property
     def events(self) -> list[recorder.Event]:
@@ -47,13 +48,30 @@ class Trace:
 
     @property
     def lazy_feed(self) -> bool:
-        """Did the loop take micro-batches one at a time (each before its backward)?"""
-        first = next((e for e in self.probe.events if e.kind == "backward"), None)
-        return first is None or first.microbatch == 0
+        """Did the loop take micro-batches as it went (some handed out after a backward), rather
+        than all up front (`list(micro_batches)`)?"""
+        events = self.probe.events
+        first = next((e for e in events if e.kind == "backward"), None)
+        if first is None:
+            return True
+        return any(e.kind == "microbatch" and e.seq > first.seq for e in events)
 
-    def window_of_event(self, event: recorder.Event | recorder.StepRecord) -> int:
-        index = event.microbatch if self.lazy_feed else event.backwards - 1
-        return max(index, 0) // self.accumulation_steps
+    def window_of_event(self, event: recorder.Event | recorder.StepRecord) -> int | None:
+        """The window an event belongs to, or None when the trace cannot tell.
+
+        By the micro-batch last handed out when the loop takes them as it goes; for a loop that
+        fetched them all up front, by backward calls when there is one per micro-batch (or one
+        per window, a loop that sums the window's losses first).
+        """
+        K = self.accumulation_steps
+        if self.lazy_feed:
+            return max(event.microbatch, 0) // K
+        backwards = self.probe.backward_count
+        if backwards == self.microbatches:
+            return max(event.backwards - 1, 0) // K
+        if K and backwards == self.microbatches // K:
+            return max(event.backwards - 1, 0)
+        return None
 
     def of_kind(self, *kinds: str) -> list[recorder.Event]:
         return [e for e in self.probe.events if e.kind in kinds]
@@ -144,7 +162,7 @@ class Session:
         probe.before_backward = before_backward
         feed = recorder.MicroBatchFeed(mbs, probe)
         trace = Trace(precision, settings.accumulation_steps, probe, settings,
-                      optimizer_count=len(flat))
+                      optimizer_count=len(flat), microbatches=len(mbs))
         if rng_seed is not None:
             torch.manual_seed(rng_seed)
         previous = recorder.activate(probe)
@@ -173,17 +191,13 @@ class Session:
                   trace: Trace | None = None) -> int:
         """Which window an event (or step) belongs to.
 
-        By the micro-batch last handed out when the loop consumes micro-batches lazily, else
-        (a loop that did `list(micro_batches)` up front) by the backward calls made so far:
-        one backward per micro-batch.
+        See `Trace.window_of_event`; where the trace cannot tell, the step's ordinal.
         """
-        lazy = trace is None or trace.lazy_feed
-        if lazy:
-            index = step.microbatch
-        else:
-            index = step.backwards - 1
-        index = max(0, min(index, len(self.micro_batches) - 1))
-        return min(index // self.K, self.N - 1)
+        window = (max(step.microbatch, 0) // self.K if trace is None
+                  else trace.window_of_event(step))
+        if window is None:
+            window = ordinal
+        return max(0, min(window, self.N - 1))
 
     # --- the reference ----------------------------------------------------------------
     def random_modules(self) -> list[str]:

@@ -159,7 +159,7 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             continue
         seen.add(v.kind)
         event = v.event
-        window = min(trace.window_of_event(event), session.N - 1)
+        window = min(trace.window_of_event(event) or 0, session.N - 1)
         scale = _last_scale_before(trace, event.seq)
         evidence: dict[str, Any] = {"scale": scale, "window": window}
         if v.kind == "clip-before-unscale":

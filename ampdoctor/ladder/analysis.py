@@ -161,8 +161,10 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
                 location=location(steps[0].site))
     # As many steps as windows, but not on window boundaries: an off-by-one accumulation
     # condition (`i % K == 0` with i from 0 steps after the first micro-batch).
+    if not trace.lazy_feed:   # micro-batches fetched up front: cadence cannot be read
+        return None
     for slot, steps in sorted(per_optimizer.items()):
-        consumed = [(s.microbatch + 1) if trace.lazy_feed else s.backwards for s in steps]
+        consumed = [s.microbatch + 1 for s in steps]
         off = [(s, n) for s, n in zip(steps, consumed) if n % session.K != 0]
         if off:
             step, n = off[0]

@@ -30,10 +30,18 @@ MIN_SCALE = 1.0
 
 
 class OverflowInjector:
-    """Before the backward of micro-batch `target`, hook one parameter to receive an inf."""
+    """Before one backward of window `window`, hook one parameter to receive an inf.
 
-    def __init__(self, model: torch.nn.Module | None, target: int):
-        self.target = target
+    The backward is found by the micro-batch handed out when the loop takes them as it goes
+    (micro-batch `window*K + K//2`, or the window's later single backward when the loop sums
+    its losses first), else by backward ordinal, from the plain run's backwards per window.
+    """
+
+    def __init__(self, window: int, K: int, backwards_per_window: int):
+        self.window = window
+        self.K = K
+        self.target = window * K + K // 2
+        self.target_backward = window * backwards_per_window + backwards_per_window // 2 + 1
         self.fired = False
         self._handle = None
         self.param_id: int | None = None
@@ -45,12 +53,16 @@ class OverflowInjector:
                 self._handle.remove()
                 self._handle = None
             return
-        # By the micro-batch handed out when the loop takes them one at a time, else (a loop
-        # that fetched them all up front) by backward calls; backward_count includes this one.
+        if probe.model is None:
+            return
         first = next((e for e in probe.events if e.kind == "backward"), None)
-        lazy = first is not None and first.microbatch == 0
-        here = probe.current_microbatch if lazy else probe.backward_count - 1
-        if here != self.target or probe.model is None:
+        lazy = first is not None and any(e.kind == "microbatch" and e.seq > first.seq
+                                         for e in probe.events)
+        mb = probe.current_microbatch
+        if lazy:
+            if not (mb >= self.target and mb // self.K == self.window):
+                return
+        elif probe.backward_count != self.target_backward:   # includes this backward
             return
         name, param = next((n, p) for n, p in probe.model.named_parameters() if p.requires_grad)
         self.fired = True
@@ -79,6 +91,8 @@ def _windows(trace: Trace, K: int) -> dict[int, dict[str, list]]:
     for e in trace.events:
         if e.kind in ("scaler_step", "update", "scheduler", "step", "zero_grad"):
             w = trace.window_of_event(e)
+            if w is None:
+                continue
             out.setdefault(w, {}).setdefault(e.kind, []).append(e)
     return out
 
@@ -149,7 +163,8 @@ def run(session: Session) -> RungResult:
     K, N = session.K, session.N
     inject_window = 1 if N >= 2 else 0
     target_mb = inject_window * K + K // 2
-    injector = OverflowInjector(None, target_mb)
+    per_window = max(1, round(plain.probe.backward_count / max(N, 1)))
+    injector = OverflowInjector(inject_window, K, per_window)
     trace = session.run_loop("fp16", rng_seed=session.spec.seed + 1, before_backward=injector)
     details: dict[str, Any] = {"injected_window": inject_window, "injected_microbatch": target_mb}
     if trace.error is not None:
