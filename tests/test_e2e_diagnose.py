@@ -31,6 +31,9 @@ BROKEN = {
     # without `loss` the loop at K = 1 is the reference: its sum reduction makes the K-run 1/K
     "broken_reduction_sum_noloss": ("fp32-accum", "reduction-mismatch", "measured",
                                     (0.249, 0.251), "broken_reduction_sum.py"),
+    # a hard-coded divisor (8 for K = 4): right direction, half the size
+    "broken_hardcoded_divisor": ("fp32-accum", "double-average", "measured", (0.499, 0.501),
+                                 "broken_hardcoded_divisor.py"),
     "broken_weighted_average": ("fp32-accum", "weighted-average-mismatch", "cosine", (0.3, 0.995),
                                 "broken_weighted_average.py"),
     "broken_step_per_microbatch": ("fp32-accum", "step-per-microbatch", "measured", (12, 12),
@@ -57,6 +60,9 @@ BROKEN = {
                              "broken_unscale_twice.py"),
     "broken_manual_unscale_twice": ("fp16-scaler", "unscale-twice", "measured",
                                     (0.9 / 65536, 1.1 / 65536), "broken_manual_unscale_twice.py"),
+    # unscale_ after every backward: refused inside the window, not a missing update
+    "broken_unscale_per_microbatch": ("fp16-scaler", "unscale-twice", "measured", (2, 2),
+                                      "broken_unscale_per_microbatch.py"),
     "broken_update_per_microbatch": ("fp16-scaler", "update-per-microbatch", "measured", (1, 100),
                                      "broken_update_per_microbatch.py"),
     "broken_double_scaling": ("fp16-scaler", "double-scaling", "extra_factor", (1000, 1050),
@@ -66,6 +72,9 @@ BROKEN = {
     # skips: overflow injection
     "broken_no_zero_grad_after_skip": ("skips", "no-zero-grad-after-skip", "measured", (1, 1),
                                        "broken_no_zero_grad_after_skip.py"),
+    # a hand-written overflow guard that `continue`s past update() and zero_grad()
+    "broken_overflow_continue": ("skips", "no-zero-grad-after-skip", "measured", (0, 0),
+                                 "broken_overflow_continue.py"),
     "broken_scheduler_steps_on_skip": ("skips", "scheduler-steps-on-skip", "measured", (3, 3),
                                        "broken_scheduler_steps_on_skip.py"),
 }

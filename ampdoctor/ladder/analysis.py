@@ -78,7 +78,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
 def _update_missing(trace: Trace) -> bool:
     """torch refused an unscale_ because the previous window never reached update(): a
     scaler.step with no update after it, or (a hand-written skip path) a previous unscale_ of
-    the same optimizer followed by new backward passes but no update."""
+    the same optimizer in an earlier window and no update since."""
     last_step = next((e for e in reversed(trace.events) if e.kind == "scaler_step"), None)
     if last_step is not None and not any(e.kind == "update" and e.seq > last_step.seq
                                          for e in trace.events):
@@ -91,8 +91,18 @@ def _update_missing(trace: Trace) -> bool:
     if previous is None:
         return False
     between = [e for e in trace.events if previous.seq < e.seq < failing.seq]
-    return (any(e.kind == "backward" for e in between)
-            and not any(e.kind == "update" for e in between))
+    if any(e.kind == "update" for e in between):
+        return False
+    # The previous unscale_ belongs to an earlier window: that window ended without update()
+    # (a skip path that `continue`s). Same window: unscale_ repeated inside it (unscale-twice).
+    w_prev, w_fail = trace.window_of_event(previous), trace.window_of_event(failing)
+    if w_prev is not None and w_fail is not None:
+        return w_prev < w_fail
+    # A loop that raised cannot always place events in windows: a full window of backward
+    # passes (or a step) between the two calls means a new window began.
+    backwards_between = sum(1 for e in between if e.kind == "backward")
+    return (backwards_between >= max(trace.accumulation_steps, 2)
+            or any(e.kind in ("scaler_step", "step") for e in between))
 
 
 def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
@@ -361,6 +371,16 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
                            "loss sums over samples instead of averaging.",
                            evidence=evidence, location=location(last_backward_site))
         hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
+    if m.cosine > 0.9999 and 0.05 < measured_ratio < 20 and abs(measured_ratio - 1) > 0.05:
+        # Right direction, wrong size, no catalogue factor: the loss is divided by the wrong
+        # number (a hard-coded 8 for K=4, K*K): averaged too much or too little.
+        kind = "double-average" if measured_ratio < 1 else "missing-accumulation-average"
+        evidence["factor"] = compare._round(measured_ratio)
+        return Finding(rung, kind, "error",
+                       f"Step {ordinal}: the optimizer consumed {measured_ratio:.4g}x the reference "
+                       f"gradient with cosine {m.cosine:.5f}: the loss is divided by "
+                       f"{K / measured_ratio:.4g} instead of K={K}.",
+                       evidence=evidence, location=location(last_backward_site))
     return Finding(rung, "gradient-mismatch", "error",
                    f"Step {ordinal} (window {window}) of the {precision} run: the gradient the "
                    f"optimizer consumed differs from the fp32 reference by {m.rel_err:.3g} "

@@ -18,7 +18,7 @@ from .. import compare
 from ..findings import Finding, RungResult, conclude
 from ..probe.recorder import Probe
 from ..session import Session, Trace
-from .analysis import location, loop_error_finding
+from .analysis import _update_missing, location, loop_error_finding
 
 RUNG = "skips"
 #: frequent-skips: after the first real update, more than this fraction of the plain fp16 run's
@@ -152,6 +152,36 @@ def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
     return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + 1e-9)
 
 
+def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector) -> Finding | None:
+    """A hand-written overflow guard that `continue`s past step/update/zero_grad: torch refuses
+    the next window's unscale_(), and the inf stays in .grad. Named when the injected overflow
+    is what sent the loop down that path and the path cleared no gradients either."""
+    if not injector.fired or "unscale_()" not in str(trace.error) or not _update_missing(trace):
+        return None
+    unscales = [e for e in trace.of_kind("unscale") if not e.data.get("inside_step")]
+    failing = unscales[-1]
+    previous = next((e for e in reversed(unscales[:-1]) if e.optimizer == failing.optimizer), None)
+    if previous is None:
+        return None
+    between = [e for e in trace.events if previous.seq < e.seq < failing.seq]
+    if any(e.kind in ("zero_grad", "scaler_step", "step") for e in between):
+        return None
+    zero_grads = plain.of_kind("zero_grad")
+    updates = plain.of_kind("update")
+    site = (zero_grads[-1].site if zero_grads else updates[-1].site if updates else failing.site)
+    return Finding(
+        RUNG, "no-zero-grad-after-skip", "error",
+        f"An inf injected into {injector.param_name}.grad sent the loop down its own skip path, "
+        "which left the step without scaler.update() and without zero_grad(): the inf stayed in "
+        ".grad and torch refused the next window's unscale_() "
+        f"({type(trace.error).__name__}: {trace.error}). On a skip, clear the gradients and call "
+        "scaler.update() as after a good step -- or drop the hand-written check and let "
+        "scaler.step() skip.",
+        evidence={"measured": 0, "expected": 1, "zero_grad_on_skip_path": 0,
+                  "update_on_skip_path": 0, "error": f"{type(trace.error).__name__}: {trace.error}"},
+        location=location(site))
+
+
 def run(session: Session) -> RungResult:
     plain = session.trace("fp16")
     if plain.error is not None:   # fp16-scaler skipped it: the backend cannot run fp16 here
@@ -168,7 +198,7 @@ def run(session: Session) -> RungResult:
     trace = session.run_loop("fp16", rng_seed=session.spec.seed + 1, before_backward=injector)
     details: dict[str, Any] = {"injected_window": inject_window, "injected_microbatch": target_mb}
     if trace.error is not None:
-        finding = loop_error_finding(trace, RUNG)
+        finding = _skip_path_left_open(trace, plain, injector) or loop_error_finding(trace, RUNG)
         return RungResult(RUNG, "fail", "the fp16 run with an injected overflow raised",
                           [finding], details=details)
     if not injector.fired:
