@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,6 +54,18 @@ def _worker(rank: int, spec_path: str, world_size: int, port: int, out_dir: str)
             result["error_site"] = [site.file, site.line]
     result.pop("_finder", None)
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # Tear down after the result is safe on disk, and leave without running interpreter
+    # finalisers: gloo's threads can abort a process at exit ("terminate called without an
+    # active exception"), which would turn a finished rank into a failed one.
+    try:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the work is done and recorded
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _run_rank(rank: int, spec_path: str, world_size: int, port: int,
@@ -114,8 +127,9 @@ def _run_rank(rank: int, spec_path: str, world_size: int, port: int,
                 result["steps"] = [s.backwards for s in probe.steps]
                 result["step_sites"] = [[s.site.file, s.site.line] if s.site else None
                                         for s in probe.steps]
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
 
 
 def _run_ranks(spec_path: str, world_size: int) -> list[dict[str, Any]]:
@@ -131,6 +145,11 @@ def _run_ranks(spec_path: str, world_size: int) -> list[dict[str, Any]]:
                     raise TimeoutError(f"the {world_size}-process DDP run did not finish within "
                                        f"{DDP_TIMEOUT:.0f} s (a rank waiting for a collective "
                                        "the others never join?)")
+        except mp.ProcessExitedException:
+            # A rank that died while tearing down, after its result was written, finished its
+            # work; one that died before writing it did not.
+            if not all(Path(out_dir, f"rank{r}.json").exists() for r in range(world_size)):
+                raise
         finally:
             for process in context.processes:
                 if process.is_alive():
