@@ -448,3 +448,39 @@ def test_scanning_all_recipes_at_once_keeps_them_apart():
         assert len(cases) == 1, cases
         found[cases.pop()] = _owner_tuples(finding.evidence["owners"])
     assert found == expected
+
+
+@pytest.mark.parametrize("output", ["record", "scan-json", "sarif"])
+def test_ampdoctor_outputs_in_the_tree_do_not_link_scripts(tmp_path, output, capsys):
+    """A run record, a scan report or a SARIF log saved inside the project quotes every owner's
+    file; read as a config it would join two separate scripts into one training path."""
+    for name in ("train_a.py", "train_b.py"):
+        (tmp_path / name).write_text(
+            "import torch\n"
+            "scaler = torch.amp.GradScaler('cuda')\n"
+            "def step(model, loss, opt):\n"
+            "    scaler.scale(loss).backward()\n"
+            "    scaler.step(opt)\n"
+            "    scaler.update()\n")
+    before = scan_paths([tmp_path])
+    assert [f for f in before.findings if f.severity == "error"] == []
+    if output == "record":
+        saved = {"record_version": 1, "ampdoctor_version": "0.1.0", "verdict": "healthy",
+                 "rungs": [{"id": "double-scaling", "details": {"owners": [
+                     {"file": "train_a.py", "line": 2}, {"file": "train_b.py", "line": 2}]}}]}
+        text = json.dumps(saved)
+    elif output == "scan-json":
+        run_scan([str(tmp_path)], fmt="json")
+        text = capsys.readouterr().out
+        assert "train_a.py" in text and "train_b.py" in text
+    else:  # the shape `--format sarif` writes for a finding with two owners
+        text = json.dumps({"$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+                           "version": "2.1.0", "runs": [{
+                               "tool": {"driver": {"name": "ampdoctor"}},
+                               "results": [{"ruleId": "double-scaling", "locations": [
+                                   {"physicalLocation": {"artifactLocation": {"uri": name}}}
+                                   for name in ("train_a.py", "train_b.py")]}]}]})
+    (tmp_path / "last_run.json").write_text(text)
+    after = scan_paths([tmp_path])
+    assert [f for f in after.findings if f.severity == "error"] == []
+    assert len(after.owners) == len(before.owners) == 2

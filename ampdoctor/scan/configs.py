@@ -327,10 +327,27 @@ def scan_config(path: str, data: bytes, scan: FileScan) -> None:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             scan.skipped = f"does not parse as YAML: {reason}"
             return
+    if any(_ampdoctor_output(doc) for doc in docs):
+        return
     locate = text_locator(text)
     for doc in docs:
         if isinstance(doc, dict):
             analyze_mapping(doc, path, locate, scan)
+
+
+def _ampdoctor_output(doc: Any) -> bool:
+    """ampdoctor's own run records, scan reports and SARIF logs: they quote every owner's file,
+    and reading them as configs would link unrelated scripts into one training path."""
+    if not isinstance(doc, dict):
+        return False
+    if "ampdoctor_version" in doc:
+        return True
+    runs = doc.get("runs")
+    if isinstance(runs, list) and runs and isinstance(runs[0], dict):
+        driver = runs[0].get("tool", {}).get("driver", {}) if isinstance(
+            runs[0].get("tool"), dict) else {}
+        return isinstance(driver, dict) and driver.get("name") == "ampdoctor"
+    return False
 
 
 _SHELL_PATH = re.compile(r"[^\s\"'=]+\.(?:json|ya?ml|py|sh|bash)(?![\w.])")
