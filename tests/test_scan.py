@@ -467,7 +467,9 @@ def test_ampdoctor_outputs_in_the_tree_do_not_link_scripts(tmp_path, output, cap
     if output == "record":
         saved = {"record_version": 1, "ampdoctor_version": "0.1.0", "verdict": "healthy",
                  "rungs": [{"id": "double-scaling", "details": {"owners": [
-                     {"file": "train_a.py", "line": 2}, {"file": "train_b.py", "line": 2}]}}]}
+                     {"kind": "GradScaler", "file": name, "line": 2, "key_path": None,
+                      "detail": "torch.amp.GradScaler('cuda'): on whenever precision == 'fp16'"}
+                     for name in ("train_a.py", "train_b.py")]}}]}
         text = json.dumps(saved)
     elif output == "scan-json":
         run_scan([str(tmp_path)], fmt="json")
@@ -477,7 +479,8 @@ def test_ampdoctor_outputs_in_the_tree_do_not_link_scripts(tmp_path, output, cap
         text = json.dumps({"$schema": "https://json.schemastore.org/sarif-2.1.0.json",
                            "version": "2.1.0", "runs": [{
                                "tool": {"driver": {"name": "ampdoctor"}},
-                               "results": [{"ruleId": "double-scaling", "locations": [
+                               "results": [{"ruleId": "double-scaling", "message": {
+                                   "text": "2 loss-scale owners (fp16 GradScaler)"}, "locations": [
                                    {"physicalLocation": {"artifactLocation": {"uri": name}}}
                                    for name in ("train_a.py", "train_b.py")]}]}]})
     (tmp_path / "last_run.json").write_text(text)
