@@ -263,3 +263,34 @@ def merge_micro_batches(mbs: list[Any]) -> Any | None:
 def micro_batch_size_of(mb: Any) -> int:
     tensors = list(mb.values()) if isinstance(mb, dict) else list(mb)
     return int(tensors[0].shape[0]) if tensors and tensors[0].dim() > 0 else 1
+
+
+def micro_batch_counts(mb: Any) -> dict[str, float]:
+    """What a loss might average over in one micro-batch, by description: its samples, the
+    elements of each multi-dimensional tensor, the labels of an integer tensor that are not
+    -100 (as given, and shifted for next-token prediction: `[:, 1:]`), the ones of a 0/1 mask.
+    Fields named like labels/targets come first: what a loss counts is most often its targets."""
+    fields = list(mb.items()) if isinstance(mb, dict) else list(enumerate(mb))
+    fields.sort(key=lambda kv: not (isinstance(kv[0], str)
+                                    and any(w in kv[0].lower() for w in ("label", "target"))))
+    counts: dict[str, float] = {"samples": float(micro_batch_size_of(mb))}
+    for key, t in fields:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            continue
+        name = f"`{key}`" if isinstance(key, str) else f"field {key}"
+        shape = " x ".join(str(d) for d in t.shape)
+        if t.dim() > 1:
+            counts[f"elements of {name} ({shape})"] = float(t.numel())
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            if t.dtype == torch.bool or ("mask" in str(key).lower() and t.is_floating_point()
+                                         and bool(((t == 0) | (t == 1)).all())):
+                counts[f"ones of the mask {name}"] = float(t.sum())
+            continue
+        kept = float((t != -100).sum())
+        if kept != t.numel():
+            counts[f"labels of {name} that are not -100"] = kept
+        if t.dim() == 2 and t.shape[1] > 1:
+            counts[f"next-token targets of {name}[:, 1:]"] = float((t[:, 1:] != -100).sum())
+        if "mask" in str(key).lower() and bool(((t == 0) | (t == 1)).all()):
+            counts[f"ones of the mask {name}"] = float(t.sum())
+    return counts

@@ -13,7 +13,8 @@ import torch
 from . import compare
 from .errors import UserCodeError
 from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
-                      merge_micro_batches, micro_batch_size_of, to_device)
+                      merge_micro_batches, micro_batch_counts, micro_batch_size_of,
+                      to_device)
 from .probe import recorder
 from .probe.callsite import CallSiteFinder, Site
 from .spec import Spec
@@ -110,6 +111,10 @@ class Session:
         self.traces: dict[str, Trace] = {}
         #: Caveats about how the reference was built, shown in the record.
         self.notes: set[str] = set()
+        #: Micro-batches of different shapes without a `loss`: how the loop weighs them, a key
+        #: of `micro_batch_counts` (None: equally), and whether the fp32 run has been asked.
+        self.loop_weighting: str | None = None
+        self.weighting_open = False
 
     def _build_template(self) -> torch.nn.Module:
         """Build the model once while recording where each submodule was constructed, so a
@@ -353,13 +358,36 @@ class Session:
                 # back to the equal-weight mean of per-micro-batch gradients (a token-weighted
                 # mismatch then needs a `loss` in the spec to be seen).
                 per = per or [self.loop_gradient([mb], state, training) for mb in mbs]
-                full = _combine(per, [1.0 / len(per)] * len(per))
-                self.notes.add("micro-batches differ in shape: the loop-as-reference is the "
-                               "equal-weight mean of per-micro-batch gradients")
+                full = _combine(per, self.fallback_weights(mbs))
+                if self.loop_weighting is None:
+                    self.weighting_open = True
+                    self.notes.add("micro-batches differ in shape: the loop-as-reference is the "
+                                   "equal-weight mean of per-micro-batch gradients (give the "
+                                   "spec a `loss` to state the weighting)")
             else:
                 full = self.loop_gradient([merged], state, training)
         counts = [float(micro_batch_size_of(mb)) for mb in mbs]
         return WindowReference(full, per, counts, False, "loop")
+
+
+    def fallback_weights(self, mbs: list[Any], what: str | None = "loop") -> list[float]:
+        """Per-micro-batch weights (summing to 1) of the loop-as-reference for micro-batches
+        that cannot be concatenated: equal, or proportional to the count the loop weighs by."""
+        what = self.loop_weighting if what == "loop" else what
+        if what is None:
+            return [1.0 / len(mbs)] * len(mbs)
+        counts = [micro_batch_counts(mb).get(what, 0.0) for mb in mbs]
+        total = sum(counts)
+        return [c / total for c in counts] if total > 0 else [1.0 / len(mbs)] * len(mbs)
+
+    def adopt_weighting(self, what: str) -> None:
+        self.loop_weighting = what
+        self.weighting_open = False
+        self.notes = {n for n in self.notes if not n.startswith("micro-batches differ in shape")}
+        self.notes.add(f"micro-batches differ in shape and the loop weighs them by their {what} "
+                       "(as one batch of the whole window would): the loop-as-reference is the "
+                       "mean of per-micro-batch gradients weighted so (give the spec a `loss` "
+                       "to state the weighting)")
 
 
 def _distance(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:

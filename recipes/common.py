@@ -155,3 +155,26 @@ def token_loss_sum(model: nn.Module, batch: dict[str, torch.Tensor]):
     )
     n_tokens = (labels != IGNORE_INDEX).sum().to(torch.float32)
     return loss_sum, n_tokens
+
+
+# --------------------------------------------------------------------------- packed LM
+
+PACKED_SEQS, PACKED_LEN = 4, 10
+
+
+def make_packed_lm_batches() -> list[dict[str, torch.Tensor]]:
+    """12 micro-batches of packed text (no padding): `{"input_ids", "labels"}` of shape
+    [4, 10], labels equal to input_ids (the model shifts them, as Hugging Face causal LMs do)."""
+    g = torch.Generator().manual_seed(DATA_SEED)
+    batches = []
+    for _ in range(12):
+        ids = torch.randint(1, VOCAB, (PACKED_SEQS, PACKED_LEN), generator=g)
+        batches.append({"input_ids": ids, "labels": ids.clone()})
+    return batches
+
+
+def packed_lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token cross-entropy: logits[:, :-1] against labels[:, 1:]."""
+    logits = model(batch["input_ids"]).float()[:, :-1]
+    labels = batch["labels"][:, 1:]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))

@@ -115,3 +115,24 @@ def test_flatten_fills_missing_grads_with_zeros():
     shapes = {"a": torch.Size([2]), "b": torch.Size([1, 2])}
     v = compare.flatten({"a": torch.tensor([1.0, 2.0]), "b": None}, ["a", "b"], shapes)
     assert v.tolist() == [1.0, 2.0, 0.0, 0.0]
+
+
+def test_micro_batch_counts_names_what_a_loss_can_average_over():
+    import torch
+
+    from ampdoctor.loading import micro_batch_counts
+
+    labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
+    counts = micro_batch_counts({"input_ids": torch.ones(2, 4, dtype=torch.long),
+                                 "attention_mask": torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]),
+                                 "labels": labels})
+    assert counts["samples"] == 2
+    assert counts["labels of `labels` that are not -100"] == 5
+    assert counts["next-token targets of `labels`[:, 1:]"] == 3
+    assert counts["ones of the mask `attention_mask`"] == 5
+    assert counts["elements of `labels` (2 x 4)"] == 8
+    # the targets come first: a loss most often counts its labels
+    assert list(counts)[1].endswith("`labels` (2 x 4)")
+    tuple_counts = micro_batch_counts((torch.zeros(8, 16), torch.zeros(8, 3)))
+    assert tuple_counts == {"samples": 8, "elements of field 0 (8 x 16)": 128,
+                            "elements of field 1 (8 x 3)": 24}

@@ -22,6 +22,14 @@ BROKEN = {
                               "broken_double_average.py"),
     "broken_reduction_sum": ("fp32-accum", "reduction-mismatch", "measured", (7.99, 8.01),
                              "broken_reduction_sum.py"),
+    # dict batches of packed text, per-token losses summed: 4 sequences x 9 shifted targets
+    "broken_token_sum_reduction": ("fp32-accum", "reduction-mismatch", "measured", (35.9, 36.1),
+                                   "broken_token_sum_reduction.py"),
+    # no `loss`, micro-batches of different lengths: the loop's token weighting is found, and
+    # the extra / K still shows against it
+    "broken_token_window_double_average": ("fp32-accum", "double-average", "measured",
+                                           (0.249, 0.251),
+                                           "broken_token_window_double_average.py"),
     # K == micro_batch_size: "no average" and "sum reduction" give the same factor; a re-split
     # pass must tell them apart
     "broken_reduction_sum_k_equals_b": ("fp32-accum", "reduction-mismatch", "measured",
@@ -105,6 +113,19 @@ def test_healthy_recipe_passes_clean(name, records_dir):
     assert len(record["series"]["scale"]) >= 3
     assert len(record["series"]["skipped"]) >= 3
     assert not any(record["series"]["skipped"])
+
+
+def test_noloss_uneven_micro_batches_take_the_loops_token_weighting(records_dir):
+    """Without `loss`, micro-batches that cannot be concatenated have no full-batch reference:
+    the equal-weight mean is only a guess, and a loop that weighs by tokens is right. The
+    record and the terminal say which weighting the reference used."""
+    record = run_cli("diagnose", CONFIGS / "healthy_token_weighted_noloss.yaml", "--json",
+                     "--out", records_dir).record
+    assert record["verdict"] == "healthy"
+    assert any("labels of `labels` that are not -100" in n for n in record["notes"]), record
+    saved = sorted(records_dir.glob("*.json"))[-1]
+    shown = run_cli("report", saved).stdout
+    assert "note: micro-batches differ in shape and the loop weighs them" in shown
 
 
 def test_clip_space_runs_when_clipping_is_configured(records_dir):

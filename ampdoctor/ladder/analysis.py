@@ -14,6 +14,7 @@ import torch
 
 from .. import compare
 from ..findings import Finding, Location
+from ..loading import micro_batch_counts, micro_batch_size_of
 from ..probe.callsite import Site
 from ..probe.recorder import Event, StepRecord
 from ..session import Session, Trace, flat
@@ -235,6 +236,17 @@ def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
             if max_norm is not None and by_value:
                 expected = expected.clamp(-max_norm, max_norm)
             m = compare.metrics(user, expected, tol)
+            if not m.ok and session.weighting_open and precision == "fp32" \
+                    and _adopt_weighting(session, window, ref, names, user, tol):
+                ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
+                ref_all = flat(session, ref.full, names_all)
+                if max_norm is not None and not by_value:
+                    norm = float(torch.linalg.vector_norm(ref_all.double()))
+                    coef = min(1.0, max_norm / (norm + 1e-6))
+                expected = flat(session, ref.full, names) * coef
+                if max_norm is not None and by_value:
+                    expected = expected.clamp(-max_norm, max_norm)
+                m = compare.metrics(user, expected, tol)
             comparisons.append(StepComparison(ordinal, window, step, m))
             if not m.ok and not compare.is_precision_noise(m, precision):
                 window_events = _window_events(trace, step, previous_seq)
@@ -243,6 +255,43 @@ def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
                 return [finding], comparisons
         previous_seq = max(s.seq for s in steps)
     return [], comparisons
+
+
+def _adopt_weighting(session: Session, window: int, ref, names: list[str],
+                     user: torch.Tensor, tol: compare.Tolerance) -> bool:
+    """Micro-batches of different shapes and no `loss`: the equal-weight reference is a guess.
+    If the loop's gradient points exactly along the mean weighted by a count the micro-batches
+    carry (their tokens, their non-ignored labels) and not along the equal-weight mean, the loop
+    weighs micro-batches as one batch of the whole window would: adopt that weighting for every
+    reference from now on (a wrong size is still judged against it). Asked once, in fp32."""
+    session.weighting_open = False
+    if not ref.per_mb:
+        return False
+    mbs = session.window(window)
+    per = torch.stack([flat(session, g, names).double() for g in ref.per_mb])
+    counts = [micro_batch_counts(mb) for mb in mbs]
+    options: list[str | None] = [None] + [w for w in counts[0] if all(w in c for c in counts)]
+    u = user.double()
+    u_norm = float(torch.linalg.vector_norm(u))
+    if u_norm == 0 or not math.isfinite(u_norm):
+        return False
+
+    def residual(what: str | None) -> float:
+        weights = torch.tensor(session.fallback_weights(mbs, what), dtype=torch.float64)
+        cand = weights @ per
+        denom = float(cand @ cand)
+        if denom == 0:
+            return math.inf
+        scale = float(u @ cand) / denom
+        return float(torch.linalg.vector_norm(u - scale * cand)) / u_norm
+
+    scored = sorted((residual(w), i, w) for i, w in enumerate(options))
+    best_resid, _, best = scored[0]
+    equal_resid = next(r for r, _, w in scored if w is None)
+    if best is None or best_resid > max(3 * tol.rtol, 2e-3) or best_resid > 0.1 * equal_resid:
+        return False
+    session.adopt_weighting(best)
+    return True
 
 
 def _unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, float | None]:
@@ -360,16 +409,19 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
             precision=precision, tol=tol.rtol, factor=found.factor or 0)
         return Finding(rung, kind, "error", message, evidence=evidence, location=location(site))
     # No known shape: say so, with the numbers.
-    b = session.spec.micro_batch_size
     hint = ""
-    if m.cosine > 0.999 and b:
-        multiple = compare.nearest_integer_factor(measured_ratio, b)
-        if multiple is not None and measured_ratio > 1.5:
+    if m.cosine > 0.999 and measured_ratio > 1.5:
+        counted = _summed_count(session.window(window), measured_ratio,
+                                session.spec.micro_batch_size)
+        if counted is not None:
+            count, what = counted
+            evidence.update({"factor": compare._round(measured_ratio), "count": count})
             return Finding(rung, "reduction-mismatch", "error",
                            f"Step {ordinal}: the gradient is {measured_ratio:.4g}x the reference "
-                           f"({multiple} x micro_batch_size {b}) with cosine {m.cosine:.5f}: the "
-                           "loss sums over samples instead of averaging.",
+                           f"({what}) with cosine {m.cosine:.5f}: the loss sums over "
+                           "samples/elements instead of averaging.",
                            evidence=evidence, location=location(last_backward_site))
+    if m.cosine > 0.999:
         hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
     if m.cosine > 0.9999 and 0.05 < measured_ratio < 20 and abs(measured_ratio - 1) > 0.05:
         # Right direction, wrong size, no catalogue factor: the loss is divided by the wrong
@@ -389,6 +441,28 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
                    evidence=evidence, location=location(step.site))
 
 
+def _summed_count(micro_batches: list[Any], ratio: float,
+                  micro_batch_size: int | None) -> tuple[int, str] | None:
+    """A gradient `ratio` times the reference that equals a count every micro-batch of the
+    window shares -- its samples, the elements of one of its tensors (tokens of a [b, T]
+    label tensor), its non-ignored labels (!= -100) -- is a loss summed over that count."""
+    if not micro_batches:
+        return None
+    per_mb = [micro_batch_counts(mb) for mb in micro_batches]
+    shared = {what: n for what, n in per_mb[0].items()
+              if n > 1 and all(c.get(what) == n for c in per_mb)}
+    for what, n in shared.items():
+        if what != "samples" and abs(ratio / n - 1) <= 0.01:
+            return int(n), f"the {int(n)} {what} per micro-batch"
+    b = micro_batch_size or shared.get("samples")
+    if b:
+        multiple = compare.nearest_integer_factor(ratio, b)
+        if multiple is not None:
+            return multiple * int(b), (f"{multiple} x micro_batch_size {int(b)}" if multiple > 1
+                                       else f"micro_batch_size {int(b)}")
+    return None
+
+
 _SIZE_FACTOR_KINDS = {"missing-accumulation-average": "reduction-mismatch",
                       "reduction-mismatch": "missing-accumulation-average"}
 
@@ -398,7 +472,7 @@ def _disambiguate(session: Session, window: int, snapshot, names: list[str],
     """Re-run the first K' = K // 2 micro-batches of the window as one step (same micro-batches,
     so batch statistics do not change) and see whether the gradient's factor follows K' (no
     average) or stays at the micro-batch size (sum reduction)."""
-    from ..loading import micro_batch_size_of
+    from ..loading import micro_batch_counts, micro_batch_size_of
     K2 = max(1, session.K // 2)
     part = session.window(window)[:K2]
     b = micro_batch_size_of(part[0])

@@ -64,6 +64,8 @@ def render(record: dict[str, Any], console: Console) -> None:
 
     for finding in record.get("findings", []):
         console.print(_finding_panel(finding))
+    for note in record.get("notes", []):
+        console.print(Text(f"note: {note}", style="dim"))
     if verdict == "healthy" and not record.get("findings"):
         console.print("[green]No finding: accumulation and mixed precision match the fp32 "
                       "reference on every rung that ran.[/]")
