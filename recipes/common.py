@@ -43,6 +43,22 @@ def make_mlp() -> nn.Module:
     )
 
 
+class BackboneHead(nn.Module):
+    """The MLP split the way fine-tuning code splits it: a backbone and a regression head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh())
+        self.head = nn.Linear(HIDDEN, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+
+def make_backbone_head() -> nn.Module:
+    return BackboneHead()
+
+
 def make_dropout_mlp() -> nn.Module:
     """The same MLP with dropout between the layers (what a real project often has)."""
     return nn.Sequential(

@@ -55,6 +55,12 @@ BROKEN = {
     # no catalogue shape: an off-by-one accumulation condition, named with its numbers
     "broken_accumulation_off_by_one": ("fp32-accum", "gradient-mismatch", "measured", (1, 1),
                                        "broken_accumulation_off_by_one.py"),
+    # .grad never cleared after a step (entirely, or for the head only): step 1 consumes its
+    # own window plus step 0's gradient -- found in fp32, before any skip could show it
+    "broken_no_zero_grad": ("fp32-accum", "no-zero-grad-after-skip", "parameters_not_cleared",
+                            (4, 4), "broken_no_zero_grad.py"),
+    "broken_partial_zero_grad": ("fp32-accum", "no-zero-grad-after-skip",
+                                 "parameters_not_cleared", (2, 2), "broken_partial_zero_grad.py"),
     # ddp-sync: 2 gloo ranks, all-reduces counted by a DDP communication hook
     "broken_missing_no_sync": ("ddp-sync", "missing-no-sync", "measured", (4, 4),
                                "broken_missing_no_sync.py"),
@@ -75,6 +81,9 @@ BROKEN = {
                                      "broken_update_per_microbatch.py"),
     "broken_double_scaling": ("fp16-scaler", "double-scaling", "extra_factor", (1000, 1050),
                               "broken_double_scaling.py"),
+    # the static scale on its own line: the finding points there, not at backward
+    "broken_apex_static_scale": ("fp16-scaler", "double-scaling", "extra_factor", (1000, 1050),
+                                 "broken_apex_static_scale.py"),
     "broken_autocast_never": ("fp16-scaler", "half-open-amp", "autocast_enabled", (0, 0),
                               "broken_autocast_never.py"),
     # skips: overflow injection

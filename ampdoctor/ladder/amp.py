@@ -266,7 +266,40 @@ def runtime_double_scaling(session: Session, trace: Trace, rung: str) -> Finding
         evidence={"measured": compare._round(abs(extra) * scale), "expected": scale,
                   "extra_factor": compare._round(abs(extra)), "skipped_steps": _skipped(trace),
                   "scaler_steps": len(trace.of_kind("scaler_step"))},
-        location=location(b16[0].site))
+        location=location(_static_scale_site(b16[0].site) or b16[0].site))
+
+
+def _static_scale_site(backward: Site | None) -> Site | None:
+    """The line that multiplies the loss by a hand-written scale on its way to this backward, as
+    the static scan sees it (the backward line itself when the product is inline)."""
+    if backward is None:
+        return None
+    from ..scan import scan_paths
+
+    try:
+        report = scan_paths([backward.file])
+    except Exception:  # noqa: BLE001 - the runtime finding stands without a better line
+        return None
+    start = _enclosing_function_start(backward.file, backward.line)
+    lines = [o.line for o in report.owners if o.framework == "static" and o.line is not None
+             and start <= o.line <= backward.line]
+    return Site(backward.file, max(lines), backward.function) if lines else None
+
+
+def _enclosing_function_start(path: str, line: int) -> int:
+    """The first line of the innermost function around `line` (1 when there is none)."""
+    import ast
+
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read())
+    except (OSError, SyntaxError, ValueError):
+        return line
+    start = 1
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and node.lineno <= line <= (node.end_lineno or node.lineno) and node.lineno > start:
+            start = node.lineno
+    return start
 
 
 def _map_loop_error(trace: Trace, rung: str) -> Finding:

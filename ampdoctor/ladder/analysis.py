@@ -408,6 +408,26 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
             step=ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
             precision=precision, tol=tol.rtol, factor=found.factor or 0)
         return Finding(rung, kind, "error", message, evidence=evidence, location=location(site))
+    carried = _carried_over(session, trace, step, names, user_u, full, cand_tol)
+    if carried is not None:
+        partial = len(carried) < len(names)
+        evidence.update({"measured": len(carried), "expected": 0,
+                         "parameters_not_cleared": len(carried), "parameters": len(names),
+                         "norm_ratio": compare._round(measured_ratio)})
+        zero_grads = [e for e in window_events if e.kind == "zero_grad"] or \
+            [e for e in trace.of_kind("zero_grad") if e.seq < step.seq]
+        site = zero_grads[-1].site if partial and zero_grads else step.site
+        which = (f"{len(carried)} of {len(names)} parameters ({', '.join(carried[:4])}"
+                 + (", ..." if len(carried) > 4 else "") + ")") if partial else "every parameter"
+        return Finding(rung, "no-zero-grad-after-skip", "error",
+                       f"Step {ordinal}: for {which} the optimizer consumed this window's "
+                       f"reference gradient plus what step {ordinal - 1} already applied: .grad "
+                       "is not cleared after an optimizer step"
+                       + (" (the zero_grad call covers only part of the model)" if partial else "")
+                       + ", so every step re-applies earlier windows, and an overflow, once in "
+                       ".grad, poisons every later window. Clear all gradients after each step, "
+                       "skipped or not.",
+                       evidence=evidence, location=location(site))
     # No known shape: say so, with the numbers.
     hint = ""
     if m.cosine > 0.999 and measured_ratio > 1.5:
@@ -439,6 +459,36 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
                    f"(relative; tolerance {tol.rtol:g}), norm ratio {measured_ratio:.4g}, cosine "
                    f"{m.cosine:.4f}, matching no known mistake.{hint}",
                    evidence=evidence, location=location(step.site))
+
+
+def _carried_over(session: Session, trace: Trace, step: StepRecord, names: list[str],
+                  user: torch.Tensor, full: torch.Tensor, tol: float) -> list[str] | None:
+    """The parameters whose consumed gradient is this window's reference plus what the same
+    optimizer's previous step consumed (.grad not cleared between the two steps), when every
+    parameter is either that or the reference alone; None otherwise."""
+    previous = [s for s in trace.steps if s.group < step.group and s.optimizer == step.optimizer]
+    if not previous:
+        return None
+    prev = flat(session, previous[-1].grads, names).double()
+    u, ref = user.double(), full.double()
+    carried, offset = [], 0
+    for name in names:
+        n = math.prod(session.param_shapes[name])
+        sl = slice(offset, offset + n)
+        offset += n
+        fresh_err = _rel(u[sl], ref[sl])
+        kept_err = _rel(u[sl], ref[sl] + prev[sl])
+        if kept_err <= tol and kept_err < fresh_err:
+            carried.append(name)
+        elif fresh_err > tol:
+            return None
+    return carried or None
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = float(torch.linalg.vector_norm(b))
+    diff = float(torch.linalg.vector_norm(a - b))
+    return diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
 
 
 def _summed_count(micro_batches: list[Any], ratio: float,
