@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import CONFIGS, run_cli
+from conftest import CONFIGS, RECIPES, marked_line, run_cli
 from ampdoctor import __version__
 from ampdoctor.findings import CATALOGUE, RUNG_IDS
 
@@ -106,3 +106,17 @@ def test_missing_spec_file_is_exit_2(tmp_path):
     result = run_cli("diagnose", tmp_path / "nope.yaml")
     assert result.returncode == 2
     assert "does not exist" in result.stderr
+
+
+def test_torch_warnings_from_a_wrapped_call_name_the_users_line(tmp_path):
+    """torch warns about scheduler.step() before optimizer.step() at its caller's line; with
+    the probe in between that caller is ampdoctor, so the warning is said again at the user's
+    scheduler call, once."""
+    result = run_cli("diagnose", CONFIGS / "broken_scheduler_per_microbatch.yaml", "--out",
+                     tmp_path)
+    recipe = RECIPES / "broken_scheduler_per_microbatch.py"
+    line = marked_line(recipe, "scheduler-per-microbatch")
+    warned = [ln for ln in result.stderr.splitlines() if "UserWarning" in ln]
+    assert len(warned) == 1, result.stderr
+    assert warned[0].startswith(f"{recipe}:{line}: UserWarning: Detected call of `lr_scheduler")
+    assert "recorder.py" not in result.stderr

@@ -10,6 +10,7 @@ teacher-forced comparison.
 from __future__ import annotations
 
 import functools
+import warnings
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -441,6 +442,10 @@ def _wrap_clip(original, kind: str):
     return clip
 
 
+#: Warnings said again at the user's line, shown once per line as Python's default filter does.
+_REPLAYED: set[tuple[Any, ...]] = set()
+
+
 def _wrap_scheduler_step(original):
     @functools.wraps(original)
     def step(self, *args, **kwargs):
@@ -452,9 +457,18 @@ def _wrap_scheduler_step(original):
         slot = probe.optimizer_slot(optimizer) if optimizer is not None else None
         probe.enter("scheduler")
         try:
-            result = original(self, *args, **kwargs)
+            with warnings.catch_warnings(record=True) as caught:
+                result = original(self, *args, **kwargs)
         finally:
             probe.leave("scheduler")
+        # torch warns at its caller's line (stacklevel 2), which is now this wrapper: say it
+        # again at the user's scheduler call.
+        for w in caught:
+            where = (site.file, site.line) if site else (w.filename, w.lineno)
+            key = (*where, w.category, str(w.message))
+            if key not in _REPLAYED:
+                _REPLAYED.add(key)
+                warnings.warn_explicit(w.message, w.category, *where)
         lr = None
         try:
             lr = float(self.get_last_lr()[0])
