@@ -39,6 +39,26 @@ class RunSettings:
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def spec_where(spec: Spec, key: str) -> str:
+    """`spec.yaml:LINE: ` for a message about `key` (the file alone when the line is unknown;
+    nothing for a spec that has no file)."""
+    if spec.spec_path is None:
+        return ""
+    line = spec_line(spec, key) or (spec_line(spec, key.split(".")[0]) if "." in key else None)
+    path = _shown(spec.spec_path)
+    return f"{path}:{line}: " if line else f"{path}: "
+
+
+def _shown(path: Any) -> str:
+    """A path as messages show it: relative to the working directory when under it."""
+    import os
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:
+        return str(path)
+    return str(path) if rel.startswith("..") else rel
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -80,8 +100,7 @@ class UserCode:
     def resolve(self, key: str) -> Callable[..., Any]:
         ref: str = getattr(self.spec, key)
         module_name, _, attr_path = ref.partition(":")
-        line = spec_line(self.spec, key)
-        where = f"{self.spec.spec_path}:{line}" if line else str(self.spec.spec_path)
+        where = spec_where(self.spec, key).rstrip(": ")
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -167,14 +186,14 @@ def build_optimizers(code: UserCode, model: torch.nn.Module) -> tuple[Any, list[
         name = options.pop("name")
         cls = getattr(torch.optim, name, None)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise SpecError(f"spec key 'optimizer.name': torch.optim has no optimizer {name!r}.")
+            raise SpecError(f"{spec_where(code.spec, 'optimizer.name')}spec key 'optimizer.name': torch.optim has no optimizer {name!r}.")
         if not any(p.requires_grad for p in model.parameters()):
             raise UserCodeError(f"the model factory '{code.spec.model}' built a model with no "
                                 "trainable parameters: there is nothing to optimize.")
         try:
             result = cls(model.parameters(), **options)
         except (TypeError, ValueError) as exc:
-            raise SpecError(f"spec key 'optimizer': {name}({', '.join(options)}) is not "
+            raise SpecError(f"{spec_where(code.spec, 'optimizer')}spec key 'optimizer': {name}({', '.join(options)}) is not "
                             f"valid: {exc}", cause=exc) from exc
     flat = list(result) if isinstance(result, (list, tuple)) else [result]
     if isinstance(result, dict):
@@ -211,17 +230,17 @@ def cut_micro_batches(data: Any, spec: Spec) -> list[Any]:
                                 "tensors must share its first (sample) dimension.")
         b = spec.micro_batch_size
         if b is None:
-            raise SpecError("spec key 'micro_batch_size': required because the data factory "
+            raise SpecError(f"{spec_where(spec, 'micro_batch_size')}spec key 'micro_batch_size': required because the data factory "
                             "returns a tuple of tensors that ampdoctor cuts into micro-batches.")
         if length < needed * b:
-            raise SpecError(f"spec key 'micro_batch_size': the data slice holds {length} "
+            raise SpecError(f"{spec_where(spec, 'micro_batch_size')}spec key 'micro_batch_size': the data slice holds {length} "
                             f"samples but optimizer_steps x accumulation_steps x "
                             f"micro_batch_size = {spec.optimizer_steps} x "
                             f"{spec.accumulation_steps} x {b} = {needed * b} are needed.")
         return [tuple(t[i * b:(i + 1) * b] for t in tensors) for i in range(needed)]
     if isinstance(data, (list, tuple)) and data and all(_is_micro_batch(m) for m in data):
         if len(data) < needed:
-            raise SpecError(f"spec key 'optimizer_steps': the data factory returned "
+            raise SpecError(f"{spec_where(spec, 'optimizer_steps')}spec key 'optimizer_steps': the data factory returned "
                             f"{len(data)} micro-batches but optimizer_steps x "
                             f"accumulation_steps = {needed} are needed.")
         return [dict(m) if isinstance(m, dict) else tuple(m) for m in data[:needed]]

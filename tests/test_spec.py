@@ -95,6 +95,8 @@ BAD_CONFIGS = {
     "bad_callable": (2, "'model'"),
     "missing_module": (2, "nosuchmodule"),
     "missing_attr": (2, "no_such_factory"),
+    "unknown_optimizer": (2, "unknown_optimizer.yaml:10: spec key 'optimizer.name': torch.optim "
+                             "has no optimizer 'AdamWW'"),
     "wrong_type": (2, "accumulation_steps"),
     "yaml_syntax": (2, "not valid YAML"),
     "bad_project_root": (2, "project_root"),
