@@ -313,3 +313,16 @@ def micro_batch_counts(mb: Any) -> dict[str, float]:
         if "mask" in str(key).lower() and bool(((t == 0) | (t == 1)).all()):
             counts[f"ones of the mask {name}"] = float(t.sum())
     return counts
+
+
+def run_train_loop(code: UserCode, model: Any, optimizer: Any, feed: Any, settings: Any) -> bool:
+    """Call the user's train_loop; a generator function (one that yields metrics) runs only
+    when iterated, so iterate it to the end. True when it was a generator."""
+    import inspect
+
+    result = code.train_loop(model, optimizer, feed, settings)
+    if not inspect.isgenerator(result):
+        return False
+    for _ in result:
+        pass
+    return True

@@ -14,7 +14,7 @@ from . import compare
 from .errors import UserCodeError
 from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
                       merge_micro_batches, micro_batch_counts, micro_batch_size_of,
-                      to_device)
+                      run_train_loop, to_device)
 from .probe import recorder
 from .probe.callsite import CallSiteFinder, Site
 from .spec import Spec
@@ -46,6 +46,11 @@ class Trace:
     @property
     def steps(self) -> list[recorder.StepRecord]:
         return self.probe.steps
+
+    @property
+    def microbatches_taken(self) -> int:
+        """How many distinct micro-batches the loop took from `micro_batches`."""
+        return len({e.data.get("index") for e in self.probe.events if e.kind == "microbatch"})
 
     @property
     def lazy_feed(self) -> bool:
@@ -172,7 +177,9 @@ class Session:
             torch.manual_seed(rng_seed)
         previous = recorder.activate(probe)
         try:
-            self.code.train_loop(model, loop_optimizer, feed, settings)
+            if run_train_loop(self.code, model, loop_optimizer, feed, settings):
+                self.notes.add("train_loop is a generator function: ampdoctor runs it by "
+                               "iterating it to the end")
         except Exception as exc:  # the user's loop raised: recorded, judged by the rung
             trace.error = exc
             trace.error_site = self.finder.from_traceback(exc.__traceback__)

@@ -59,6 +59,23 @@ def make_backbone_head() -> nn.Module:
     return BackboneHead()
 
 
+class MaskedRegressor(nn.Module):
+    """A pre-trained model's fine-tuning head: its first parameter, a `mask_token` used only in
+    pre-training, gets no gradient here (as a BERT pooler or an unused embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mask_token = nn.Parameter(torch.zeros(IN_FEATURES))
+        self.body = make_mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def make_masked_regressor() -> nn.Module:
+    return MaskedRegressor()
+
+
 def make_dropout_mlp() -> nn.Module:
     """The same MLP with dropout between the layers (what a real project often has)."""
     return nn.Sequential(

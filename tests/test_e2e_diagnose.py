@@ -61,6 +61,9 @@ BROKEN = {
                             (4, 4), "broken_no_zero_grad.py"),
     "broken_partial_zero_grad": ("fp32-accum", "no-zero-grad-after-skip",
                                  "parameters_not_cleared", (2, 2), "broken_partial_zero_grad.py"),
+    # a leftover `return` after the first step: 1 optimizer step for 3 windows
+    "broken_early_return": ("fp32-accum", "gradient-mismatch", "measured", (1, 1),
+                            "broken_early_return.py"),
     # ddp-sync: 2 gloo ranks, all-reduces counted by a DDP communication hook
     "broken_missing_no_sync": ("ddp-sync", "missing-no-sync", "measured", (4, 4),
                                "broken_missing_no_sync.py"),
@@ -197,6 +200,29 @@ def test_loop_error_exits_3_with_record_and_line(records_dir):
     assert finding["location"]["line"] == marked_line(recipe, "loop-error")
     assert "RuntimeError" in finding["evidence"]["error"]
     assert len(list(records_dir.glob("*.json"))) == 1
+
+
+def test_loop_ignoring_micro_batches_is_a_loop_error(records_dir):
+    """A loop that builds its own data cannot be compared with anything: exit 3, said plainly,
+    at the loop's first backward."""
+    result = run_cli("diagnose", CONFIGS / "bad" / "own_data.yaml", "--json", "--out",
+                     records_dir)
+    assert result.returncode == 3
+    finding = result.record["findings"][0]
+    assert finding["kind"] == "loop-error" and finding["rung"] == "fp32-accum"
+    assert "never took a micro-batch from `micro_batches` (0 of 12)" in finding["message"]
+    assert finding["evidence"]["backwards"] == 4
+    recipe = RECIPES / "bad_own_data.py"
+    assert finding["location"]["line"] == marked_line(recipe, "loop-error")
+
+
+def test_generator_loop_is_run_and_noted(records_dir):
+    record = run_cli("diagnose", CONFIGS / "healthy_generator_loop.yaml", "--json", "--out",
+                     records_dir).record
+    assert record["verdict"] == "healthy"
+    assert any("generator" in n for n in record["notes"])
+    fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
+    assert fp32["details"]["steps_compared"] == 3
 
 
 def test_terminal_report_names_kind_line_and_fix(records_dir):

@@ -76,7 +76,7 @@ def _run_rank(rank: int, spec_path: str, world_size: int, port: int,
     from torch.nn.parallel import DistributedDataParallel
 
     from ..loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
-                           cut_micro_batches, resolve_device, to_device)
+                           cut_micro_batches, resolve_device, run_train_loop, to_device)
     from ..probe import patches, recorder
     from ..probe.callsite import CallSiteFinder
     from ..spec import load_spec
@@ -118,8 +118,8 @@ def _run_rank(rank: int, spec_path: str, world_size: int, port: int,
                 optimizer_steps=spec.optimizer_steps)
             previous = recorder.activate(probe)
             try:
-                code.train_loop(ddp_model, loop_optimizer, recorder.MicroBatchFeed(micro_batches,
-                                                                                   probe), settings)
+                run_train_loop(code, ddp_model, loop_optimizer,
+                               recorder.MicroBatchFeed(micro_batches, probe), settings)
             finally:
                 recorder.activate(previous)
                 result["backwards"] = [[e.site.file, e.site.line] if e.site else None

@@ -3,9 +3,12 @@ reference, step by step (averaging factor, reduction, zero_grad placement, steps
 
 from __future__ import annotations
 
-from ..findings import RungResult, conclude
+from collections import Counter
+
+from ..findings import Finding, RungResult, conclude
 from ..session import Session
-from .analysis import compare_trace, loop_error_finding, scheduler_findings, step_count_finding
+from .analysis import (compare_trace, location, loop_error_finding, scheduler_findings,
+                       step_count_finding)
 
 RUNG = "fp32-accum"
 
@@ -20,13 +23,44 @@ def run(session: Session) -> RungResult:
     if count is not None:
         return RungResult(RUNG, "fail", "the optimizer steps on every micro-batch",
                           [count] + findings)
+    taken, total = trace.microbatches_taken, len(session.micro_batches)
+    if taken == 0:
+        backwards = trace.of_kind("backward")
+        finding = Finding(
+            RUNG, "loop-error", "error",
+            f"The fp32 loop never took a micro-batch from `micro_batches` (0 of {total}) but ran "
+            f"{len(backwards)} backward pass(es) and {len(trace.steps)} optimizer step(s): it "
+            "builds its own data, so nothing it does can be compared with the reference. "
+            "Iterate the `micro_batches` argument ampdoctor hands to train_loop.",
+            evidence={"measured": 0, "expected": total, "backwards": len(backwards),
+                      "optimizer_steps": len(trace.steps)},
+            location=location(backwards[0].site if backwards else None))
+        return RungResult(RUNG, "fail", "the loop ignores `micro_batches`", [finding])
     if not trace.steps:
-        from ..findings import Finding
         finding = Finding(RUNG, "gradient-mismatch", "error",
-                          f"The fp32 loop consumed {len(session.micro_batches)} micro-batches and "
-                          "never called optimizer.step().",
-                          evidence={"measured": 0, "expected": session.N})
+                          f"The fp32 loop took {taken} of {total} micro-batches and never called "
+                          "optimizer.step().",
+                          evidence={"measured": 0, "expected": session.N,
+                                    "microbatches_taken": taken})
         return RungResult(RUNG, "fail", "the loop never stepped the optimizer", [finding])
+    steps_per_optimizer = Counter(s.optimizer for s in trace.steps)
+    most = max(steps_per_optimizer.values())
+    if most < session.N:
+        # Every optimizer stepped less often than once per window: the loop stopped early (a
+        # leftover `return`/`break`) or its window condition never fires for the last windows.
+        # (One optimizer stepping less often than another, a GAN's n_critic, is not this.)
+        last = trace.steps[-1]
+        finding = Finding(
+            RUNG, "gradient-mismatch", "error",
+            f"The fp32 loop took {most} optimizer step(s) for the {session.N} windows of "
+            f"K={session.K} micro-batches in the spec (it took {taken} of {total} "
+            "micro-batches): it stops early or never steps for the last windows, so those "
+            "windows' data never reaches the model.",
+            evidence={"measured": most, "expected": session.N, "microbatches_taken": taken,
+                      "microbatches": total},
+            location=location(last.site))
+        return RungResult(RUNG, "fail", f"{most} optimizer step(s) for {session.N} windows",
+                          [finding] + findings)
     mismatch, comparisons = compare_trace(session, trace, RUNG, "fp32")
     findings = mismatch + findings
     worst = max((c.metrics.rel_err for c in comparisons), default=0.0)
