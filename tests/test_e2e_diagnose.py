@@ -70,6 +70,10 @@ BROKEN = {
     # fp16-scaler: the state machine and the scale-space shapes
     "broken_clip_before_unscale": ("fp16-scaler", "clip-before-unscale", "measured",
                                    (0.9 * 65536, 1.1 * 65536), "broken_clip_before_unscale.py"),
+    # a hand-made clip from a norm read before unscale_: the update is 1/S of the clipped one
+    "broken_manual_clip_scaled_norm": ("fp16-scaler", "clip-before-unscale", "measured",
+                                       (0.9 * 65536, 1.1 * 65536),
+                                       "broken_manual_clip_scaled_norm.py"),
     "broken_missing_unscale_second_optimizer": ("fp16-scaler", "missing-unscale", "measured",
                                                 (0.9 * 65536, 1.1 * 65536),
                                                 "broken_missing_unscale_second_optimizer.py"),
@@ -103,6 +107,8 @@ BROKEN = {
 WARNINGS = {
     "broken_bf16_scaler_on": ("bf16-no-scaler", "half-open-amp", "broken_bf16_scaler_on.py"),
     "broken_frequent_skips": ("skips", "frequent-skips", "broken_frequent_skips.py"),
+    # backoff 0.9: the leading skips are not a halving search; they count
+    "broken_timid_backoff": ("skips", "frequent-skips", "broken_timid_backoff.py"),
 }
 
 

@@ -61,15 +61,23 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                        location=location(site))
     for fragment, kind in KNOWN_TORCH_ERRORS:
         if fragment in str(exc):
-            unscales = [e for e in trace.of_kind("unscale") if "error" in e.data]
-            site = unscales[-1].site if unscales else trace.error_site
+            refused = [e for e in trace.of_kind("unscale") if "error" in e.data]
+            site = refused[-1].site if refused else trace.error_site
+            earlier = [e for e in trace.of_kind("unscale") if "error" not in e.data
+                       and not e.data.get("inside_step")
+                       and (not refused or e.optimizer == refused[-1].optimizer)]
+            first = earlier[-1].site if earlier else None
+            also = (f" The first call was at {first.file}:{first.line}; keep one of the two."
+                    if first is not None and first != site else "")
+            evidence: dict[str, Any] = {"error": text, "measured": 2, "expected": 1,
+                                        "unscale_calls_in_step": 2}
+            if first is not None:
+                evidence["first_unscale"] = f"{first.file}:{first.line}"
             return Finding(rung, kind, "error",
                            f"In the {trace.precision} run torch refused a second unscale_() of "
                            "the same optimizer in one step: the gradients would be divided by "
-                           "the scale twice.",
-                           evidence={"error": text, "measured": 2, "expected": 1,
-                                     "unscale_calls_in_step": 2},
-                           location=location(site))
+                           f"the scale twice.{also}",
+                           evidence=evidence, location=location(site))
     return Finding(rung, "loop-error", "error",
                    f"The loop raised in the {trace.precision} run: {text}",
                    evidence={"error": text, "precision": trace.precision},
@@ -335,6 +343,20 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
     hyps = compare.window_hypotheses(per_mb, ref.counts or [1.0] * len(per_mb), ref.weighted,
                                      full, K, None) if per_mb else []
     hyps += compare.scale_hypotheses(full, scale)
+    max_norm = session.spec.max_grad_norm
+    if scale and scale != 1.0 and max_norm is not None:
+        # A hand-written clip whose norm was taken before unscale_: the threshold met S x the
+        # true norm, so the clipped update is 1/S of the reference's clipped update.
+        total = float(torch.linalg.vector_norm(
+            flat(session, ref.full, session.param_order).double()))
+        coef = min(1.0, max_norm / (total + 1e-6))
+        if coef < 0.999:
+            hyps.append(compare.Hypothesis(
+                "clip-before-unscale",
+                f"the reference clipped at max_grad_norm={max_norm:g} and divided by the loss "
+                f"scale S={scale:g} (the clip compared the threshold with S x the true norm)",
+                full * (coef / scale), coef / scale, {"scale": scale, "clip_coefficient":
+                                                      compare._round(coef)}))
     cand_tol = max(3 * tol.rtol, 2e-3)
     found = compare.classify(user_u, full, hyps, cand_tol)
     measured_ratio = float(torch.linalg.vector_norm(user_u.double())) / max(
@@ -404,6 +426,12 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
             site = _second_unscale_site(window_events) or step.site
         elif kind == "double-average":
             site = _grad_division_between(last_backward_site, step.site) or site
+        elif kind == "clip-before-unscale":
+            site = _line_between(last_backward_site, step.site, _NORM_OR_CLIP) or step.site
+            # as the clip-space rung measures it: how many times the true norm the clip saw
+            if m.ratio > 0:
+                evidence["measured"] = compare._round(1.0 / m.ratio)
+            measured_ratio = m.ratio
         message = _MESSAGES.get(kind, "{label}").format(
             step=ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
             precision=precision, tol=tol.rtol, factor=found.factor or 0)
@@ -551,13 +579,22 @@ def _disambiguate(session: Session, window: int, snapshot, names: list[str],
 
 def _grad_division_between(first: Site | None, last: Site | None) -> Site | None:
     """A hand-written `p.grad.div_(K)` / `p.grad /= K` between the backward and the step."""
+    return _line_between(first, last, _GRAD_DIVISION)
+
+
+def _line_between(first: Site | None, last: Site | None, pattern: re.Pattern) -> Site | None:
+    """The first line strictly between two call sites of one file whose code matches."""
     if first is None or last is None or first.file != last.file or last.line <= first.line:
         return None
     for line in range(first.line + 1, last.line):
         code = linecache.getline(first.file, line).split("#", 1)[0]
-        if _GRAD_DIVISION.search(code):
+        if pattern.search(code):
             return Site(first.file, line, first.function)
     return None
+
+
+#: A line that measures or clips gradient norms (a hand-written clip).
+_NORM_OR_CLIP = re.compile(r"norm|clip", re.I)
 
 
 def _second_unscale_site(events: list[Event]) -> Site | None:
@@ -608,4 +645,7 @@ _MESSAGES = {
     "unscale-twice":
         "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
         "gradients were divided by the scale twice.",
+    "clip-before-unscale":
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
+        "gradients were clipped against a norm taken before unscale_, in scaled space.",
 }

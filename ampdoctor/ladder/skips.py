@@ -139,7 +139,20 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     after = flags[first_ok + 1:]
     skipped_after = sum(after)
     never_settled = len(flags) >= 2 and first_ok == len(flags)
-    unsettled = skipped_after >= 1 and skipped_after / len(after) > SKIP_RATE_THRESHOLD
+    # A search halves the scale per skip (the default backoff 0.5): it may take as many skips
+    # as halvings between init_scale and the scale that worked. Skips beyond that (a timid
+    # backoff_factor such as 0.9) are slow searching, and count.
+    updates = plain.of_kind("update")
+    search = first_ok
+    if 0 < first_ok < len(updates):
+        init = updates[0].data.get("scale_before")
+        found = updates[first_ok].data.get("scale_before")
+        if init and found and 0 < found <= init:
+            search = min(first_ok, math.ceil(math.log2(init / found) - 1e-9))
+    excess = first_ok - search
+    counted = skipped_after + (excess if not never_settled else 0)
+    considered = len(after) + excess
+    unsettled = counted >= 1 and considered > 0 and counted / considered > SKIP_RATE_THRESHOLD
     if not (never_settled or unsettled or collapsed):
         return None
     inits = [e for e in plain.of_kind("scaler_init") if e.data.get("enabled")]
@@ -152,7 +165,8 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
         + ": fewer real updates than the schedule assumes.",
         evidence={"measured": compare._round(rate), "expected": 0.0,
                   "threshold": SKIP_RATE_THRESHOLD, "skipped": len(skipped),
-                  "initial_search_skips": first_ok, "skipped_after_first_update": skipped_after,
+                  "initial_search_skips": first_ok, "search_skips_beyond_halvings": excess,
+                  "skipped_after_first_update": skipped_after,
                   "steps": len(steps), "scale": scales,
                   "growth_interval": inits[0].data.get("growth_interval") if inits else None},
         location=location(site))

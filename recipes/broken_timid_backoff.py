@@ -1,0 +1,30 @@
+"""A GradScaler copied from a config that "backs off gently" (backoff_factor=0.9) with a large
+init_scale: each overflow takes the scale down only 10 %, so finding a scale that works costs
+most of a short run, and growth_interval=1 overflows it again at once: 7 of 8 steps skipped."""
+
+import torch
+import torch.nn as nn
+
+
+def train_loop(model, optimizer, micro_batches, run):
+    K = run.accumulation_steps
+    criterion = nn.MSELoss()
+    scaler = torch.amp.GradScaler(run.device_type, init_scale=2.0 ** 19, backoff_factor=0.9, growth_interval=1, enabled=run.precision == "fp16")  # BUG: frequent-skips
+
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    for step, batch in enumerate(micro_batches):
+        x, y = batch
+        with torch.autocast(device_type=run.device_type, dtype=run.autocast_dtype,
+                            enabled=run.autocast_dtype is not None):
+            pred = model(x)
+            loss = criterion(pred.float(), y) / K
+        scaler.scale(loss).backward()
+
+        if (step + 1) % K == 0:
+            scaler.unscale_(optimizer)
+            if run.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
