@@ -244,10 +244,14 @@ def cut_micro_batches(data: Any, spec: Spec) -> list[Any]:
                             f"{len(data)} micro-batches but optimizer_steps x "
                             f"accumulation_steps = {needed} are needed.")
         return [dict(m) if isinstance(m, dict) else tuple(m) for m in data[:needed]]
+    hint = ""
+    if hasattr(data, "__iter__") and not isinstance(data, (list, tuple, dict, torch.Tensor)):
+        hint = (f" To use a {type(data).__name__}, return its first batches as a list: "
+                f"`list(itertools.islice(loader, {needed}))`.")
     raise UserCodeError(
-        "the data factory must return a tuple/list of tensors with the same first dimension, "
-        f"or a list of micro-batches (tuples or dicts of tensors); it returned "
-        f"{type(data).__name__}.")
+        f"the data factory '{spec.data}' must return a tuple/list of tensors with the same first "
+        "dimension, or a list of micro-batches (tuples or dicts of tensors); it returned "
+        f"{type(data).__name__}.{hint}")
 
 
 def check_finite(micro_batches: list[Any]) -> None:

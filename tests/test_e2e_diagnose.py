@@ -146,6 +146,18 @@ def test_noloss_uneven_micro_batches_take_the_loops_token_weighting(records_dir)
     assert "note: micro-batches differ in shape and the loop weighs them" in shown
 
 
+def test_a_gradscaler_the_loop_never_builds_is_not_an_owner(records_dir):
+    record = run_cli("diagnose", CONFIGS / "healthy_pretrain_and_finetune.yaml", "--json",
+                     "--out", records_dir).record
+    rung = next(r for r in record["rungs"] if r["id"] == "double-scaling")
+    recipe = RECIPES / "healthy_pretrain_and_finetune.py"
+    dormant = rung["details"]["dormant_owners"]
+    pretrain_line = next(i for i, text in enumerate(recipe.read_text().splitlines(), 1)
+                         if 'GradScaler("cuda")' in text)
+    assert [(d["kind"], d["line"]) for d in dormant] == [("GradScaler", pretrain_line)]
+    assert "never built by this loop" in rung["summary"]
+
+
 def test_clip_space_runs_when_clipping_is_configured(records_dir):
     record = run_cli("diagnose", CONFIGS / "healthy_clip_active.yaml", "--json", "--out",
                      records_dir).record

@@ -29,11 +29,15 @@ def _base(paths: list[str]) -> str | None:
 
 
 def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] | None = None,
-             focus_files: list[str] | None = None) -> RungResult:
+             focus_files: list[str] | None = None,
+             constructed: set[tuple[str, int]] | None = None) -> RungResult:
     """Run the static search over `scan_paths_` and turn it into the rung's result.
 
     `runtime_owner`: `{"kind": "GradScaler", "file": "/abs/train.py", "line": 12}` from the
-    fp16-scaler trace, or None. Paths that do not exist are listed under `skipped`.
+    fp16-scaler trace, or None. `constructed`: every (file, line) where the diagnosed runs
+    built a GradScaler; with a runtime owner known, a GradScaler in the loop's own files that
+    no run ever built (another function's, never called) is not on this loop's path.
+    Paths that do not exist are listed under `skipped`.
     """
     paths = [os.path.abspath(os.fspath(p)) for p in scan_paths_]
     base = _base(paths)
@@ -48,6 +52,9 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
         kept = [f for f in findings if _touches(f, focus)]
         elsewhere = len(findings) - len(kept)
         findings = kept
+    dormant: list[dict[str, Any]] = []
+    if runtime_owner is not None and constructed is not None and focus_files:
+        findings, dormant = _without_dormant_scalers(findings, constructed, focus_files)
     errors = [f for f in findings if f.severity == "error"]
     warnings = [f for f in findings if f.severity == "warning"]
     runtime = next((s for s in owners if s.runtime), None)
@@ -75,6 +82,9 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
                    + listed + runtime_note)
     else:
         summary = f"no loss-scale owner in {report.files_scanned} file(s)"
+    if dormant:
+        summary += ("; not counted, never built by this loop: "
+                    + ", ".join(f"{o['kind']} at {_where(o, base)}" for o in dormant))
     if report.skipped:
         summary += f" ({len(report.skipped)} file(s) skipped)"
     if elsewhere:
@@ -95,8 +105,32 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
             "files_scanned": report.files_scanned,
             "runtime_owner": report.runtime_owner,
             "scan_paths": paths,
+            "dormant_owners": dormant,
         },
     )
+
+
+def _without_dormant_scalers(findings: list, constructed: set[tuple[str, int]],
+                             focus_files: list[str]) -> tuple[list, list[dict[str, Any]]]:
+    """Drop from each double-scaling finding the GradScalers of the loop's own files that no run
+    built; a finding left with a single owner is no finding."""
+    focus = {os.path.realpath(f) for f in focus_files}
+    built = {(os.path.realpath(f), line) for f, line in constructed}
+    kept, dormant = [], []
+    for finding in findings:
+        owners = finding.evidence.get("owners", [])
+        idle = [o for o in owners if o.get("kind") == "GradScaler" and o.get("file")
+                and os.path.realpath(o["file"]) in focus
+                and (os.path.realpath(o["file"]), o.get("line")) not in built]
+        if not idle:
+            kept.append(finding)
+            continue
+        dormant += [o for o in idle if o not in dormant]
+        if len(owners) - len(idle) > 1:
+            finding.evidence["owners"] = [o for o in owners if o not in idle]
+            finding.evidence["measured"] = len(finding.evidence["owners"])
+            kept.append(finding)
+    return kept, dormant
 
 
 def _touches(finding, focus: set[str]) -> bool:

@@ -24,7 +24,10 @@ def run_double_scaling(session) -> RungResult:
         if inits:
             runtime_owner = {"kind": "GradScaler", "file": inits[0].site.file,
                              "line": inits[0].site.line}
-    return evaluate(session.spec.scan_paths(), runtime_owner, session.code.source_files())
+    constructed = {(e.site.file, e.site.line) for t in session.traces.values()
+                   for e in t.of_kind("scaler_init") if e.site}
+    return evaluate(session.spec.scan_paths(), runtime_owner, session.code.source_files(),
+                    constructed)
 
 
 def run_clip_space(session) -> RungResult:
