@@ -7,7 +7,6 @@ could not run. Torch is imported only inside `diagnose`.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import traceback
 from pathlib import Path
@@ -122,7 +121,7 @@ def _save_and_show(record, out, json_out, render, err) -> None:
     except OSError as exc:
         record_note = f"could not save the record: {exc}"
     if json_out:
-        sys.stdout.write(json.dumps(record, indent=2, default=str) + "\n")
+        sys.stdout.write(records.dumps(record))
     else:
         render(record, Console())
     err.print(record_note, highlight=False, style="dim")
@@ -149,7 +148,7 @@ def report(
             write_html(data, target)
             _stderr().print(f"HTML report written to {target}", highlight=False)
         elif json_out:
-            sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+            sys.stdout.write(records.dumps(data))
         else:
             render(data, Console())
     except AmpdoctorError as exc:

@@ -33,8 +33,24 @@ def save(record: dict[str, Any], out_dir: Path | None = None) -> Path:
     while path.exists():
         n += 1
         path = out_dir / f"{base}-{n}.json"
-    atomic_write_text(path, json.dumps(record, indent=2, default=str) + "\n")
+    atomic_write_text(path, dumps(record))
     return path
+
+
+def dumps(record: dict[str, Any]) -> str:
+    """The record as strict JSON (RFC 8259 has no NaN or Infinity: a non-finite number, such as
+    the gradient norm of a step that overflowed, is written as null)."""
+    return json.dumps(_finite(record), indent=2, default=str, allow_nan=False) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def latest(out_dir: Path | None = None) -> Path:

@@ -5,7 +5,7 @@ teacher-forced fp32 reference gradients (DESIGN §1), cached per window and para
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +35,6 @@ class Trace:
     settings: RunSettings
     error: BaseException | None = None
     error_site: Site | None = None
-    final_state: dict[str, torch.Tensor] = field(default_factory=dict)
     optimizer_count: int = 1
     microbatches: int = 0
 
@@ -46,6 +45,13 @@ class Trace:
     @property
     def steps(self) -> list[recorder.StepRecord]:
         return self.probe.steps
+
+    def release_tensors(self) -> None:
+        """Drop the per-step gradients and parameter snapshots (the bulk of a trace's memory,
+        two copies of the model per step) once no rung will compare this trace again."""
+        for step in self.probe.steps:
+            step.grads = {}
+        self.probe.snapshots.clear()
 
     @property
     def microbatches_taken(self) -> int:
@@ -185,9 +191,16 @@ class Session:
             trace.error_site = self.finder.from_traceback(exc.__traceback__)
         finally:
             recorder.activate(previous)
-        trace.final_state = {k: v.detach().to("cpu", copy=True)
-                             for k, v in model.state_dict().items()}
         return trace
+
+    #: The last rung that compares each plain trace's gradients step by step.
+    _LAST_USE = {"fp32-accum": "fp32", "bf16-no-scaler": "bf16", "fp16-scaler": "fp16"}
+
+    def rung_done(self, rung_id: str) -> None:
+        """Free what no later rung needs (a 20M-parameter model keeps ~160 MB per step)."""
+        precision = self._LAST_USE.get(rung_id)
+        if precision in self.traces:
+            self.traces[precision].release_tensors()
 
     def trace(self, precision: str) -> Trace:
         """The plain run of a precision, run once and cached."""
@@ -256,7 +269,7 @@ class Session:
             if rng_seed is not None:
                 torch.manual_seed(rng_seed)
             if self.code.loss is not None:
-                ref = self._reference_from_loss(mbs, state, training)
+                ref = self._reference_from_loss(mbs, state, training, per_mb)
             else:
                 ref = self._reference_from_loop(mbs, state, training, per_mb)
             return self._check_finite(ref, label)
@@ -272,12 +285,19 @@ class Session:
                 "the data slice and the loss.")
         return ref
 
-    def _reference_from_loss(self, mbs, state, training) -> WindowReference:
+    def _reference_from_loss(self, mbs, state, training, per_mb: bool = True) -> WindowReference:
+        """The reference from the spec's `loss`: the mean of the micro-batch losses' gradients,
+        or, for `(loss_sum, weight_sum)`, the sum of the loss sums' gradients over the sum of
+        the weights. Without `per_mb`, autograd accumulates the window in .grad (one copy of
+        the gradients instead of K)."""
         model = self._model_at(state, training)
-        per_mb, counts, sums = [], [], []
+        per: list[dict[str, torch.Tensor | None]] = []
+        counts: list[float] = []
         weighted = False
+        model.zero_grad(set_to_none=True)
         for index, mb in enumerate(mbs):
-            model.zero_grad(set_to_none=True)
+            if per_mb:
+                model.zero_grad(set_to_none=True)
             out = self.code.call("the loss function", self.code.loss, model, mb)
             if isinstance(out, (tuple, list)) and len(out) == 2:
                 weighted = True
@@ -297,20 +317,25 @@ class Session:
                                     f"{index} ({float(loss.detach())}); the baseline itself "
                                     "diverges, so nothing can be compared.")
             self.code.call("backward through the loss function", loss.backward)
-            grads = self._grads_of(model)
-            if weighted:
-                sums.append(grads)
-                per_mb.append(_scale(grads, 1.0 / weight))
-            else:
-                per_mb.append(grads)
+            if per_mb:
+                per.append(self._grads_of(model))
             counts.append(weight)
-        if weighted:
-            total = sum(counts)
-            full = _combine(sums, [1.0 / total] * len(sums))
+        if per_mb:
+            # per micro-batch: the mean (weighted: loss_sum / weight) of each one
+            sums = per
+            if weighted:
+                per = [_scale(g, 1.0 / w) for g, w in zip(sums, counts)]
+                full = _combine(sums, [1.0 / sum(counts)] * len(sums))
+            else:
+                full = _combine(per, [1.0 / len(per)] * len(per))
         else:
-            full = _combine(per_mb, [1.0 / len(per_mb)] * len(per_mb))
+            full = self._grads_of(model)
+            factor = 1.0 / (sum(counts) if weighted else len(mbs))
+            for g in full.values():
+                if g is not None:
+                    g.mul_(factor)
         model.zero_grad(set_to_none=True)
-        return WindowReference(full, per_mb, counts, weighted, "loss")
+        return WindowReference(full, per if per_mb else None, counts, weighted, "loss")
 
     def loop_gradient(self, mbs: list[Any], state, training, K: int = 1) -> dict[str, torch.Tensor | None]:
         """Run the user's loop in fp32 from `state` on `mbs` and return the first step's

@@ -18,6 +18,9 @@ HEALTHY = sorted(p.stem for p in CONFIGS.glob("healthy_*.yaml"))
 BROKEN = {
     "broken_missing_average": ("fp32-accum", "missing-accumulation-average", "measured",
                                (3.99, 4.01), "broken_missing_average.py"),
+    # clipping saturates both the 4x gradient and the reference: the pre-clip norm tells
+    "broken_missing_average_clipped": ("fp32-accum", "missing-accumulation-average", "measured",
+                                       (3.99, 4.01), "broken_missing_average.py"),
     "broken_double_average": ("fp32-accum", "double-average", "measured", (0.249, 0.251),
                               "broken_double_average.py"),
     "broken_reduction_sum": ("fp32-accum", "reduction-mismatch", "measured", (7.99, 8.01),
@@ -109,6 +112,8 @@ WARNINGS = {
     "broken_frequent_skips": ("skips", "frequent-skips", "broken_frequent_skips.py"),
     # backoff 0.9: the leading skips are not a halving search; they count
     "broken_timid_backoff": ("skips", "frequent-skips", "broken_timid_backoff.py"),
+    # not one fp16 update applied: fp16-scaler has nothing to compare (skip, not pass)
+    "broken_scale_never_settles": ("skips", "frequent-skips", "broken_scale_never_settles.py"),
 }
 
 
@@ -156,6 +161,30 @@ def test_a_gradscaler_the_loop_never_builds_is_not_an_owner(records_dir):
                          if 'GradScaler("cuda")' in text)
     assert [(d["kind"], d["line"]) for d in dormant] == [("GradScaler", pretrain_line)]
     assert "never built by this loop" in rung["summary"]
+
+
+def test_a_rung_that_compared_nothing_does_not_pass(records_dir):
+    record = run_cli("diagnose", CONFIGS / "broken_scale_never_settles.yaml", "--json",
+                     "--out", records_dir).record
+    rungs = {r["id"]: r for r in record["rungs"]}
+    assert rungs["fp16-scaler"]["status"] == "skip"
+    assert rungs["fp16-scaler"]["details"]["steps_compared"] == 0
+    assert "applied no update" in rungs["skips"]["summary"]
+    # the record is strict JSON even though every grad norm before unscale_ was inf/NaN
+    text = next(records_dir.glob("*.json")).read_text()
+    assert "NaN" not in text and "Infinity" not in text
+
+
+def test_a_clip_that_saturates_does_not_hide_the_factor(records_dir):
+    """At step 0 both the 4x gradient and the reference exceed max_grad_norm, so after the clip
+    they are equal; the norm the loop's clip saw (4x the reference's) gives it away there."""
+    record = run_cli("diagnose", CONFIGS / "broken_missing_average_clipped.yaml", "--json",
+                     "--out", records_dir).record
+    finding = record["findings"][0]
+    assert finding["kind"] == "missing-accumulation-average"
+    assert finding["evidence"]["step"] == 0
+    assert 3.99 <= finding["evidence"]["measured"] <= 4.01
+    assert finding["evidence"]["clip_total_norm"] > 0.5
 
 
 def test_clip_space_runs_when_clipping_is_configured(records_dir):

@@ -379,6 +379,11 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
               "size: cosine >= 0.95, norm ratio within 0.8-1.25)")
     if skipped:
         ok += f"; {skipped} step(s) skipped by the scaler"
+    if not comparisons and skipped and not findings:
+        # Nothing was compared: a pass would claim what was never checked.
+        return RungResult(rung, "skip", f"every optimizer step ({skipped}) was skipped by the "
+                          "scaler for overflow: no update to compare (see the skips rung)",
+                          details=details)
     return conclude(rung, findings, ok, details)
 
 

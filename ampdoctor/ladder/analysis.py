@@ -256,13 +256,43 @@ def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
                     expected = expected.clamp(-max_norm, max_norm)
                 m = compare.metrics(user, expected, tol)
             comparisons.append(StepComparison(ordinal, window, step, m))
-            if not m.ok and not compare.is_precision_noise(m, precision):
+            bad = not m.ok and not compare.is_precision_noise(m, precision)
+            if not bad and precision in ("fp32", "bf16"):
+                # Clipping to the same max_norm makes any factor look right after the clip: the
+                # norm the loop's clip saw must be the reference's unclipped norm as well.
+                bad = _preclip_mismatch(session, trace, _window_events(trace, step, previous_seq),
+                                        ref, precision, tol)
+            if bad:
                 window_events = _window_events(trace, step, previous_seq)
                 finding = classify_step(session, trace, rung, precision, tol, ordinal, window,
                                         step, snapshot, names, user, m, window_events)
                 return [finding], comparisons
         previous_seq = max(s.seq for s in steps)
     return [], comparisons
+
+
+def _preclip_mismatch(session: Session, trace: Trace, window_events: list[Event], ref,
+                      precision: str, tol: compare.Tolerance) -> bool:
+    """Did a clip_grad_norm_ that bit see a total norm other than the reference's unclipped
+    norm of the same parameters? (fp32: beyond 1e-3; bf16: outside the rounding band.)"""
+    clips = [e for e in window_events if e.kind == "clip" and e.data.get("kind") == "norm"]
+    if not clips or trace.probe.model is None:
+        return False
+    clip = clips[-1]
+    total, max_norm = clip.data.get("total_norm"), clip.data.get("max_norm")
+    if total is None or max_norm is None or not math.isfinite(total) or total <= max_norm:
+        return False
+    by_id = {id(p): n for n, p in trace.probe.model.named_parameters()}
+    names = [by_id[i] for i in clip.data.get("param_ids", []) if i in by_id]
+    names = [n for n in names if ref.full.get(n) is not None]
+    if not names:
+        return False
+    ref_norm = float(torch.linalg.vector_norm(flat(session, ref.full, names).double()))
+    if ref_norm == 0:
+        return False
+    ratio = total / ref_norm
+    band = max(3 * tol.rtol, 1e-3) if precision == "fp32" else 0.25
+    return abs(ratio - 1) > band
 
 
 def _adopt_weighting(session: Session, window: int, ref, names: list[str],
