@@ -26,10 +26,12 @@ class Tolerance:
 
 
 #: Defaults from the noise floor measured on the healthy recipes (see README "Tolerances"):
-#: fp32 teacher-forced relative error ~1e-7 on CPU, bf16 ~1e-2, fp16 ~1e-3. The defaults sit
-#: well above the floor and far below the smallest factor of a real bug.
+#: fp32 teacher-forced relative error 3e-7 on the recipes' small models but 4.4e-5 on a 22M-
+#: parameter model (summation order grows with size), bf16 ~1e-2, fp16 ~1e-3. The defaults sit
+#: well above the floor and far below the smallest factor of a real bug (one micro-batch of
+#: K = 100 missing is 1e-2).
 DEFAULT_TOLERANCES = {
-    "fp32": Tolerance(rtol=1e-4, atol=1e-7),
+    "fp32": Tolerance(rtol=1e-3, atol=1e-7),
     "bf16": Tolerance(rtol=1e-1, atol=1e-5),
     "fp16": Tolerance(rtol=5e-2, atol=1e-6),
 }

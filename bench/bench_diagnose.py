@@ -46,8 +46,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rss", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("configs", nargs="*", type=Path,
+                        help="specs to time (default: every healthy sample config)")
     args = parser.parse_args()
-    configs = sorted((ROOT / "sample_configs").glob("healthy_*.yaml"))
+    configs = ([p.resolve() for p in args.configs] if args.configs
+               else sorted((ROOT / "sample_configs").glob("healthy_*.yaml")))
     floor = {"fp32-accum": 0.0, "bf16-no-scaler": 0.0, "fp16-scaler": 0.0}
     print(f"{'config':32} {'median s':>9} {'peak MiB':>9}  rung seconds")
     with tempfile.TemporaryDirectory() as tmp:
