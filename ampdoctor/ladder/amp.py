@@ -186,6 +186,16 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                            f"{v.data.get('max_norm')} was applied in scaled space.")
             else:
                 message = "clip_grad_norm_ ran before scaler.unscale_ on scaled gradients."
+            slot = v.data.get("optimizer")
+            if len(trace.probe.optimizers) > 1 and slot is not None:
+                evidence["optimizer"] = slot
+                unscaled = sorted({e.optimizer for e in trace.events
+                                   if e.kind == "unscale" and e.seq < event.seq
+                                   and e.optimizer is not None and e.optimizer != slot})
+                message += (f" Optimizer {slot} (of {len(trace.probe.optimizers)}) had not been "
+                            "unscaled" + (f" although optimizer(s) {unscaled} had: the clip "
+                                          "mixed scaled and true gradients" if unscaled else "")
+                            + f"; call scaler.unscale_() on optimizer {slot} before clipping.")
         elif v.kind == "missing-unscale":
             slot = v.data.get("optimizer")
             ratio = _step_ratio(session, trace, event)
