@@ -413,7 +413,8 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
         return Finding(rung, "zero-grad-inside-accumulation", "error",
                        f"Step {ordinal}: zero_grad ran inside the accumulation window, so only "
                        f"{contributing} of {K} micro-batches reached the optimizer step "
-                       f"(gradient norm ratio {measured_ratio:.4g} to the reference, cosine "
+                       f"({'before clipping, ' if clip_norm is not None else ''}gradient norm "
+                       f"ratio {measured_ratio:.4g} to the reference, cosine "
                        f"{m.cosine:.4f}).",
                        evidence=evidence, location=location(inside_zero[-1].site))
     if found is not None and found.kind in _SIZE_FACTOR_KINDS:
