@@ -186,15 +186,17 @@ def build_optimizers(code: UserCode, model: torch.nn.Module) -> tuple[Any, list[
         name = options.pop("name")
         cls = getattr(torch.optim, name, None)
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise SpecError(f"{spec_where(code.spec, 'optimizer.name')}spec key 'optimizer.name': torch.optim has no optimizer {name!r}.")
+            raise SpecError(f"{spec_where(code.spec, 'optimizer.name')}spec key 'optimizer.name': "
+                            f"torch.optim has no optimizer {name!r}.")
         if not any(p.requires_grad for p in model.parameters()):
             raise UserCodeError(f"the model factory '{code.spec.model}' built a model with no "
                                 "trainable parameters: there is nothing to optimize.")
         try:
             result = cls(model.parameters(), **options)
         except (TypeError, ValueError) as exc:
-            raise SpecError(f"{spec_where(code.spec, 'optimizer')}spec key 'optimizer': {name}({', '.join(options)}) is not "
-                            f"valid: {exc}", cause=exc) from exc
+            raise SpecError(f"{spec_where(code.spec, 'optimizer')}spec key 'optimizer': "
+                            f"{name}({', '.join(options)}) is not valid: {exc}",
+                            cause=exc) from exc
     flat = list(result) if isinstance(result, (list, tuple)) else [result]
     if isinstance(result, dict):
         flat = list(result.values())
@@ -230,17 +232,20 @@ def cut_micro_batches(data: Any, spec: Spec) -> list[Any]:
                                 "tensors must share its first (sample) dimension.")
         b = spec.micro_batch_size
         if b is None:
-            raise SpecError(f"{spec_where(spec, 'micro_batch_size')}spec key 'micro_batch_size': required because the data factory "
-                            "returns a tuple of tensors that ampdoctor cuts into micro-batches.")
+            raise SpecError(f"{spec_where(spec, 'micro_batch_size')}spec key "
+                            "'micro_batch_size': required because the data factory returns a "
+                            "tuple of tensors that ampdoctor cuts into micro-batches.")
         if length < needed * b:
-            raise SpecError(f"{spec_where(spec, 'micro_batch_size')}spec key 'micro_batch_size': the data slice holds {length} "
+            raise SpecError(f"{spec_where(spec, 'micro_batch_size')}spec key "
+                            f"'micro_batch_size': the data slice holds {length} "
                             f"samples but optimizer_steps x accumulation_steps x "
                             f"micro_batch_size = {spec.optimizer_steps} x "
                             f"{spec.accumulation_steps} x {b} = {needed * b} are needed.")
         return [tuple(t[i * b:(i + 1) * b] for t in tensors) for i in range(needed)]
     if isinstance(data, (list, tuple)) and data and all(_is_micro_batch(m) for m in data):
         if len(data) < needed:
-            raise SpecError(f"{spec_where(spec, 'optimizer_steps')}spec key 'optimizer_steps': the data factory returned "
+            raise SpecError(f"{spec_where(spec, 'optimizer_steps')}spec key "
+                            f"'optimizer_steps': the data factory returned "
                             f"{len(data)} micro-batches but optimizer_steps x "
                             f"accumulation_steps = {needed} are needed.")
         return [dict(m) if isinstance(m, dict) else tuple(m) for m in data[:needed]]
@@ -304,17 +309,14 @@ def micro_batch_counts(mb: Any) -> dict[str, float]:
         shape = " x ".join(str(d) for d in t.shape)
         if t.dim() > 1:
             counts[f"elements of {name} ({shape})"] = float(t.numel())
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            if t.dtype == torch.bool or ("mask" in str(key).lower() and t.is_floating_point()
-                                         and bool(((t == 0) | (t == 1)).all())):
-                counts[f"ones of the mask {name}"] = float(t.sum())
-            continue
-        kept = float((t != -100).sum())
-        if kept != t.numel():
-            counts[f"labels of {name} that are not -100"] = kept
-        if t.dim() == 2 and t.shape[1] > 1:
-            counts[f"next-token targets of {name}[:, 1:]"] = float((t[:, 1:] != -100).sum())
-        if "mask" in str(key).lower() and bool(((t == 0) | (t == 1)).all()):
+        if not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):  # labels
+            kept = float((t != -100).sum())
+            if kept != t.numel():
+                counts[f"labels of {name} that are not -100"] = kept
+            if t.dim() == 2 and t.shape[1] > 1:
+                counts[f"next-token targets of {name}[:, 1:]"] = float((t[:, 1:] != -100).sum())
+        if t.dtype == torch.bool or ("mask" in str(key).lower() and not t.is_complex()
+                                     and bool(((t == 0) | (t == 1)).all())):
             counts[f"ones of the mask {name}"] = float(t.sum())
     return counts
 

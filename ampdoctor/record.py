@@ -7,6 +7,7 @@ versions load too: missing keys get their defaults.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import tempfile
@@ -45,7 +46,7 @@ def dumps(record: dict[str, Any]) -> str:
 
 def _finite(value: Any) -> Any:
     if isinstance(value, float):
-        return value if value == value and value not in (float("inf"), float("-inf")) else None
+        return value if math.isfinite(value) else None
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

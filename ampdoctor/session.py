@@ -401,7 +401,6 @@ class Session:
         counts = [float(micro_batch_size_of(mb)) for mb in mbs]
         return WindowReference(full, per, counts, False, "loop")
 
-
     def fallback_weights(self, mbs: list[Any], what: str | None = "loop") -> list[float]:
         """Per-micro-batch weights (summing to 1) of the loop-as-reference for micro-batches
         that cannot be concatenated: equal, or proportional to the count the loop weighs by."""

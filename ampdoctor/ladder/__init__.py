@@ -44,8 +44,7 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
         except AmpdoctorError:
             raise
         result.seconds = time.perf_counter() - started
-        if hasattr(session, "rung_done"):
-            session.rung_done(rung_id)
+        session.rung_done(rung_id)
         results.append(result)
         if on_done:
             on_done(result)

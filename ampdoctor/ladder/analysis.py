@@ -45,7 +45,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
     exc = trace.error
     assert exc is not None
     text = f"{type(exc).__name__}: {exc}"
-    if "unscale_()" in str(exc) and _update_missing(trace):
+    if "unscale_()" in str(exc) and update_missing(trace):
         steps = trace.of_kind("scaler_step")
         updates = trace.of_kind("update")
         # Point at the update() that exists but was skipped on this path, else at the step.
@@ -84,7 +84,21 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                    location=location(trace.error_site))
 
 
-def _update_missing(trace: Trace) -> bool:
+def last_unscale_pair(trace: Trace) -> tuple[Event, Event, list[Event]] | None:
+    """The last unscale_ of the run (outside scaler.step), the one before it on the same
+    optimizer, and the events between them; None when there is no such pair."""
+    unscales = [e for e in trace.of_kind("unscale") if not e.data.get("inside_step")]
+    if len(unscales) < 2:
+        return None
+    failing = unscales[-1]
+    previous = next((e for e in reversed(unscales[:-1]) if e.optimizer == failing.optimizer),
+                    None)
+    if previous is None:
+        return None
+    return previous, failing, [e for e in trace.events if previous.seq < e.seq < failing.seq]
+
+
+def update_missing(trace: Trace) -> bool:
     """torch refused an unscale_ because the previous window never reached update(): a
     scaler.step with no update after it, or (a hand-written skip path) a previous unscale_ of
     the same optimizer in an earlier window and no update since."""
@@ -92,14 +106,10 @@ def _update_missing(trace: Trace) -> bool:
     if last_step is not None and not any(e.kind == "update" and e.seq > last_step.seq
                                          for e in trace.events):
         return True
-    unscales = [e for e in trace.of_kind("unscale") if not e.data.get("inside_step")]
-    if len(unscales) < 2:
+    pair = last_unscale_pair(trace)
+    if pair is None:
         return False
-    failing, previous = unscales[-1], next(
-        (e for e in reversed(unscales[:-1]) if e.optimizer == unscales[-1].optimizer), None)
-    if previous is None:
-        return False
-    between = [e for e in trace.events if previous.seq < e.seq < failing.seq]
+    previous, failing, between = pair
     if any(e.kind == "update" for e in between):
         return False
     # The previous unscale_ belongs to an earlier window: that window ended without update()
@@ -225,6 +235,19 @@ def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
     clip_kinds = {e.data.get("kind") for e in trace.of_kind("clip")}
     by_value = clip_kinds == {"value"}
     previous_seq = -1
+
+    def clip_coefficient(ref) -> float:
+        if max_norm is None or by_value:
+            return 1.0
+        norm = float(torch.linalg.vector_norm(flat(session, ref.full, names_all).double()))
+        return min(1.0, max_norm / (norm + 1e-6))
+
+    def expected_of(ref, coef: float, names: list[str]) -> torch.Tensor:
+        expected = flat(session, ref.full, names) * coef
+        if max_norm is not None and by_value:
+            expected = expected.clamp(-max_norm, max_norm)
+        return expected
+
     for ordinal, group in enumerate(groups):
         steps = [s for s in trace.steps if s.group == group]
         snapshot = trace.probe.snapshots.get(group)
@@ -232,38 +255,24 @@ def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
             continue
         window = session.window_of(steps[0], ordinal, trace)
         ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
-        ref_all = flat(session, ref.full, names_all)
-        coef = 1.0
-        if max_norm is not None and not by_value:
-            norm = float(torch.linalg.vector_norm(ref_all.double()))
-            coef = min(1.0, max_norm / (norm + 1e-6))
+        coef = clip_coefficient(ref)
         for step in steps:
             names = [n for n in step.grads if n in session.param_shapes]
             user = flat(session, step.grads, names)
-            expected = flat(session, ref.full, names) * coef
-            if max_norm is not None and by_value:
-                expected = expected.clamp(-max_norm, max_norm)
-            m = compare.metrics(user, expected, tol)
+            m = compare.metrics(user, expected_of(ref, coef, names), tol)
             if not m.ok and session.weighting_open and precision == "fp32" \
                     and _adopt_weighting(session, window, ref, names, user, tol):
                 ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
-                ref_all = flat(session, ref.full, names_all)
-                if max_norm is not None and not by_value:
-                    norm = float(torch.linalg.vector_norm(ref_all.double()))
-                    coef = min(1.0, max_norm / (norm + 1e-6))
-                expected = flat(session, ref.full, names) * coef
-                if max_norm is not None and by_value:
-                    expected = expected.clamp(-max_norm, max_norm)
-                m = compare.metrics(user, expected, tol)
+                coef = clip_coefficient(ref)
+                m = compare.metrics(user, expected_of(ref, coef, names), tol)
             comparisons.append(StepComparison(ordinal, window, step, m))
+            window_events = _window_events(trace, step, previous_seq)
             bad = not m.ok and not compare.is_precision_noise(m, precision)
             if not bad and precision in ("fp32", "bf16"):
                 # Clipping to the same max_norm makes any factor look right after the clip: the
                 # norm the loop's clip saw must be the reference's unclipped norm as well.
-                bad = _preclip_mismatch(session, trace, _window_events(trace, step, previous_seq),
-                                        ref, precision, tol)
+                bad = _preclip_mismatch(session, trace, window_events, ref, precision, tol)
             if bad:
-                window_events = _window_events(trace, step, previous_seq)
                 finding = classify_step(session, trace, rung, precision, tol, ordinal, window,
                                         step, snapshot, names, user, m, window_events)
                 return [finding], comparisons
@@ -508,8 +517,8 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
         kind = "double-average" if measured_ratio < 1 else "missing-accumulation-average"
         evidence["factor"] = compare._round(measured_ratio)
         return Finding(rung, kind, "error",
-                       f"Step {ordinal}: the optimizer consumed {measured_ratio:.4g}x the reference "
-                       f"gradient with cosine {m.cosine:.5f}: the loss is divided by "
+                       f"Step {ordinal}: the optimizer consumed {measured_ratio:.4g}x the "
+                       f"reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
                        f"{K / measured_ratio:.4g} instead of K={K}.",
                        evidence=evidence, location=location(last_backward_site))
     return Finding(rung, "gradient-mismatch", "error",
@@ -581,7 +590,6 @@ def _disambiguate(session: Session, window: int, snapshot, names: list[str],
     """Re-run the first K' = K // 2 micro-batches of the window as one step (same micro-batches,
     so batch statistics do not change) and see whether the gradient's factor follows K' (no
     average) or stays at the micro-batch size (sum reduction)."""
-    from ..loading import micro_batch_counts, micro_batch_size_of
     K2 = max(1, session.K // 2)
     part = session.window(window)[:K2]
     b = micro_batch_size_of(part[0])

@@ -18,7 +18,7 @@ from .. import compare
 from ..findings import Finding, RungResult, conclude
 from ..probe.recorder import Probe
 from ..session import Session, Trace
-from .analysis import _update_missing, location, loop_error_finding
+from .analysis import last_unscale_pair, location, loop_error_finding, update_missing
 
 RUNG = "skips"
 #: frequent-skips: after the first real update, more than this fraction of the plain fp16 run's
@@ -183,14 +183,12 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
     """A hand-written overflow guard that `continue`s past step/update/zero_grad: torch refuses
     the next window's unscale_(), and the inf stays in .grad. Named when the injected overflow
     is what sent the loop down that path and the path cleared no gradients either."""
-    if not injector.fired or "unscale_()" not in str(trace.error) or not _update_missing(trace):
+    if not injector.fired or "unscale_()" not in str(trace.error) or not update_missing(trace):
         return None
-    unscales = [e for e in trace.of_kind("unscale") if not e.data.get("inside_step")]
-    failing = unscales[-1]
-    previous = next((e for e in reversed(unscales[:-1]) if e.optimizer == failing.optimizer), None)
-    if previous is None:
+    pair = last_unscale_pair(trace)
+    if pair is None:
         return None
-    between = [e for e in trace.events if previous.seq < e.seq < failing.seq]
+    _, failing, between = pair
     if any(e.kind in ("zero_grad", "scaler_step", "step") for e in between):
         return None
     zero_grads = plain.of_kind("zero_grad")
@@ -205,7 +203,8 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
         "scaler.update() as after a good step -- or drop the hand-written check and let "
         "scaler.step() skip.",
         evidence={"measured": 0, "expected": 1, "zero_grad_on_skip_path": 0,
-                  "update_on_skip_path": 0, "error": f"{type(trace.error).__name__}: {trace.error}"},
+                  "update_on_skip_path": 0,
+                  "error": f"{type(trace.error).__name__}: {trace.error}"},
         location=location(site))
 
 

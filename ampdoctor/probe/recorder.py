@@ -10,8 +10,8 @@ teacher-forced comparison.
 from __future__ import annotations
 
 import functools
-import warnings
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
