@@ -59,6 +59,7 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
             record["notes"] = sorted(session.notes)
         finally:
             recorder.activate(None)
+            recorder.DROPOUT_OFF = False
             if code is not None:
                 code.forget()
             torch.set_rng_state(rng_state)

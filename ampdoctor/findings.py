@@ -45,8 +45,11 @@ _KINDS = [
         "Two fp32 runs from identical weights and data give different gradients, so any later "
         "difference could be noise. Usually a random layer (dropout) is active in the triage model, "
         "or the loss draws random numbers.",
-        "Make the triage model deterministic: build it with dropout p=0 (or a factory that calls "
-        "`model.eval()` on the random layers), and keep random augmentation out of `train_loop`.",
+        "ampdoctor gives every forward of micro-batch i the same random state in every run "
+        "(`dropout: align`, the default), so dropout inside the model is fine. Randomness drawn "
+        "outside the model's forward (noise added to the inputs in the loop, a random loss term) "
+        "cannot be aligned: move it into the model's forward, seed it from the micro-batch, or "
+        "turn it off for the triage; `dropout: off` in the spec sets every dropout to p=0.",
     ),
     Kind(
         "missing-accumulation-average",
@@ -174,6 +177,18 @@ _KINDS = [
         "After GradScaler skipped a step, the inf/NaN gradients stay in `.grad` and poison the next "
         "window, which is skipped too.",
         "Call `optimizer.zero_grad()` after every `scaler.step`, skipped or not.",
+    ),
+    Kind(
+        "missing-zero-grad",
+        "Gradients are carried from one optimizer step into the next",
+        "`.grad` is not cleared after an optimizer step (no `zero_grad`, or one that covers only "
+        "part of the model), so every step re-applies the gradients of the windows before it: "
+        "the effective learning rate grows with every step, and an overflow, once in `.grad`, "
+        "poisons every later window.",
+        "Clear every parameter's gradient once per optimizer step, right after the step (skipped "
+        "or not): `optimizer.zero_grad(set_to_none=True)` on every optimizer, or "
+        "`model.zero_grad()`.",
+        "scaler.step(optimizer)\nscaler.update()\n# no optimizer.zero_grad()",
     ),
     Kind(
         "frequent-skips",

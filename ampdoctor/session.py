@@ -76,7 +76,10 @@ class Trace:
         per window, a loop that sums the window's losses first).
         """
         K = self.accumulation_steps
-        if self.lazy_feed:
+        if isinstance(event, recorder.StepRecord) and event.consumed:
+            return max(event.consumed) // K
+        if self.probe.forward_matched or self.lazy_feed:
+            # the micro-batch last forwarded (or, when forwards cannot be matched, fetched)
             return max(event.microbatch, 0) // K
         backwards = self.probe.backward_count
         if backwards == self.microbatches:
@@ -107,7 +110,13 @@ class Session:
         self.code = code
         self.device = device
         self.finder = finder
-        self.micro_batches = [to_device(mb, device) for mb in micro_batches]
+        # Each micro-batch owns its storage, so a forward can be matched to the micro-batch it
+        # consumed (recorder.MicroBatchIndex), whatever order the loop fetched them in.
+        self.micro_batches = [_own_storage(to_device(mb, device)) for mb in micro_batches]
+        self.batch_index = recorder.MicroBatchIndex(self.micro_batches)
+        #: dropout: align -- the RNG seed of every micro-batch forward; off -- None
+        self.align_seed: int | None = spec.seed if spec.dropout == "align" else None
+        recorder.DROPOUT_OFF = spec.dropout == "off"
         self.K = spec.accumulation_steps
         self.N = spec.optimizer_steps
         self._ref_model: torch.nn.Module | None = None
@@ -176,7 +185,12 @@ class Session:
         probe = recorder.Probe(self.finder, model, flat)
         probe.capture_grads = capture
         probe.before_backward = before_backward
-        feed = recorder.MicroBatchFeed(mbs, probe)
+        indices = [self.index_of(mb, position) for position, mb in enumerate(mbs)]
+        feed = recorder.MicroBatchFeed(mbs, probe, indices)
+        aligner = recorder.ForwardAligner(self.batch_index, self.align_seed, probe.on_forward)
+        aligner.fallback = lambda: probe.fetched if probe.fetched >= 0 else None
+        aligner.attach(model)
+        probe.aligner = aligner
         trace = Trace(precision, settings.accumulation_steps, probe, settings,
                       optimizer_count=len(flat), microbatches=len(mbs))
         if rng_seed is not None:
@@ -191,7 +205,13 @@ class Session:
             trace.error_site = self.finder.from_traceback(exc.__traceback__)
         finally:
             recorder.activate(previous)
+            aligner.detach()
         return trace
+
+    def index_of(self, mb: Any, default: int) -> int:
+        """The session-wide index of a micro-batch ampdoctor handed out (by storage)."""
+        found = self.batch_index.find(mb, None)
+        return default if found is None else found
 
     #: The last rung that compares each plain trace's gradients step by step.
     _LAST_USE = {"fp32-accum": "fp32", "bf16-no-scaler": "bf16", "fp16-scaler": "fp16"}
@@ -244,6 +264,7 @@ class Session:
     def _model_at(self, state: dict[str, torch.Tensor], training: bool) -> torch.nn.Module:
         if self._ref_model is None:
             self._ref_model = build_model(self.code, self.device, self.spec.seed)
+            recorder.ForwardAligner(self.batch_index, self.align_seed).attach(self._ref_model)
         model = self._ref_model
         model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
         model.train(training)
@@ -365,10 +386,13 @@ class Session:
 
     def _reference_from_loop(self, mbs, state, training, per_mb: bool) -> WindowReference:
         batch_stats = self.has_batch_statistics()
+        # Aligned dropout draws its masks per micro-batch: one batch of the whole window would
+        # draw others, so the reference combines per-micro-batch runs, as for BatchNorm.
+        aligned = self.align_seed is not None and bool(self.random_modules())
         per = None
-        if per_mb or batch_stats:
+        if per_mb or batch_stats or aligned:
             per = [self.loop_gradient([mb], state, training) for mb in mbs]
-        if batch_stats:
+        if batch_stats or aligned:
             # BatchNorm normalises per micro-batch: the full-batch gradient is not what a correct
             # accumulation computes, the mean (or, for a loss that sums over samples, the sum) of
             # the micro-batch gradients is. Which of the two the loss does, the full-batch run
@@ -382,7 +406,9 @@ class Session:
                 if _distance(whole, total) < _distance(whole, mean):
                     full = total
             self.notes.add("the model normalises over the batch (BatchNorm): the loop-as-reference "
-                           "combines per-micro-batch gradients")
+                           "combines per-micro-batch gradients" if batch_stats else
+                           "the model has dropout, aligned per micro-batch: the "
+                           "loop-as-reference combines per-micro-batch gradients")
         else:
             merged = merge_micro_batches(mbs)
             if merged is None:
@@ -419,6 +445,12 @@ class Session:
                        "(as one batch of the whole window would): the loop-as-reference is the "
                        "mean of per-micro-batch gradients weighted so (give the spec a `loss` "
                        "to state the weighting)")
+
+
+def _own_storage(mb: Any) -> Any:
+    if isinstance(mb, dict):
+        return {k: v.clone() for k, v in mb.items()}
+    return tuple(t.clone() for t in mb)
 
 
 def _distance(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:

@@ -72,6 +72,9 @@ class Spec(_Strict):
     scan: ScanSettings | None = None
     tolerances: dict[Literal["fp32", "bf16", "fp16"], Tolerance] = Field(default_factory=dict)
     ddp: DDPSettings | None = None
+    #: align: every forward of micro-batch i runs under the same RNG state in every run of the
+    #: loop and in the reference, so dropout masks match; off: functional dropout runs at p = 0.
+    dropout: Literal["align", "off"] = "align"
 
     # Filled in by load_spec, not by the user.
     spec_path: Path | None = Field(default=None, exclude=True)
@@ -92,6 +95,12 @@ class Spec(_Strict):
         if isinstance(value, str):
             return _check_callable(value)
         return value
+
+    @field_validator("dropout", mode="before")
+    @classmethod
+    def _dropout(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false
+        return "off" if value is False else value
 
     @field_validator("device")
     @classmethod

@@ -21,5 +21,5 @@ def train_loop(model, optimizer, micro_batches, run):
             scaler.unscale_(optimizer)
             if run.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
-            scaler.step(optimizer)  # BUG: no-zero-grad-after-skip
+            scaler.step(optimizer)  # BUG: missing-zero-grad
             scaler.update()

@@ -22,4 +22,4 @@ def train_loop(model, optimizer, micro_batches, run):
             scaler.unscale_(optimizer)
             scaler.step(optimizer)
             scaler.update()
-            model.backbone.zero_grad(set_to_none=True)  # BUG: no-zero-grad-after-skip
+            model.backbone.zero_grad(set_to_none=True)  # BUG: missing-zero-grad

@@ -228,6 +228,47 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     return findings
 
 
+#: State-machine findings whose consequence is the loss-scale trajectory, judged here directly.
+SCALE_TRAJECTORY_KINDS = ("update-per-microbatch", "double-scaling")
+
+#: Why a call order whose update matched this run is still fragile.
+_FRAGILE = {
+    "clip-before-unscale": "it clipped gradients still multiplied by the loss scale; it has not "
+                           "bitten yet, but once the scale grows (or the gradients do) the "
+                           "threshold acts on S x the true norm and the update shrinks by 1/S",
+    "missing-unscale": "optimizer.step() bypassed scaler.step(), so no inf check guards it; it "
+                       "matched only because the scale was 1 here",
+    "unscale-twice": "unscale_ ran twice for one step",
+}
+
+
+def _explain_with_calls(mismatch: list[Finding], violations: list[Finding],
+                        judgement) -> tuple[list[Finding], list[Finding]]:
+    """Consequence first: a call-order violation explains a mismatch the judge found (it names
+    the offending call); where every update matched it is at most a warning. A clip in scaled
+    space at a threshold multiplied by the scale is the same update and says nothing."""
+    scaled_sites = {(c.site.file, c.site.line) for s in judgement.steps for c in s.clips
+                    if c.scaled_threshold and c.site is not None}
+    relevant = [v for v in violations if v.kind not in SCALE_TRAJECTORY_KINDS and not (
+        v.kind == "clip-before-unscale" and v.location is not None
+        and (v.location.file, v.location.line) in scaled_sites)]
+    if mismatch:
+        first = mismatch[0]
+        same = next((v for v in relevant if v.kind == first.kind), None)
+        if same is not None and first.kind != "clip-before-unscale":
+            return [same], []
+        if first.kind == "gradient-mismatch" and relevant:
+            return [relevant[0]], []
+        return mismatch, []
+    fragile = []
+    for v in relevant:
+        why = _FRAGILE.get(v.kind, v.message)
+        fragile.append(Finding(v.rung, v.kind, "warning",
+                               f"Every fp16 update matched the reference, but {why}. "
+                               f"({v.message})", evidence=v.evidence, location=v.location))
+    return [], fragile
+
+
 def _skipped(trace: Trace) -> int:
     return sum(1 for e in trace.of_kind("scaler_step") if e.data.get("skipped"))
 
@@ -364,18 +405,25 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
     if any(f.severity == "error" for f in findings):
         return conclude(rung, findings, "", details)
     if precision == "fp16":
+        # An update-per-microbatch or a second loss scale shows in the scale trajectory itself
+        # (the consequence this rung judges besides the gradient).
         violations = violation_findings(session, trace, rung)
-        if violations:
-            return conclude(rung, findings + violations, "", details)
+        trajectory = [v for v in violations if v.kind in SCALE_TRAJECTORY_KINDS]
         double = runtime_double_scaling(session, trace, rung)
         if double is not None:
-            return conclude(rung, findings + [double], "", details)
+            trajectory.append(double)
+        if trajectory:
+            return conclude(rung, findings + trajectory, "", details)
     findings += scheduler_findings(session, trace, rung)
     skipped = _skipped(trace)
     count = step_count_finding(session, trace, rung, skipped_windows=skipped)
     if count is not None:
         return conclude(rung, findings + [count], "", details)
-    mismatch, comparisons = compare_trace(session, trace, rung, precision)
+    mismatch, judgement = compare_trace(session, trace, rung, precision)
+    comparisons = judgement.steps
+    if precision == "fp16":
+        mismatch, fragile = _explain_with_calls(mismatch, violations, judgement)
+        findings += fragile
     findings += mismatch
     worst = max((c.metrics.rel_err for c in comparisons), default=0.0)
     tol = tolerance(session, precision)

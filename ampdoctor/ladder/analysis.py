@@ -17,6 +17,7 @@ from ..findings import Finding, Location
 from ..loading import micro_batch_counts, micro_batch_size_of
 from ..probe.callsite import Site
 from ..probe.recorder import Event, StepRecord
+from ..judge import Judgement, StepJudgement, judge, step_groups, tolerance
 from ..session import Session, Trace, flat
 
 #: torch's own error messages that name a known mistake (matched on a stable fragment).
@@ -30,15 +31,6 @@ def location(site: Site | None) -> Location | None:
     if site is None:
         return None
     return Location(site.file, site.line, site.function, site.code or None)
-
-
-def tolerance(session: Session, precision: str) -> compare.Tolerance:
-    default = compare.DEFAULT_TOLERANCES[precision]
-    override = session.spec.tolerances.get(precision)  # type: ignore[call-overload]
-    if override is None:
-        return default
-    return compare.Tolerance(override.rtol if override.rtol is not None else default.rtol,
-                             override.atol if override.atol is not None else default.atol)
 
 
 def loop_error_finding(trace: Trace, rung: str) -> Finding:
@@ -142,7 +134,7 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     worst = max(counts.values())
     if worst <= 1:
         return []
-    optimizer_steps = max(1, len(_step_groups(trace)))
+    optimizer_steps = max(1, len(step_groups(trace)))
     schedulers = max(1, len({(k[1], k[2]) for k in counts}))
     per_step = len(scheduler_events) / schedulers / optimizer_steps
     first = scheduler_events[0]
@@ -156,14 +148,6 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                   "optimizer_steps": optimizer_steps,
                   "max_between_optimizer_steps": worst},
         location=location(first.site))]
-
-
-def _step_groups(trace: Trace) -> list[int]:
-    seen: list[int] = []
-    for step in trace.steps:
-        if step.group not in seen:
-            seen.append(step.group)
-    return seen
 
 
 def step_count_finding(session: Session, trace: Trace, rung: str,
@@ -209,136 +193,14 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
     return None
 
 
-@dataclass
-class StepComparison:
-    ordinal: int
-    window: int
-    step: StepRecord
-    metrics: compare.Metrics
-
-
-def _window_events(trace: Trace, step: StepRecord, previous_step_seq: int) -> list[Event]:
-    return [e for e in trace.events if previous_step_seq < e.seq < step.seq]
-
-
-def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
-                  max_norm: float | None | str = "spec") -> tuple[list[Finding], list[StepComparison]]:
-    """Teacher-forced comparison of every optimizer step; classify the first bad one."""
-    tol = tolerance(session, precision)
-    comparisons: list[StepComparison] = []
-    groups = _step_groups(trace)
-    names_all = session.param_order
-    if max_norm == "spec":
-        max_norm = session.spec.max_grad_norm
-    # The reference clips the way the loop does: by total norm (clip_grad_norm_), or element-wise
-    # (clip_grad_value_, with the threshold handed to the loop as run.max_grad_norm).
-    clip_kinds = {e.data.get("kind") for e in trace.of_kind("clip")}
-    by_value = clip_kinds == {"value"}
-    previous_seq = -1
-
-    def clip_coefficient(ref) -> float:
-        if max_norm is None or by_value:
-            return 1.0
-        norm = float(torch.linalg.vector_norm(flat(session, ref.full, names_all).double()))
-        return min(1.0, max_norm / (norm + 1e-6))
-
-    def expected_of(ref, coef: float, names: list[str]) -> torch.Tensor:
-        expected = flat(session, ref.full, names) * coef
-        if max_norm is not None and by_value:
-            expected = expected.clamp(-max_norm, max_norm)
-        return expected
-
-    for ordinal, group in enumerate(groups):
-        steps = [s for s in trace.steps if s.group == group]
-        snapshot = trace.probe.snapshots.get(group)
-        if snapshot is None:
-            continue
-        window = session.window_of(steps[0], ordinal, trace)
-        ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
-        coef = clip_coefficient(ref)
-        for step in steps:
-            names = [n for n in step.grads if n in session.param_shapes]
-            user = flat(session, step.grads, names)
-            m = compare.metrics(user, expected_of(ref, coef, names), tol)
-            if not m.ok and session.weighting_open and precision == "fp32" \
-                    and _adopt_weighting(session, window, ref, names, user, tol):
-                ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
-                coef = clip_coefficient(ref)
-                m = compare.metrics(user, expected_of(ref, coef, names), tol)
-            comparisons.append(StepComparison(ordinal, window, step, m))
-            window_events = _window_events(trace, step, previous_seq)
-            bad = not m.ok and not compare.is_precision_noise(m, precision)
-            if not bad and precision in ("fp32", "bf16"):
-                # Clipping to the same max_norm makes any factor look right after the clip: the
-                # norm the loop's clip saw must be the reference's unclipped norm as well.
-                bad = _preclip_mismatch(session, trace, window_events, ref, precision, tol)
-            if bad:
-                finding = classify_step(session, trace, rung, precision, tol, ordinal, window,
-                                        step, snapshot, names, user, m, window_events)
-                return [finding], comparisons
-        previous_seq = max(s.seq for s in steps)
-    return [], comparisons
-
-
-def _preclip_mismatch(session: Session, trace: Trace, window_events: list[Event], ref,
-                      precision: str, tol: compare.Tolerance) -> bool:
-    """Did a clip_grad_norm_ that bit see a total norm other than the reference's unclipped
-    norm of the same parameters? (fp32: beyond 1e-3; bf16: outside the rounding band.)"""
-    clips = [e for e in window_events if e.kind == "clip" and e.data.get("kind") == "norm"]
-    if not clips or trace.probe.model is None:
-        return False
-    clip = clips[-1]
-    total, max_norm = clip.data.get("total_norm"), clip.data.get("max_norm")
-    if total is None or max_norm is None or not math.isfinite(total) or total <= max_norm:
-        return False
-    by_id = {id(p): n for n, p in trace.probe.model.named_parameters()}
-    names = [by_id[i] for i in clip.data.get("param_ids", []) if i in by_id]
-    names = [n for n in names if ref.full.get(n) is not None]
-    if not names:
-        return False
-    ref_norm = float(torch.linalg.vector_norm(flat(session, ref.full, names).double()))
-    if ref_norm == 0:
-        return False
-    ratio = total / ref_norm
-    band = max(3 * tol.rtol, 1e-3) if precision == "fp32" else 0.25
-    return abs(ratio - 1) > band
-
-
-def _adopt_weighting(session: Session, window: int, ref, names: list[str],
-                     user: torch.Tensor, tol: compare.Tolerance) -> bool:
-    """Micro-batches of different shapes and no `loss`: the equal-weight reference is a guess.
-    If the loop's gradient points exactly along the mean weighted by a count the micro-batches
-    carry (their tokens, their non-ignored labels) and not along the equal-weight mean, the loop
-    weighs micro-batches as one batch of the whole window would: adopt that weighting for every
-    reference from now on (a wrong size is still judged against it). Asked once, in fp32."""
-    session.weighting_open = False
-    if not ref.per_mb:
-        return False
-    mbs = session.window(window)
-    per = torch.stack([flat(session, g, names).double() for g in ref.per_mb])
-    counts = [micro_batch_counts(mb) for mb in mbs]
-    options: list[str | None] = [None] + [w for w in counts[0] if all(w in c for c in counts)]
-    u = user.double()
-    u_norm = float(torch.linalg.vector_norm(u))
-    if u_norm == 0 or not math.isfinite(u_norm):
-        return False
-
-    def residual(what: str | None) -> float:
-        weights = torch.tensor(session.fallback_weights(mbs, what), dtype=torch.float64)
-        cand = weights @ per
-        denom = float(cand @ cand)
-        if denom == 0:
-            return math.inf
-        scale = float(u @ cand) / denom
-        return float(torch.linalg.vector_norm(u - scale * cand)) / u_norm
-
-    scored = sorted((residual(w), i, w) for i, w in enumerate(options))
-    best_resid, _, best = scored[0]
-    equal_resid = next(r for r, _, w in scored if w is None)
-    if best is None or best_resid > max(3 * tol.rtol, 2e-3) or best_resid > 0.1 * equal_resid:
-        return False
-    session.adopt_weighting(best)
-    return True
+def compare_trace(session: Session, trace: Trace, rung: str,
+                  precision: str) -> tuple[list[Finding], Judgement]:
+    """Judge every optimizer step (the judge decides); explain the first bad one (the rules)."""
+    judgement = judge(session, trace, precision)
+    bad = judgement.first_bad
+    if bad is None:
+        return [], judgement
+    return [classify_step(session, trace, rung, judgement, bad)], judgement
 
 
 def _unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, float | None]:
@@ -356,13 +218,21 @@ def _unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, f
     return user, total
 
 
-def classify_step(session: Session, trace: Trace, rung: str, precision: str,
-                  tol: compare.Tolerance, ordinal: int, window: int, step: StepRecord,
-                  snapshot, names: list[str], user: torch.Tensor, m: compare.Metrics,
-                  window_events: list[Event]) -> Finding:
+def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,
+                  judged: StepJudgement) -> Finding:
     K = session.K
+    precision, tol = judgement.precision, judgement.tolerance
+    ordinal, window, step, m = judged.ordinal, judged.window, judged.step, judged.metrics
+    window_events = list(judged.events)
+    snapshot = trace.probe.snapshots[step.group]
+    names = [n for n in step.grads if n in session.param_shapes]
+    user = flat(session, step.grads, names)
     ref = session.reference(window, snapshot.state, snapshot.training, per_mb=True)
     full = flat(session, ref.full, names)
+    scaled_clip = next((c for c in judged.clips if c.scale is not None and not c.scaled_threshold),
+                       None)
+    if scaled_clip is not None:
+        return _clip_in_scaled_space(session, rung, judged, scaled_clip, ref.full)
     per_mb = [flat(session, g, names) for g in ref.per_mb or []]
     user_u, clip_norm = _unclipped(user, window_events)
     backwards = [e for e in window_events if e.kind == "backward"]
@@ -487,7 +357,7 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
         site = zero_grads[-1].site if partial and zero_grads else step.site
         which = (f"{len(carried)} of {len(names)} parameters ({', '.join(carried[:4])}"
                  + (", ..." if len(carried) > 4 else "") + ")") if partial else "every parameter"
-        return Finding(rung, "no-zero-grad-after-skip", "error",
+        return Finding(rung, "missing-zero-grad", "error",
                        f"Step {ordinal}: for {which} the optimizer consumed this window's "
                        f"reference gradient plus what step {ordinal - 1} already applied: .grad "
                        "is not cleared after an optimizer step"
@@ -527,6 +397,38 @@ def classify_step(session: Session, trace: Trace, rung: str, precision: str,
                    f"(relative; tolerance {tol.rtol:g}), norm ratio {measured_ratio:.4g}, cosine "
                    f"{m.cosine:.4f}, matching no known mistake.{hint}",
                    evidence=evidence, location=location(step.site))
+
+
+def _clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, call,
+                          reference: dict[str, torch.Tensor | None]) -> Finding:
+    """The update differs and a clip ran on gradients still multiplied by the loss scale, at a
+    threshold the loop means in true space: the threshold met S x the true norm."""
+    from ..reference import reference_norm
+    every = session.param_order
+    sizes = {n: math.prod(session.param_shapes[n]) for n in every}
+    true_norm = reference_norm(flat(session, reference, every), every, sizes, call)
+    seen = call.total_norm
+    m = judged.metrics
+    evidence: dict[str, Any] = {
+        "measured": compare._round(seen / true_norm) if seen and true_norm else None,
+        "expected": 1.0, "scale": call.scale, "norm_seen_by_clip": seen,
+        "true_norm": compare._round(true_norm), "max_grad_norm": call.threshold,
+        "step": judged.ordinal, "window": judged.window, **m.as_evidence(),
+        "tolerance": m.allowed and compare._round(m.allowed / max(m.norm_ref, 1e-30))}
+    if call.kind == "value":
+        evidence["measured"] = call.scale
+        message = (f"Step {judged.ordinal}: clip_grad_value_ ran before scaler.unscale_: the clip "
+                   f"value {call.threshold:g} was applied to gradients multiplied by the loss "
+                   f"scale {call.scale:g}, i.e. a clip value {call.scale:g}x too small in "
+                   f"true-gradient space; the update is {m.ratio:.4g}x the reference.")
+    else:
+        message = (f"Step {judged.ordinal}: clip_grad_norm_ ran before scaler.unscale_: it saw a "
+                   f"gradient norm of {seen:.6g} where the true norm is {true_norm:.6g} (the "
+                   f"loss scale {call.scale:g}), so the threshold {call.threshold:g} was applied "
+                   f"in scaled space and the update is {m.ratio:.4g}x the reference clipped at "
+                   f"{call.threshold:g}.")
+    return Finding(rung, "clip-before-unscale", "error", message, evidence=evidence,
+                   location=location(call.site))
 
 
 def _carried_over(session: Session, trace: Trace, step: StepRecord, names: list[str],

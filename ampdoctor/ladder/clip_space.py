@@ -76,7 +76,8 @@ def run(session: Session) -> RungResult:
         details["forced_clipping"] = ("the loop did not clip with run.max_grad_norm="
                                       f"{threshold:.4g}: the forced-clipping pass was not checked")
     else:
-        mismatch, comparisons = compare_trace(session, forced, RUNG, "fp16", max_norm=threshold)
+        mismatch, judgement = compare_trace(session, forced, RUNG, "fp16")
+        comparisons = judgement.steps
         for finding in mismatch:
             seen = forced_clips[0].data.get("total_norm")
             unscaled = [e for e in forced.of_kind("unscale") if e.data.get("enabled")]

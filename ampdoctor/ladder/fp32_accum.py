@@ -61,7 +61,8 @@ def run(session: Session) -> RungResult:
             location=location(last.site))
         return RungResult(RUNG, "fail", f"{most} optimizer step(s) for {session.N} windows",
                           [finding] + findings)
-    mismatch, comparisons = compare_trace(session, trace, RUNG, "fp32")
+    mismatch, judgement = compare_trace(session, trace, RUNG, "fp32")
+    comparisons = judgement.steps
     findings = mismatch + findings
     worst = max((c.metrics.rel_err for c in comparisons), default=0.0)
     return conclude(RUNG, findings, f"{len(comparisons)} optimizer steps match the fp32 "

@@ -18,11 +18,25 @@ RUNG = "reproducibility"
 REPEAT_TOLERANCE = compare.Tolerance(rtol=1e-5, atol=1e-8)
 
 
-def _nondeterministic(session: Session, what: str, m: compare.Metrics) -> Finding:
+def _nondeterministic(session: Session, what: str, m: compare.Metrics,
+                      random_site=None) -> Finding:
     modules = session.random_modules()
-    named = (f" Random layers active in the model: {', '.join(modules)}." if modules
-             else " No dropout-like layer was found: the loss or the loop draws random numbers.")
-    site = session.module_sites.get(modules[0].split(" ")[0]) if modules else None
+    if random_site is not None:
+        named = (f" The loop draws random numbers outside the model's forward (first at "
+                 f"{random_site.file}:{random_site.line}), where ampdoctor cannot give every run "
+                 "the same random state.")
+        site = random_site
+    elif modules and session.align_seed is None:
+        named = f" Random layers active in the model: {', '.join(modules)}."
+        site = session.module_sites.get(modules[0].split(" ")[0])
+    elif modules:
+        named = (f" Random layers active in the model: {', '.join(modules)}; their forwards "
+                 "were aligned per micro-batch, so the randomness comes from elsewhere (the "
+                 "loss, or a forward ampdoctor could not match to its micro-batch).")
+        site = session.module_sites.get(modules[0].split(" ")[0])
+    else:
+        named = " No dropout-like layer was found: the loss or the loop draws random numbers."
+        site = None
     return Finding(RUNG, "nondeterministic-baseline", "error",
                    f"{what} differ by {m.rel_err:.3g} (relative) under a different RNG state "
                    f"(cosine {m.cosine:.5f}).{named}",
@@ -60,7 +74,9 @@ def run(session: Session) -> RungResult:
     if len(run_a.steps) != len(run_b.steps) or (worst is not None and not worst.ok):
         m = worst or compare.metrics(compare.torch.zeros(1), compare.torch.ones(1),
                                      REPEAT_TOLERANCE)
-        finding = _nondeterministic(session, "Two fp32 runs of the loop from the same weights", m)
+        site = run_a.probe.random_site or run_b.probe.random_site
+        finding = _nondeterministic(session, "Two fp32 runs of the loop from the same weights", m,
+                                    site)
         return RungResult(RUNG, "fail", "two fp32 runs of the loop disagree", [finding])
     findings: list[Finding] = []
     summary = (f"reference repeatable ({first.mode} mode); two fp32 runs agree "

@@ -50,6 +50,13 @@ class StepRecord:
     grads: dict[str, torch.Tensor | None]
     site: Site | None
     via_scaler: int | None    # the scaler slot when called inside scaler.step
+    #: micro-batches whose forward ran since the previous step group (matched by storage):
+    #: what this step consumed, whatever order the loop fetched them in
+    consumed: tuple[int, ...] = ()
+    #: the learning rate of each parameter group as this step used it
+    lrs: tuple[float, ...] = ()
+    #: every gradient the step is about to apply is finite
+    finite: bool = True
 
 
 @dataclass
@@ -61,12 +68,102 @@ class Snapshot:
     training: bool
 
 
+def storages(value: Any) -> Iterator[int]:
+    """The storage addresses of the tensors in a (nested) micro-batch or forward argument."""
+    if isinstance(value, torch.Tensor):
+        try:
+            yield value.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):   # meta / sparse tensors
+            return
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from storages(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from storages(item)
+
+
+class MicroBatchIndex:
+    """Which micro-batch a tensor belongs to, by its storage: every micro-batch ampdoctor hands
+    out owns its storage, and what a loop does on the way to the model (`.to(device)` on the
+    same device, slicing `x[:, :-1]`, `batch["input_ids"]`) keeps it."""
+
+    def __init__(self, micro_batches: list[Any], indices: list[int] | None = None):
+        self._by_storage: dict[int, int] = {}
+        for index, mb in zip(indices or range(len(micro_batches)), micro_batches):
+            for ptr in storages(mb):
+                if ptr:
+                    self._by_storage.setdefault(ptr, index)
+
+    def find(self, args: Any, kwargs: Any) -> int | None:
+        for ptr in storages((args, kwargs)):
+            index = self._by_storage.get(ptr)
+            if index is not None:
+                return index
+        return None
+
+
+class ForwardAligner:
+    """Forward hooks on a model: name the micro-batch each top-level forward consumes and, with
+    `seed` set, run that forward under a fixed RNG state per micro-batch (dropout masks then
+    match between the loop's runs and the reference) without touching the RNG stream outside
+    the forward (randomness elsewhere still shows in the reproducibility rung)."""
+
+    def __init__(self, index: MicroBatchIndex, seed: int | None,
+                 on_forward: Callable[[int | None], None] | None = None):
+        self.index = index
+        self.seed = seed
+        self.on_forward = on_forward
+        self._forks: list[Any] = []
+        self._handles: list[Any] = []
+        self.depth = 0   # inside a top-level forward
+        #: the micro-batch to seed by when a forward matches none (the one last fetched)
+        self.fallback: Callable[[], int | None] | None = None
+
+    def attach(self, model: torch.nn.Module) -> ForwardAligner:
+        self._handles = [
+            model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            model.register_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre(self, module, args, kwargs):
+        index = self.index.find(args, kwargs)
+        if self.on_forward is not None:
+            self.on_forward(index)
+        key = index if index is not None else (self.fallback() if self.fallback else None)
+        fork = None
+        if self.seed is not None and key is not None:
+            devices = ([torch.cuda.current_device()] if torch.cuda.is_available()
+                       and torch.cuda.is_initialized() else [])
+            fork = torch.random.fork_rng(devices=devices)
+            fork.__enter__()
+            torch.manual_seed(self.seed * 1_000_003 + key)
+        self._forks.append(fork)
+        self.depth += 1
+        return None
+
+    def _post(self, module, args, output):
+        self.depth = max(0, self.depth - 1)
+        fork = self._forks.pop() if self._forks else None
+        if fork is not None:
+            fork.__exit__(None, None, None)
+        return None
+
+
 class MicroBatchFeed(Sequence):
     """ampdoctor's own iterable around the micro-batches: records which one is handed out."""
 
-    def __init__(self, micro_batches: list[Any], probe: Probe):
+    def __init__(self, micro_batches: list[Any], probe: Probe, indices: list[int] | None = None):
         self._items = list(micro_batches)
         self._probe = probe
+        #: the session-wide index of each item (a reference run feeds one window's micro-batches)
+        self._indices = list(indices) if indices is not None else list(range(len(self._items)))
 
     def __len__(self) -> int:
         return len(self._items)
@@ -76,12 +173,12 @@ class MicroBatchFeed(Sequence):
             return [self[i] for i in range(*index.indices(len(self._items)))]
         if index < 0:
             index += len(self._items)
-        self._probe.on_microbatch(index)
+        self._probe.on_microbatch(self._indices[index])
         return self._items[index]
 
     def __iter__(self) -> Iterator[Any]:
         for index, item in enumerate(self._items):
-            self._probe.on_microbatch(index)
+            self._probe.on_microbatch(self._indices[index])
             yield item
 
 
@@ -120,9 +217,19 @@ class Probe:
         self.backward_count = 0
         self._group = -1
         self._backwards_at_group = -1
+        self._group_consumed: tuple[int, ...] = ()
+        self.fetched = -1
         self._depth: dict[str, int] = {}
         self._scaler_step_slot: int | None = None
         self.optimizer_step_count = 0
+        #: Micro-batches whose forward ran since the last step group began.
+        self._consumed: list[int] = []
+        #: A top-level forward was matched to a micro-batch: `current_microbatch` then follows
+        #: what the model consumed, not what the loop fetched (a loop may fetch ahead).
+        self.forward_matched = False
+        self.aligner: ForwardAligner | None = None
+        #: where the loop first drew random numbers outside the model's forward
+        self.random_site: Site | None = None
         #: Called as inject(probe, loss_tensor) before each backward (overflow injection).
         self.before_backward: Callable[[Probe, torch.Tensor], None] | None = None
         self.capture_grads = True
@@ -172,8 +279,17 @@ class Probe:
 
     # --- events -------------------------------------------------------------------------
     def on_microbatch(self, index: int) -> None:
-        self.current_microbatch = index
+        if not self.forward_matched:
+            self.current_microbatch = index
+        self.fetched = index
         self.record("microbatch", data={"index": index})
+
+    def on_forward(self, index: int | None) -> None:
+        if index is not None:
+            self.forward_matched = True
+            self.current_microbatch = index
+            self._consumed.append(index)
+        self.record("forward", data={"index": index})
 
     def on_backward(self, tensor: torch.Tensor, site: Site | None) -> None:
         data: dict[str, Any] = {}
@@ -193,6 +309,8 @@ class Probe:
             # otherwise see the first one's update).
             self._group += 1
             self._backwards_at_group = self.backward_count
+            self._group_consumed = tuple(sorted(set(self._consumed)))
+            self._consumed = []
             if self.model is not None and self.capture_grads:
                 self.snapshots[self._group] = Snapshot(
                     self._group,
@@ -200,15 +318,25 @@ class Probe:
                     self.model.training,
                 )
         grads: dict[str, torch.Tensor | None] = {}
-        if self.capture_grads:
-            for index, param in enumerate(_optimizer_params(optimizer)):
-                name = self.param_name(param, slot, index)
-                grads[name] = None if param.grad is None else param.grad.detach().to(
+        finite = True
+        for index, param in enumerate(_optimizer_params(optimizer)):
+            if param.grad is None:
+                if self.capture_grads:
+                    grads[self.param_name(param, slot, index)] = None
+                continue
+            if self.capture_grads:
+                grads[self.param_name(param, slot, index)] = param.grad.detach().to(
                     "cpu", torch.float32, copy=True)
+            elif finite:
+                finite = bool(torch.isfinite(param.grad).all())
+        if self.capture_grads:
+            finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads.values())
+        lrs = tuple(float(g["lr"]) for g in optimizer.param_groups
+                    if isinstance(g.get("lr"), (int, float, torch.Tensor)))
         site = self.finder.from_frame(_caller(2))
         self.steps.append(StepRecord(len(self.events), slot, self.current_microbatch,
                                      self.backward_count, self._group, grads, site,
-                                     self._scaler_step_slot))
+                                     self._scaler_step_slot, self._group_consumed, lrs, finite))
         self.optimizer_step_count += 1
         self.record("step", site=site, optimizer=slot,
                     data={"via_scaler": self._scaler_step_slot is not None})
@@ -433,7 +561,9 @@ def _wrap_clip(original, kind: str):
         finally:
             probe.leave("clip")
         max_norm = args[0] if args else kwargs.get("max_norm", kwargs.get("clip_value"))
+        norm_type = args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0)
         data = {"kind": kind, "max_norm": None if max_norm is None else float(max_norm),
+                "norm_type": float(norm_type) if kind == "norm" else None,
                 "param_ids": [id(p) for p in params]}
         if isinstance(result, torch.Tensor):
             data["total_norm"] = float(result)
@@ -455,6 +585,11 @@ def _wrap_scheduler_step(original):
         site = probe.finder.from_frame(_caller(2))
         optimizer = getattr(self, "optimizer", None)
         slot = probe.optimizer_slot(optimizer) if optimizer is not None else None
+        lr_before = None
+        try:
+            lr_before = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            pass
         probe.enter("scheduler")
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -475,7 +610,8 @@ def _wrap_scheduler_step(original):
         except Exception:  # ReduceLROnPlateau before its first step, custom schedulers
             pass
         probe.record("scheduler", site=site, optimizer=slot,
-                     data={"type": type(self).__name__, "lr": lr, "scheduler": id(self),
+                     data={"type": type(self).__name__, "lr": lr, "lr_before": lr_before,
+                           "scheduler": id(self),
                            "last_epoch": getattr(self, "last_epoch", None)})
         return result
     return step
@@ -510,6 +646,59 @@ def _wrap_autocast_enter(original):
                                            "dtype": dtype})
         return result
     return __enter__
+
+
+#: `dropout: off`: every functional dropout (which nn.Dropout, nn.MultiheadAttention and the
+#: Transformer layers call) runs with p = 0 while this is set, whatever `model.train()` says.
+DROPOUT_OFF = False
+
+_DROPOUT_FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
+                      "feature_alpha_dropout")
+
+
+def _wrap_dropout(original):
+    @functools.wraps(original)
+    def dropout(input, p=0.5, *args, **kwargs):
+        if DROPOUT_OFF:
+            p = 0.0
+            kwargs.pop("p", None)
+        return original(input, p, *args, **kwargs)
+    return dropout
+
+
+def _wrap_sdpa(original):
+    @functools.wraps(original)
+    def scaled_dot_product_attention(*args, **kwargs):
+        if DROPOUT_OFF:
+            if len(args) > 4:
+                args = (*args[:4], 0.0, *args[5:])
+            else:
+                kwargs["dropout_p"] = 0.0
+        return original(*args, **kwargs)
+    return scaled_dot_product_attention
+
+
+#: Random draws outside the model's forward cannot be aligned per micro-batch: the first one's
+#: call site is where a non-repeatable baseline comes from.
+_RANDOM_FUNCTIONS = ("rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
+                     "randperm", "normal", "bernoulli", "multinomial", "poisson")
+
+
+def _wrap_random(original, name: str):
+    @functools.wraps(original)
+    def draw(*args, **kwargs):
+        probe = _active()
+        if probe is not None and not probe.inside("random") and (
+                probe.aligner is None or probe.aligner.depth == 0) and probe.random_site is None:
+            probe.random_site = probe.finder.from_frame(_caller(2))
+        if probe is None:
+            return original(*args, **kwargs)
+        probe.enter("random")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            probe.leave("random")
+    return draw
 
 
 def _step_pre_hook(optimizer, args, kwargs):
@@ -562,6 +751,17 @@ def install(patcher: Patcher) -> None:
 
     autocast_cls = autocast_mode.autocast
     patcher.setattr(autocast_cls, "__enter__", _wrap_autocast_enter(autocast_cls.__enter__))
+
+    for name in _RANDOM_FUNCTIONS:
+        if hasattr(torch, name):
+            patcher.setattr(torch, name, _wrap_random(getattr(torch, name), name))
+
+    functional = torch.nn.functional
+    for name in _DROPOUT_FUNCTIONS:
+        if hasattr(functional, name):
+            patcher.setattr(functional, name, _wrap_dropout(getattr(functional, name)))
+    patcher.setattr(functional, "scaled_dot_product_attention",
+                    _wrap_sdpa(functional.scaled_dot_product_attention))
 
     patcher.add_handle(register_optimizer_step_pre_hook(_step_pre_hook))
 

@@ -1,0 +1,154 @@
+"""What the loop meant, reproduced for the fp32 reference (DESIGN §3a, "reference").
+
+The teacher-forced reference gradient itself is computed by the session (`Session.reference`):
+the micro-batches a step consumed, weighted as the loop weighs them, under the same RNG state per
+micro-batch forward. This module owns the rest of what the loop *meant*: how it clipped. The
+reference clips the parameters each of the loop's clip calls covered, with its norm type or by
+value, at the threshold the loop intended **in true-gradient space**: the number it passed when
+its gradients were already unscaled, that number divided by the loss scale when it clipped scaled
+gradients with a threshold multiplied by the scale (PyTorch's own clipping test does this), and
+never the loop's effective threshold -- a clip before `unscale_` at an unscaled threshold is
+referenced at that threshold in true space, so the mismatch shows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .probe.callsite import Site
+from .probe.recorder import Event
+from .thresholds import CLIP_EPSILON, SCALED_THRESHOLD_RTOL
+
+
+@dataclass(frozen=True)
+class ClipCall:
+    """One clip the loop made before a step, as the reference mirrors it."""
+
+    site: Site | None
+    kind: str                      # "norm" (clip_grad_norm_) or "value" (clip_grad_value_)
+    names: tuple[str, ...]         # the parameters it covered
+    norm_type: float
+    threshold: float               # the number the loop passed
+    intended: float                # the threshold in true-gradient space
+    scale: float | None            # the loss scale the gradients still carried (None: unscaled)
+    total_norm: float | None       # what clip_grad_norm_ returned (in the space it saw)
+
+    @property
+    def scaled_threshold(self) -> bool:
+        """Clipped scaled gradients at a threshold multiplied by the scale: equivalent."""
+        return self.scale is not None and self.intended != self.threshold
+
+    @property
+    def seen_true_norm(self) -> float | None:
+        """The norm the clip saw, in true-gradient space when it knew it was scaled."""
+        if self.total_norm is None or not math.isfinite(self.total_norm):
+            return None
+        return self.total_norm / self.scale if self.scaled_threshold else self.total_norm
+
+    @property
+    def bit(self) -> bool:
+        seen = self.seen_true_norm
+        return self.kind == "norm" and seen is not None and seen > self.intended
+
+
+def attempt_events(window_events: list[Event]) -> list[Event]:
+    """The events of the attempt that produced a step: those after the last scaler.update()
+    (a loop that retries a skipped window recomputes it after the update)."""
+    updates = [i for i, e in enumerate(window_events) if e.kind == "update"]
+    return window_events[updates[-1] + 1:] if updates else window_events
+
+
+def clip_calls(names_of: dict[int, str], window_events: list[Event], owner: dict[int, int],
+               known_thresholds: set[float]) -> list[ClipCall]:
+    """The loop's clip calls before a step, with their intended thresholds.
+
+    `names_of` maps id(param) to its name, `owner` id(param) to its optimizer slot.
+    `known_thresholds` are the values the loop is known to mean: the run's `max_grad_norm` and
+    what the fp32 run of the loop passed at the same call site.
+    """
+    events = attempt_events(window_events)
+    calls: list[ClipCall] = []
+    for position, event in enumerate(events):
+        if event.kind != "clip" or event.data.get("max_norm") is None:
+            continue
+        ids = event.data.get("param_ids", [])
+        names = tuple(names_of[i] for i in ids if i in names_of)
+        slots = {owner.get(i) for i in ids} - {None}
+        scale = _scale_carried(events[:position], slots)
+        threshold = float(event.data["max_norm"])
+        intended = threshold
+        if scale is not None and scale != 1.0:
+            divided = threshold / scale
+            if any(abs(divided - t) <= SCALED_THRESHOLD_RTOL * t for t in known_thresholds if t):
+                intended = divided
+        calls.append(ClipCall(event.site, event.data.get("kind", "norm"), names,
+                              float(event.data.get("norm_type") or 2.0), threshold, intended,
+                              scale, event.data.get("total_norm")))
+    return calls
+
+
+def _scale_carried(before: list[Event], slots: set[int]) -> float | None:
+    """The loss scale the gradients of these optimizers still carry at this point of the
+    attempt: the last scaled backward's scale when no unscale_ of theirs came after it."""
+    scale = None
+    for e in before:
+        if e.kind == "backward" and e.data.get("scaled_by"):
+            scale = float(e.data["scaled_by"])
+        elif (e.kind == "unscale" and e.data.get("enabled") and not e.data.get("inside_step")
+              and (not slots or e.optimizer in slots)):
+            scale = None
+    return scale
+
+
+def _norm(vector: torch.Tensor, norm_type: float) -> float:
+    if math.isinf(norm_type):
+        return float(vector.abs().max()) if vector.numel() else 0.0
+    return float(torch.linalg.vector_norm(vector.double(), norm_type))
+
+
+def apply_clips(vector: torch.Tensor, names: list[str], sizes: dict[str, int],
+                calls: list[ClipCall]) -> tuple[torch.Tensor, list[float | None]]:
+    """The reference gradient (flattened over `names`) clipped the way the loop meant; also each
+    call's coefficient (None for a value clip)."""
+    if not calls:
+        return vector, []
+    out = vector.clone()
+    slices: dict[str, slice] = {}
+    offset = 0
+    for name in names:
+        slices[name] = slice(offset, offset + sizes[name])
+        offset += sizes[name]
+    coefficients: list[float | None] = []
+    for call in calls:
+        parts = [slices[n] for n in call.names if n in slices]
+        if not parts:
+            coefficients.append(None)
+            continue
+        if call.kind == "value":
+            for sl in parts:
+                out[sl] = out[sl].clamp(-call.intended, call.intended)
+            coefficients.append(None)
+            continue
+        norm = _norm(torch.cat([out[sl] for sl in parts]), call.norm_type)
+        coef = min(1.0, call.intended / (norm + CLIP_EPSILON))
+        for sl in parts:
+            out[sl] = out[sl] * coef
+        coefficients.append(coef)
+    return out, coefficients
+
+
+def reference_norm(vector: torch.Tensor, names: list[str], sizes: dict[str, int],
+                   call: ClipCall) -> float:
+    """The reference's unclipped norm over the parameters one clip call covered."""
+    offset, parts = 0, []
+    covered = set(call.names)
+    for name in names:
+        if name in covered:
+            parts.append(vector[offset:offset + sizes[name]])
+        offset += sizes[name]
+    if not parts:
+        return 0.0
+    return _norm(torch.cat(parts), call.norm_type)
