@@ -179,7 +179,7 @@ def scan(
 @app.command()
 def explain(kind: str = typer.Argument(..., help="A diagnosis kind, e.g. clip-before-unscale.")) -> None:
     """Explain a diagnosis kind: what it is, why it matters, how to fix it."""
-    from .findings import CATALOGUE
+    from .findings import CATALOGUE, RULES
     entry = CATALOGUE.get(kind)
     if entry is None:
         import difflib
@@ -192,7 +192,11 @@ def explain(kind: str = typer.Argument(..., help="A diagnosis kind, e.g. clip-be
     console.print(f"[bold]Why is this bad?[/]\n{entry.why}\n", highlight=False)
     if entry.example:
         console.print(f"[bold]Example[/]\n{entry.example}\n", highlight=False, markup=False)
-    console.print(f"[bold]Fix[/]\n{entry.fix}", highlight=False)
+    console.print(f"[bold]Fix[/]\n{entry.fix}\n", highlight=False)
+    rule = RULES.get(kind)
+    if rule is not None:
+        console.print(f"[bold]Measured[/]: {rule.measured}\n[bold]Decided in[/]: "
+                      f"ampdoctor/{rule.decided_in}", highlight=False)
 
 
 def main() -> None:

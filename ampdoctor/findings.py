@@ -217,6 +217,62 @@ _KINDS = [
 CATALOGUE: dict[str, Kind] = {k.name: k for k in _KINDS}
 
 
+@dataclass(frozen=True)
+class Rule:
+    """Where a kind is decided and what its `evidence.measured` counts (the rule table: find a
+    kind here, then open the one file named)."""
+
+    kind: str
+    measured: str
+    decided_in: str
+
+
+#: kind -> rule, the way ruff keeps one code -> rule table. The judge (`ampdoctor/judge.py`)
+#: decides that an update is wrong; the rule named here says which shape the mismatch has (or,
+#: for a rung that judges a trajectory or a count of messages, measures it).
+RULES: dict[str, Rule] = {r.kind: r for r in [
+    Rule("nondeterministic-baseline", "relative difference of two fp32 runs at the same weights",
+         "ladder/reproducibility.py run"),
+    Rule("missing-accumulation-average", "consumed / reference gradient norm (K)",
+         "ladder/analysis.py classify_step"),
+    Rule("double-average", "consumed / reference gradient norm (1/K)",
+         "ladder/analysis.py classify_step"),
+    Rule("reduction-mismatch", "consumed / reference gradient norm (b, a token count)",
+         "ladder/analysis.py classify_step, _varying_divisor"),
+    Rule("weighted-average-mismatch", "consumed / reference gradient norm",
+         "ladder/analysis.py classify_step"),
+    Rule("step-per-microbatch", "optimizer steps for the run's windows",
+         "ladder/analysis.py step_count_finding"),
+    Rule("zero-grad-inside-accumulation", "micro-batches of the window that reached the step",
+         "ladder/analysis.py classify_step"),
+    Rule("missing-no-sync", "gradient all-reduces per optimizer step", "ladder/ddp_sync.py run"),
+    Rule("half-open-amp", "autocast entered/enabled (dtype)",
+         "ladder/amp.py half_open_findings; ladder/fp32_accum.py _autocast_in_fp32"),
+    Rule("clip-before-unscale", "norm the clip saw / true norm (the loss scale S)",
+         "ladder/analysis.py _clip_in_scaled_space; reference/clips.py"),
+    Rule("missing-unscale", "consumed / reference gradient norm (S); steps on non-finite grads",
+         "ladder/amp.py violation_findings; ladder/skips.py run"),
+    Rule("unscale-twice", "unscale_ calls per step, or consumed / reference (1/S)",
+         "ladder/analysis.py loop_error_finding, classify_step"),
+    Rule("update-per-microbatch", "scale backoffs for one overflowing window",
+         "ladder/amp.py violation_findings; ladder/skips.py run"),
+    Rule("double-scaling", "effective loss scale; loss-scale owners on one path",
+         "ladder/amp.py runtime_double_scaling; ladder/double_scaling.py evaluate"),
+    Rule("scheduler-per-microbatch", "scheduler steps per optimizer step (LR off the schedule)",
+         "ladder/analysis.py scheduler_findings"),
+    Rule("scheduler-steps-on-skip", "scheduler steps for the real optimizer steps",
+         "ladder/skips.py run"),
+    Rule("no-zero-grad-after-skip", "windows skipped after the injected one",
+         "ladder/skips.py run, _skip_path_left_open"),
+    Rule("frequent-skips", "fraction of fp16 steps skipped", "ladder/skips.py _frequent_skips"),
+    Rule("missing-zero-grad", "parameters whose .grad carried over a step",
+         "ladder/analysis.py _carried_over"),
+    Rule("gradient-mismatch", "consumed / reference gradient norm, first bad step",
+         "ladder/analysis.py classify_step"),
+    Rule("loop-error", "the exception the loop raised", "ladder/analysis.py loop_error_finding"),
+]}
+
+
 @dataclass
 class Location:
     """Where the offending call stands in the user's code."""

@@ -1,10 +1,9 @@
-"""One diagnose: the user's code loaded once, runs of their loop under the probe, and the
-teacher-forced fp32 reference gradients (DESIGN §1), cached per window and parameter state.
+"""One diagnose: the user's code loaded once, runs of their loop under the probe (`Trace`),
+and the windows each step consumed. The reference gradients come from `reference`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,16 +12,11 @@ import torch
 from . import compare
 from .errors import UserCodeError
 from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
-                      merge_micro_batches, micro_batch_counts, micro_batch_size_of,
                       run_train_loop, to_device)
 from .probe import recorder
 from .probe.callsite import CallSiteFinder, Site
+from .reference import ReferenceBuilder
 from .spec import Spec
-
-RANDOM_MODULE_TYPES = (
-    "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
-    "RReLU",
-)
 
 
 @dataclass
@@ -92,18 +86,7 @@ class Trace:
         return [e for e in self.probe.events if e.kind in kinds]
 
 
-@dataclass
-class WindowReference:
-    """The fp32 reference of one window at one parameter state."""
-
-    full: dict[str, torch.Tensor | None]        # unclipped step gradient
-    per_mb: list[dict[str, torch.Tensor | None]] | None
-    counts: list[float] | None
-    weighted: bool
-    mode: str                                   # "loss" or "loop"
-
-
-class Session:
+class Session(ReferenceBuilder):
     def __init__(self, spec: Spec, code: UserCode, device: torch.device, finder: CallSiteFinder,
                  micro_batches: list[Any]):
         self.spec = spec
@@ -244,238 +227,10 @@ class Session:
             window = ordinal
         return max(0, min(window, self.N - 1))
 
-    # --- the reference ----------------------------------------------------------------
-    def random_modules(self) -> list[str]:
-        found = []
-        for name, module in self._template.named_modules():
-            cls = type(module).__name__
-            if cls in RANDOM_MODULE_TYPES and module.training:
-                p = getattr(module, "p", getattr(module, "lower", None))
-                if cls.startswith("Dropout") or "Dropout" in cls:
-                    if not p:
-                        continue
-                found.append(f"{name or '(model)'} ({cls}{f', p={p}' if p is not None else ''})")
-        return found
-
-    def has_batch_statistics(self) -> bool:
-        return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
-                   for m in self._template.modules())
-
-    def _model_at(self, state: dict[str, torch.Tensor], training: bool) -> torch.nn.Module:
-        if self._ref_model is None:
-            self._ref_model = build_model(self.code, self.device, self.spec.seed)
-            recorder.ForwardAligner(self.batch_index, self.align_seed).attach(self._ref_model)
-        model = self._ref_model
-        model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
-        model.train(training)
-        return model
-
-    def _grads_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-        return {n: None if p.grad is None else p.grad.detach().to("cpu", torch.float32, copy=True)
-                for n, p in model.named_parameters()}
-
-    def reference(self, window: int, state: dict[str, torch.Tensor] | None = None,
-                  training: bool = True, rng_seed: int | None = None,
-                  per_mb: bool = True) -> WindowReference:
-        return self.reference_for(self.window(window), state, training, rng_seed, per_mb,
-                                  label=f"window {window}")
-
-    def reference_for(self, mbs: list[Any], state: dict[str, torch.Tensor] | None = None,
-                      training: bool = True, rng_seed: int | None = None, per_mb: bool = True,
-                      label: str = "window") -> WindowReference:
-        """The fp32 reference gradient of one optimizer step over `mbs` at `state`."""
-        state = self.initial_state if state is None else state
-        previous = recorder.activate(None)
-        try:
-            if rng_seed is not None:
-                torch.manual_seed(rng_seed)
-            if self.code.loss is not None:
-                ref = self._reference_from_loss(mbs, state, training, per_mb)
-            else:
-                ref = self._reference_from_loop(mbs, state, training, per_mb)
-            return self._check_finite(ref, label)
-        finally:
-            recorder.activate(previous)
-
-    def _check_finite(self, ref: WindowReference, window: str) -> WindowReference:
-        bad = [n for n, g in ref.full.items() if g is not None and not bool(torch.isfinite(g).all())]
-        if bad:
-            raise UserCodeError(
-                f"the fp32 reference gradient of {window} is not finite (parameter "
-                f"{bad[0]}): the baseline itself diverges, so no comparison means anything. Check "
-                "the data slice and the loss.")
-        return ref
-
-    def _reference_from_loss(self, mbs, state, training, per_mb: bool = True) -> WindowReference:
-        """The reference from the spec's `loss`: the mean of the micro-batch losses' gradients,
-        or, for `(loss_sum, weight_sum)`, the sum of the loss sums' gradients over the sum of
-        the weights. Without `per_mb`, autograd accumulates the window in .grad (one copy of
-        the gradients instead of K)."""
-        model = self._model_at(state, training)
-        per: list[dict[str, torch.Tensor | None]] = []
-        counts: list[float] = []
-        weighted = False
-        model.zero_grad(set_to_none=True)
-        for index, mb in enumerate(mbs):
-            if per_mb:
-                model.zero_grad(set_to_none=True)
-            out = self.code.call("the loss function", self.code.loss, model, mb)
-            if isinstance(out, (tuple, list)) and len(out) == 2:
-                weighted = True
-                loss_sum, weight = out
-                weight = float(weight.detach()) if isinstance(weight, torch.Tensor) else float(weight)
-                if weight <= 0:
-                    raise UserCodeError(f"the loss function returned a weight of {weight} for "
-                                        f"micro-batch {index}; weights must be positive.")
-                loss = loss_sum
-            elif isinstance(out, torch.Tensor) and out.numel() == 1:
-                loss, weight = out, float(micro_batch_size_of(mb))
-            else:
-                raise UserCodeError("the loss function must return a scalar tensor or a pair "
-                                    f"(loss_sum, weight_sum); it returned {type(out).__name__}.")
-            if not torch.isfinite(loss.detach()).all():
-                raise UserCodeError(f"the fp32 reference loss is not finite on micro-batch "
-                                    f"{index} ({float(loss.detach())}); the baseline itself "
-                                    "diverges, so nothing can be compared.")
-            self.code.call("backward through the loss function", loss.backward)
-            if per_mb:
-                per.append(self._grads_of(model))
-            counts.append(weight)
-        if per_mb:
-            # per micro-batch: the mean (weighted: loss_sum / weight) of each one
-            sums = per
-            if weighted:
-                per = [_scale(g, 1.0 / w) for g, w in zip(sums, counts)]
-                full = _combine(sums, [1.0 / sum(counts)] * len(sums))
-            else:
-                full = _combine(per, [1.0 / len(per)] * len(per))
-        else:
-            full = self._grads_of(model)
-            factor = 1.0 / (sum(counts) if weighted else len(mbs))
-            for g in full.values():
-                if g is not None:
-                    g.mul_(factor)
-        model.zero_grad(set_to_none=True)
-        return WindowReference(full, per if per_mb else None, counts, weighted, "loss")
-
-    def loop_gradient(self, mbs: list[Any], state, training, K: int = 1) -> dict[str, torch.Tensor | None]:
-        """Run the user's loop in fp32 from `state` on `mbs` and return the first step's
-        gradients (all optimizers), before clipping."""
-        no_clip = math.inf if self.spec.max_grad_norm is not None else None
-        trace = self.run_loop("fp32", micro_batches=mbs, K=K, state=state, training=training,
-                              max_grad_norm=no_clip)
-        if trace.error is not None:
-            site = trace.error_site
-            where = f" at {site.file}:{site.line}" if site else ""
-            raise UserCodeError(
-                "the reference run (your train_loop in fp32 with K = 1 on one micro-batch holding "
-                f"the whole step's data) raised{where}: {type(trace.error).__name__}: "
-                f"{trace.error}. Give the spec a `loss` callable to use ampdoctor's own reference.",
-                cause=trace.error, location=(site.file, site.line) if site else None)
-        if not trace.steps:
-            raise UserCodeError(
-                "the reference run (your train_loop in fp32 with K = 1) never called "
-                "optimizer.step(), so there is no reference gradient. Give the spec a `loss` "
-                "callable to use ampdoctor's own reference.")
-        first_group = trace.steps[0].group
-        grads: dict[str, torch.Tensor | None] = {}
-        for step in trace.steps:
-            if step.group == first_group:
-                grads.update(step.grads)
-        return {n: grads.get(n) for n in self.param_order}
-
-    def _reference_from_loop(self, mbs, state, training, per_mb: bool) -> WindowReference:
-        batch_stats = self.has_batch_statistics()
-        # Aligned dropout draws its masks per micro-batch: one batch of the whole window would
-        # draw others, so the reference combines per-micro-batch runs, as for BatchNorm.
-        aligned = self.align_seed is not None and bool(self.random_modules())
-        per = None
-        if per_mb or batch_stats or aligned:
-            per = [self.loop_gradient([mb], state, training) for mb in mbs]
-        if batch_stats or aligned:
-            # BatchNorm normalises per micro-batch: the full-batch gradient is not what a correct
-            # accumulation computes, the mean (or, for a loss that sums over samples, the sum) of
-            # the micro-batch gradients is. Which of the two the loss does, the full-batch run
-            # still tells: it is far closer to one than to the other (a factor K apart).
-            mean = _combine(per, [1.0 / len(per)] * len(per))
-            total = _combine(per, [1.0] * len(per))
-            merged = merge_micro_batches(mbs)
-            full = mean
-            if merged is not None:
-                whole = self.loop_gradient([merged], state, training)
-                if _distance(whole, total) < _distance(whole, mean):
-                    full = total
-            self.notes.add("the model normalises over the batch (BatchNorm): the loop-as-reference "
-                           "combines per-micro-batch gradients" if batch_stats else
-                           "the model has dropout, aligned per micro-batch: the "
-                           "loop-as-reference combines per-micro-batch gradients")
-        else:
-            merged = merge_micro_batches(mbs)
-            if merged is None:
-                # Micro-batches of different shapes cannot form one batch: the reference falls
-                # back to the equal-weight mean of per-micro-batch gradients (a token-weighted
-                # mismatch then needs a `loss` in the spec to be seen).
-                per = per or [self.loop_gradient([mb], state, training) for mb in mbs]
-                full = _combine(per, self.fallback_weights(mbs))
-                if self.loop_weighting is None:
-                    self.weighting_open = True
-                    self.notes.add("micro-batches differ in shape: the loop-as-reference is the "
-                                   "equal-weight mean of per-micro-batch gradients (give the "
-                                   "spec a `loss` to state the weighting)")
-            else:
-                full = self.loop_gradient([merged], state, training)
-        counts = [float(micro_batch_size_of(mb)) for mb in mbs]
-        return WindowReference(full, per, counts, False, "loop")
-
-    def fallback_weights(self, mbs: list[Any], what: str | None = "loop") -> list[float]:
-        """Per-micro-batch weights (summing to 1) of the loop-as-reference for micro-batches
-        that cannot be concatenated: equal, or proportional to the count the loop weighs by."""
-        what = self.loop_weighting if what == "loop" else what
-        if what is None:
-            return [1.0 / len(mbs)] * len(mbs)
-        counts = [micro_batch_counts(mb).get(what, 0.0) for mb in mbs]
-        total = sum(counts)
-        return [c / total for c in counts] if total > 0 else [1.0 / len(mbs)] * len(mbs)
-
-    def adopt_weighting(self, what: str) -> None:
-        self.loop_weighting = what
-        self.weighting_open = False
-        self.notes = {n for n in self.notes if not n.startswith("micro-batches differ in shape")}
-        self.notes.add(f"micro-batches differ in shape and the loop weighs them by their {what} "
-                       "(as one batch of the whole window would): the loop-as-reference is the "
-                       "mean of per-micro-batch gradients weighted so (give the spec a `loss` "
-                       "to state the weighting)")
-
-
 def _own_storage(mb: Any) -> Any:
     if isinstance(mb, dict):
         return {k: v.clone() for k, v in mb.items()}
     return tuple(t.clone() for t in mb)
-
-
-def _distance(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:
-    total = 0.0
-    for name, g in a.items():
-        h = b.get(name)
-        if g is not None and h is not None:
-            total += float(torch.sum((g.double() - h.double()) ** 2))
-    return total
-
-
-def _scale(grads: dict[str, torch.Tensor | None], factor: float) -> dict[str, torch.Tensor | None]:
-    return {n: None if g is None else g * factor for n, g in grads.items()}
-
-
-def _combine(items: list[dict[str, torch.Tensor | None]], weights: list[float]) -> dict[str, torch.Tensor | None]:
-    out: dict[str, torch.Tensor | None] = {}
-    for name in items[0]:
-        acc = None
-        for grads, w in zip(items, weights):
-            g = grads.get(name)
-            if g is not None:
-                acc = g * w if acc is None else acc + g * w
-        out[name] = acc
-    return out
 
 
 def flat(session: Session, grads: dict[str, torch.Tensor | None], names: list[str]) -> torch.Tensor:

@@ -68,6 +68,45 @@ BROKEN = {
     # a leftover `return` after the first step: 1 optimizer step for 3 windows
     "broken_early_return": ("fp32-accum", "gradient-mismatch", "measured", (1, 1),
                             "broken_early_return.py"),
+    # fetch-ahead loops (nanoGPT's prefetch before backward): windows counted by what each
+    # forward consumed, so every fp32 kind is still found, at the same line
+    "broken_fetch_ahead_missing_average": ("fp32-accum", "missing-accumulation-average",
+                                           "measured", (3.99, 4.01),
+                                           "broken_fetch_ahead_missing_average.py"),
+    "broken_fetch_ahead_double_average": ("fp32-accum", "double-average", "measured",
+                                          (0.249, 0.251), "broken_fetch_ahead_double_average.py"),
+    "broken_fetch_ahead_reduction_sum": ("fp32-accum", "reduction-mismatch", "measured",
+                                         (7.99, 8.01), "broken_fetch_ahead_reduction_sum.py"),
+    "broken_fetch_ahead_zero_grad_inside": ("fp32-accum", "zero-grad-inside-accumulation",
+                                            "measured", (1, 1),
+                                            "broken_fetch_ahead_zero_grad_inside.py"),
+    "broken_fetch_ahead_step_per_microbatch": ("fp32-accum", "step-per-microbatch", "measured",
+                                               (12, 12),
+                                               "broken_fetch_ahead_step_per_microbatch.py"),
+    "broken_fetch_ahead_scheduler_per_microbatch": (
+        "fp32-accum", "scheduler-per-microbatch", "measured", (3.9, 4.4),
+        "broken_fetch_ahead_scheduler_per_microbatch.py"),
+    "broken_fetch_ahead_no_zero_grad": ("fp32-accum", "missing-zero-grad",
+                                        "parameters_not_cleared", (4, 4),
+                                        "broken_fetch_ahead_no_zero_grad.py"),
+    "broken_fetch_ahead_clip_before_unscale": ("fp16-scaler", "clip-before-unscale", "measured",
+                                               (0.9 * 65536, 1.1 * 65536),
+                                               "broken_fetch_ahead_clip_before_unscale.py"),
+    # autocast hard-coded on in the fp32 run: named at the autocast line, not as a size mismatch
+    "broken_autocast_in_fp32": ("fp32-accum", "half-open-amp", "relative_error", (1e-3, 5e-2),
+                                "broken_autocast_in_fp32.py"),
+    "broken_fetch_ahead_autocast_in_fp32": ("fp32-accum", "half-open-amp", "relative_error",
+                                            (1e-3, 5e-2),
+                                            "broken_fetch_ahead_autocast_in_fp32.py"),
+    # a token count overwritten per micro-batch: the factor varies from step to step
+    "broken_token_count_overwritten": ("fp32-accum", "reduction-mismatch", "ratio_spread",
+                                       (0.5, 100), "broken_token_count_overwritten.py"),
+    # a missing / K under clipping that bites on the loop's 4x gradient: the pre-clip factor
+    "broken_missing_average_clip_bites": ("fp32-accum", "missing-accumulation-average",
+                                          "measured", (3.99, 4.01), "broken_missing_average.py"),
+    "broken_missing_average_clip_bites_loop_only": ("fp32-accum", "missing-accumulation-average",
+                                                    "measured", (3.99, 4.01),
+                                                    "broken_missing_average.py"),
     # ddp-sync: 2 gloo ranks, all-reduces counted by a DDP communication hook
     "broken_missing_no_sync": ("ddp-sync", "missing-no-sync", "measured", (4, 4),
                                "broken_missing_no_sync.py"),
@@ -194,7 +233,8 @@ def test_clip_space_runs_when_clipping_is_configured(records_dir):
     rung = next(r for r in record["rungs"] if r["id"] == "clip-space")
     assert rung["status"] == "pass"
     assert all(abs(r - 1) < 1e-3 for r in rung["details"]["clip_ratios"])
-    assert rung["details"]["forced_steps_compared"] >= 3
+    assert rung["details"]["steps_compared"] >= 3
+    assert rung["details"]["clips_that_bit"] >= 3
 
 
 @pytest.mark.parametrize("name", sorted(WARNINGS))
@@ -283,3 +323,87 @@ def test_terminal_report_names_kind_line_and_fix(records_dir):
     assert "measured=4" in result.stdout
     # progress goes to stderr, never stdout
     assert "record saved to" in result.stderr
+
+
+# --- consequence first: loops written the way popular projects write them -----------------
+
+def _diagnose(name, records_dir):
+    return run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir).record
+
+
+def _rung(record, rung_id):
+    return next(r for r in record["rungs"] if r["id"] == rung_id)
+
+
+def test_a_clip_that_bites_shows_the_factor_before_the_clip(records_dir):
+    """Both the 4x gradient and (here) the reference exceed max_grad_norm: after the clip they
+    agree, so the evidence must carry the pre-clip ratio."""
+    finding = _diagnose("broken_missing_average_clip_bites", records_dir)["findings"][0]
+    assert 3.99 <= finding["evidence"]["ratio"] <= 4.01
+    assert finding["evidence"]["ratio_after_clip"] < 3.5
+    assert finding["evidence"]["clip_total_norm"] > 0.05
+
+
+def test_a_divisor_that_varies_per_step_is_not_told_to_divide_by_k(records_dir):
+    finding = _diagnose("broken_token_count_overwritten", records_dir)["findings"][0]
+    ratios = finding["evidence"]["ratios_per_step"]
+    assert len(ratios) == 3 and max(ratios) / min(ratios) > 1.5
+    assert "varies" in finding["message"]
+    assert "accumulation_steps" not in finding["fix"] and "whole optimizer step" in finding["fix"]
+
+
+def test_clip_in_scaled_space_at_a_scaled_threshold_is_the_same_update(records_dir):
+    record = _diagnose("healthy_clip_scaled_threshold", records_dir)
+    assert record["verdict"] == "healthy" and record["findings"] == []
+    rung = _rung(record, "clip-space")
+    assert rung["status"] == "pass"
+    assert rung["details"]["clips_that_bit"] >= 1
+    # the plain run's clip saw S x the true norm: reported, not condemned
+    assert all(r > 1000 for r in rung["details"]["clip_ratios"])
+
+
+def test_a_loop_that_clips_at_its_own_threshold_is_judged_at_that_threshold(records_dir):
+    record = _diagnose("healthy_timm_fixed_clip_maxnorm", records_dir)
+    assert record["verdict"] == "healthy" and record["findings"] == []
+    rung = _rung(record, "clip-space")
+    assert rung["status"] == "pass"
+    assert "own threshold" in rung["details"]["forced_clipping"]
+
+
+def test_per_group_and_subset_clipping_are_referenced_per_call(records_dir):
+    for name in ("healthy_per_group_clip", "healthy_clip_subset"):
+        record = _diagnose(name, records_dir)
+        assert record["findings"] == [], (name, record["findings"])
+        rung = _rung(record, "clip-space")
+        assert rung["status"] == "pass" and rung["details"]["clips_that_bit"] >= 1, rung
+
+
+def test_a_window_retried_after_a_skipped_overflow_is_healthy(records_dir):
+    record = _diagnose("healthy_fairseq_overflow_retry", records_dir)
+    assert record["findings"] == []
+    skips = _rung(record, "skips")
+    assert skips["status"] == "pass"
+    assert skips["details"]["steps_on_nonfinite_gradients"] == 0
+    assert skips["details"]["backoffs_in_injected_window"] == 1
+
+
+def test_a_project_local_accelerator_is_one_owner(records_dir):
+    record = _diagnose("healthy_local_accelerator", records_dir)
+    assert record["findings"] == []
+    rung = _rung(record, "double-scaling")
+    assert rung["status"] == "pass"
+    assert rung["summary"].startswith("one loss-scale owner"), rung["summary"]
+
+
+@pytest.mark.parametrize("name", ["healthy_transformer_dropout", "healthy_transformer_dropout_off",
+                                  "healthy_dropout_mlp"])
+def test_dropout_models_go_through_the_ladder_unchanged(name, records_dir):
+    record = _diagnose(name, records_dir)
+    assert record["verdict"] == "healthy" and record["findings"] == []
+    rep = _rung(record, "reproducibility")
+    assert rep["status"] == "pass" and rep["details"]["loop_repeat_error"] <= 1e-5
+
+
+def test_a_constant_schedule_stepped_per_micro_batch_is_fine(records_dir):
+    record = _diagnose("healthy_constant_lambdalr_per_microbatch", records_dir)
+    assert record["findings"] == []

@@ -50,6 +50,7 @@ def test_defaults(tmp_path):
     (GOOD + "max_grad_norm: -1\n", "max_grad_norm", 6, "greater than 0"),
     (GOOD + "scan: {pathz: [x]}\n", "scan.pathz", 6, "Did you mean 'paths'"),
     (GOOD + "tolerances: {fp8: {rtol: 1}}\n", "tolerances", 6, ""),
+    (GOOD + "dropout: sometimes\n", "dropout", 6, "'align' or 'off'"),
 ])
 def test_bad_spec_names_key_and_line(tmp_path, text, key, line, words):
     with pytest.raises(SpecError) as info:
@@ -59,6 +60,13 @@ def test_bad_spec_names_key_and_line(tmp_path, text, key, line, words):
     if line is not None:
         assert f"spec.yaml:{line}:" in message
     assert words in message
+
+
+@pytest.mark.parametrize("value,expected", [("align", "align"), ("off", "off"), ("'off'", "off")])
+def test_dropout_key(tmp_path, value, expected):
+    """`dropout: off` is YAML 1.1's false; it still means off."""
+    assert load_spec(write(tmp_path, GOOD + f"dropout: {value}\n")).dropout == expected
+    assert load_spec(write(tmp_path, GOOD)).dropout == "align"
 
 
 def test_yaml_syntax_error_names_line(tmp_path):

@@ -21,8 +21,9 @@ from ..probe.callsite import Site
 from ..probe.recorder import Event
 from ..probe.statemachine import StepStateMachine
 from ..session import Session, Trace, flat
+from ..judge import tolerance
 from .analysis import (compare_trace, location, loop_error_finding, scheduler_findings,
-                       step_count_finding, tolerance)
+                       step_count_finding)
 
 AUTOCAST_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 

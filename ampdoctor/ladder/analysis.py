@@ -7,7 +7,6 @@ from __future__ import annotations
 import linecache
 import math
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +16,8 @@ from ..findings import Finding, Location
 from ..loading import micro_batch_counts, micro_batch_size_of
 from ..probe.callsite import Site
 from ..probe.recorder import Event, StepRecord
-from ..judge import Judgement, StepJudgement, judge, step_groups, tolerance
+from ..thresholds import LR_RTOL, VARYING_RATIO_SPREAD
+from ..judge import Judgement, StepJudgement, judge, step_groups
 from ..session import Session, Trace, flat
 
 #: torch's own error messages that name a known mistake (matched on a stable fragment).
@@ -117,37 +117,77 @@ def update_missing(trace: Trace) -> bool:
 
 
 def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
-    """An LR scheduler stepped more than once between two optimizer steps."""
+    """An LR scheduler stepped more than once between two optimizer steps *and* the learning
+    rate the optimizer steps used differs from the schedule's value per optimizer step (a
+    constant schedule stepped per micro-batch changes nothing and is fine)."""
     scheduler_events = trace.of_kind("scheduler")
     if not scheduler_events:
         return []
     # Window boundaries: every scaler.step (skipped or not) and every direct optimizer.step.
     boundaries = [e.seq for e in trace.events if e.kind == "scaler_step"
                   or (e.kind == "step" and not e.data.get("via_scaler"))]
-    counts: dict[tuple[int, Any, Any], int] = {}
+    per_scheduler: dict[Any, list[Event]] = {}
     for e in scheduler_events:
-        interval = sum(1 for s in boundaries if s < e.seq)
-        # one count per scheduler object: two schedulers on one optimizer (warmup + decay)
+        # one trajectory per scheduler object: two schedulers on one optimizer (warmup + decay)
         # each stepping once per optimizer step are fine
-        key = (interval, e.data.get("scheduler", e.data.get("type")), e.optimizer)
-        counts[key] = counts.get(key, 0) + 1
-    worst = max(counts.values())
-    if worst <= 1:
-        return []
+        per_scheduler.setdefault((e.data.get("scheduler", e.data.get("type")), e.optimizer),
+                                 []).append(e)
     optimizer_steps = max(1, len(step_groups(trace)))
-    schedulers = max(1, len({(k[1], k[2]) for k in counts}))
-    per_step = len(scheduler_events) / schedulers / optimizer_steps
-    first = scheduler_events[0]
-    return [Finding(
-        rung, "scheduler-per-microbatch", "error",
-        f"The LR scheduler ({first.data.get('type')}) stepped {len(scheduler_events)} times for "
-        f"{optimizer_steps} optimizer steps in the {trace.precision} run, up to {worst} times "
-        f"between two optimizer steps: the schedule runs {per_step:.3g}x too fast.",
-        evidence={"measured": round(per_step, 6), "expected": 1.0,
-                  "scheduler_steps": len(scheduler_events),
-                  "optimizer_steps": optimizer_steps,
-                  "max_between_optimizer_steps": worst},
-        location=location(first.site))]
+    for (_, slot), events in per_scheduler.items():
+        counts: dict[int, int] = {}
+        for e in events:
+            interval = sum(1 for b in boundaries if b < e.seq)
+            counts[interval] = counts.get(interval, 0) + 1
+        worst = max(counts.values())
+        if worst <= 1:
+            continue
+        drift = _lr_drift(trace, events, slot)
+        if drift is None:
+            continue
+        step, used, meant = drift
+        per_step = len(events) / optimizer_steps
+        first = events[0]
+        return [Finding(
+            rung, "scheduler-per-microbatch", "error",
+            f"The LR scheduler ({first.data.get('type')}) stepped {len(events)} times for "
+            f"{optimizer_steps} optimizer steps in the {trace.precision} run, up to {worst} "
+            f"times between two optimizer steps: optimizer step {step} used lr {used:.6g} where "
+            f"the schedule gives {meant:.6g} for that step; the schedule runs {per_step:.3g}x "
+            "too fast.",
+            evidence={"measured": round(per_step, 6), "expected": 1.0,
+                      "scheduler_steps": len(events), "optimizer_steps": optimizer_steps,
+                      "max_between_optimizer_steps": worst, "lr_used": used,
+                      "lr_expected": meant, "first_step_off": step},
+            location=location(first.site))]
+    return []
+
+
+def _lr_drift(trace: Trace, events: list[Event], slot: Any) -> tuple[int, float, float] | None:
+    """The first optimizer step whose learning rate (from this scheduler's own trajectory)
+    differs from the value the schedule gives for that optimizer step; None when every step
+    used the right value. Step n used the value after the scheduler's c_n steps so far; it should
+    use the value after c_0 + n (a constant offset -- a scheduler stepped before the first
+    optimizer step -- is not this mistake)."""
+    values = [events[0].data.get("lr_before")] + [e.data.get("lr") for e in events]
+    if any(v is None for v in values):
+        return None if len({v for v in values if v is not None}) <= 1 else (0, math.nan,
+                                                                           math.nan)
+    steps = [s for s in trace.steps if slot is None or s.optimizer == slot]
+    first_of_group: dict[int, Any] = {}
+    for s in steps:
+        first_of_group.setdefault(s.group, s)
+    used_index = [sum(1 for e in events if e.seq < s.seq) for s in first_of_group.values()]
+    if not used_index:
+        return None
+    offset = used_index[0]
+    for n, c in enumerate(used_index):
+        meant_index = offset + n
+        if c >= len(values) or meant_index >= len(values):
+            break
+        used, meant = float(values[c]), float(values[meant_index])
+        if abs(used - meant) > LR_RTOL * max(abs(meant), 1e-30):
+            return n, used, meant
+    return None
 
 
 def step_count_finding(session: Session, trace: Trace, rung: str,
@@ -280,6 +320,10 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         evidence["micro_batch_size"] = session.spec.micro_batch_size
     if clip_norm is not None:
         evidence["clip_total_norm"] = compare._round(clip_norm)
+        if user_u is not user:
+            # the clip bit: the factor shows before it, not after (both were clipped to max_norm)
+            evidence["ratio_after_clip"] = evidence["ratio"]
+            evidence["ratio"] = compare._round(measured_ratio)
     last_backward_site = backwards[-1].site if backwards else None
 
     if inside_zero and (found is None or found.kind in ("zero-grad-inside-accumulation",
@@ -381,6 +425,13 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                            evidence=evidence, location=location(last_backward_site))
     if m.cosine > 0.999:
         hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
+    varying = _varying_divisor(judgement, evidence, ordinal, measured_ratio)
+    if varying is not None:
+        return Finding(rung, "reduction-mismatch", "error", varying, evidence=evidence,
+                       location=location(last_backward_site),
+                       fix="Count the tokens (or samples) of the whole optimizer step once, "
+                           "over all K micro-batches before the window, and divide every "
+                           "micro-batch's summed loss by that one total.")
     if m.cosine > 0.9999 and 0.05 < measured_ratio < 20 and abs(measured_ratio - 1) > 0.05:
         # Right direction, wrong size, no catalogue factor: the loss is divided by the wrong
         # number (a hard-coded 8 for K=4, K*K): averaged too much or too little.
@@ -429,6 +480,30 @@ def _clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, ca
                    f"{call.threshold:g}.")
     return Finding(rung, "clip-before-unscale", "error", message, evidence=evidence,
                    location=location(call.site))
+
+
+def _varying_divisor(judgement: Judgement, evidence: dict[str, Any], ordinal: int,
+                     ratio: float) -> str | None:
+    """Right direction at every step, but a size that changes from step to step: the loss is
+    normalised by a count that varies (a token count overwritten per micro-batch), not by a
+    constant such as K -- so "divide by K" would not fix it."""
+    same_direction = [s for s in judgement.steps if s.metrics.cosine > 0.9999]
+    if len(same_direction) < 2 or len(same_direction) < len(judgement.steps):
+        return None
+    ratios = [s.preclip_ratio if s.preclip_ratio is not None else s.metrics.ratio
+              for s in same_direction]
+    low, high = min(ratios), max(ratios)
+    if low <= 0 or high / low - 1 <= VARYING_RATIO_SPREAD or all(abs(r - 1) < 0.05
+                                                                  for r in ratios):
+        return None
+    evidence["ratios_per_step"] = [compare._round(r) for r in ratios]
+    evidence["ratio_spread"] = compare._round(high / low - 1)
+    return (f"Step {ordinal}: the optimizer consumed {ratio:.4g}x the reference gradient with "
+            "the right direction, and the factor changes from step to step ("
+            + ", ".join(f"{r:.4g}" for r in ratios) + "): the loss is normalised by a count "
+            "that varies per step (e.g. the token count of one micro-batch, overwritten in a "
+            "loop) instead of the whole step's total. Divide the summed loss by the number of "
+            "tokens/samples in the whole optimizer step.")
 
 
 def _carried_over(session: Session, trace: Trace, step: StepRecord, names: list[str],

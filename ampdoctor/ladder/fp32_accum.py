@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from .. import compare
 from ..findings import Finding, RungResult, conclude
 from ..session import Session
 from .analysis import (compare_trace, location, loop_error_finding, scheduler_findings,
@@ -63,8 +64,47 @@ def run(session: Session) -> RungResult:
                           [finding] + findings)
     mismatch, judgement = compare_trace(session, trace, RUNG, "fp32")
     comparisons = judgement.steps
+    autocast = _autocast_in_fp32(session, trace, judgement)
+    if autocast is not None and autocast.severity == "error":
+        mismatch = [autocast]
+    elif autocast is not None:
+        findings.append(autocast)
     findings = mismatch + findings
     worst = max((c.metrics.rel_err for c in comparisons), default=0.0)
     return conclude(RUNG, findings, f"{len(comparisons)} optimizer steps match the fp32 "
                     f"full-batch reference (max relative error {worst:.2g})",
                     {"max_relative_error": worst, "steps_compared": len(comparisons)})
+
+
+def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
+    """The fp32 run entered an enabled autocast: the loop hard-codes its precision instead of
+    following run.autocast_dtype. An error when the update differs from the reference (it then
+    explains the mismatch), a warning when it happens to match."""
+    entered = [e for e in trace.of_kind("autocast") if e.data.get("enabled")
+               and e.data.get("device_type") == session.device.type]
+    if not entered:
+        return None
+    first = entered[0]
+    bad = judgement.first_bad
+    dtype = first.data.get("dtype")
+    evidence = {"measured": dtype, "expected": "no autocast", "autocast_entered": len(entered)}
+    if bad is not None:
+        evidence.update({"step": bad.ordinal, "relative_error": compare._round(bad.metrics.rel_err),
+                         "ratio": compare._round(bad.metrics.ratio),
+                         "cosine": compare._round(bad.metrics.cosine),
+                         "tolerance": judgement.tolerance.rtol})
+        message = (f"The fp32 run (run.autocast_dtype is None) entered autocast({dtype}) "
+                   f"{len(entered)} time(s): the loop hard-codes its mixed precision, so its "
+                   f"'fp32' baseline is really {dtype}. Step {bad.ordinal} differs from the fp32 "
+                   f"reference by {bad.metrics.rel_err:.3g} (relative; tolerance "
+                   f"{judgement.tolerance.rtol:g}, norm ratio {bad.metrics.ratio:.4g}, cosine "
+                   f"{bad.metrics.cosine:.5f}): rounding, not a factor.")
+        severity = "error"
+    else:
+        message = (f"The fp32 run entered autocast({dtype}) {len(entered)} time(s) although "
+                   "run.autocast_dtype is None: the updates still matched the fp32 reference "
+                   "here, but the loop ignores the precision it is asked for.")
+        severity = "warning"
+    # the line that chose the dtype: where the autocast was built, if not where it was entered
+    return Finding(RUNG, "half-open-amp", severity, message, evidence=evidence,
+                   location=location(first.data.get("created_at") or first.site))

@@ -179,6 +179,17 @@ def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
     return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + 1e-9)
 
 
+def _lr_changes(trace: Trace, event) -> bool:
+    """Does this scheduler's learning rate ever change in the run? A constant schedule stepped
+    on a skipped update changes no learning rate: nothing to report."""
+    key = event.data.get("scheduler")
+    values = set()
+    for e in trace.of_kind("scheduler"):
+        if e.data.get("scheduler") == key:
+            values.update(v for v in (e.data.get("lr_before"), e.data.get("lr")) if v is not None)
+    return len(values) != 1
+
+
 def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector) -> Finding | None:
     """A hand-written overflow guard that `continue`s past step/update/zero_grad: torch refuses
     the next window's unscale_(), and the inf stays in .grad. Named when the injected overflow
@@ -246,16 +257,20 @@ def run(session: Session) -> RungResult:
     applied = _applied_windows(session, trace, owner)
     applied_plain = _applied_windows(session, plain, owner)
     details["applied_windows"] = sorted(applied)
-    if inject_window in applied:
-        stepped = [s for s in trace.steps if session.window_of(s, 0, trace) == inject_window
-                   and (owner is None or s.optimizer == owner)]
-        direct = [s for s in stepped if s.via_scaler is None]
+    # Consequence: no optimizer may consume the inf. A step in the injected window on finite
+    # gradients is fine (a loop that retries the window after the skip, as fairseq does).
+    poisoned = [s for s in trace.steps if not s.finite and (owner is None or s.optimizer == owner)]
+    details["steps_on_nonfinite_gradients"] = len(poisoned)
+    if poisoned:
+        direct = [s for s in poisoned if s.via_scaler is None]
         findings.append(Finding(
             RUNG, "missing-unscale", "error",
-            f"An inf was injected into {injector.param_name}.grad in window {inject_window} but "
-            "the optimizer stepped anyway: the step bypassed scaler.step's inf check.",
-            evidence={"measured": len(stepped), "expected": 0},
-            location=location((direct or stepped)[0].site if stepped else None)))
+            f"An inf was injected into {injector.param_name}.grad in window {inject_window} and "
+            f"{len(poisoned)} optimizer step(s) consumed it: the step bypassed scaler.step's inf "
+            "check" + (" (optimizer.step() called directly)." if direct else "."),
+            evidence={"measured": len(poisoned), "expected": 0,
+                      "steps_on_nonfinite_gradients": len(poisoned)},
+            location=location((direct or poisoned)[0].site)))
     # The scale backs off once per window, not once per micro-batch.
     updates = injected.get("update", [])
     if updates and updates[0].data.get("scale_before"):
@@ -294,7 +309,7 @@ def run(session: Session) -> RungResult:
             location=location(site)))
     # The scheduler must not advance for the skipped step.
     sched = [e for e in injected.get("scheduler", []) if owner is None or e.optimizer in (None, owner)]
-    if sched and inject_window not in applied:
+    if sched and inject_window not in applied and _lr_changes(trace, sched[0]):
         real_steps = len(trace.steps)
         sched_steps = len(trace.of_kind("scheduler"))
         warmup = _lr_rising(plain, sched[0].optimizer)

@@ -643,7 +643,8 @@ def _wrap_autocast_enter(original):
                 enabled = torch.is_autocast_enabled(device_type)
                 dtype = str(torch.get_autocast_dtype(device_type)).replace("torch.", "")
             probe.record("autocast", data={"device_type": device_type, "enabled": enabled,
-                                           "dtype": dtype})
+                                           "dtype": dtype,
+                                           "created_at": getattr(self, "_ampdoctor_site", None)})
         return result
     return __enter__
 
@@ -701,6 +702,20 @@ def _wrap_random(original, name: str):
     return draw
 
 
+def _wrap_autocast_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        probe = _active()
+        if probe is not None:
+            # where the dtype was chosen: an autocast built once and entered in the loop
+            try:
+                self._ampdoctor_site = probe.finder.from_frame(_caller(2))
+            except AttributeError:
+                pass
+    return __init__
+
+
 def _step_pre_hook(optimizer, args, kwargs):
     probe = _active()
     if probe is not None:
@@ -751,6 +766,7 @@ def install(patcher: Patcher) -> None:
 
     autocast_cls = autocast_mode.autocast
     patcher.setattr(autocast_cls, "__enter__", _wrap_autocast_enter(autocast_cls.__enter__))
+    patcher.setattr(autocast_cls, "__init__", _wrap_autocast_init(autocast_cls.__init__))
 
     for name in _RANDOM_FUNCTIONS:
         if hasattr(torch, name):

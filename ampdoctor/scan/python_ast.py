@@ -153,10 +153,13 @@ class _Visitor:
         self.lightning: list[Site] = []
         self.backward_line = 0
         self.inlined: set[int] = set()
+        self.local_classes: set[str] = set()
 
     # -- driver -----------------------------------------------------------------------------
     def run(self, tree: ast.Module) -> None:
         self.scope = tree
+        #: classes this file defines: a local `class Accelerator` is not accelerate's
+        self.local_classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
         self._visit(tree)
         for call, branch, scope in self.calls:
             self.branch = list(branch)
@@ -325,7 +328,7 @@ class _Visitor:
             self._apex(node, kw)
         elif last.endswith("TrainingArguments") or last in _TRAINING_ARGS:
             self._training_args(node, last, kw)
-        elif last == "Accelerator":
+        elif last == "Accelerator" and self._from_framework(qual, "accelerate"):
             self._accelerator(node, kw)
         elif last in ("Trainer", "Fabric") and self._is_lightning(qual, kw):
             self._lightning(node, last, kw)
@@ -346,6 +349,13 @@ class _Visitor:
                 self._backward(node)
             elif func.attr == "scale" and len(node.args) == 1 and not node.keywords:
                 self._scale_use(node, inside_backward=False)
+
+    def _from_framework(self, qual: str, package: str) -> bool:
+        """Is the called name bound to `package`'s class? A name imported from another module
+        (a project-local wrapper named like the framework's) or defined in this file is not."""
+        if "." in qual:
+            return qual.split(".")[0] == package
+        return qual not in self.local_classes
 
     def _is_lightning(self, qual: str, kw: dict[str, ast.AST]) -> bool:
         head = qual.split(".")[0]

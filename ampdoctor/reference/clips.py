@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .probe.callsite import Site
-from .probe.recorder import Event
-from .thresholds import CLIP_EPSILON, SCALED_THRESHOLD_RTOL
+from ..probe.callsite import Site
+from ..probe.recorder import Event
+from ..thresholds import CLIP_EPSILON, SCALED_THRESHOLD_RTOL
 
 
 @dataclass(frozen=True)
