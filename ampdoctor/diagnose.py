@@ -38,7 +38,7 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
 
     from .ladder import run_ladder
     from .loading import UserCode, check_finite, cut_micro_batches, resolve_device
-    from .probe import patches, recorder
+    from .probe import patches, recorder, wrappers
     from .probe.callsite import CallSiteFinder
     from .session import Session
 
@@ -48,7 +48,7 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
     record = new_record(spec, str(device))
     rng_state = torch.get_rng_state()
     code = None
-    with patches.installed(recorder.install), _deterministic_cuda():
+    with patches.installed(wrappers.install), _deterministic_cuda():
         try:
             code = UserCode(spec, finder)
             data = code.call("the data factory", code.data_factory)

@@ -10,7 +10,10 @@ This module must not import torch: `report` and `explain` run without it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
+
+Severity = Literal["error", "warning"]
+Status = Literal["pass", "fail", "warn", "skip", "not-run"]
 
 #: The rung ids of CONTRACT §3, in ladder order.
 RUNG_IDS: tuple[str, ...] = (
@@ -24,7 +27,7 @@ RUNG_IDS: tuple[str, ...] = (
     "ddp-sync",
 )
 
-RUNG_STATUSES = ("pass", "fail", "warn", "skip", "not-run")
+RUNG_STATUSES: tuple[str, ...] = get_args(Status)
 
 
 @dataclass(frozen=True)
@@ -234,46 +237,46 @@ RULES: dict[str, Rule] = {r.kind: r for r in [
     Rule("nondeterministic-baseline", "relative difference of two fp32 runs at the same weights",
          "ladder/reproducibility.py run"),
     Rule("missing-accumulation-average", "consumed / reference gradient norm (K)",
-         "ladder/analysis.py classify_step"),
+         "rules/accumulation.py classify_step"),
     Rule("double-average", "consumed / reference gradient norm (1/K)",
-         "ladder/analysis.py classify_step"),
+         "rules/accumulation.py classify_step"),
     Rule("reduction-mismatch", "consumed / reference gradient norm (b, a token count)",
-         "ladder/analysis.py classify_step, _varying_divisor"),
+         "rules/accumulation.py classify_step; rules/shapes.py varying_divisor"),
     Rule("weighted-average-mismatch", "consumed / reference gradient norm",
-         "ladder/analysis.py classify_step"),
+         "rules/accumulation.py classify_step"),
     Rule("step-per-microbatch", "optimizer steps for the run's windows",
-         "ladder/analysis.py step_count_finding"),
+         "rules/counts.py step_count_finding"),
     Rule("zero-grad-inside-accumulation", "micro-batches of the window that reached the step",
-         "ladder/analysis.py classify_step"),
+         "rules/accumulation.py classify_step"),
     Rule("missing-no-sync", "gradient all-reduces per optimizer step", "ladder/ddp_sync.py run"),
     Rule("half-open-amp", "autocast entered/enabled (dtype)",
          "ladder/amp.py half_open_findings; ladder/fp32_accum.py _autocast_in_fp32"),
     Rule("clip-before-unscale", "norm the clip saw / true norm (the loss scale S)",
-         "ladder/analysis.py _clip_in_scaled_space; reference/clips.py"),
+         "rules/shapes.py clip_in_scaled_space; reference/clips.py clip_calls"),
     Rule("missing-unscale", "consumed / reference gradient norm (S); steps on non-finite grads",
-         "ladder/amp.py violation_findings; ladder/skips.py run"),
+         "rules/scale_state.py violation_findings; ladder/skips.py run"),
     Rule("unscale-twice", "unscale_ calls per step, or consumed / reference (1/S)",
-         "ladder/analysis.py loop_error_finding, classify_step"),
+         "rules/loop_errors.py loop_error_finding; rules/accumulation.py classify_step"),
     Rule("update-per-microbatch", "scale backoffs for one overflowing window",
-         "ladder/amp.py violation_findings; ladder/skips.py run"),
+         "rules/scale_state.py violation_findings; ladder/skips.py run"),
     Rule("double-scaling", "effective loss scale; loss-scale owners on one path",
-         "ladder/amp.py runtime_double_scaling; ladder/double_scaling.py evaluate"),
+         "rules/scale_state.py runtime_double_scaling; ladder/double_scaling.py evaluate"),
     Rule("scheduler-per-microbatch", "scheduler steps per optimizer step (LR off the schedule)",
-         "ladder/analysis.py scheduler_findings"),
+         "rules/schedule.py scheduler_findings"),
     Rule("scheduler-steps-on-skip", "scheduler steps for the real optimizer steps",
          "ladder/skips.py run"),
     Rule("no-zero-grad-after-skip", "windows skipped after the injected one",
          "ladder/skips.py run, _skip_path_left_open"),
     Rule("frequent-skips", "fraction of fp16 steps skipped", "ladder/skips.py _frequent_skips"),
     Rule("missing-zero-grad", "parameters whose .grad carried over a step",
-         "ladder/analysis.py _carried_over"),
+         "rules/accumulation.py classify_step; rules/shapes.py carried_over"),
     Rule("gradient-mismatch", "consumed / reference gradient norm, first bad step",
-         "ladder/analysis.py classify_step"),
-    Rule("loop-error", "the exception the loop raised", "ladder/analysis.py loop_error_finding"),
+         "rules/accumulation.py classify_step"),
+    Rule("loop-error", "the exception the loop raised", "rules/loop_errors.py loop_error_finding"),
 ]}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Location:
     """Where the offending call stands in the user's code."""
 
@@ -286,13 +289,20 @@ class Location:
         return f"{self.file}:{self.line}"
 
 
-@dataclass
+def location(site: Any) -> Location | None:
+    """The Location of a probe call site (`probe.callsite.Site`), or None."""
+    if site is None:
+        return None
+    return Location(site.file, site.line, site.function, site.code or None)
+
+
+@dataclass(frozen=True)
 class Finding:
     """One diagnosis: a kind from the catalogue plus the numbers of this run."""
 
     rung: str
     kind: str
-    severity: str  # "error" | "warning"
+    severity: Severity
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
     location: Location | None = None
@@ -302,9 +312,11 @@ class Finding:
     def __post_init__(self) -> None:
         if self.kind not in CATALOGUE:
             raise ValueError(f"unknown finding kind {self.kind!r}")
+        if self.severity not in get_args(Severity):
+            raise ValueError(f"unknown severity {self.severity!r}")
         entry = CATALOGUE[self.kind]
-        self.title = self.title or entry.title
-        self.fix = self.fix or entry.fix
+        object.__setattr__(self, "title", self.title or entry.title)
+        object.__setattr__(self, "fix", self.fix or entry.fix)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -313,12 +325,12 @@ class Finding:
         return data
 
 
-@dataclass
+@dataclass(frozen=True)
 class RungResult:
     """What a rung established: its status, a one-line summary and its findings."""
 
     id: str
-    status: str
+    status: Status
     summary: str = ""
     findings: list[Finding] = field(default_factory=list)
     seconds: float = 0.0

@@ -89,8 +89,8 @@ def known_thresholds(session: Session, trace: Trace) -> set[float]:
     known = {trace.settings.max_grad_norm} - {None}
     fp32 = session.traces.get("fp32")
     if fp32 is not None:
-        known |= {e.data["max_norm"] for e in fp32.of_kind("clip")
-                  if e.data.get("max_norm") is not None}
+        known |= {e.max_norm for e in fp32.of_kind("clip")
+                  if e.max_norm is not None}
     return {float(t) for t in known if math.isfinite(t)}
 
 

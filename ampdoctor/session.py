@@ -50,7 +50,7 @@ class Trace:
     @property
     def microbatches_taken(self) -> int:
         """How many distinct micro-batches the loop took from `micro_batches`."""
-        return len({e.data.get("index") for e in self.probe.events if e.kind == "microbatch"})
+        return len({e.index for e in self.probe.events if e.kind == "microbatch"})
 
     @property
     def lazy_feed(self) -> bool:

@@ -9,7 +9,7 @@ import torch
 
 from ampdoctor.diagnose import run_diagnose
 from ampdoctor.errors import UserCodeError
-from ampdoctor.probe import patches, recorder
+from ampdoctor.probe import patches, recorder, wrappers
 from ampdoctor.spec import load_spec
 from conftest import CONFIGS, RECIPES
 
@@ -17,7 +17,7 @@ from conftest import CONFIGS, RECIPES
 def _patched_now():
     """Every (target, name) the probe patches, with the object there right now."""
     patcher = patches.Patcher()
-    recorder.install(patcher)
+    wrappers.install(patcher)
     saved = [(target, name, old) for target, name, old in patcher.patched]
     patcher.undo()
     return saved

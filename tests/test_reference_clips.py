@@ -4,17 +4,15 @@ covered, its norm type or value clipping, the threshold intended in true-gradien
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
-
 import pytest
 import torch
 
+from ampdoctor.probe.events import make_event
 from ampdoctor.reference import apply_clips, clip_calls
 
 
-def _event(seq, event_kind, **data):
-    return SimpleNamespace(seq=seq, kind=event_kind, data=data, site=None,
-                           optimizer=data.pop("optimizer", None))
+def _event(seq, event_kind, **fields):
+    return make_event(event_kind, seq, **fields)
 
 
 PARAMS = {1: "a", 2: "b"}
@@ -23,8 +21,8 @@ SIZES = {"a": 3, "b": 2}
 
 
 def _clip(seq, max_norm, ids=(1, 2), kind="norm", norm_type=2.0, total=None):
-    return _event(seq, "clip", kind=kind, max_norm=max_norm, norm_type=norm_type,
-                  param_ids=list(ids), total_norm=total)
+    return _event(seq, "clip", clip_kind=kind, max_norm=max_norm, norm_type=norm_type,
+                  param_ids=tuple(ids), total_norm=total)
 
 
 def test_a_clip_after_unscale_means_its_threshold():

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ampdoctor.ladder.analysis import scheduler_findings
+from ampdoctor.rules import scheduler_findings
+from ampdoctor.probe.events import make_event
 
 
 def _trace(events):
-    seq = [SimpleNamespace(seq=i, site=None, optimizer=0, **e) for i, e in enumerate(events)]
+    seq = [make_event(e["kind"], i, optimizer=0, **e["data"]) for i, e in enumerate(events)]
     steps = [SimpleNamespace(group=i, seq=e.seq, optimizer=0)
              for i, e in enumerate(x for x in seq if x.kind == "step")]
     return SimpleNamespace(events=seq, steps=steps, precision="fp32",
@@ -24,8 +25,9 @@ def _schedule(pattern, obj=1, factor=0.5, lr=1.0):
         if c == "o":
             events.append({"kind": "step", "data": {"via_scaler": False}})
         else:
-            events.append({"kind": "scheduler", "data": {"type": "LambdaLR", "scheduler": obj,
-                                                         "lr_before": lr, "lr": lr * factor}})
+            events.append({"kind": "scheduler", "data": {
+                "scheduler_type": "LambdaLR", "scheduler": obj, "lr_before": lr,
+                "lr": lr * factor}})
             lr *= factor
     return events
 

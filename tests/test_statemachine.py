@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
+from ampdoctor.probe.events import EVENT_TYPES, make_event
 from ampdoctor.probe.statemachine import StepStateMachine
 
 P0, P1 = 100, 200   # param ids: P0 belongs to optimizer 0, P1 to optimizer 1
 
 
-def ev(kind, optimizer=None, **data):
-    return SimpleNamespace(kind=kind, optimizer=optimizer, data=data, site=None)
+def ev(kind, optimizer=None, **fields):
+    if optimizer is not None or "optimizer" in EVENT_TYPES[kind].__dataclass_fields__:
+        fields["optimizer"] = optimizer
+    if "param_ids" in fields:
+        fields["param_ids"] = tuple(fields["param_ids"])
+    return make_event(kind, **fields)
 
 
 def scaled_backward():

@@ -6,6 +6,7 @@ Each rung is `run(session) -> RungResult`. "Stop at the first failure" lives her
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from collections.abc import Callable
 
 from ..errors import AmpdoctorError
@@ -43,7 +44,7 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
             result = rungs[rung_id](session)
         except AmpdoctorError:
             raise
-        result.seconds = time.perf_counter() - started
+        result = replace(result, seconds=time.perf_counter() - started)
         session.rung_done(rung_id)
         results.append(result)
         if on_done:

@@ -12,6 +12,7 @@ plain fp16 run is reported with it.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -31,20 +32,20 @@ def _clip_ratios(trace) -> list[float]:
     ratios = []
     for clip in trace.of_kind("clip"):
         unscales = [e for e in trace.events if e.kind == "unscale" and e.seq < clip.seq
-                    and e.data.get("enabled") and not e.data.get("inside_step")]
+                    and e.enabled and not e.inside_step]
         after_update = [e for e in trace.events if e.kind == "update" and e.seq < clip.seq]
-        seen = clip.data.get("total_norm")
+        seen = clip.total_norm
         if not unscales or not seen or not math.isfinite(seen):
             continue
         last = unscales[-1]
         if after_update and after_update[-1].seq > last.seq:
             # no unscale_ since the last update: the clip saw S x the true norm
-            scale = next((e.data.get("scale") for e in reversed(trace.events)
-                          if e.kind == "scale" and e.seq < clip.seq and e.data.get("scale")), None)
+            scale = next((e.scale for e in reversed(trace.events)
+                          if e.kind == "scale" and e.seq < clip.seq and e.scale), None)
             if scale:
                 ratios.append(float(scale))
             continue
-        after = last.data.get("norm_after")
+        after = last.norm_after
         if after and math.isfinite(after):
             ratios.append(seen / after)
     return ratios
@@ -60,7 +61,7 @@ def run(session: Session) -> RungResult:
                   session.spec.max_grad_norm is None else
                   "the loop never called clip_grad_norm_ / clip_grad_value_ in the fp16 run")
         return RungResult(RUNG, "skip", reason)
-    thresholds = sorted({e.data.get("max_norm") for e in clips if e.data.get("max_norm")})
+    thresholds = sorted({e.max_norm for e in clips if e.max_norm})
     details: dict[str, Any] = {"clip_ratios": [compare._round(r) for r in _clip_ratios(trace)],
                                "loop_thresholds": [compare._round(t) for t in thresholds]}
     ref0 = session.reference(0, per_mb=False)
@@ -84,8 +85,8 @@ def run(session: Session) -> RungResult:
             finding = loop_error_finding(forced, RUNG)
             return RungResult(RUNG, "fail", "the forced-clipping fp16 pass raised", [finding],
                               details=details)
-        scales = [e.data.get("scale") or 1.0 for e in forced.of_kind("scale")] or [1.0]
-        meant = [e.data["max_norm"] / s for e in forced.of_kind("clip") if e.data.get("max_norm")
+        scales = [e.scale or 1.0 for e in forced.of_kind("scale")] or [1.0]
+        meant = [e.max_norm / s for e in forced.of_kind("clip") if e.max_norm
                  for s in (1.0, *scales)]
         if not any(abs(m - threshold) <= 1e-3 * threshold for m in meant):
             details["forced_clipping"] = (
@@ -99,9 +100,10 @@ def run(session: Session) -> RungResult:
     findings = []
     for finding in mismatch:
         if finding.kind != "clip-before-unscale" and threshold is not None:
-            finding.message = (f"With clipping forced (max_grad_norm={threshold:.4g}, a tenth of "
-                               "the true gradient norm) the clipped update differs from the "
-                               "reference clipped the way the loop meant: " + finding.message)
+            finding = replace(finding, message=(
+                f"With clipping forced (max_grad_norm={threshold:.4g}, a tenth of the true "
+                "gradient norm) the clipped update differs from the reference clipped the way "
+                "the loop meant: " + finding.message))
         findings.append(finding)
     if not judgement.steps:
         return RungResult(RUNG, "skip", "no clipped update to compare: every fp16 step of the "

@@ -77,7 +77,7 @@ def _run_rank(rank: int, spec_path: str, world_size: int, port: int,
 
     from ..loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
                            cut_micro_batches, resolve_device, run_train_loop, to_device)
-    from ..probe import patches, recorder
+    from ..probe import patches, recorder, wrappers
     from ..probe.callsite import CallSiteFinder
     from ..spec import load_spec
 
@@ -92,7 +92,7 @@ def _run_rank(rank: int, spec_path: str, world_size: int, port: int,
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                             world_size=world_size)
     try:
-        with patches.installed(recorder.install):
+        with patches.installed(wrappers.install):
             code = UserCode(spec, finder)
             data = code.call("the data factory", code.data_factory)
             micro_batches = [to_device(_shard(mb, rank, world_size), device)

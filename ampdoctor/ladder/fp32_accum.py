@@ -80,13 +80,13 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
     """The fp32 run entered an enabled autocast: the loop hard-codes its precision instead of
     following run.autocast_dtype. An error when the update differs from the reference (it then
     explains the mismatch), a warning when it happens to match."""
-    entered = [e for e in trace.of_kind("autocast") if e.data.get("enabled")
-               and e.data.get("device_type") == session.device.type]
+    entered = [e for e in trace.of_kind("autocast") if e.enabled
+               and e.device_type == session.device.type]
     if not entered:
         return None
     first = entered[0]
     bad = judgement.first_bad
-    dtype = first.data.get("dtype")
+    dtype = first.dtype
     evidence = {"measured": dtype, "expected": "no autocast", "autocast_entered": len(entered)}
     if bad is not None:
         evidence.update({"step": bad.ordinal, "relative_error": compare._round(bad.metrics.rel_err),
@@ -107,4 +107,4 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
         severity = "warning"
     # the line that chose the dtype: where the autocast was built, if not where it was entered
     return Finding(RUNG, "half-open-amp", severity, message, evidence=evidence,
-                   location=location(first.data.get("created_at") or first.site))
+                   location=location(first.created_at or first.site))

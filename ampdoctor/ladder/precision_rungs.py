@@ -20,7 +20,7 @@ def run_double_scaling(session) -> RungResult:
     runtime_owner = None
     trace = session.traces.get("fp16")
     if trace is not None:
-        inits = [e for e in trace.of_kind("scaler_init") if e.data.get("enabled") and e.site]
+        inits = [e for e in trace.of_kind("scaler_init") if e.enabled and e.site]
         if inits:
             runtime_owner = {"kind": "GradScaler", "file": inits[0].site.file,
                              "line": inits[0].site.line}

@@ -126,12 +126,12 @@ def _owner_slot(trace: Trace, param_id: int | None) -> int | None:
 
 def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     steps = plain.of_kind("scaler_step")
-    skipped = [e for e in steps if e.data.get("skipped")]
-    scales = [e.data.get("scale_after") for e in plain.of_kind("update")
-              if e.data.get("scale_after") is not None]
+    skipped = [e for e in steps if e.skipped]
+    scales = [e.scale_after for e in plain.of_kind("update")
+              if e.scale_after is not None]
     rate = len(skipped) / len(steps) if steps else 0.0
     collapsed = bool(scales) and min(scales) < MIN_SCALE
-    flags = [bool(e.data.get("skipped")) for e in steps]
+    flags = [bool(e.skipped) for e in steps]
     # Leading skips are the scaler searching down from init_scale: normal at the start of
     # training. What counts is skipping once it has found a scale that works, or never finding
     # one within the run.
@@ -145,8 +145,8 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     updates = plain.of_kind("update")
     search = first_ok
     if 0 < first_ok < len(updates):
-        init = updates[0].data.get("scale_before")
-        found = updates[first_ok].data.get("scale_before")
+        init = updates[0].scale_before
+        found = updates[first_ok].scale_before
         if init and found and 0 < found <= init:
             search = min(first_ok, math.ceil(math.log2(init / found) - 1e-9))
     excess = first_ok - search
@@ -155,7 +155,7 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     unsettled = counted >= 1 and considered > 0 and counted / considered > SKIP_RATE_THRESHOLD
     if not (never_settled or unsettled or collapsed):
         return None
-    inits = [e for e in plain.of_kind("scaler_init") if e.data.get("enabled")]
+    inits = [e for e in plain.of_kind("scaler_init") if e.enabled]
     site = inits[0].site if inits else (skipped[0].site if skipped else None)
     return Finding(
         RUNG, "frequent-skips", "warning",
@@ -168,25 +168,25 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
                   "initial_search_skips": first_ok, "search_skips_beyond_halvings": excess,
                   "skipped_after_first_update": skipped_after,
                   "steps": len(steps), "scale": scales,
-                  "growth_interval": inits[0].data.get("growth_interval") if inits else None},
+                  "growth_interval": inits[0].growth_interval if inits else None},
         location=location(site))
 
 
 def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
     """Is the schedule a warmup (the LR rising over the run)?"""
-    lrs = [e.data.get("lr") for e in trace.of_kind("scheduler")
-           if e.data.get("lr") is not None and (optimizer_slot is None or e.optimizer == optimizer_slot)]
+    lrs = [e.lr for e in trace.of_kind("scheduler")
+           if e.lr is not None and (optimizer_slot is None or e.optimizer == optimizer_slot)]
     return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + 1e-9)
 
 
 def _lr_changes(trace: Trace, event) -> bool:
     """Does this scheduler's learning rate ever change in the run? A constant schedule stepped
     on a skipped update changes no learning rate: nothing to report."""
-    key = event.data.get("scheduler")
+    key = event.scheduler
     values = set()
     for e in trace.of_kind("scheduler"):
-        if e.data.get("scheduler") == key:
-            values.update(v for v in (e.data.get("lr_before"), e.data.get("lr")) if v is not None)
+        if e.scheduler == key:
+            values.update(v for v in (e.lr_before, e.lr) if v is not None)
     return len(values) != 1
 
 
@@ -247,9 +247,9 @@ def run(session: Session) -> RungResult:
     injected = windows.get(inject_window, {})
     backoff = _scaler(trace).get_backoff_factor() if _scaler(trace) else 0.5
     scaler_steps = injected.get("scaler_step", [])
-    skipped_flags = [bool(e.data.get("skipped")) for e in trace.of_kind("scaler_step")]
+    skipped_flags = [bool(e.skipped) for e in trace.of_kind("scaler_step")]
     details["skipped"] = skipped_flags
-    details["scale"] = [e.data.get("scale_after") for e in trace.of_kind("update")]
+    details["scale"] = [e.scale_after for e in trace.of_kind("update")]
 
     # The injected window must be skipped (whether scaler.step skipped it or the loop's own
     # non-finite check did).
@@ -273,9 +273,9 @@ def run(session: Session) -> RungResult:
             location=location((direct or poisoned)[0].site)))
     # The scale backs off once per window, not once per micro-batch.
     updates = injected.get("update", [])
-    if updates and updates[0].data.get("scale_before"):
-        before = updates[0].data["scale_before"]
-        after = updates[-1].data.get("scale_after") or before
+    if updates and updates[0].scale_before:
+        before = updates[0].scale_before
+        after = updates[-1].scale_after or before
         backoffs = round(math.log(after / before) / math.log(backoff)) if after != before else 0
         details["backoffs_in_injected_window"] = backoffs
         details["scale_before_after"] = [before, after]
@@ -315,7 +315,7 @@ def run(session: Session) -> RungResult:
         warmup = _lr_rising(plain, sched[0].optimizer)
         findings.append(Finding(
             RUNG, "scheduler-steps-on-skip", "error" if warmup else "warning",
-            f"The scheduler ({sched[0].data.get('type')}) stepped in window {inject_window} "
+            f"The scheduler ({sched[0].scheduler_type}) stepped in window {inject_window} "
             f"although the optimizer step was skipped: {sched_steps} scheduler steps for "
             f"{len({s.group for s in trace.steps})} real optimizer steps."
             + (" The LR is in warmup, so every skip shortens the warmup." if warmup else ""),

@@ -56,24 +56,24 @@ class StepStateMachine:
 
     # --- transitions ----------------------------------------------------------------------
     def on_scale(self, event: Any) -> None:
-        if not event.data.get("enabled"):
+        if not event.enabled:
             return
-        if event.data.get("input_already_scaled"):
+        if event.input_already_scaled:
             self._violate("double-scaling", event,
                           "scaler.scale() was given a tensor that was already scaled",
-                          first_scale=event.data.get("input_already_scaled"),
-                          scale=event.data.get("scale"))
+                          first_scale=event.input_already_scaled,
+                          scale=event.scale)
 
     def on_backward(self, event: Any) -> None:
-        if event.data.get("scaled_by") is not None:
+        if event.scaled_by is not None:
             self.scaled_backward = True
 
     def on_unscale(self, event: Any) -> None:
-        if not event.data.get("enabled"):
+        if not event.enabled:
             return
         slot = event.optimizer
         state = self._get(slot)
-        if event.data.get("inside_step") and state == READY:
+        if event.inside_step and state == READY:
             self.state[slot] = UNSCALED      # scaler.step unscales for you: legal
             return
         if state == UNSCALED:
@@ -84,14 +84,14 @@ class StepStateMachine:
     def on_clip(self, event: Any) -> None:
         if not self.scaled_backward:
             return
-        owners = {self.param_owner.get(pid) for pid in event.data.get("param_ids", [])}
+        owners = {self.param_owner.get(pid) for pid in event.param_ids}
         owners.discard(None)
         for slot in sorted(owners):
             if self._get(slot) == READY:
                 self._violate("clip-before-unscale", event,
                               "clip_grad_norm_ ran on gradients that were still scaled",
-                              optimizer=slot, total_norm=event.data.get("total_norm"),
-                              max_norm=event.data.get("max_norm"))
+                              optimizer=slot, total_norm=event.total_norm,
+                              max_norm=event.max_norm)
                 return
 
     def on_scaler_step(self, event: Any) -> None:
@@ -100,7 +100,7 @@ class StepStateMachine:
 
     def on_step(self, event: Any) -> None:
         slot = event.optimizer
-        if event.data.get("via_scaler"):
+        if event.via_scaler:
             return
         if self.scaled_backward and self._get(slot) == READY:
             self._violate("missing-unscale", event,

@@ -72,21 +72,21 @@ def clip_calls(names_of: dict[int, str], window_events: list[Event], owner: dict
     events = attempt_events(window_events)
     calls: list[ClipCall] = []
     for position, event in enumerate(events):
-        if event.kind != "clip" or event.data.get("max_norm") is None:
+        if event.kind != "clip" or event.max_norm is None:
             continue
-        ids = event.data.get("param_ids", [])
+        ids = event.param_ids
         names = tuple(names_of[i] for i in ids if i in names_of)
         slots = {owner.get(i) for i in ids} - {None}
         scale = _scale_carried(events[:position], slots)
-        threshold = float(event.data["max_norm"])
+        threshold = float(event.max_norm)
         intended = threshold
         if scale is not None and scale != 1.0:
             divided = threshold / scale
             if any(abs(divided - t) <= SCALED_THRESHOLD_RTOL * t for t in known_thresholds if t):
                 intended = divided
-        calls.append(ClipCall(event.site, event.data.get("kind", "norm"), names,
-                              float(event.data.get("norm_type") or 2.0), threshold, intended,
-                              scale, event.data.get("total_norm")))
+        calls.append(ClipCall(event.site, event.clip_kind, names,
+                              float(event.norm_type or 2.0), threshold, intended,
+                              scale, event.total_norm))
     return calls
 
 
@@ -95,9 +95,9 @@ def _scale_carried(before: list[Event], slots: set[int]) -> float | None:
     attempt: the last scaled backward's scale when no unscale_ of theirs came after it."""
     scale = None
     for e in before:
-        if e.kind == "backward" and e.data.get("scaled_by"):
-            scale = float(e.data["scaled_by"])
-        elif (e.kind == "unscale" and e.data.get("enabled") and not e.data.get("inside_step")
+        if e.kind == "backward" and e.scaled_by:
+            scale = float(e.scaled_by)
+        elif (e.kind == "unscale" and e.enabled and not e.inside_step
               and (not slots or e.optimizer in slots)):
             scale = None
     return scale

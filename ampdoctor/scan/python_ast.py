@@ -23,14 +23,10 @@ import re
 import warnings
 from typing import Any
 
-from ampdoctor.scan.configs import (
-    MISSING,
-    PATH_LIKE,
-    NonLiteral,
-    accelerate_site,
-    deepspeed_sites,
-    lightning_site,
-)
+from ampdoctor.scan.configs import MISSING, PATH_LIKE, NonLiteral
+from ampdoctor.scan.python_literals import const, number, source_text
+from ampdoctor.scan.python_owners import OwnerCalls
+from ampdoctor.scan.python_scale import LossScale
 from ampdoctor.scan.sites import FileScan, Site
 
 #: Without one of these words a file holds no owner: it is only searched for links (regex).
@@ -47,7 +43,6 @@ _PATH_STR_RE = re.compile(r"[\"']([^\"'\n\r]{1,255}?\.(?:json|ya?ml|py|sh|bash))
 _TRAINING_ARGS = {"SFTConfig", "DPOConfig", "GRPOConfig", "ORPOConfig", "KTOConfig", "CPOConfig",
                   "RewardConfig", "PPOConfig"}
 _BACKWARD_ATTRS = {"backward", "manual_backward"}
-_SCALE_NAME = re.compile(r"scale", re.I)
 
 
 def scan_python(path: str, data: bytes, scan: FileScan) -> None:
@@ -90,49 +85,11 @@ def _cheap_links(data: bytes, scan: FileScan) -> None:
         scan.refs.append((match.group(1), False))
 
 
-def _src(node: ast.AST, limit: int = 100) -> str:
-    try:
-        text = ast.unparse(node)
-    except Exception:  # pragma: no cover - unparse handles every parsed tree
-        return "<expr>"
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _const(node: ast.AST | None) -> Any:
-    if isinstance(node, ast.Constant):
-        return node.value
-    return MISSING
-
-
-def _number(node: ast.AST) -> float | None:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(
-        node.value, bool
-    ):
-        return float(node.value)
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-        base, exp = _number(node.left), _number(node.right)
-        if base is not None and exp is not None and abs(exp) <= 64:
-            return base**exp
-    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
-        a, b = _number(node.left), _number(node.right)
-        if a is not None and b is not None:
-            return a * b
-    return None
-
-
-def _power_of_two(value: float) -> bool:
-    if value < 8 or value != int(value):
-        return False
-    n = int(value)
-    return n & (n - 1) == 0
-
-
 _PATH_ENDINGS = (".json", ".yaml", ".yml", ".py", ".sh", ".bash")
 _TRY_TYPES = tuple(t for t in (ast.Try, getattr(ast, "TryStar", None)) if t is not None)
 
 
-class _Visitor:
+class _Visitor(OwnerCalls, LossScale):
     """One pass over the tree collects imports, literals and calls (with the `if` arms and the
     function they stand in); the calls are then read once every import alias is known."""
 
@@ -257,7 +214,7 @@ class _Visitor:
         if type(node.value) is ast.Dict:
             self.dicts[name] = node.value
         else:
-            value = _number(node.value)
+            value = number(node.value)
             if value is not None:
                 self.numbers[name] = value
 
@@ -278,8 +235,8 @@ class _Visitor:
         return site
 
     def _value(self, node: ast.AST) -> Any:
-        value = _const(node)
-        return NonLiteral(_src(node, 60)) if value is MISSING else value
+        value = const(node)
+        return NonLiteral(source_text(node, 60)) if value is MISSING else value
 
     def _scope_assigns(self) -> dict[str, list[tuple[int, ast.AST, ast.AST | None]]]:
         scope = self.scopes[-1]
@@ -362,256 +319,3 @@ class _Visitor:
         if head in ("lightning", "pytorch_lightning", "lightning_fabric"):
             return True
         return "precision" in kw and head != "transformers"
-
-    def _gradscaler(self, node: ast.Call, qual: str, kw: dict[str, ast.AST]) -> None:
-        enabled = kw.get("enabled")
-        if enabled is None:
-            if "cuda.amp" in qual or "cpu.amp" in qual:
-                index = 4
-            elif "." in qual:
-                index = 5
-            else:
-                first = node.args[0] if node.args else None
-                index = 5 if isinstance(first, ast.Constant) and isinstance(first.value, str) else 4
-            if len(node.args) > index and not any(isinstance(a, ast.Starred) for a in node.args):
-                enabled = node.args[index]
-        src = _src(node)
-        handed = self.handed.get(id(node))
-        suffix = f"; handed to {handed}" if handed else ""
-        value = _const(enabled) if enabled is not None else True
-        if value is False or (type(value) is int and value == 0):
-            self._add(Site("GradScaler (disabled)", self.path, node.lineno, None,
-                           f"{src}: enabled=False, scales nothing", "info", "gradscaler"), node)
-        elif value is MISSING:
-            self._add(Site("GradScaler", self.path, node.lineno, None,
-                           f"{src}: on whenever {_src(enabled, 60)} is true{suffix}", "owner",
-                           "gradscaler"), node)
-        else:
-            self._add(Site("GradScaler", self.path, node.lineno, None, src + suffix, "owner",
-                           "gradscaler"), node)
-
-    def _ds_config_arg(self, cfg: ast.AST | None, node: ast.Call) -> str:
-        """Read a DeepSpeed `config=` argument; returns how it was given."""
-        if cfg is None:
-            self.scan.consumes.add("deepspeed")
-            return "no config= argument: the config comes from the command line"
-        if isinstance(cfg, ast.Constant) and isinstance(cfg.value, str):
-            self.scan.refs.append((cfg.value, True))
-            return f"config {cfg.value!r}"
-        dnode = cfg if isinstance(cfg, ast.Dict) else None
-        if isinstance(cfg, ast.Name) and cfg.id in self.dicts:
-            dnode = self.dicts[cfg.id]
-        if dnode is not None:
-            self._inline_deepspeed(dnode)
-            where = "inline dict" if dnode is cfg else f"dict {cfg.id!r} (line {dnode.lineno})"
-            return f"config from the {where}"
-        self.scan.consumes.add("deepspeed")
-        return f"config={_src(cfg, 60)} (not a literal: the owner is whatever config it holds)"
-
-    def _inline_deepspeed(self, dnode: ast.Dict) -> None:
-        if id(dnode) in self.inlined:
-            return
-        self.inlined.add(id(dnode))
-        lines: dict[tuple[str, ...], int] = {}
-        data = self._literal_dict(dnode, (), lines)
-        sites = deepspeed_sites(data, self.path, lambda key: lines.get(key, dnode.lineno))
-        for site in sites:
-            self._add(site)
-        self.scan.config_types.add("deepspeed")
-
-    def _literal_dict(self, node: ast.Dict, prefix: tuple[str, ...], lines: dict) -> dict:
-        out: dict[str, Any] = {}
-        for key, value in zip(node.keys, node.values):
-            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
-                continue
-            path = prefix + (key.value,)
-            lines[path] = key.lineno
-            if len(path) > 8:
-                out[key.value] = NonLiteral(_src(value, 60))
-            elif isinstance(value, ast.Dict):
-                out[key.value] = self._literal_dict(value, path, lines)
-            elif isinstance(value, ast.Name) and value.id in self.dicts:
-                out[key.value] = self._literal_dict(self.dicts[value.id], path, lines)
-            else:
-                try:
-                    out[key.value] = ast.literal_eval(value)
-                except (ValueError, TypeError, SyntaxError, RecursionError):
-                    out[key.value] = NonLiteral(_src(value, 60))
-        return out
-
-    def _deepspeed_initialize(self, node: ast.Call, kw: dict[str, ast.AST]) -> None:
-        cfg = kw.get("config", kw.get("config_params"))
-        how = self._ds_config_arg(cfg, node)
-        self._add(Site("DeepSpeed engine", self.path, node.lineno, None,
-                       f"deepspeed.initialize: {how}", "info", ""), node)
-
-    def _apex(self, node: ast.Call, kw: dict[str, ast.AST]) -> None:
-        level = _const(kw.get("opt_level")) if "opt_level" in kw else "O1"
-        enabled = _const(kw.get("enabled")) if "enabled" in kw else True
-        detail = f"apex amp.initialize(opt_level={level if level is not MISSING else '?'})"
-        if "loss_scale" in kw:
-            detail += f", loss_scale={_src(kw['loss_scale'], 30)}"
-        if level == "O0" or enabled is False:
-            self._add(Site("apex amp (off)", self.path, node.lineno, None,
-                           detail + ": no loss scaling", "info", ""), node)
-        else:
-            self._add(Site("apex amp", self.path, node.lineno, None, detail, "owner", "apex"), node)
-
-    def _training_args(self, node: ast.Call, name: str, kw: dict[str, ast.AST]) -> None:
-        ds = kw.get("deepspeed")
-        ds_value = _const(ds) if ds is not None else None
-        delegates = ds is not None and ds_value not in (None, "", False)
-        if ds is not None and delegates:
-            self._ds_config_arg(ds, node)
-        fp16 = kw.get("fp16")
-        if fp16 is not None:
-            value = _const(fp16)
-            how = "handed to DeepSpeed (deepspeed= is set)" if delegates else "the Trainer's AMP GradScaler"
-            backend = _const(kw.get("half_precision_backend")) if "half_precision_backend" in kw else None
-            if backend == "apex":
-                how += ", apex backend"
-            if value is True:
-                self._add(Site("Trainer fp16", self.path, node.lineno, None,
-                               f"{name}(fp16=True): {how}", "owner", "trainer", delegates=delegates),
-                          node)
-            elif value is MISSING:
-                self._add(Site("Trainer fp16", self.path, node.lineno, None,
-                               f"{name}(fp16={_src(fp16, 50)}): decided at run time; {how}",
-                               "owner", "trainer", delegates=delegates), node)
-        bf16 = kw.get("bf16")
-        if bf16 is not None and _const(bf16) is True:
-            self._add(Site("Trainer bf16", self.path, node.lineno, None,
-                           f"{name}(bf16=True): mixed precision without loss scaling", "info", ""),
-                      node)
-
-    def _accelerator(self, node: ast.Call, kw: dict[str, ast.AST]) -> None:
-        delegates = "deepspeed_plugin" in kw
-        if delegates:
-            self.scan.consumes.add("deepspeed")
-        mp = kw.get("mixed_precision")
-        if mp is None:
-            self.scan.consumes.add("accelerate")
-            return
-        site = accelerate_site(self._value(mp), self.path, node.lineno, None, delegates)
-        if site is not None:
-            site.detail = f"Accelerator(mixed_precision={_src(mp, 40)}): " + site.detail.split(": ", 1)[-1]
-            self._add(site, node)
-
-    def _lightning(self, node: ast.Call, name: str, kw: dict[str, ast.AST]) -> None:
-        strategy = kw.get("strategy")
-        delegates = False
-        if strategy is not None:
-            value = _const(strategy)
-            if isinstance(value, str) and "deepspeed" in value.lower():
-                delegates = True
-            elif isinstance(strategy, ast.Call) and (self.qual(strategy.func) or "").endswith(
-                "DeepSpeedStrategy"
-            ):
-                delegates = True
-        precision = kw.get("precision")
-        if precision is None:
-            return
-        site = lightning_site(self._value(precision), self.path, node.lineno, None, delegates)
-        if site is not None:
-            site.detail = f"{name}(precision={_src(precision, 30)}): " + site.detail.split(": ", 1)[-1]
-            self._add(site, node)
-            if site.framework:
-                self.lightning.append(site)
-
-    # -- the loss on its way to backward ------------------------------------------------------
-    def _backward(self, node: ast.Call) -> None:
-        func = node.func
-        assert isinstance(func, ast.Attribute)
-        self.backward_line = node.lineno
-        if node.args:
-            self._loss_expr(node.args[0], node.lineno, 0)
-        self._loss_expr(func.value, node.lineno, 0)
-
-    def _scale_use(self, call: ast.Call, inside_backward: bool) -> None:
-        func = call.func
-        assert isinstance(func, ast.Attribute)
-        receiver = _src(func.value, 60)
-        if not inside_backward:
-            if "scaler" not in receiver.lower():
-                return
-            self.backward_line = call.lineno
-        key = ("use", call.lineno, call.col_offset)
-        if key in self.seen:
-            return
-        self.seen.add(key)
-        self._add(Site("GradScaler", self.path, call.lineno, None,
-                       f"{receiver}.scale(...) applied to the loss", "use", "gradscaler",
-                       ref=receiver), call)
-        self._loss_expr(call.args[0], call.lineno, 1)
-
-    def _loss_expr(self, expr: ast.AST, before: int, depth: int) -> None:
-        if depth > 4:
-            return
-        if isinstance(expr, ast.Call):
-            func = expr.func
-            if isinstance(func, ast.Attribute) and func.attr == "scale" and len(expr.args) == 1:
-                self._scale_use(expr, inside_backward=True)
-            return
-        if isinstance(expr, ast.BinOp):
-            factor = self._scale_factor(expr)
-            if factor is not None:
-                self._static(expr.lineno, factor)
-                return
-            for side in (expr.left, expr.right):
-                if isinstance(side, (ast.Name, ast.BinOp)):
-                    self._loss_expr(side, getattr(expr, "lineno", before), depth + 1)
-            return
-        if isinstance(expr, ast.Name):
-            found = self._last_assign(expr.id, before)
-            if found is None:
-                return
-            lineno, value, op = found
-            if op is not None:
-                if isinstance(op, ast.Mult):
-                    factor = self._scale_operand(value)
-                    if factor is not None:
-                        self._static(lineno, factor)
-                        return
-                self._loss_expr(expr, lineno, depth + 1)
-                return
-            self._loss_expr(value, lineno, depth + 1)
-
-    def _scale_factor(self, expr: ast.BinOp) -> str | None:
-        if isinstance(expr.op, ast.Mult):
-            for side in (expr.right, expr.left):
-                factor = self._scale_operand(side)
-                if factor is not None:
-                    return factor
-        for side in (expr.left, expr.right):
-            if isinstance(side, ast.BinOp) and not isinstance(side.op, ast.Pow):
-                factor = self._scale_factor(side)
-                if factor is not None:
-                    return factor
-        return None
-
-    def _scale_operand(self, node: ast.AST) -> str | None:
-        value = _number(node)
-        if value is not None:
-            return _src(node, 30) if _power_of_two(value) else None
-        name = None
-        if isinstance(node, ast.Name):
-            name = node.id
-        elif isinstance(node, ast.Attribute):
-            name = node.attr
-        if name is None or not _SCALE_NAME.search(name) or "scaler" in name.lower():
-            return None
-        if isinstance(node, ast.Name) and name in self.numbers and self.numbers[name] < 2:
-            return None
-        text = _src(node, 40)
-        if isinstance(node, ast.Name) and name in self.numbers:
-            text += f" = {self.numbers[name]:g}"
-        return text
-
-    def _static(self, lineno: int, factor: str) -> None:
-        key = ("static", lineno, 0)
-        if key in self.seen:
-            return
-        self.seen.add(key)
-        self._add(Site("static loss scale", self.path, lineno, None,
-                       f"the loss is multiplied by {factor} before backward (line {self.backward_line})",
-                       "owner", "static"))

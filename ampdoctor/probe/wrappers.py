@@ -1,0 +1,394 @@
+"""The wrappers around torch that feed the active probe (DESIGN §2). Each is inert while no
+probe is active, and always calls the original; `install` patches them in through a `Patcher`,
+which restores torch exactly on any exit."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from . import randomness, recorder
+from .events import (AutocastEntered, Clip, GetScale, Scale, ScalerInit, ScalerStep,
+                     SchedulerStep, Unscale, Update, ZeroGrad)
+from .patches import Patcher
+from .recorder import Probe, optimizer_params
+
+
+def _active() -> Probe | None:
+    return recorder.ACTIVE
+
+
+def _caller(depth: int):
+    return sys._getframe(depth)
+
+
+def _grad_norm(params: list[torch.Tensor]) -> float:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    with torch.no_grad():
+        total = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+    return float(total)
+
+
+def _wrap_backward(original):
+    @functools.wraps(original)
+    def backward(self, *args, **kwargs):
+        probe = _active()
+        if probe is None or probe.inside("backward"):
+            return original(self, *args, **kwargs)
+        site = probe.finder.from_frame(_caller(2))
+        probe.on_backward(self, site)
+        if probe.before_backward is not None:
+            probe.before_backward(probe, self)
+        probe.enter("backward")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            probe.leave("backward")
+    return backward
+
+
+def _wrap_autograd_backward(original):
+    @functools.wraps(original)
+    def backward(tensors, *args, **kwargs):
+        probe = _active()
+        if probe is None or probe.inside("backward"):
+            return original(tensors, *args, **kwargs)
+        first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
+        site = probe.finder.from_frame(_caller(2))
+        if isinstance(first, torch.Tensor):
+            probe.on_backward(first, site)
+            if probe.before_backward is not None:
+                probe.before_backward(probe, first)
+        probe.enter("backward")
+        try:
+            return original(tensors, *args, **kwargs)
+        finally:
+            probe.leave("backward")
+    return backward
+
+
+def _scale_value(scaler) -> float | None:
+    """The scaler's current scale through its public API (None when disabled)."""
+    if not scaler.is_enabled():
+        return None
+    probe = _active()
+    if probe is not None:
+        probe.enter("internal")
+    try:
+        return float(scaler.get_scale())
+    finally:
+        if probe is not None:
+            probe.leave("internal")
+
+
+def _wrap_get_scale(original):
+    @functools.wraps(original)
+    def get_scale(self):
+        result = original(self)
+        probe = _active()
+        if probe is not None and not probe.inside("internal") and not probe.inside("scaler_step"):
+            probe.record(GetScale, scaler=probe.scaler_slot(self),
+                         site=probe.finder.from_frame(_caller(2)), scale=float(result))
+        return result
+    return get_scale
+
+
+def _wrap_scaler_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        probe = _active()
+        if probe is None:
+            return
+        slot = probe.scaler_slot(self)
+        enabled = bool(self.is_enabled())
+        settings: dict[str, Any] = {}
+        if enabled:  # a disabled GradScaler does not even keep its settings
+            settings = dict(init_scale=_scale_value(self),
+                            growth_interval=self.get_growth_interval(),
+                            backoff_factor=self.get_backoff_factor(),
+                            growth_factor=self.get_growth_factor())
+        probe.record(ScalerInit, scaler=slot, enabled=enabled, **settings)
+    return __init__
+
+
+def _wrap_scale(original):
+    @functools.wraps(original)
+    def scale(self, outputs):
+        probe = _active()
+        if probe is None:
+            return original(self, outputs)
+        slot = probe.scaler_slot(self)
+        already = getattr(outputs, "_ampdoctor_scale", None) if isinstance(outputs, torch.Tensor) else None
+        result = original(self, outputs)
+        value = _scale_value(self)
+        probe.record(Scale, scaler=slot, scale=value, enabled=bool(self.is_enabled()),
+                     input_already_scaled=already)
+        if isinstance(result, torch.Tensor) and value is not None:
+            try:
+                result._ampdoctor_scale = value * (already or 1.0)
+            except (AttributeError, RuntimeError):
+                pass
+        return result
+    return scale
+
+
+def _wrap_unscale(original):
+    @functools.wraps(original)
+    def unscale_(self, optimizer):
+        probe = _active()
+        if probe is None:
+            return original(self, optimizer)
+        slot = probe.scaler_slot(self)
+        opt_slot = probe.optimizer_slot(optimizer)
+        params = optimizer_params(optimizer)
+        before = _grad_norm(params) if self.is_enabled() else None
+        event = probe.record(Unscale, scaler=slot, optimizer=opt_slot, scale=_scale_value(self),
+                             enabled=bool(self.is_enabled()),
+                             inside_step=probe.inside("scaler_step"), norm_before=before)
+        try:
+            result = original(self, optimizer)
+        except RuntimeError as exc:
+            probe.complete(event, error=str(exc))
+            raise
+        probe.complete(event, norm_after=_grad_norm(params) if self.is_enabled() else None)
+        return result
+    return unscale_
+
+
+def _wrap_scaler_step(original):
+    @functools.wraps(original)
+    def step(self, optimizer, *args, **kwargs):
+        probe = _active()
+        if probe is None:
+            return original(self, optimizer, *args, **kwargs)
+        slot = probe.scaler_slot(self)
+        opt_slot = probe.optimizer_slot(optimizer)
+        site = probe.finder.from_frame(_caller(2))
+        event = probe.record(ScalerStep, site=site, scaler=slot, optimizer=opt_slot,
+                             scale=_scale_value(self), enabled=bool(self.is_enabled()))
+        before = probe.optimizer_step_count
+        previous, probe._scaler_step_slot = probe._scaler_step_slot, slot
+        probe.enter("scaler_step")
+        try:
+            return original(self, optimizer, *args, **kwargs)
+        finally:
+            probe.leave("scaler_step")
+            probe._scaler_step_slot = previous
+            probe.complete(event, skipped=probe.optimizer_step_count == before)
+    return step
+
+
+def _wrap_update(original):
+    @functools.wraps(original)
+    def update(self, new_scale=None):
+        probe = _active()
+        if probe is None:
+            return original(self, new_scale)
+        slot = probe.scaler_slot(self)
+        before = _scale_value(self)
+        event = probe.record(Update, scaler=slot, site=probe.finder.from_frame(_caller(2)),
+                             scale_before=before)
+        try:
+            result = original(self, new_scale)
+        except Exception as exc:
+            probe.complete(event, error=str(exc))
+            raise
+        probe.complete(event, scale_after=_scale_value(self))
+        return result
+    return update
+
+
+def _wrap_zero_grad(original, owner: str):
+    @functools.wraps(original)
+    def zero_grad(self, *args, **kwargs):
+        probe = _active()
+        if probe is not None and not probe.inside("zero_grad"):
+            opt = probe.optimizer_slot(self) if owner == "optimizer" else None
+            probe.record(ZeroGrad, site=probe.finder.from_frame(_caller(2)), optimizer=opt,
+                         owner=owner)
+        if probe is None:
+            return original(self, *args, **kwargs)
+        probe.enter("zero_grad")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            probe.leave("zero_grad")
+    return zero_grad
+
+
+def _wrap_clip(original, kind: str):
+    @functools.wraps(original)
+    def clip(parameters, *args, **kwargs):
+        probe = _active()
+        if probe is None or probe.inside("clip"):
+            return original(parameters, *args, **kwargs)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        site = probe.finder.from_frame(_caller(2))
+        probe.enter("clip")
+        try:
+            result = original(params, *args, **kwargs)
+        finally:
+            probe.leave("clip")
+        max_norm = args[0] if args else kwargs.get("max_norm", kwargs.get("clip_value"))
+        norm_type = args[1] if len(args) > 1 else kwargs.get("norm_type", 2.0)
+        probe.record(Clip, site=site, clip_kind=kind,
+                     max_norm=None if max_norm is None else float(max_norm),
+                     norm_type=float(norm_type) if kind == "norm" else None,
+                     param_ids=tuple(id(p) for p in params),
+                     total_norm=float(result) if isinstance(result, torch.Tensor) else None)
+        return result
+    return clip
+
+
+#: Warnings said again at the user's line, shown once per line as Python's default filter does.
+_REPLAYED: set[tuple[Any, ...]] = set()
+
+
+def _wrap_scheduler_step(original):
+    @functools.wraps(original)
+    def step(self, *args, **kwargs):
+        probe = _active()
+        if probe is None or probe.inside("scheduler") or probe.inside("scheduler_init"):
+            return original(self, *args, **kwargs)
+        site = probe.finder.from_frame(_caller(2))
+        optimizer = getattr(self, "optimizer", None)
+        slot = probe.optimizer_slot(optimizer) if optimizer is not None else None
+        lr_before = None
+        try:
+            lr_before = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+            pass
+        probe.enter("scheduler")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                result = original(self, *args, **kwargs)
+        finally:
+            probe.leave("scheduler")
+        # torch warns at its caller's line (stacklevel 2), which is now this wrapper: say it
+        # again at the user's scheduler call.
+        for w in caught:
+            where = (site.file, site.line) if site else (w.filename, w.lineno)
+            key = (*where, w.category, str(w.message))
+            if key not in _REPLAYED:
+                _REPLAYED.add(key)
+                warnings.warn_explicit(w.message, w.category, *where)
+        lr = None
+        try:
+            lr = float(self.get_last_lr()[0])
+        except Exception:  # ReduceLROnPlateau before its first step, custom schedulers
+            pass
+        probe.record(SchedulerStep, site=site, optimizer=slot,
+                     scheduler_type=type(self).__name__, lr=lr, lr_before=lr_before,
+                     scheduler=id(self), last_epoch=getattr(self, "last_epoch", None))
+        return result
+    return step
+
+
+def _wrap_initial_step(original):
+    @functools.wraps(original)
+    def _initial_step(self, *args, **kwargs):
+        probe = _active()
+        if probe is None:
+            return original(self, *args, **kwargs)
+        probe.enter("scheduler_init")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            probe.leave("scheduler_init")
+    return _initial_step
+
+
+def _wrap_autocast_enter(original):
+    @functools.wraps(original)
+    def __enter__(self):
+        result = original(self)
+        probe = _active()
+        if probe is not None:
+            device_type = getattr(self, "device", None)
+            enabled = dtype = None
+            if isinstance(device_type, str):
+                enabled = torch.is_autocast_enabled(device_type)
+                dtype = str(torch.get_autocast_dtype(device_type)).replace("torch.", "")
+            probe.record(AutocastEntered, device_type=device_type, enabled=enabled, dtype=dtype,
+                         created_at=getattr(self, "_ampdoctor_site", None))
+        return result
+    return __enter__
+
+
+def _wrap_autocast_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        probe = _active()
+        if probe is not None:
+            # where the dtype was chosen: an autocast built once and entered in the loop
+            try:
+                self._ampdoctor_site = probe.finder.from_frame(_caller(2))
+            except AttributeError:
+                pass
+    return __init__
+
+
+def _step_pre_hook(optimizer, args, kwargs):
+    probe = _active()
+    if probe is not None:
+        probe.on_optimizer_step(optimizer)
+
+
+def install(patcher: Patcher) -> None:
+    """Patch torch so that an active probe sees every event of DESIGN §2."""
+    from torch.amp import grad_scaler
+    from torch.amp import autocast_mode
+    from torch.nn.utils import clip_grad
+    import torch.nn.utils as nn_utils
+    from torch.optim import lr_scheduler
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    patcher.setattr(torch.Tensor, "backward", _wrap_backward(torch.Tensor.backward))
+    patcher.setattr(torch.autograd, "backward", _wrap_autograd_backward(torch.autograd.backward))
+
+    scaler_cls = grad_scaler.GradScaler
+    patcher.setattr(scaler_cls, "__init__", _wrap_scaler_init(scaler_cls.__init__))
+    patcher.setattr(scaler_cls, "scale", _wrap_scale(scaler_cls.scale))
+    patcher.setattr(scaler_cls, "unscale_", _wrap_unscale(scaler_cls.unscale_))
+    patcher.setattr(scaler_cls, "step", _wrap_scaler_step(scaler_cls.step))
+    patcher.setattr(scaler_cls, "update", _wrap_update(scaler_cls.update))
+    patcher.setattr(scaler_cls, "get_scale", _wrap_get_scale(scaler_cls.get_scale))
+
+    patcher.setattr(torch.optim.Optimizer, "zero_grad",
+                    _wrap_zero_grad(torch.optim.Optimizer.zero_grad, "optimizer"))
+    patcher.setattr(torch.nn.Module, "zero_grad",
+                    _wrap_zero_grad(torch.nn.Module.zero_grad, "module"))
+
+    for name, kind in (("clip_grad_norm_", "norm"), ("clip_grad_value_", "value"),
+                       ("clip_grad_norm", "norm")):
+        original = getattr(clip_grad, name, None)
+        if original is None:
+            continue
+        wrapper = _wrap_clip(original, kind)
+        patcher.setattr(clip_grad, name, wrapper)
+        if getattr(nn_utils, name, None) is original:
+            patcher.setattr(nn_utils, name, wrapper)
+
+    base = lr_scheduler.LRScheduler
+    for obj in vars(lr_scheduler).values():
+        if isinstance(obj, type) and issubclass(obj, base) and "step" in vars(obj):
+            patcher.setattr(obj, "step", _wrap_scheduler_step(vars(obj)["step"]))
+    if "_initial_step" in vars(base):
+        patcher.setattr(base, "_initial_step", _wrap_initial_step(vars(base)["_initial_step"]))
+
+    autocast_cls = autocast_mode.autocast
+    patcher.setattr(autocast_cls, "__enter__", _wrap_autocast_enter(autocast_cls.__enter__))
+    patcher.setattr(autocast_cls, "__init__", _wrap_autocast_init(autocast_cls.__init__))
+
+    randomness.install(patcher)
+
+    patcher.add_handle(register_optimizer_step_pre_hook(_step_pre_hook))

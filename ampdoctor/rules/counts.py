@@ -1,0 +1,53 @@
+"""Rule `step-per-microbatch` (more optimizer steps than windows) and an off-by-one
+accumulation condition (steps off the window boundaries)."""
+
+from __future__ import annotations
+
+
+
+from ..findings import Finding, location
+from ..probe.events import StepRecord
+from ..session import Session, Trace
+
+
+def step_count_finding(session: Session, trace: Trace, rung: str,
+                       skipped_windows: int = 0) -> Finding | None:
+    """More optimizer steps than windows: the optimizer steps on every micro-batch."""
+    per_optimizer: dict[int, list[StepRecord]] = {}
+    for step in trace.steps:
+        per_optimizer.setdefault(step.optimizer, []).append(step)
+    expected = session.N - skipped_windows
+    for slot, steps in sorted(per_optimizer.items()):
+        if len(steps) > session.N:
+            mb_before_first = steps[0].backwards
+            per_window = len(steps) / session.N
+            return Finding(
+                rung, "step-per-microbatch", "error",
+                f"The optimizer stepped {len(steps)} times for {session.N} windows of "
+                f"K={session.K} micro-batches in the {trace.precision} run "
+                f"({per_window:.3g} steps per window; the first step came after "
+                f"{mb_before_first} micro-batch(es)). Each update used a fraction of the window.",
+                evidence={"measured": len(steps), "expected": expected,
+                          "steps_per_window": round(per_window, 6),
+                          "microbatches_before_first_step": mb_before_first,
+                          "optimizer": slot},
+                location=location(steps[0].site))
+    # As many steps as windows, but not on window boundaries: an off-by-one accumulation
+    # condition (`i % K == 0` with i from 0 steps after the first micro-batch).
+    if not trace.lazy_feed:   # micro-batches fetched up front: cadence cannot be read
+        return None
+    for slot, steps in sorted(per_optimizer.items()):
+        consumed = [s.microbatch + 1 for s in steps]
+        off = [(s, n) for s, n in zip(steps, consumed) if n % session.K != 0]
+        if off:
+            step, n = off[0]
+            return Finding(
+                rung, "gradient-mismatch", "error",
+                f"The optimizer stepped after {n} micro-batch(es), not on a boundary of "
+                f"K={session.K}: the accumulation condition is off by one (e.g. "
+                "`i % K == 0` with i counted from 0), so the first window holds "
+                f"{consumed[0]} micro-batch(es) and every later window straddles two.",
+                evidence={"measured": consumed[0], "expected": session.K,
+                          "microbatches_at_each_step": consumed, "optimizer": slot},
+                location=location(step.site))
+    return None

@@ -1,0 +1,101 @@
+"""Rules for a loop that raised: torch's own refusals mapped to the mistake they name
+(`unscale-twice`, an `update()` missing on a skip path), else `loop-error` at the user's line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+from ..findings import Finding, location
+from ..probe.events import Event
+from ..session import Trace
+
+
+#: torch's own error messages that name a known mistake (matched on a stable fragment).
+KNOWN_TORCH_ERRORS = (
+    ("unscale_() has already been called on this optimizer since the last update()",
+     "unscale-twice"),
+)
+
+
+def loop_error_finding(trace: Trace, rung: str) -> Finding:
+    exc = trace.error
+    assert exc is not None
+    text = f"{type(exc).__name__}: {exc}"
+    if "unscale_()" in str(exc) and update_missing(trace):
+        steps = trace.of_kind("scaler_step")
+        updates = trace.of_kind("update")
+        # Point at the update() that exists but was skipped on this path, else at the step.
+        site = (updates[-1].site if updates else steps[-1].site if steps else trace.error_site)
+        return Finding(rung, "loop-error", "error",
+                       f"In the {trace.precision} run torch refused unscale_(): the previous "
+                       "window never reached scaler.update() (a skip path that returns early, "
+                       "or no update at all), so the next window's unscale_ counts as a second "
+                       "one. Call scaler.update() once per window on every path, skipped or not.",
+                       evidence={"error": text, "updates": len(updates),
+                                 "scaler_steps": len(steps),
+                                 "measured": len(updates), "expected": len(steps) or 1},
+                       location=location(site))
+    for fragment, kind in KNOWN_TORCH_ERRORS:
+        if fragment in str(exc):
+            refused = [e for e in trace.of_kind("unscale") if e.error is not None]
+            site = refused[-1].site if refused else trace.error_site
+            earlier = [e for e in trace.of_kind("unscale") if e.error is None
+                       and not e.inside_step
+                       and (not refused or e.optimizer == refused[-1].optimizer)]
+            first = earlier[-1].site if earlier else None
+            also = (f" The first call was at {first.file}:{first.line}; keep one of the two."
+                    if first is not None and first != site else "")
+            evidence: dict[str, Any] = {"error": text, "measured": 2, "expected": 1,
+                                        "unscale_calls_in_step": 2}
+            if first is not None:
+                evidence["first_unscale"] = f"{first.file}:{first.line}"
+            return Finding(rung, kind, "error",
+                           f"In the {trace.precision} run torch refused a second unscale_() of "
+                           "the same optimizer in one step: the gradients would be divided by "
+                           f"the scale twice.{also}",
+                           evidence=evidence, location=location(site))
+    return Finding(rung, "loop-error", "error",
+                   f"The loop raised in the {trace.precision} run: {text}",
+                   evidence={"error": text, "precision": trace.precision},
+                   location=location(trace.error_site))
+
+
+def last_unscale_pair(trace: Trace) -> tuple[Event, Event, list[Event]] | None:
+    """The last unscale_ of the run (outside scaler.step), the one before it on the same
+    optimizer, and the events between them; None when there is no such pair."""
+    unscales = [e for e in trace.of_kind("unscale") if not e.inside_step]
+    if len(unscales) < 2:
+        return None
+    failing = unscales[-1]
+    previous = next((e for e in reversed(unscales[:-1]) if e.optimizer == failing.optimizer),
+                    None)
+    if previous is None:
+        return None
+    return previous, failing, [e for e in trace.events if previous.seq < e.seq < failing.seq]
+
+
+def update_missing(trace: Trace) -> bool:
+    """torch refused an unscale_ because the previous window never reached update(): a
+    scaler.step with no update after it, or (a hand-written skip path) a previous unscale_ of
+    the same optimizer in an earlier window and no update since."""
+    last_step = next((e for e in reversed(trace.events) if e.kind == "scaler_step"), None)
+    if last_step is not None and not any(e.kind == "update" and e.seq > last_step.seq
+                                         for e in trace.events):
+        return True
+    pair = last_unscale_pair(trace)
+    if pair is None:
+        return False
+    previous, failing, between = pair
+    if any(e.kind == "update" for e in between):
+        return False
+    # The previous unscale_ belongs to an earlier window: that window ended without update()
+    # (a skip path that `continue`s). Same window: unscale_ repeated inside it (unscale-twice).
+    w_prev, w_fail = trace.window_of_event(previous), trace.window_of_event(failing)
+    if w_prev is not None and w_fail is not None:
+        return w_prev < w_fail
+    # A loop that raised cannot always place events in windows: a full window of backward
+    # passes (or a step) between the two calls means a new window began.
+    backwards_between = sum(1 for e in between if e.kind == "backward")
+    return (backwards_between >= max(trace.accumulation_steps, 2)
+            or any(e.kind in ("scaler_step", "step") for e in between))

@@ -1,0 +1,88 @@
+"""Rule `scheduler-per-microbatch`: judged by the learning rate each optimizer step used
+against the schedule's value for that step (a trajectory the rung measures), not by call counts."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+
+from ..findings import Finding, location
+from ..judge import step_groups
+from ..probe.events import Event
+from ..session import Session, Trace
+from ..thresholds import LR_RTOL
+
+
+def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
+    """An LR scheduler stepped more than once between two optimizer steps *and* the learning
+    rate the optimizer steps used differs from the schedule's value per optimizer step (a
+    constant schedule stepped per micro-batch changes nothing and is fine)."""
+    scheduler_events = trace.of_kind("scheduler")
+    if not scheduler_events:
+        return []
+    # Window boundaries: every scaler.step (skipped or not) and every direct optimizer.step.
+    boundaries = [e.seq for e in trace.events if e.kind == "scaler_step"
+                  or (e.kind == "step" and not e.via_scaler)]
+    per_scheduler: dict[Any, list[Event]] = {}
+    for e in scheduler_events:
+        # one trajectory per scheduler object: two schedulers on one optimizer (warmup + decay)
+        # each stepping once per optimizer step are fine
+        per_scheduler.setdefault((e.scheduler, e.optimizer),
+                                 []).append(e)
+    optimizer_steps = max(1, len(step_groups(trace)))
+    for (_, slot), events in per_scheduler.items():
+        counts: dict[int, int] = {}
+        for e in events:
+            interval = sum(1 for b in boundaries if b < e.seq)
+            counts[interval] = counts.get(interval, 0) + 1
+        worst = max(counts.values())
+        if worst <= 1:
+            continue
+        drift = _lr_drift(trace, events, slot)
+        if drift is None:
+            continue
+        step, used, meant = drift
+        per_step = len(events) / optimizer_steps
+        first = events[0]
+        return [Finding(
+            rung, "scheduler-per-microbatch", "error",
+            f"The LR scheduler ({first.scheduler_type}) stepped {len(events)} times for "
+            f"{optimizer_steps} optimizer steps in the {trace.precision} run, up to {worst} "
+            f"times between two optimizer steps: optimizer step {step} used lr {used:.6g} where "
+            f"the schedule gives {meant:.6g} for that step; the schedule runs {per_step:.3g}x "
+            "too fast.",
+            evidence={"measured": round(per_step, 6), "expected": 1.0,
+                      "scheduler_steps": len(events), "optimizer_steps": optimizer_steps,
+                      "max_between_optimizer_steps": worst, "lr_used": used,
+                      "lr_expected": meant, "first_step_off": step},
+            location=location(first.site))]
+    return []
+
+
+def _lr_drift(trace: Trace, events: list[Event], slot: Any) -> tuple[int, float, float] | None:
+    """The first optimizer step whose learning rate (from this scheduler's own trajectory)
+    differs from the value the schedule gives for that optimizer step; None when every step
+    used the right value. Step n used the value after the scheduler's c_n steps so far; it should
+    use the value after c_0 + n (a constant offset -- a scheduler stepped before the first
+    optimizer step -- is not this mistake)."""
+    values = [events[0].lr_before] + [e.lr for e in events]
+    if any(v is None for v in values):
+        return None if len({v for v in values if v is not None}) <= 1 else (0, math.nan,
+                                                                           math.nan)
+    steps = [s for s in trace.steps if slot is None or s.optimizer == slot]
+    first_of_group: dict[int, Any] = {}
+    for s in steps:
+        first_of_group.setdefault(s.group, s)
+    used_index = [sum(1 for e in events if e.seq < s.seq) for s in first_of_group.values()]
+    if not used_index:
+        return None
+    offset = used_index[0]
+    for n, c in enumerate(used_index):
+        meant_index = offset + n
+        if c >= len(values) or meant_index >= len(values):
+            break
+        used, meant = float(values[c]), float(values[meant_index])
+        if abs(used - meant) > LR_RTOL * max(abs(meant), 1e-30):
+            return n, used, meant
+    return None

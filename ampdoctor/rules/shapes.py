@@ -1,0 +1,161 @@
+"""Shapes of a mismatch the judge found that need more than a hypothesis vector: a clip in
+scaled space, a divisor that varies per step, gradients carried over a step, a loss summed over a
+count, and the K = b tie (resolved by a re-split pass the rung driver runs)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import compare
+from ..findings import Finding, location
+from ..judge import Judgement, StepJudgement
+from ..loading import micro_batch_counts, micro_batch_size_of
+from ..probe.events import StepRecord
+from ..session import Session, Trace, flat
+from ..thresholds import VARYING_RATIO_SPREAD
+
+
+def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, call,
+                          reference: dict[str, torch.Tensor | None]) -> Finding:
+    """The update differs and a clip ran on gradients still multiplied by the loss scale, at a
+    threshold the loop means in true space: the threshold met S x the true norm."""
+    from ..reference import reference_norm
+    every = session.param_order
+    sizes = {n: math.prod(session.param_shapes[n]) for n in every}
+    true_norm = reference_norm(flat(session, reference, every), every, sizes, call)
+    seen = call.total_norm
+    m = judged.metrics
+    evidence: dict[str, Any] = {
+        "measured": compare._round(seen / true_norm) if seen and true_norm else None,
+        "expected": 1.0, "scale": call.scale, "norm_seen_by_clip": seen,
+        "true_norm": compare._round(true_norm), "max_grad_norm": call.threshold,
+        "step": judged.ordinal, "window": judged.window, **m.as_evidence(),
+        "tolerance": m.allowed and compare._round(m.allowed / max(m.norm_ref, 1e-30))}
+    if call.kind == "value":
+        evidence["measured"] = call.scale
+        message = (f"Step {judged.ordinal}: clip_grad_value_ ran before scaler.unscale_: the clip "
+                   f"value {call.threshold:g} was applied to gradients multiplied by the loss "
+                   f"scale {call.scale:g}, i.e. a clip value {call.scale:g}x too small in "
+                   f"true-gradient space; the update is {m.ratio:.4g}x the reference.")
+    else:
+        message = (f"Step {judged.ordinal}: clip_grad_norm_ ran before scaler.unscale_: it saw a "
+                   f"gradient norm of {seen:.6g} where the true norm is {true_norm:.6g} (the "
+                   f"loss scale {call.scale:g}), so the threshold {call.threshold:g} was applied "
+                   f"in scaled space and the update is {m.ratio:.4g}x the reference clipped at "
+                   f"{call.threshold:g}.")
+    return Finding(rung, "clip-before-unscale", "error", message, evidence=evidence,
+                   location=location(call.site))
+
+
+def varying_divisor(judgement: Judgement, evidence: dict[str, Any], ordinal: int,
+                     ratio: float) -> str | None:
+    """Right direction at every step, but a size that changes from step to step: the loss is
+    normalised by a count that varies (a token count overwritten per micro-batch), not by a
+    constant such as K -- so "divide by K" would not fix it."""
+    same_direction = [s for s in judgement.steps if s.metrics.cosine > 0.9999]
+    if len(same_direction) < 2 or len(same_direction) < len(judgement.steps):
+        return None
+    ratios = [s.preclip_ratio if s.preclip_ratio is not None else s.metrics.ratio
+              for s in same_direction]
+    low, high = min(ratios), max(ratios)
+    if low <= 0 or high / low - 1 <= VARYING_RATIO_SPREAD or all(abs(r - 1) < 0.05
+                                                                  for r in ratios):
+        return None
+    evidence["ratios_per_step"] = [compare._round(r) for r in ratios]
+    evidence["ratio_spread"] = compare._round(high / low - 1)
+    return (f"Step {ordinal}: the optimizer consumed {ratio:.4g}x the reference gradient with "
+            "the right direction, and the factor changes from step to step ("
+            + ", ".join(f"{r:.4g}" for r in ratios) + "): the loss is normalised by a count "
+            "that varies per step (e.g. the token count of one micro-batch, overwritten in a "
+            "loop) instead of the whole step's total. Divide the summed loss by the number of "
+            "tokens/samples in the whole optimizer step.")
+
+
+def carried_over(session: Session, trace: Trace, step: StepRecord, names: list[str],
+                  user: torch.Tensor, full: torch.Tensor, tol: float) -> list[str] | None:
+    """The parameters whose consumed gradient is this window's reference plus what the same
+    optimizer's previous step consumed (.grad not cleared between the two steps), when every
+    parameter is either that or the reference alone; None otherwise."""
+    previous = [s for s in trace.steps if s.group < step.group and s.optimizer == step.optimizer]
+    if not previous:
+        return None
+    prev = flat(session, previous[-1].grads, names).double()
+    u, ref = user.double(), full.double()
+    carried, offset = [], 0
+    for name in names:
+        n = math.prod(session.param_shapes[name])
+        sl = slice(offset, offset + n)
+        offset += n
+        fresh_err = relative_difference(u[sl], ref[sl])
+        kept_err = relative_difference(u[sl], ref[sl] + prev[sl])
+        if kept_err <= tol and kept_err < fresh_err:
+            carried.append(name)
+        elif fresh_err > tol:
+            return None
+    return carried or None
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    denom = float(torch.linalg.vector_norm(b))
+    diff = float(torch.linalg.vector_norm(a - b))
+    return diff / denom if denom > 0 else (0.0 if diff == 0 else math.inf)
+
+
+def summed_count(micro_batches: list[Any], ratio: float,
+                  micro_batch_size: int | None) -> tuple[int, str] | None:
+    """A gradient `ratio` times the reference that equals a count every micro-batch of the
+    window shares -- its samples, the elements of one of its tensors (tokens of a [b, T]
+    label tensor), its non-ignored labels (!= -100) -- is a loss summed over that count."""
+    if not micro_batches:
+        return None
+    per_mb = [micro_batch_counts(mb) for mb in micro_batches]
+    shared = {what: n for what, n in per_mb[0].items()
+              if n > 1 and all(c.get(what) == n for c in per_mb)}
+    for what, n in shared.items():
+        if what != "samples" and abs(ratio / n - 1) <= 0.01:
+            return int(n), f"the {int(n)} {what} per micro-batch"
+    b = micro_batch_size or shared.get("samples")
+    if b:
+        multiple = compare.nearest_integer_factor(ratio, b)
+        if multiple is not None:
+            return multiple * int(b), (f"{multiple} x micro_batch_size {int(b)}" if multiple > 1
+                                       else f"micro_batch_size {int(b)}")
+    return None
+
+
+SIZE_FACTOR_KINDS = {"missing-accumulation-average": "reduction-mismatch",
+                      "reduction-mismatch": "missing-accumulation-average"}
+
+
+#: The rung driver's extra fp32 pass: (micro_batches, K, snapshot) -> the first step's
+#: consumed gradients, or None when the loop could not run it.
+Rerun = Callable[[list[Any], int, Any], "dict[str, torch.Tensor | None] | None"]
+
+
+def disambiguate(session: Session, window: int, snapshot, names: list[str],
+                 rerun: Rerun) -> tuple[str | None, dict[str, Any]]:
+    """Ask the driver to re-run the first K' = K // 2 micro-batches of the window as one step
+    (same micro-batches, so batch statistics do not change) and see whether the gradient's
+    factor follows K' (no average) or stays at the micro-batch size (sum reduction)."""
+    K2 = max(1, session.K // 2)
+    part = session.window(window)[:K2]
+    b = micro_batch_size_of(part[0])
+    if K2 == b:
+        return None, {}
+    grads = rerun(part, K2, snapshot)
+    if grads is None:
+        return None, {}
+    ref = session.reference_for(part, snapshot.state, snapshot.training, per_mb=False,
+                                label=f"the first {K2} micro-batches of window {window}")
+    ratio = float(torch.linalg.vector_norm(flat(session, grads, names))) / max(
+        float(torch.linalg.vector_norm(flat(session, ref.full, names))), 1e-30)
+    info = {"accumulation_steps": K2, "micro_batch_size": b, "ratio": compare._round(ratio)}
+    if abs(ratio / K2 - 1) < 0.02:
+        return "missing-accumulation-average", info
+    if abs(ratio / b - 1) < 0.02:
+        return "reduction-mismatch", info
+    return None, info
