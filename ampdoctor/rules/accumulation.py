@@ -53,7 +53,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
     scaled_clip = next((c for c in judged.clips if c.scale is not None and not c.scaled_threshold),
                        None)
     if scaled_clip is not None:
-        return clip_in_scaled_space(session, rung, judged, scaled_clip, ref.full)
+        return clip_in_scaled_space(session, rung, judged, scaled_clip, ref.full, tol.rtol)
     per_mb = [flat(session, g, names) for g in ref.per_mb or []]
     user_u, clip_norm = unclipped(user, window_events)
     backwards = [e for e in window_events if e.kind == "backward"]

@@ -15,15 +15,15 @@ from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..loading import micro_batch_counts, micro_batch_size_of
 from ..probe.events import StepRecord
+from ..reference import reference_norm
 from ..session import Session, Trace, flat
 from ..thresholds import VARYING_RATIO_SPREAD
 
 
 def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, call,
-                          reference: dict[str, torch.Tensor | None]) -> Finding:
+                         reference: dict[str, torch.Tensor | None], tolerance: float) -> Finding:
     """The update differs and a clip ran on gradients still multiplied by the loss scale, at a
     threshold the loop means in true space: the threshold met S x the true norm."""
-    from ..reference import reference_norm
     every = session.param_order
     sizes = {n: math.prod(session.param_shapes[n]) for n in every}
     true_norm = reference_norm(flat(session, reference, every), every, sizes, call)
@@ -34,7 +34,7 @@ def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, cal
         "expected": 1.0, "scale": call.scale, "norm_seen_by_clip": seen,
         "true_norm": compare._round(true_norm), "max_grad_norm": call.threshold,
         "step": judged.ordinal, "window": judged.window, **m.as_evidence(),
-        "tolerance": m.allowed and compare._round(m.allowed / max(m.norm_ref, 1e-30))}
+        "tolerance": tolerance}
     if call.kind == "value":
         evidence["measured"] = call.scale
         message = (f"Step {judged.ordinal}: clip_grad_value_ ran before scaler.unscale_: the clip "
