@@ -125,6 +125,10 @@ BROKEN = {
     "broken_missing_unscale_second_optimizer": ("fp16-scaler", "missing-unscale", "measured",
                                                 (0.9 * 65536, 1.1 * 65536),
                                                 "broken_missing_unscale_second_optimizer.py"),
+    # optimizer.step() instead of scaler.step(): torch refuses the update, the step already
+    # applied S x the gradient
+    "broken_step_bypasses_scaler": ("fp16-scaler", "missing-unscale", "measured",
+                                    (0.9 * 65536, 1.1 * 65536), "broken_step_bypasses_scaler.py"),
     "broken_unscale_twice": ("fp16-scaler", "unscale-twice", "measured", (2, 2),
                              "broken_unscale_twice.py"),
     "broken_manual_unscale_twice": ("fp16-scaler", "unscale-twice", "measured",
@@ -180,7 +184,8 @@ def test_healthy_recipe_passes_clean(name, records_dir):
     # the fp16 series for the charts
     assert len(record["series"]["scale"]) >= 3
     assert len(record["series"]["skipped"]) >= 3
-    assert not any(record["series"]["skipped"])
+    # at most one natural overflow (healthy_yolo_ema_checkpoint backs off once at step 1)
+    assert sum(record["series"]["skipped"]) <= 1
 
 
 def test_noloss_uneven_micro_batches_take_the_loops_token_weighting(records_dir):
@@ -412,3 +417,10 @@ def test_dropout_models_go_through_the_ladder_unchanged(name, records_dir):
 def test_a_constant_schedule_stepped_per_micro_batch_is_fine(records_dir):
     record = _diagnose("healthy_constant_lambdalr_per_microbatch", records_dir)
     assert record["findings"] == []
+
+
+def test_one_natural_overflow_is_not_frequent_skips(records_dir):
+    record = _diagnose("healthy_yolo_ema_checkpoint", records_dir)
+    assert record["series"]["skipped"] == [False, True, False]
+    assert record["findings"] == []
+    assert _rung(record, "skips")["status"] == "pass"

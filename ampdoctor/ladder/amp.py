@@ -19,8 +19,10 @@ from ..judge import tolerance
 from ..probe.callsite import Site
 from ..probe.events import Event
 from ..session import Session, Trace
+from ..compare import _round as compare_round
 from ..rules.scale_state import (SCALE_TRAJECTORY_KINDS, explain_with_calls,
-                                 runtime_double_scaling, skipped_steps, violation_findings)
+                                 runtime_double_scaling, skipped_steps, step_ratio,
+                                 violation_findings)
 from .analysis import (compare_trace, location, loop_error_finding, scheduler_findings,
                        step_count_finding)
 
@@ -122,9 +124,27 @@ def _series(trace: Trace) -> dict[str, list[Any]]:
     }
 
 
-def _map_loop_error(trace: Trace, rung: str) -> Finding:
+def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
     exc = trace.error
-    if isinstance(exc, AssertionError) and "No inf checks were recorded" in str(exc):
+    refused_update = isinstance(exc, AssertionError) and "No inf checks were recorded" in str(exc)
+    direct = [e for e in trace.of_kind("step") if not e.via_scaler]
+    if refused_update and direct and not trace.of_kind("scaler_step"):
+        # optimizer.step() instead of scaler.step(): nothing recorded an inf check, so torch
+        # refused the update -- the step itself already applied scaled gradients.
+        first = direct[0]
+        ratio = step_ratio(session, trace, first)
+        scale = next((e.scale for e in trace.of_kind("scale") if e.scale), None)
+        return Finding(rung, "missing-unscale", "error",
+                       f"optimizer.step() was called directly, never scaler.step(): the step "
+                       f"applied gradients still multiplied by the loss scale {scale:g}"
+                       + (f" ({ratio:.6g}x the reference)" if ratio else "")
+                       + " without an inf check, and torch then refused scaler.update() ('No "
+                       "inf checks were recorded prior to update').",
+                       evidence={"measured": compare_round(ratio) if ratio else None,
+                                 "expected": 1.0, "scale": scale,
+                                 "error": f"{type(exc).__name__}: {exc}"},
+                       location=location(first.site))
+    if refused_update:
         updates = [e for e in trace.of_kind("update") if e.error is not None]
         site: Site | None = updates[-1].site if updates else trace.error_site
         last_step = max((e.seq for e in trace.of_kind("scaler_step")), default=-1)
@@ -167,7 +187,7 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
                           f"{precision}: {str(trace.error).splitlines()[0][:160]}",
                           details=details)
     if trace.error is not None:
-        finding = _map_loop_error(trace, rung)
+        finding = _map_loop_error(session, trace, rung)
         return RungResult(rung, "fail", f"the {precision} loop raised ({finding.kind})",
                           [finding], details=details)
     findings = half_open_findings(session, trace, rung)

@@ -27,6 +27,9 @@ RUNG = "skips"
 #: quarter of the steps after that is far beyond the one skip per growth_interval it costs.
 SKIP_RATE_THRESHOLD = 0.25
 MIN_SCALE = 1.0
+#: One overflow in a short run is what GradScaler is built for (a step at a scale it had not
+#: tried to back off from yet, or one skip per growth_interval): it takes two to be frequent.
+MIN_COUNTED_SKIPS = 2
 
 
 class OverflowInjector:
@@ -152,10 +155,21 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     excess = first_ok - search
     counted = skipped_after + (excess if not never_settled else 0)
     considered = len(after) + excess
-    unsettled = counted >= 1 and considered > 0 and counted / considered > SKIP_RATE_THRESHOLD
+    inits = [e for e in plain.of_kind("scaler_init") if e.enabled]
+    growth_interval = inits[0].growth_interval if inits else None
+    # A skip right after the scale grew is the scaler growing into overflow: once per
+    # growth_interval in steady state, so one such skip already says "frequent" when that
+    # interval is short (the sawtooth of growth_interval=1).
+    grew_into_overflow = any(
+        flag and i > 0 and updates[i].scale_before and updates[i - 1].scale_before
+        and updates[i].scale_before > updates[i - 1].scale_before
+        for i, flag in enumerate(flags[:len(updates)]))
+    sawtooth = (grew_into_overflow and growth_interval is not None
+                and 1.0 / (growth_interval + 1) > SKIP_RATE_THRESHOLD)
+    enough = counted >= MIN_COUNTED_SKIPS or (counted >= 1 and sawtooth)
+    unsettled = enough and considered > 0 and counted / considered > SKIP_RATE_THRESHOLD
     if not (never_settled or unsettled or collapsed):
         return None
-    inits = [e for e in plain.of_kind("scaler_init") if e.enabled]
     site = inits[0].site if inits else (skipped[0].site if skipped else None)
     return Finding(
         RUNG, "frequent-skips", "warning",

@@ -94,7 +94,7 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                             + f"; call scaler.unscale_() on optimizer {slot} before clipping.")
         elif v.kind == "missing-unscale":
             slot = v.data.get("optimizer")
-            ratio = _step_ratio(session, trace, event)
+            ratio = step_ratio(session, trace, event)
             evidence.update({"measured": compare._round(ratio) if ratio else None,
                              "expected": 1.0, "optimizer": slot})
             message = (f"Optimizer {slot} stepped with its own .step() on gradients still "
@@ -169,7 +169,7 @@ def skipped_steps(trace: Trace) -> int:
     return sum(1 for e in trace.of_kind("scaler_step") if e.skipped)
 
 
-def _step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
+def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
     # A StepRecord carries the sequence number of its "step" event.
     step = next((s for s in trace.steps if s.seq == event.seq), None)
     if step is None:
