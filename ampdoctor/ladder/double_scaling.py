@@ -74,6 +74,19 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
         summary = f"one loss-scale owner: {describe(owners[0], base)}"
         if owners[0].runtime:
             summary += " (the one the fp16 run used)"
+    elif focus_files and len(owners) > 1:
+        # Name the owners on this loop's path; count the other scripts' owners, not list them.
+        focus = {os.path.realpath(f) for f in focus_files}
+        on_path = [o for o in owners if o.runtime or os.path.realpath(o.file) in focus]
+        counted = "one loss-scale owner" if len(on_path) == 1 else f"{len(on_path)} loss-scale owners"
+        listed = ", ".join(describe(o, base) + (" (the one the fp16 run used)" if o.runtime else "")
+                           for o in on_path)
+        summary = (f"{counted} on this loop's path: {listed}" if on_path
+                   else "no loss-scale owner on this loop's path")
+        others = len(owners) - len(on_path)
+        if others:
+            summary += (f"; {others} more in other scripts of the scanned tree, each alone on "
+                        "its own path (see `ampdoctor scan`)")
     elif owners:
         listed = ", ".join(describe(o, base) for o in owners[:4])
         if len(owners) > 4:

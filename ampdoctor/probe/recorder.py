@@ -31,6 +31,11 @@ ACTIVE: Probe | None = None
 #: Transformer layers call) runs with p = 0 while this is set, whatever `model.train()` says.
 DROPOUT_OFF = False
 
+#: When set, every enabled GradScaler built during a run starts from this scale instead of its
+#: init_scale (the session sets it after the loop's own init_scale overflowed every step of the
+#: slice: the scaler's start-up search, which a short slice never gets past).
+START_SCALE: float | None = None
+
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
@@ -202,4 +207,5 @@ def finite(value: float | None) -> bool:
 
 
 __all__ = ["Event", "StepRecord", "Snapshot", "Probe", "MicroBatchFeed", "MicroBatchIndex",
-           "ForwardAligner", "storages", "activate", "finite", "ACTIVE", "DROPOUT_OFF"]
+           "ForwardAligner", "storages", "activate", "finite", "ACTIVE", "DROPOUT_OFF",
+           "START_SCALE"]

@@ -241,7 +241,7 @@ class ReferenceBuilder:
         self.loop_weighting = what
         self.weighting_open = False
         self.notes = {n for n in self.notes if not n.startswith("micro-batches differ in shape")}
-        self.notes.add(f"micro-batches differ in shape and the loop weighs them by their {what} "
+        self.notes.add(f"micro-batches differ in shape and the loop weighs each by its count of {what} "
                        "(as one batch of the whole window would): the loop-as-reference is the "
                        "mean of per-micro-batch gradients weighted so (give the spec a `loss` "
                        "to state the weighting)")

@@ -49,5 +49,8 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
                 f"{consumed[0]} micro-batch(es) and every later window straddles two.",
                 evidence={"measured": consumed[0], "expected": session.K,
                           "microbatches_at_each_step": consumed, "optimizer": slot},
-                location=location(step.site))
+                location=location(step.site),
+                title="The optimizer steps off the window boundaries (off by one)",
+                fix="Step when the count of micro-batches seen is a multiple of K: "
+                    "`if (i + 1) % K == 0:` with i counted from 0 (or count from 1).")
     return None
