@@ -1,3 +1,6 @@
+"""`python -m ampdoctor ...` (and `torchrun ... -m ampdoctor diagnose spec.yaml`)."""
+
 from .cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 
 from . import __version__
-from .errors import AmpdoctorError, SpecError, UsageError, UserCodeError
+from .errors import AmpdoctorError, LaunchError, SpecError, UsageError, UserCodeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Triage PyTorch training that combines gradient accumulation with mixed "
@@ -46,8 +46,9 @@ def _fail(exc: AmpdoctorError, debug: bool) -> int:
     if debug and exc.cause is not None:
         traceback.print_exception(type(exc.cause), exc.cause, exc.cause.__traceback__,
                                   file=sys.stderr)
-    label = {2: "spec error" if isinstance(exc, SpecError) else "usage error",
-             3: "user code error"}.get(exc.exit_code, "error")
+    label = ("DDP launch error" if isinstance(exc, LaunchError) else
+             {2: "spec error" if isinstance(exc, SpecError) else "usage error",
+              3: "user code error"}.get(exc.exit_code, "error"))
     err.print(f"[bold red]ampdoctor: {label}:[/] ", end="", highlight=False)
     err.print(exc.message, markup=False, highlight=False)
     return exc.exit_code
@@ -74,7 +75,6 @@ def diagnose(
 
 
 def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None) -> int:
-    from . import record as records
     from .spec import load_spec
 
     try:
@@ -82,6 +82,31 @@ def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None) ->
     except SpecError as exc:
         return _fail(exc, debug)
 
+    from .ddp import launch
+
+    launched = launch.launched_rank()
+    if launched is None:
+        return _diagnose_here(spec, json_out, debug, out)
+    # Under torchrun: rank 0 runs the ladder and reports; the others serve the ddp-sync rung.
+    try:
+        group = launch.TorchrunGroup(*launched, connect_timeout_s=(
+            spec.ddp.timeout_s if spec.ddp is not None else launch.DEFAULT_TIMEOUT_S))
+    except LaunchError as exc:
+        return _fail(exc, debug)
+    if launched[0] != 0:
+        return group.serve(str(spec.spec_path))
+    launch.GROUP = group
+    code = INTERNAL_ERROR
+    try:
+        code = _diagnose_here(spec, json_out, debug, out)
+    finally:
+        launch.GROUP = None
+        group.finish(code)
+    return code
+
+
+def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
+    from . import record as records
     from .diagnose import error_record, run_diagnose
     from .report.terminal import render
 
@@ -102,7 +127,7 @@ def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None) ->
         code = _fail(exc, debug)
         _save_and_show(record, out, json_out, render, err)
         return code
-    except SpecError as exc:
+    except (SpecError, LaunchError) as exc:
         return _fail(exc, debug)
     except KeyboardInterrupt:
         err.print("ampdoctor: interrupted; torch was restored, no record written.")

@@ -38,3 +38,11 @@ class UserCodeError(AmpdoctorError):
                  location: tuple[str, int] | None = None):
         super().__init__(message, cause=cause)
         self.location = location
+
+
+class LaunchError(AmpdoctorError):
+    """ampdoctor could not start or join the processes of the ddp-sync rung (no free port, a
+    spawn refused, a torchrun store it cannot reach): not the user's loop (exit 3: the check
+    could not run)."""
+
+    exit_code = 3

@@ -4,8 +4,10 @@ and the windows each step consumed. The reference gradients come from `reference
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +31,7 @@ class Trace:
     settings: RunSettings
     error: BaseException | None = None
     error_site: Site | None = None
+    error_time: float | None = None     # wall clock (time.time) when the loop raised
     optimizer_count: int = 1
     microbatches: int = 0
 
@@ -86,6 +89,17 @@ class Trace:
         return [e for e in self.probe.events if e.kind in kinds]
 
 
+@dataclass(frozen=True)
+class Distributed:
+    """What a DDP rank's run of the loop gets instead of the session's plain one."""
+
+    rank: int
+    world_size: int
+    shards: list[Any]                 # this rank's shard of every micro-batch, in order
+    micro_batch_size: int | None
+    wrap: Callable[[torch.nn.Module, recorder.Probe], Any]   # the model the loop is handed
+
+
 class Session(ReferenceBuilder):
     def __init__(self, spec: Spec, code: UserCode, device: torch.device, finder: CallSiteFinder,
                  micro_batches: list[Any]):
@@ -118,6 +132,11 @@ class Session(ReferenceBuilder):
         #: of `micro_batch_counts` (None: equally), and whether the fp32 run has been asked.
         self.loop_weighting: str | None = None
         self.weighting_open = False
+        #: The loss scale every fp16 run starts from when the loop's own init_scale overflowed
+        #: every step of the slice (`start_scale_search`), else None: the loop's own.
+        self.fp16_start_scale: float | None = None
+        #: What that search saw: the loop's init_scale, the scale it ended on, skips, runs.
+        self.scale_search: dict[str, Any] | None = None
 
     def _build_template(self) -> torch.nn.Module:
         """Build the model once while recording where each submodule was constructed, so a
@@ -157,7 +176,13 @@ class Session(ReferenceBuilder):
                  K: int | None = None, state: dict[str, torch.Tensor] | None = None,
                  training: bool = True, max_grad_norm: float | None | str = "spec",
                  rng_seed: int | None = None, capture: bool = True,
-                 before_backward=None) -> Trace:
+                 before_backward=None, distributed: Distributed | None = None) -> Trace:
+        """One run of the user's loop under the probe.
+
+        `distributed`: a DDP rank's run -- the micro-batches are this rank's shards (in the
+        order of the session's micro-batches, so a shard's position is its micro-batch's index),
+        the model is handed to the loop through `distributed.wrap`, and `run` says the rank.
+        """
         model = build_model(self.code, self.device, self.spec.seed)
         if state is not None:
             model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
@@ -168,9 +193,21 @@ class Session(ReferenceBuilder):
         probe = recorder.Probe(self.finder, model, flat)
         probe.capture_grads = capture
         probe.before_backward = before_backward
-        indices = [self.index_of(mb, position) for position, mb in enumerate(mbs)]
+        batch_index = self.batch_index
+        handed: Any = model
+        if distributed is not None:
+            mbs = distributed.shards
+            batch_index = recorder.MicroBatchIndex(mbs)
+            indices = list(range(len(mbs)))
+            settings = dataclasses.replace(settings, rank=distributed.rank,
+                                           world_size=distributed.world_size,
+                                           micro_batch_size=distributed.micro_batch_size,
+                                           optimizer_steps=self.N)
+            handed = distributed.wrap(model, probe)
+        else:
+            indices = [self.index_of(mb, position) for position, mb in enumerate(mbs)]
         feed = recorder.MicroBatchFeed(mbs, probe, indices)
-        aligner = recorder.ForwardAligner(self.batch_index, self.align_seed, probe.on_forward)
+        aligner = recorder.ForwardAligner(batch_index, self.align_seed, probe.on_forward)
         aligner.fallback = lambda: probe.fetched if probe.fetched >= 0 else None
         aligner.attach(model)
         probe.aligner = aligner
@@ -179,15 +216,18 @@ class Session(ReferenceBuilder):
         if rng_seed is not None:
             torch.manual_seed(rng_seed)
         previous = recorder.activate(probe)
+        recorder.START_SCALE = self.fp16_start_scale if precision == "fp16" else None
         try:
-            if run_train_loop(self.code, model, loop_optimizer, feed, settings):
+            if run_train_loop(self.code, handed, loop_optimizer, feed, settings):
                 self.notes.add("train_loop is a generator function: ampdoctor runs it by "
                                "iterating it to the end")
         except Exception as exc:  # the user's loop raised: recorded, judged by the rung
             trace.error = exc
+            trace.error_time = time.time()
             trace.error_site = self.finder.from_traceback(exc.__traceback__)
         finally:
             recorder.activate(previous)
+            recorder.START_SCALE = None
             aligner.detach()
         return trace
 
@@ -208,8 +248,49 @@ class Session(ReferenceBuilder):
     def trace(self, precision: str) -> Trace:
         """The plain run of a precision, run once and cached."""
         if precision not in self.traces:
-            self.traces[precision] = self.run_loop(precision, rng_seed=self.spec.seed + 1)
+            trace = self.run_loop(precision, rng_seed=self.spec.seed + 1)
+            if precision == "fp16":
+                trace = self._past_scale_search(trace)
+            self.traces[precision] = trace
         return self.traces[precision]
+
+    #: At most this many reruns of the fp16 slice from a lower start scale.
+    SCALE_SEARCH_RUNS = 3
+
+    def _past_scale_search(self, trace: Trace) -> Trace:
+        """Start the fp16 runs where the scaler's own search ends, when it never ends in the slice.
+
+        A GradScaler starts high (65536 by default) and halves on each overflow until the
+        gradients fit: a few skipped steps at the start of training, which a slice of a few
+        optimizer steps may never get past. Then no update can be compared, and a bug would pass
+        unseen. So when every step of the plain run was skipped, rerun it from the scale the
+        search reached (the scale after its last update), at most SCALE_SEARCH_RUNS times.
+        Only the start scale changes: backoff, growth and the loop's code stay its own.
+        """
+        first = trace
+        for _ in range(self.SCALE_SEARCH_RUNS):
+            steps = trace.of_kind("scaler_step")
+            scales = [e.scale_after for e in trace.of_kind("update") if e.scale_after]
+            inits = [e for e in trace.of_kind("scaler_init") if e.enabled]
+            if (trace.error is not None or not steps or not all(e.skipped for e in steps)
+                    or not scales or not inits):
+                break
+            if self.scale_search is None:
+                self.scale_search = {"loop_init_scale": inits[0].init_scale,
+                                     "skipped_steps": len(steps), "runs": 1}
+            self.fp16_start_scale = scales[-1]
+            self.scale_search["runs"] += 1
+            self.scale_search["start_scale"] = scales[-1]
+            trace = self.run_loop("fp16", rng_seed=self.spec.seed + 1)
+        if trace is not first:
+            s = self.scale_search
+            applied = any(not e.skipped for e in trace.of_kind("scaler_step"))
+            self.notes.add(
+                f"the loop's init_scale {s['loop_init_scale']:g} overflowed all "
+                f"{s['skipped_steps']} steps of the slice (the scaler's start-up search): the "
+                f"fp16 runs start from {s['start_scale']:g}"
+                + ("" if applied else ", where every step still overflowed"))
+        return trace
 
     # --- windows ------------------------------------------------------------------------
     def window(self, index: int) -> list[Any]:

@@ -45,7 +45,10 @@ class ScanSettings(_Strict):
 
 
 class DDPSettings(_Strict):
-    world_size: int = Field(default=2, ge=1)
+    world_size: int = Field(default=2, ge=1, le=64)
+    #: the whole multi-process run of the ddp-sync rung, loading included (docs: spec keys)
+    timeout_s: float = Field(default=300.0, gt=0, le=86400)
+    wrapper: Literal["ddp", "fsdp"] = "ddp"
 
 
 class OptimizerMapping(BaseModel):

@@ -47,3 +47,8 @@ FORCED_CLIP_FRACTION = 0.1
 #: clip-space: a clip's norm this far (log ratio) from the unscaled norm was taken in scaled
 #: space.
 CLIP_RATIO_LOG_BAND = 1.5
+
+#: ddp-sync: a consumed gradient whose norm ratio to the global-batch reference is 1/world_size
+#: to this relative precision (and points the same way) is the loss divided by the world size on
+#: top of DDP's own averaging; fp32 runs make a real factor exact to rounding.
+WORLD_SIZE_RATIO_RTOL = 1e-2

@@ -112,12 +112,15 @@ BROKEN = {
     "broken_missing_average_clip_bites_loop_only": ("fp32-accum", "missing-accumulation-average",
                                                     "measured", (3.99, 4.01),
                                                     "broken_missing_average.py"),
-    # ddp-sync: 2 gloo ranks, all-reduces counted by a DDP communication hook
-    "broken_missing_no_sync": ("ddp-sync", "missing-no-sync", "measured", (4, 4),
-                               "broken_missing_no_sync.py"),
+    # ddp-sync: tests/test_ddp.py
     # fp16-scaler: the state machine and the scale-space shapes
     "broken_clip_before_unscale": ("fp16-scaler", "clip-before-unscale", "measured",
                                    (0.9 * 65536, 1.1 * 65536), "broken_clip_before_unscale.py"),
+    # every step at the default init_scale overflows in the slice: rerun from the scale the
+    # search reached (65536 / 2^3 = 8192), where the clip in scaled space shows
+    "broken_fairseq_default_scale_clip": ("fp16-scaler", "clip-before-unscale", "measured",
+                                          (0.9 * 8192, 1.1 * 8192),
+                                          "broken_fairseq_default_scale_clip.py"),
     # a hand-made clip from a norm read before unscale_: the update is 1/S of the clipped one
     "broken_manual_clip_scaled_norm": ("fp16-scaler", "clip-before-unscale", "measured",
                                        (0.9 * 65536, 1.1 * 65536),
@@ -198,7 +201,7 @@ def test_noloss_uneven_micro_batches_take_the_loops_token_weighting(records_dir)
     assert any("labels of `labels` that are not -100" in n for n in record["notes"]), record
     saved = sorted(records_dir.glob("*.json"))[-1]
     shown = run_cli("report", saved).stdout
-    assert "note: micro-batches differ in shape and the loop weighs them" in shown
+    assert "note: micro-batches differ in shape and the loop weighs each by its count of" in shown
 
 
 def test_a_gradscaler_the_loop_never_builds_is_not_an_owner(records_dir):
@@ -395,6 +398,17 @@ def test_a_window_retried_after_a_skipped_overflow_is_healthy(records_dir):
     assert skips["status"] == "pass"
     assert skips["details"]["steps_on_nonfinite_gradients"] == 0
     assert skips["details"]["backoffs_in_injected_window"] == 1
+
+
+def test_an_init_scale_search_that_outlasts_the_slice_is_rerun_from_where_it_ended(records_dir):
+    """Summed token losses at GradScaler's default 65536 skip all 3 steps of the slice: the
+    fp16 runs start again from 8192 (after the 3 halvings), compare real updates and say so."""
+    record = _diagnose("healthy_fairseq_default_scale", records_dir)
+    assert record["findings"] == []
+    fp16 = _rung(record, "fp16-scaler")
+    assert fp16["status"] == "pass" and fp16["details"]["steps_compared"] >= 2
+    assert any("init_scale 65536 overflowed all 3 steps" in n and "start from 8192" in n
+               for n in record["notes"]), record["notes"]
 
 
 def test_a_project_local_accelerator_is_one_owner(records_dir):

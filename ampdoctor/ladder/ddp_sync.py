@@ -1,221 +1,256 @@
-"""Rung `ddp-sync`: one gradient all-reduce per optimizer step, not K (article §§1, 13).
+"""Rung `ddp-sync`: every rank consumes the gradient of the global batch, synchronised once per
+optimizer step, on the window's last backward (article §§1, 10, 13).
 
-ampdoctor starts `ddp.world_size` processes (gloo on CPU, nccl on CUDA), builds model and
-optimizer on every rank from the same seed, wraps the model in DistributedDataParallel, gives
-each rank its shard of every micro-batch and runs the user's loop in fp32. A DDP communication
-hook counts the buckets each backward all-reduces: with `no_sync()` on the first K-1
-micro-batches of a window only the K-th backward communicates.
+The ranks (`ampdoctor.ddp.launch`: spawned here, or the processes of a torchrun launch) run the
+user's loop in fp32 on their shards of every micro-batch, each judged against the reference over
+the whole window (`ampdoctor.ddp.rank`). Here the rung reads what they brought back:
+
+1. the communication: more all-reducing backwards than windows is `missing-no-sync` (K times
+   the bytes), whatever the gradients say -- that consequence is the communication itself;
+2. the consumed gradients: every rank must match the reference and rank 0. A mismatch is
+   explained by the sync pattern (a sync on a backward other than the window's last:
+   `missing-no-sync`), by the 1/world_size factor (`double-average`), or by the same rules as
+   the single-process rungs.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Any
 
-from ..findings import Finding, Location, RungResult
+from ..errors import LaunchError
+from ..findings import Finding, Location, RungResult, conclude, location
+from ..thresholds import WORLD_SIZE_RATIO_RTOL
+from ..ddp import launch
 
 RUNG = "ddp-sync"
-#: Seconds the whole multi-process run may take before ampdoctor stops it (a rank waiting for
-#: a collective the other never joins would otherwise hang forever).
-DDP_TIMEOUT = 180.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _shard(mb: Any, rank: int, world_size: int) -> Any:
-    def cut(t):
-        n = t.shape[0] // world_size
-        return t[rank * n:(rank + 1) * n]
-    if isinstance(mb, dict):
-        return {k: cut(v) for k, v in mb.items()}
-    return tuple(cut(t) for t in mb)
-
-
-def _worker(rank: int, spec_path: str, world_size: int, port: int, out_dir: str) -> None:
-    """One rank: never raises (the parent reads what happened from its result file)."""
-    os.dup2(2, 1)  # the user's prints must not reach ampdoctor's stdout (--json)
-    result: dict[str, Any] = {"rank": rank, "hook_calls": [], "backwards": [], "steps": []}
+def _loc(site: list[Any] | None) -> Location | None:
+    if not site:
+        return None
+    file, line = site[0], site[1]
+    function = site[2] if len(site) > 2 else None
+    code = None
     try:
-        _run_rank(rank, spec_path, world_size, port, result)
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        result["error"] = f"{type(exc).__name__}: {exc}"
-        site = result.get("_finder") and result["_finder"].from_traceback(exc.__traceback__)
-        if site:
-            result["error_site"] = [site.file, site.line]
-    result.pop("_finder", None)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    # Tear down after the result is safe on disk, and leave without running interpreter
-    # finalisers: gloo's threads can abort a process at exit ("terminate called without an
-    # active exception"), which would turn a finished rank into a failed one.
-    try:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - the work is done and recorded
+        with open(file, encoding="utf-8") as handle:
+            code = handle.read().splitlines()[line - 1].strip()
+    except (OSError, IndexError, UnicodeDecodeError):
         pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return Location(file, line, function, code)
 
 
-def _run_rank(rank: int, spec_path: str, world_size: int, port: int,
-              result: dict[str, Any]) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel
-
-    from ..loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
-                           cut_micro_batches, resolve_device, run_train_loop, to_device)
-    from ..probe import patches, recorder, wrappers
-    from ..probe.callsite import CallSiteFinder
-    from ..spec import load_spec
-
-    spec = load_spec(spec_path)
-    finder = CallSiteFinder([spec.root, spec.spec_dir])
-    result["_finder"] = finder
-    device = resolve_device(spec.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                            world_size=world_size)
-    try:
-        with patches.installed(wrappers.install):
-            code = UserCode(spec, finder)
-            data = code.call("the data factory", code.data_factory)
-            micro_batches = [to_device(_shard(mb, rank, world_size), device)
-                             for mb in cut_micro_batches(data, spec)]
-            model = build_model(code, device, spec.seed)
-            loop_optimizer, flat = build_optimizers(code, model)
-            ddp_model = DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None)
-            probe = recorder.Probe(finder, model, flat)
-            probe.capture_grads = False
-
-            def counting_hook(state, bucket):
-                result["hook_calls"].append(probe.backward_count)
-                return default_hooks.allreduce_hook(state, bucket)
-
-            ddp_model.register_comm_hook(None, counting_hook)
-            settings = RunSettings(
-                precision="fp32", device=device, device_type=device.type,
-                autocast_dtype=AUTOCAST_DTYPES["fp32"], accumulation_steps=spec.accumulation_steps,
-                max_grad_norm=spec.max_grad_norm, rank=rank, world_size=world_size,
-                micro_batch_size=(spec.micro_batch_size // world_size
-                                  if spec.micro_batch_size else None),
-                optimizer_steps=spec.optimizer_steps)
-            previous = recorder.activate(probe)
-            try:
-                run_train_loop(code, ddp_model, loop_optimizer,
-                               recorder.MicroBatchFeed(micro_batches, probe), settings)
-            finally:
-                recorder.activate(previous)
-                result["backwards"] = [[e.site.file, e.site.line] if e.site else None
-                                       for e in probe.events if e.kind == "backward"]
-                result["steps"] = [s.backwards for s in probe.steps]
-                result["step_sites"] = [[s.site.file, s.site.line] if s.site else None
-                                        for s in probe.steps]
-    except BaseException:
-        dist.destroy_process_group()
-        raise
+def _uneven(session, world_size: int) -> str | None:
+    for index, mb in enumerate(session.micro_batches):
+        tensors = list(mb.values()) if isinstance(mb, dict) else list(mb)
+        sizes = {t.shape[0] for t in tensors if t.dim() > 0}
+        if any(n % world_size for n in sizes):
+            return (f"micro-batch {index} ({min(sizes)} samples) does not split evenly over "
+                    f"{world_size} ranks")
+    return None
 
 
-def _run_ranks(spec_path: str, world_size: int) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
+def _run_ranks(session, world_size: int, timeout_s: float) -> dict[int, dict[str, Any]]:
+    spec_path = str(session.spec.spec_path)
+    if launch.GROUP is not None:
+        return launch.GROUP.run_ranks(spec_path, timeout_s)
+    return launch.run_spawned(spec_path, world_size, timeout_s)
 
-    with tempfile.TemporaryDirectory(prefix="ampdoctor-ddp-") as out_dir:
-        context = mp.start_processes(_worker, args=(spec_path, world_size, _free_port(), out_dir),
-                                     nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + DDP_TIMEOUT
-        try:
-            while not context.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the {world_size}-process DDP run did not finish within "
-                                       f"{DDP_TIMEOUT:.0f} s (a rank waiting for a collective "
-                                       "the others never join?)")
-        except mp.ProcessExitedException:
-            # A rank that died while tearing down, after its result was written, finished its
-            # work; one that died before writing it did not.
-            if not all(Path(out_dir, f"rank{r}.json").exists() for r in range(world_size)):
-                raise
-        finally:
-            for process in context.processes:
-                if process.is_alive():
-                    process.terminate()
-        results = []
-        for rank in range(world_size):
-            path = Path(out_dir, f"rank{rank}.json")
-            results.append(json.loads(path.read_text()) if path.exists()
-                           else {"rank": rank, "error": "the rank exited without a result"})
-        return results
+
+def _rank_error(results: dict[int, dict[str, Any]], world_size: int, timeout_s: float,
+                finder) -> RungResult | None:
+    errors = [r for r in results.values() if r.get("error")]
+    launch_errors = [r for r in errors if r.get("stage") == "launch"]
+    if launch_errors:
+        err = launch_errors[0]
+        raise LaunchError(f"rank {err['rank']} of the {world_size}-process DDP run could not "
+                          f"start: {err['error']}")
+    if errors:
+        # The first error is the cause: a peer that lost the raising rank fails after it, in
+        # a collective ("Connection reset by peer").
+        err = min(errors, key=lambda r: (r.get("error_time", float("inf")), r["rank"]))
+        where = _loc(err.get("error_site"))
+        return RungResult(RUNG, "fail", f"the loop raised on rank {err['rank']} under DDP", [
+            Finding(RUNG, "loop-error", "error",
+                    f"The loop raised on rank {err['rank']} of {world_size} in the DDP run: "
+                    f"{err['error']}. Every other rank was stopped.",
+                    evidence={"error": err["error"], "rank": err["rank"],
+                              "world_size": world_size},
+                    location=where)])
+    missing = sorted(set(range(world_size)) - {r for r, v in results.items() if not v.get("hung")})
+    if not missing:
+        return None
+    unjoined = [r for r in missing if results.get(r, {}).get("stage") == "launch"]
+    if unjoined:
+        raise LaunchError(f"rank(s) {', '.join(map(str, unjoined))} of the {world_size}-process "
+                          f"DDP run could not join its process group within ddp.timeout_s = "
+                          f"{timeout_s:g} s (a master address the ranks cannot reach, or a "
+                          "firewall)")
+    # Where each stopped rank was: in the user's code (the hang), or past its loop, in
+    # ampdoctor's gather, waiting for the others.
+    sites = {r: finder.from_stack_dump(results.get(r, {}).get("stack", "")) for r in missing}
+    in_loop = [r for r in missing if sites[r] is not None]
+    waiting = [r for r in missing if sites[r] is None]
+    site = sites[in_loop[0]] if in_loop else None
+    ranks = ", ".join(map(str, in_loop or missing))
+    text = (f"Rank(s) {ranks} of {world_size} did not finish the loop within ddp.timeout_s = "
+            f"{timeout_s:g} s and were stopped"
+            + (f", waiting at {site.file}:{site.line} ({site.function})" if site else "")
+            + ": a hang (a collective its peers never join -- ranks taking different numbers "
+            "of steps or syncs --, or a loop that never ends)")
+    if in_loop and waiting:
+        text += (f"; rank(s) {', '.join(map(str, waiting))} had left the loop and waited for "
+                 "the others")
+    return RungResult(RUNG, "fail", f"the DDP run did not finish within {timeout_s:g} s", [
+        Finding(RUNG, "loop-error", "error", text + ".",
+                evidence={"measured": len(in_loop or missing), "expected": 0,
+                          "ranks_in_the_loop": in_loop, "ranks_past_the_loop": waiting,
+                          "timeout_s": timeout_s, "world_size": world_size},
+                location=location(site))])
+
+
+def _window_positions(r0: dict[str, Any], windows: int) -> tuple[list[int], int]:
+    """The 1-based position in its window of every backward that all-reduced, and the number
+    of backwards per window."""
+    per_window = max(1, round(len(r0["backwards"]) / max(windows, 1)))
+    syncing = sorted({b for b, _ in r0["buckets"]})
+    return [((b - 1) % per_window) + 1 for b in syncing], per_window
+
+
+def _switch_site(r0: dict[str, Any]) -> Location | None:
+    """Where the loop switches sync: its require_backward_grad_sync line, else its no_sync()."""
+    for entries in (r0["toggles"], r0["no_syncs"]):
+        for entry in entries:
+            site = entry[1] if entries is r0["toggles"] else entry[0]
+            if site:
+                return _loc(site)
+    return None
 
 
 def run(session) -> RungResult:
     spec = session.spec
-    if spec.ddp is None:
+    group = launch.GROUP
+    if spec.ddp is None and group is None:
         return RungResult(RUNG, "skip", "no `ddp` in the spec")
-    world_size = spec.ddp.world_size
+    world_size = group.world_size if group is not None else spec.ddp.world_size
+    timeout_s = spec.ddp.timeout_s if spec.ddp is not None else launch.DEFAULT_TIMEOUT_S
     if world_size < 2:
         return RungResult(RUNG, "skip", "ddp.world_size is 1: there is nothing to synchronise")
-    for index, mb in enumerate(session.micro_batches[:1]):
-        tensors = list(mb.values()) if isinstance(mb, dict) else list(mb)
-        if any(t.shape[0] % world_size for t in tensors):
-            return RungResult(RUNG, "skip", f"micro-batch {index} ({tensors[0].shape[0]} samples) "
-                              f"does not split evenly over {world_size} ranks")
-    try:
-        results = _run_ranks(str(spec.spec_path), world_size)
-    except (TimeoutError, Exception) as exc:  # a launcher failure, not the user's loop
-        return RungResult(RUNG, "fail", f"the DDP run could not complete: {exc}", [Finding(
-            RUNG, "loop-error", "error", f"The {world_size}-process DDP run failed: {exc}",
-            evidence={"error": str(exc), "world_size": world_size})])
-    errors = [r for r in results if r.get("error")]
-    if errors:
-        err = errors[0]
-        site = err.get("error_site")
-        return RungResult(RUNG, "fail", "the loop raised under DDP", [Finding(
-            RUNG, "loop-error", "error",
-            f"The loop raised on rank {err['rank']} of the DDP run: {err['error']}",
-            evidence={"error": err["error"], "world_size": world_size},
-            location=Location(site[0], site[1]) if site else None)])
-    rank0 = results[0]
-    K = session.K
-    steps = rank0["steps"]
-    reducing = sorted(set(rank0["hook_calls"]))      # backward ordinals that communicated
-    buckets = len(rank0["hook_calls"])
-    windows = max(1, len(steps))
-    per_step = len(reducing) / windows
-    details = {"world_size": world_size, "allreducing_backwards": reducing,
-               "buckets_allreduced": buckets, "optimizer_steps": len(steps),
-               "backwards": len(rank0["backwards"])}
-    if per_step > 1.0:
-        boundaries = set(steps)
-        extra = [b for b in reducing if b not in boundaries]
-        site = rank0["backwards"][extra[0] - 1] if extra else None
+    if spec.ddp is not None and spec.ddp.wrapper != "ddp":
+        return RungResult(RUNG, "skip", f"ddp.wrapper {spec.ddp.wrapper!r} is not supported "
+                          "by this version (only DistributedDataParallel)")
+    uneven = _uneven(session, world_size)
+    if uneven:
+        return RungResult(RUNG, "skip", uneven)
+    results = _run_ranks(session, world_size, timeout_s)
+    failed = _rank_error(results, world_size, timeout_s, session.finder)
+    if failed is not None:
+        return failed
+    return _judge(session, results, world_size)
+
+
+def _judge(session, results: dict[int, dict[str, Any]], world_size: int) -> RungResult:
+    r0 = results[0]
+    windows = len(r0["judged"]) or len(r0["steps"]) or session.N
+    positions, per_window = _window_positions(r0, windows)
+    total_bytes = sum(n for _, n in r0["buckets"])
+    synced_backwards = sorted({b for b, _ in r0["buckets"]})
+    one_sync_bytes = sum(n for b, n in r0["buckets"] if synced_backwards and b == synced_backwards[-1])
+    details: dict[str, Any] = {
+        "world_size": world_size, "launch": "torchrun" if launch.GROUP else "spawned",
+        "allreducing_backwards": synced_backwards, "backwards_per_window": per_window,
+        "sync_position_in_window": positions, "bytes_allreduced": total_bytes,
+        "optimizer_steps": len(r0["steps"]),
+        "gradient_difference_between_ranks": r0.get("gradient_difference", []),
+        "parameter_difference_between_ranks": r0.get("parameter_difference"),
+        "dropout": "off on the ranks and in the reference"}
+    tol = r0.get("tolerance", 1e-4)
+
+    # 1. the communication volume
+    if len(synced_backwards) > windows:
+        per_step = len(synced_backwards) / windows
+        where = (_loc(r0["no_syncs"][0][0]) if r0["no_syncs"] else
+                 _loc(r0["backwards"][next(b for b in synced_backwards
+                                           if ((b - 1) % per_window) + 1 != per_window) - 1]))
+        ineffective = (" no_sync() was entered, but after the forward: DDP decides in forward() "
+                       "whether the backward all-reduces, so the context must hold the forward "
+                       "too." if r0["no_syncs"] else
+                       f" The first K-1={per_window - 1} micro-batches of each window are not "
+                       "inside model.no_sync() (or require_backward_grad_sync = False).")
         finding = Finding(
             RUNG, "missing-no-sync", "error",
-            f"DDP all-reduced gradients on {len(reducing)} of {len(rank0['backwards'])} "
-            f"backward passes for {len(steps)} optimizer steps ({per_step:.3g} per step, "
-            f"{buckets} bucket all-reduces in all): the first K-1={K - 1} micro-batches of each "
-            "window are not inside model.no_sync().",
+            f"DDP all-reduced gradients on {len(synced_backwards)} of {len(r0['backwards'])} "
+            f"backward passes for {windows} optimizer steps ({per_step:.3g} per step): "
+            f"{total_bytes / windows:,.0f} bytes per window against the {one_sync_bytes:,} a "
+            "single sync needs." + ineffective,
             evidence={"measured": round(per_step, 6), "expected": 1.0,
-                      "allreducing_backwards": len(reducing), "optimizer_steps": len(steps),
-                      "buckets": buckets, "world_size": world_size},
-            location=Location(site[0], site[1]) if site else None)
-        return RungResult(RUNG, "fail", f"{per_step:.3g} gradient all-reduces per optimizer step, "
-                          "expected 1", [finding], details=details)
-    return RungResult(RUNG, "pass", f"one gradient all-reduce per optimizer step over "
-                      f"{world_size} ranks ({len(steps)} steps, {buckets} bucket all-reduces)",
-                      details=details)
+                      "allreduces_per_window": round(per_step, 6),
+                      "bytes_per_window": round(total_bytes / windows),
+                      "minimum_bytes_per_window": one_sync_bytes,
+                      "world_size": world_size},
+            location=where)
+        return conclude(RUNG, [finding], "", details)
+
+    # 2. what every rank consumed
+    bad_ranks = {rank: r for rank, r in results.items() if any(s["bad"] for s in r["judged"])}
+    diffs = r0.get("gradient_difference", [])
+    apart = [i for i, d in enumerate(diffs) if d > tol]
+    worst = max((s["relative_error"] for r in results.values() for s in r["judged"]), default=0.0)
+    if not bad_ranks and not apart:
+        return conclude(RUNG, [], f"one gradient all-reduce per optimizer step, on the window's "
+                        f"last backward, over {world_size} ranks; every rank consumed the "
+                        f"reference gradient of the global batch ({windows} steps, max relative "
+                        f"error {worst:.2g})", details)
+    rank, r = min(bad_ranks.items()) if bad_ranks else (0, r0)
+    first = next((s for s in r["judged"] if s["bad"]), r["judged"][apart[0]] if apart else None)
+    evidence = {"rank": rank, "step": r["judged"].index(first) if first else None,
+                "ratio": first and round(first["ratio"], 6),
+                "cosine": first and round(first["cosine"], 6),
+                "relative_error": first and round(first["relative_error"], 6),
+                "max_gradient_difference_between_ranks": round(max(diffs, default=0.0), 6),
+                "first_step_ranks_differ": apart[0] if apart else None,
+                "parameter_difference_between_ranks": r0.get("parameter_difference"),
+                "world_size": world_size}
+    wrong_position = [p for p in positions if p != per_window]
+    if not synced_backwards:
+        finding = Finding(
+            RUNG, "gradient-mismatch", "error",
+            f"DDP never all-reduced a gradient: every backward ran inside no_sync() (or with "
+            f"require_backward_grad_sync False), so each rank stepped on its own shard and the "
+            f"ranks' parameters ended {r0.get('parameter_difference', 0):.3g} apart (relative).",
+            evidence={"measured": 0, "expected": windows, **evidence},
+            location=_switch_site(r0))
+    elif wrong_position:
+        finding = Finding(
+            RUNG, "missing-no-sync", "error",
+            f"DDP all-reduced once per window, but on backward {wrong_position[0]} of "
+            f"{per_window}, not the last: the later micro-batches' gradients stayed rank-local. "
+            f"The ranks consumed gradients {max(diffs, default=0.0):.3g} apart (relative, first "
+            f"at step {evidence['first_step_ranks_differ']}) and their parameters ended "
+            f"{r0.get('parameter_difference', 0):.3g} apart.",
+            evidence={"measured": wrong_position[0], "expected": per_window,
+                      "synced_backward_in_window": positions, **evidence},
+            location=_switch_site(r0) or _loc(r0["backwards"][synced_backwards[0] - 1]))
+    elif first and abs(first["ratio"] * world_size - 1) <= WORLD_SIZE_RATIO_RTOL and first["cosine"] > 0.99:
+        finding = Finding(
+            RUNG, "double-average", "error",
+            f"Every rank consumed {first['ratio']:.4g}x the reference gradient of the global "
+            f"batch: 1/world_size (={1 / world_size:g}). DDP already averages gradients over "
+            "the ranks; the loss is divided by the world size on top of that.",
+            evidence={"measured": round(first["ratio"], 6), "expected": 1.0, **evidence},
+            location=_loc(r["backwards"][0]) if r["backwards"] else None)
+    elif r.get("findings"):
+        data = dict(r["findings"][0])
+        data["rung"] = RUNG
+        data["location"] = Location(**data["location"]) if data.get("location") else None
+        data["evidence"] = {**data.get("evidence", {}), "rank": rank, "world_size": world_size}
+        finding = Finding(**data)
+    else:
+        finding = Finding(
+            RUNG, "gradient-mismatch", "error",
+            f"The ranks consumed different gradients ({max(diffs, default=0.0):.3g} apart, "
+            f"first at step {evidence['first_step_ranks_differ']}) with one all-reduce per "
+            "window on its last backward: something else in the loop is rank-dependent.",
+            evidence={"measured": round(max(diffs, default=0.0), 6), "expected": 0.0,
+                      **evidence})
+    return conclude(RUNG, [finding], "", details)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sys
 import sysconfig
 import traceback
@@ -37,6 +38,10 @@ class Site:
     @property
     def code(self) -> str:
         return linecache.getline(self.file, self.line).strip()
+
+
+#: One frame of a faulthandler dump: `  File "path", line 12 in name`.
+_DUMP_FRAME = re.compile(r'File "([^"]+)", line (\d+) in (\S+)')
 
 
 class CallSiteFinder:
@@ -76,6 +81,14 @@ class CallSiteFinder:
                                      frame.f_code.co_name)
             frame = frame.f_back
         return first_outside
+
+    def from_stack_dump(self, text: str) -> Site | None:
+        """The innermost user frame of a faulthandler dump (most recent call first)."""
+        for match in _DUMP_FRAME.finditer(text):
+            filename, line, function = match.group(1), int(match.group(2)), match.group(3)
+            if self._classify(filename)[1]:
+                return Site(os.path.realpath(filename), line, function)
+        return None
 
     def here(self) -> Site | None:
         return self.from_frame(sys._getframe(1))
