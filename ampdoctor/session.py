@@ -98,6 +98,8 @@ class Distributed:
     shards: list[Any]                 # this rank's shard of every micro-batch, in order
     micro_batch_size: int | None
     wrap: Callable[[torch.nn.Module, recorder.Probe], Any]   # the model the loop is handed
+    #: shards the model in place before its optimizer is built (FSDP2's fully_shard), or None
+    shard: Callable[[torch.nn.Module], None] | None = None
 
 
 class Session(ReferenceBuilder):
@@ -187,6 +189,8 @@ class Session(ReferenceBuilder):
         if state is not None:
             model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
             model.train(training)
+        if distributed is not None and distributed.shard is not None:
+            distributed.shard(model)   # FSDP: the optimizer must see the sharded parameters
         loop_optimizer, flat = build_optimizers(self.code, model)
         mbs = self.micro_batches if micro_batches is None else micro_batches
         settings = self.settings(precision, K, max_grad_norm, steps=len(mbs) // (K or self.K) or 1)

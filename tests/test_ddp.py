@@ -29,6 +29,10 @@ BROKEN = {
     # the sync condition off by one: the third backward of four syncs
     "broken_ddp_sync_one_early": ("missing-no-sync", {"measured": 3, "expected": 4,
                                                       "synced_backward_in_window": [3, 3, 3]}),
+    # FSDP2: set_requires_gradient_sync(True) one micro-batch early; the last backward's
+    # gradient misses the window's update (the gathered shards agree, the update is short)
+    "broken_fsdp_sync_one_early": ("missing-no-sync", {"measured": 3, "expected": 4,
+                                                       "synced_backward_in_window": [3, 3, 3]}),
     # loss / K / world_size: DDP averages already
     "broken_ddp_loss_over_world_size": ("double-average", {"measured": 0.5, "expected": 1.0}),
 }
@@ -59,7 +63,11 @@ def test_broken_ddp_recipe_spawned(name, records_dir):
     finding = _check_broken(result.record, name)
     rung = _ddp_rung(result.record)
     assert rung["details"]["launch"] == "spawned"
-    if finding["evidence"].get("synced_backward_in_window"):
+    if name.startswith("broken_fsdp"):
+        assert rung["details"]["wrapper"] == "FSDP"
+        assert "reduce-scattered once per window, but on backward 3 of 4" in finding["message"]
+        assert finding["evidence"]["ratio"] < 0.9     # the last micro-batch is missing
+    elif finding["evidence"].get("synced_backward_in_window"):
         # the sync on the wrong micro-batch: the ranks consumed different gradients and drift
         assert finding["evidence"]["max_gradient_difference_between_ranks"] > 0.1
         assert finding["evidence"]["parameter_difference_between_ranks"] > 1e-3
@@ -74,7 +82,7 @@ def test_the_ranks_of_a_healthy_loop_agree_with_the_global_reference(records_dir
     assert result.returncode == 0, result.stderr
     details = _ddp_rung(result.record)["details"]
     assert details["sync_position_in_window"] == [4, 4, 4]
-    assert details["allreducing_backwards"] == [4, 8, 12]
+    assert details["syncing_backwards"] == [4, 8, 12]
     assert max(details["gradient_difference_between_ranks"]) == 0.0
     assert details["parameter_difference_between_ranks"] == 0.0
 
@@ -131,13 +139,15 @@ def test_torchrun_healthy(records_dir):
     assert len(list(records_dir.glob("*.json"))) == 1   # rank 0 alone wrote it
 
 
-def test_torchrun_sync_on_the_wrong_micro_batch(records_dir):
-    result = _torchrun("broken_ddp_sync_after_forward", records_dir)
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_ddp_recipe_under_torchrun(name, records_dir):
+    result = _torchrun(name, records_dir)
     assert result.returncode != 0
-    _check_broken(result.record, "broken_ddp_sync_after_forward")
+    _check_broken(result.record, name)
     assert _ddp_rung(result.record)["details"]["launch"] == "torchrun"
     # every rank exited with rank 0's code (1): torchrun names it as the failure
     assert "exitcode  : 1" in result.stderr
+    assert "exitcode  : 3" not in result.stderr
 
 
 def test_torchrun_rank_raises(records_dir):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -45,6 +45,9 @@ def _site(site) -> list[Any] | None:
 class SyncObserver:
     """Wraps the model in a DistributedDataParallel that records how the loop switches sync."""
 
+    #: shards the model in place before its optimizer is built (FSDP only)
+    shard: Callable[[torch.nn.Module], None] | None = None
+
     def __init__(self, finder, device: torch.device):
         self.finder = finder
         self.device = device
@@ -55,6 +58,7 @@ class SyncObserver:
         #: [site, backwards before it] for each no_sync() the loop entered
         self.no_syncs: list[list[Any]] = []
         self.recording = False
+        self.restore: Callable[[], None] = lambda: None
 
     def wrap(self, model: torch.nn.Module, probe) -> torch.nn.Module:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -93,6 +97,46 @@ class SyncObserver:
         return ddp_model
 
 
+class ShardObserver(SyncObserver):
+    """FSDP2 (`fully_shard`): accumulation is `set_requires_gradient_sync(False)` on the first
+    K-1 micro-batches; each synchronising backward reduce-scatters the gradients."""
+
+    def shard(self, model: torch.nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model)
+
+    def wrap(self, model: torch.nn.Module, probe) -> torch.nn.Module:
+        import torch.distributed as dist
+
+        observer = self
+        original = model.set_requires_gradient_sync
+
+        def set_requires_gradient_sync(requires_gradient_sync: bool, *args, **kwargs):
+            if observer.recording:
+                site = observer.finder.from_frame(sys._getframe(1))
+                observer.toggles.append([bool(requires_gradient_sync), _site(site),
+                                         probe.backward_count])
+            return original(requires_gradient_sync, *args, **kwargs)
+
+        model.set_requires_gradient_sync = set_requires_gradient_sync
+        # FSDP2 calls torch.distributed's reduce-scatter by attribute at each sync
+        name = next(n for n in ("reduce_scatter_single", "reduce_scatter_tensor")
+                    if hasattr(dist, n))
+        collective = getattr(dist, name)
+
+        def counting(*args, **kwargs):
+            tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
+            size = tensor.numel() * tensor.element_size() if tensor is not None else 0
+            observer.buckets.append([probe.backward_count, size])
+            return collective(*args, **kwargs)
+
+        setattr(dist, name, counting)
+        self.restore = lambda: setattr(dist, name, collective)
+        self.recording = True
+        return model
+
+
 def _relative_differences(vectors: list[torch.Tensor]) -> list[float]:
     """|| v_r - v_0 || / || v_0 || for every rank r (gathered over the process group)."""
     import torch.distributed as dist
@@ -112,13 +156,14 @@ def _agreement(session, judgement, model: torch.nn.Module) -> dict[str, Any]:
     """How far each step's consumed gradient, and the final parameters, are from rank 0's."""
     import torch.distributed as dist
 
+    from ..probe.recorder import full_tensor
     from ..session import flat
 
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, len(judgement.steps))
     steps = judgement.steps[:min(counts)]
     grads = [flat(session, s.step.grads, s.names).to(session.device) for s in steps]
-    params = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
+    params = torch.cat([full_tensor(p.detach()).reshape(-1).float() for p in model.parameters()])
     per_step = _relative_differences(grads)
     final = _relative_differences([params])[0]
     return {"steps_per_rank": counts, "gradient_difference": per_step,
@@ -146,15 +191,19 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
         session = Session(spec, code, device, finder, cut_micro_batches(data, spec))
         session.align_seed = None          # dropout off: see the module docstring
         recorder.DROPOUT_OFF = True
-        observer = SyncObserver(finder, device)
+        observer = (ShardObserver if spec.ddp and spec.ddp.wrapper == "fsdp"
+                    else SyncObserver)(finder, device)
         distributed = Distributed(
             rank=rank, world_size=world_size,
             shards=[shard(mb, rank, world_size) for mb in session.micro_batches],
             micro_batch_size=(spec.micro_batch_size // world_size
                               if spec.micro_batch_size else None),
-            wrap=observer.wrap)
-        trace = session.run_loop("fp32", rng_seed=spec.seed + 1, distributed=distributed)
-        observer.recording = False
+            wrap=observer.wrap, shard=observer.shard)
+        try:
+            trace = session.run_loop("fp32", rng_seed=spec.seed + 1, distributed=distributed)
+        finally:
+            observer.recording = False
+            observer.restore()
         result.update(buckets=observer.buckets, toggles=observer.toggles,
                       no_syncs=observer.no_syncs,
                       backwards=[_site(e.site) for e in trace.of_kind("backward")],

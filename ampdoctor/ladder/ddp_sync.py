@@ -24,6 +24,14 @@ from ..ddp import launch
 
 RUNG = "ddp-sync"
 
+#: How each wrapper names its gradient sync and the switch that turns it off.
+WORDS = {
+    "ddp": {"who": "DDP", "verb": "all-reduced", "noun": "all-reduce",
+            "switch": "model.no_sync() (or require_backward_grad_sync = False)"},
+    "fsdp": {"who": "FSDP", "verb": "reduce-scattered", "noun": "reduce-scatter",
+             "switch": "model.set_requires_gradient_sync(False)"},
+}
+
 
 def _loc(site: list[Any] | None) -> Location | None:
     if not site:
@@ -109,7 +117,7 @@ def _rank_error(results: dict[int, dict[str, Any]], world_size: int, timeout_s: 
 
 
 def _window_positions(r0: dict[str, Any], windows: int) -> tuple[list[int], int]:
-    """The 1-based position in its window of every backward that all-reduced, and the number
+    """The 1-based position in its window of every backward that synced, and the number
     of backwards per window."""
     per_window = max(1, round(len(r0["backwards"]) / max(windows, 1)))
     syncing = sorted({b for b, _ in r0["buckets"]})
@@ -117,7 +125,8 @@ def _window_positions(r0: dict[str, Any], windows: int) -> tuple[list[int], int]
 
 
 def _switch_site(r0: dict[str, Any]) -> Location | None:
-    """Where the loop switches sync: its require_backward_grad_sync line, else its no_sync()."""
+    """Where the loop switches sync: its require_backward_grad_sync (or FSDP's
+    set_requires_gradient_sync) line, else its no_sync()."""
     for entries in (r0["toggles"], r0["no_syncs"]):
         for entry in entries:
             site = entry[1] if entries is r0["toggles"] else entry[0]
@@ -135,9 +144,6 @@ def run(session) -> RungResult:
     timeout_s = spec.ddp.timeout_s if spec.ddp is not None else launch.DEFAULT_TIMEOUT_S
     if world_size < 2:
         return RungResult(RUNG, "skip", "ddp.world_size is 1: there is nothing to synchronise")
-    if spec.ddp is not None and spec.ddp.wrapper != "ddp":
-        return RungResult(RUNG, "skip", f"ddp.wrapper {spec.ddp.wrapper!r} is not supported "
-                          "by this version (only DistributedDataParallel)")
     uneven = _uneven(session, world_size)
     if uneven:
         return RungResult(RUNG, "skip", uneven)
@@ -145,10 +151,12 @@ def run(session) -> RungResult:
     failed = _rank_error(results, world_size, timeout_s, session.finder)
     if failed is not None:
         return failed
-    return _judge(session, results, world_size)
+    wrapper = spec.ddp.wrapper if spec.ddp is not None else "ddp"
+    return _judge(session, results, world_size, WORDS[wrapper])
 
 
-def _judge(session, results: dict[int, dict[str, Any]], world_size: int) -> RungResult:
+def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
+           words: dict[str, str]) -> RungResult:
     r0 = results[0]
     windows = len(r0["judged"]) or len(r0["steps"]) or session.N
     positions, per_window = _window_positions(r0, windows)
@@ -157,8 +165,9 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int) -> Rung
     one_sync_bytes = sum(n for b, n in r0["buckets"] if synced_backwards and b == synced_backwards[-1])
     details: dict[str, Any] = {
         "world_size": world_size, "launch": "torchrun" if launch.GROUP else "spawned",
-        "allreducing_backwards": synced_backwards, "backwards_per_window": per_window,
-        "sync_position_in_window": positions, "bytes_allreduced": total_bytes,
+        "wrapper": words["who"],
+        "syncing_backwards": synced_backwards, "backwards_per_window": per_window,
+        "sync_position_in_window": positions, "bytes_communicated": total_bytes,
         "optimizer_steps": len(r0["steps"]),
         "gradient_difference_between_ranks": r0.get("gradient_difference", []),
         "parameter_difference_between_ranks": r0.get("parameter_difference"),
@@ -174,11 +183,12 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int) -> Rung
         ineffective = (" no_sync() was entered, but after the forward: DDP decides in forward() "
                        "whether the backward all-reduces, so the context must hold the forward "
                        "too." if r0["no_syncs"] else
-                       f" The first K-1={per_window - 1} micro-batches of each window are not "
-                       "inside model.no_sync() (or require_backward_grad_sync = False).")
+                       f" The first K-1={per_window - 1} micro-batches of each window need "
+                       f"{words['switch']}.")
         finding = Finding(
             RUNG, "missing-no-sync", "error",
-            f"DDP all-reduced gradients on {len(synced_backwards)} of {len(r0['backwards'])} "
+            f"{words['who']} {words['verb']} gradients on {len(synced_backwards)} of "
+            f"{len(r0['backwards'])} "
             f"backward passes for {windows} optimizer steps ({per_step:.3g} per step): "
             f"{total_bytes / windows:,.0f} bytes per window against the {one_sync_bytes:,} a "
             "single sync needs." + ineffective,
@@ -196,7 +206,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int) -> Rung
     apart = [i for i, d in enumerate(diffs) if d > tol]
     worst = max((s["relative_error"] for r in results.values() for s in r["judged"]), default=0.0)
     if not bad_ranks and not apart:
-        return conclude(RUNG, [], f"one gradient all-reduce per optimizer step, on the window's "
+        return conclude(RUNG, [], f"one gradient {words['noun']} per optimizer step, on the window's "
                         f"last backward, over {world_size} ranks; every rank consumed the "
                         f"reference gradient of the global batch ({windows} steps, max relative "
                         f"error {worst:.2g})", details)
@@ -214,19 +224,22 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int) -> Rung
     if not synced_backwards:
         finding = Finding(
             RUNG, "gradient-mismatch", "error",
-            f"DDP never all-reduced a gradient: every backward ran inside no_sync() (or with "
-            f"require_backward_grad_sync False), so each rank stepped on its own shard and the "
-            f"ranks' parameters ended {r0.get('parameter_difference', 0):.3g} apart (relative).",
+            f"{words['who']} never {words['verb']} a gradient: every backward ran with "
+            f"{words['switch']}, so each rank stepped on its own shard and the ranks' "
+            f"parameters ended {r0.get('parameter_difference', 0):.3g} apart (relative).",
             evidence={"measured": 0, "expected": windows, **evidence},
             location=_switch_site(r0))
     elif wrong_position:
         finding = Finding(
             RUNG, "missing-no-sync", "error",
-            f"DDP all-reduced once per window, but on backward {wrong_position[0]} of "
-            f"{per_window}, not the last: the later micro-batches' gradients stayed rank-local. "
-            f"The ranks consumed gradients {max(diffs, default=0.0):.3g} apart (relative, first "
-            f"at step {evidence['first_step_ranks_differ']}) and their parameters ended "
-            f"{r0.get('parameter_difference', 0):.3g} apart.",
+            f"{words['who']} {words['verb']} once per window, but on backward "
+            f"{wrong_position[0]} of {per_window}, not the last: the later micro-batches' "
+            "gradients stayed rank-local and out of the window's update. "
+            + (f"The ranks consumed gradients {max(diffs, default=0.0):.3g} apart (relative, "
+               f"first at step {evidence['first_step_ranks_differ']}) and their parameters "
+               f"ended {r0.get('parameter_difference', 0):.3g} apart." if apart else
+               f"Rank {rank} consumed {first['ratio']:.4g}x the reference gradient of the "
+               f"global batch (cosine {first['cosine']:.4f}) at step {evidence['step']}."),
             evidence={"measured": wrong_position[0], "expected": per_window,
                       "synced_backward_in_window": positions, **evidence},
             location=_switch_site(r0) or _loc(r0["backwards"][synced_backwards[0] - 1]))
@@ -234,7 +247,8 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int) -> Rung
         finding = Finding(
             RUNG, "double-average", "error",
             f"Every rank consumed {first['ratio']:.4g}x the reference gradient of the global "
-            f"batch: 1/world_size (={1 / world_size:g}). DDP already averages gradients over "
+            f"batch: 1/world_size (={1 / world_size:g}). {words['who']} already averages "
+            "gradients over "
             "the ranks; the loss is divided by the world size on top of that.",
             evidence={"measured": round(first["ratio"], 6), "expected": 1.0, **evidence},
             location=_loc(r["backwards"][0]) if r["backwards"] else None)
@@ -248,7 +262,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int) -> Rung
         finding = Finding(
             RUNG, "gradient-mismatch", "error",
             f"The ranks consumed different gradients ({max(diffs, default=0.0):.3g} apart, "
-            f"first at step {evidence['first_step_ranks_differ']}) with one all-reduce per "
+            f"first at step {evidence['first_step_ranks_differ']}) with one {words['noun']} per "
             "window on its last backward: something else in the loop is rank-dependent.",
             evidence={"measured": round(max(diffs, default=0.0), 6), "expected": 0.0,
                       **evidence})

@@ -37,6 +37,13 @@ DROPOUT_OFF = False
 START_SCALE: float | None = None
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter or gradient (FSDP2's DTensor) gathered whole; any other as it is.
+    Gathering is a collective: every rank of a sharded run reaches it at the same step."""
+    gather = getattr(t, "full_tensor", None)
+    return gather() if callable(gather) else t
+
+
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -163,7 +170,8 @@ class Probe:
             if self.model is not None and self.capture_grads:
                 self.snapshots[self._group] = Snapshot(
                     self._group,
-                    {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()},
+                    {k: full_tensor(v.detach()).to("cpu", copy=True)
+                     for k, v in self.model.state_dict().items()},
                     self.model.training,
                 )
         grads: dict[str, torch.Tensor | None] = {}
@@ -174,8 +182,8 @@ class Probe:
                     grads[self.param_name(param, slot, index)] = None
                 continue
             if self.capture_grads:
-                grads[self.param_name(param, slot, index)] = param.grad.detach().to(
-                    "cpu", torch.float32, copy=True)
+                grads[self.param_name(param, slot, index)] = full_tensor(
+                    param.grad.detach()).to("cpu", torch.float32, copy=True)
             elif finite:
                 finite = bool(torch.isfinite(param.grad).all())
         if self.capture_grads:

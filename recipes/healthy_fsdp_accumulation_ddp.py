@@ -1,0 +1,28 @@
+"""Healthy: gradient accumulation under FSDP2 (`fully_shard`), as torchtitan-style trainers write
+it: gradient sync (the reduce-scatter) is off for the first K-1 micro-batches of a window and on
+for the last, with `set_requires_gradient_sync`. Outside FSDP the model has no such method."""
+
+import torch
+import torch.nn.functional as F
+
+
+def train_loop(model, optimizer, micro_batches, run):
+    K = run.accumulation_steps
+    fsdp = hasattr(model, "set_requires_gradient_sync")
+    scaler = torch.amp.GradScaler(run.device_type, enabled=(run.precision == "fp16"))
+    model.train()
+    for i, (inputs, targets) in enumerate(micro_batches):
+        is_last_microbatch = (i + 1) % K == 0
+        if fsdp:
+            model.set_requires_gradient_sync(is_last_microbatch)
+        with torch.autocast(device_type=run.device_type, dtype=run.autocast_dtype,
+                            enabled=run.autocast_dtype is not None):
+            loss = F.mse_loss(model(inputs).float(), targets) / K
+        scaler.scale(loss).backward()
+        if is_last_microbatch:
+            scaler.unscale_(optimizer)
+            if run.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
