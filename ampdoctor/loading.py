@@ -84,18 +84,25 @@ class UserCode:
         self.spec = spec
         self.finder = finder
         self._imported_before = set(sys.modules)
+        # ampdoctor never writes into the user's tree: no __pycache__ for what it imports
+        self._wrote_bytecode = sys.dont_write_bytecode
+        sys.dont_write_bytecode = True
         root = str(spec.root)
         if root not in sys.path:
             sys.path.insert(0, root)
-            self._added_path = root
+            self._added_path: str | None = root
         else:
             self._added_path = None
-        self.model_factory = self.resolve("model")
-        self.data_factory = self.resolve("data")
-        self.train_loop = self.resolve("train_loop")
-        self.loss = self.resolve("loss") if spec.loss else None
-        self.optimizer_factory = (self.resolve("optimizer")
-                                  if isinstance(spec.optimizer, str) else None)
+        try:
+            self.model_factory = self.resolve("model")
+            self.data_factory = self.resolve("data")
+            self.train_loop = self.resolve("train_loop")
+            self.loss = self.resolve("loss") if spec.loss else None
+            self.optimizer_factory = (self.resolve("optimizer")
+                                      if isinstance(spec.optimizer, str) else None)
+        except BaseException:
+            self.forget()    # an import that failed leaves no path entry and no module behind
+            raise
 
     def resolve(self, key: str) -> Callable[..., Any]:
         ref: str = getattr(self.spec, key)
@@ -160,6 +167,7 @@ class UserCode:
                 del sys.modules[name]
         if self._added_path and self._added_path in sys.path:
             sys.path.remove(self._added_path)
+        sys.dont_write_bytecode = self._wrote_bytecode
 
 
 # --- model and optimizer -----------------------------------------------------------------

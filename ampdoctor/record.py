@@ -18,6 +18,8 @@ from typing import Any
 from .errors import UsageError
 
 DEFAULT_DIR = Path(".ampdoctor") / "runs"
+#: Temporary files of a save in progress: hidden, and not `*.json`.
+TMP_PREFIX = ".tmp-"
 
 
 def _slug(name: str) -> str:
@@ -29,13 +31,36 @@ def save(record: dict[str, Any], out_dir: Path | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     base = f"{stamp}-{_slug(str(record.get('name', 'run')))}"
-    path = out_dir / f"{base}.json"
-    n = 1
-    while path.exists():
-        n += 1
-        path = out_dir / f"{base}-{n}.json"
-    atomic_write_text(path, dumps(record))
-    return path
+    # The whole record goes to a temporary file first (a name `latest` never reads), then is
+    # linked under a name that did not exist: os.link fails rather than replace, so two saves in
+    # the same second (two processes, one folder) each get their own name.
+    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=TMP_PREFIX, suffix=".part")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(dumps(record))
+        os.chmod(tmp, 0o666 & ~_umask())
+        for n in range(1, 10_000):
+            path = out_dir / (f"{base}.json" if n == 1 else f"{base}-{n}.json")
+            try:
+                _claim(tmp, path)
+                return path
+            except FileExistsError:
+                continue
+        raise OSError(f"no free record name for {base} in {out_dir}")
+    finally:
+        os.unlink(tmp)
+
+
+def _claim(tmp: str, path: Path) -> None:
+    """Give the finished `tmp` the name `path` unless that name exists (FileExistsError)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:   # a file system without hard links: an exclusive create, then the copy
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh, open(tmp, encoding="utf-8") as src:
+            fh.write(src.read())
 
 
 def dumps(record: dict[str, Any]) -> str:
@@ -55,13 +80,25 @@ def _finite(value: Any) -> Any:
 
 
 def latest(out_dir: Path | None = None) -> Path:
+    """The newest loadable record of a folder: hidden files, temporary files and files that are
+    not records (debris of a killed write, something else's JSON) are passed over."""
     out_dir = Path(out_dir) if out_dir else DEFAULT_DIR
-    records = sorted(out_dir.glob("*.json"), key=lambda p: (p.stat().st_mtime, p.name)) \
-        if out_dir.is_dir() else []
-    if not records:
-        raise UsageError(f"no saved run record under {out_dir}; run `ampdoctor diagnose "
-                         "SPEC` first or give the record's path.")
-    return records[-1]
+    candidates = []
+    if out_dir.is_dir():
+        for p in out_dir.glob("*.json"):
+            try:
+                if not p.name.startswith(".") and p.is_file():
+                    candidates.append((p.stat().st_mtime, p.name, p))
+            except OSError:
+                continue
+    for _, _, path in sorted(candidates, reverse=True):
+        try:
+            load(path)
+        except UsageError:
+            continue
+        return path
+    raise UsageError(f"no saved run record under {out_dir}; run `ampdoctor diagnose "
+                     "SPEC` first or give the record's path.")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -108,14 +145,13 @@ def exit_code(record: dict[str, Any]) -> int:
     if record.get("verdict") == "failed":
         return 1
     err = record.get("error") or {}
-    if err.get("exit_code"):
-        return int(err["exit_code"])
-    return 3
+    # only the codes an error can have: a record's own field never picks any other
+    return 2 if isinstance(err, dict) and err.get("exit_code") == 2 else 3
 
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file beside `path` and rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX, suffix=".part")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)

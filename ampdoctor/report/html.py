@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from ..record import atomic_write_text
-from jinja2 import Environment, PackageLoader, select_autoescape
+from jinja2 import Environment, PackageLoader
+from markupsafe import Markup
 
 
 def _svg_series(values: list[Any], *, log: bool = False, width: int = 420,
@@ -28,14 +29,23 @@ def _svg_series(values: list[Any], *, log: bool = False, width: int = 420,
                       for (i, _), y in zip(points, ys))
     dots = "".join(f'<circle cx="{c.split(",")[0]}" cy="{c.split(",")[1]}" r="2.5"/>'
                    for c in coords.split())
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+    # numbers only, formatted here: nothing from the record reaches the markup as text
+    return Markup(f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'class="chart"><polyline fill="none" stroke="#2563eb" stroke-width="1.5" '
             f'points="{coords}"/><g fill="#2563eb">{dots}</g></svg>')
 
 
+#: The statuses, severities and verdicts the stylesheet knows.
+CSS_CLASSES = {"pass", "fail", "warn", "skip", "not-run", "error", "warning", "healthy", "failed"}
+
+
 def render_html(record: dict[str, Any]) -> str:
-    env = Environment(loader=PackageLoader("ampdoctor.report", "templates"),
-                      autoescape=select_autoescape(["html"]))
+    # Every value from the record is escaped, whatever the template's name: a spec name, a
+    # path or an exception message is text, never markup (select_autoescape(["html"]) would
+    # not match `report.html.j2`).
+    env = Environment(loader=PackageLoader("ampdoctor.report", "templates"), autoescape=True)
+    # class names come from a fixed set, never from the record's text
+    env.filters["css"] = lambda value: value if value in CSS_CLASSES else "unknown"
     series = record.get("series", {})
     charts = []
     if series.get("scale"):

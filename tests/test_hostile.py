@@ -1,0 +1,176 @@
+"""Hostile input: a shared postmortem never runs what a record holds, records are never lost,
+and the tool never writes into the user's tree.
+
+(The HTML checks parse the page with a real HTML parser and list every element and attribute it
+holds; a headless-browser check is not part of this suite yet.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, RECIPES, run_cli
+from ampdoctor import record as records
+from ampdoctor.report.html import render_html
+
+HOSTILE = [
+    "<script>alert(1)</script>",
+    '"><img src=x onerror=alert(1)>',
+    "</title><script src=https://evil.example/x.js></script>",
+    "javascript:alert(1)",
+    "<svg onload=alert(1)>",
+    "{{ 7*7 }}{% for x in range(3) %}x{% endfor %}",
+    "[/]",
+    "[bold red]markup[/]",
+    "<style>body{background:url(https://evil.example/)}</style>",
+]
+
+#: The elements the postmortem template itself writes; anything else came from a record.
+TEMPLATE_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "span", "dl",
+                 "dt", "dd", "code", "pre", "table", "tr", "th", "td", "div", "p", "strong",
+                 "ul", "li", "svg", "polyline", "g", "circle"}
+
+
+class _Elements(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, list[tuple[str, str | None]]]] = []
+        self.text: list[str] = []
+        self.styles = 0
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, attrs))
+        self.styles += tag == "style"
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def _hostile_record(text: str) -> dict:
+    return {
+        "record_version": 1, "ampdoctor_version": text, "spec": f"/tmp/{text}/spec.yaml",
+        "name": text, "device": text, "accumulation_steps": text, "verdict": "failed",
+        "failed_rung": text, "notes": [text],
+        "error": {"type": text, "message": text, "exit_code": 3},
+        "rungs": [{"id": text, "status": text, "summary": text, "seconds": 0.5}],
+        "findings": [{"rung": text, "kind": text, "severity": text, "message": text,
+                      "title": text, "fix": text,
+                      "evidence": {text: text, "measured": text},
+                      "location": {"file": text, "line": 3, "code": text}}],
+        "series": {"scale": [1.0, 2.0], "skipped": [False, True],
+                   "grad_norm_before_unscale": [], "grad_norm_after_unscale": []},
+    }
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_the_postmortem_escapes_every_record_field(text):
+    page = render_html(_hostile_record(text))
+    parsed = _Elements()
+    parsed.feed(page)
+    tags = {tag for tag, _ in parsed.tags}
+    assert tags <= TEMPLATE_TAGS, tags - TEMPLATE_TAGS
+    assert parsed.styles == 1                       # the template's own stylesheet only
+    for tag, attrs in parsed.tags:
+        for name, value in attrs:
+            assert not name.startswith("on"), (tag, name)
+            assert "evil.example" not in (value or ""), (tag, name, value)
+            assert "javascript:" not in (value or ""), (tag, name, value)
+    # the text survives, as text: a reader sees exactly what the record said
+    assert any(text in chunk for chunk in parsed.text)
+    assert "49" not in page or "{{ 7*7 }}" in "".join(parsed.text)
+
+
+def _save_many(out: str, count: int) -> None:
+    for _ in range(count):
+        records.save({"name": "race", "verdict": "healthy"}, Path(out))
+
+
+def test_two_processes_saving_at_once_lose_no_record(tmp_path):
+    out = tmp_path / "runs"
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_save_many, args=(str(out), 25)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    saved = sorted(out.glob("*.json"))
+    assert len(saved) == 50                                        # none replaced another
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no temporary left
+    assert all(json.loads(p.read_text())["name"] == "race" for p in saved)
+
+
+def test_report_passes_over_debris_to_the_latest_real_record(tmp_path):
+    out = tmp_path / "runs"
+    real = records.save({"name": "real", "verdict": "failed", "rungs": [], "findings": []}, out)
+    time.sleep(0.01)
+    (out / ".tmp-abc123.part").write_text("")          # a save killed mid-write
+    (out / ".tmp-old.json").write_text("")             # debris of an older version
+    (out / "zz-not-a-record.json").write_text('{"some": "other tool"}')
+    (out / "zz-truncated.json").write_text('{"verdict": "heal')
+    for p in out.glob("zz-*"):
+        os.utime(p, (time.time() + 5, time.time() + 5))   # newer than the real one
+    assert records.latest(out) == real
+    result = run_cli("report", "--out", out, "--json")
+    assert result.returncode == 1, result.stderr
+    assert json.loads(result.stdout)["name"] == "real"
+
+
+@pytest.mark.parametrize("field, code", [(300, 3), (0, 3), (2, 2), ("x", 3), (None, 3)])
+def test_a_records_own_exit_code_cannot_pick_reports_exit_code(tmp_path, field, code):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"verdict": "error", "error": {"exit_code": field,
+                                                              "message": "m"}}))
+    assert run_cli("report", path).returncode == code
+
+
+def _tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_diagnose_and_scan_leave_the_users_tree_byte_for_byte(tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("common.py", "healthy_sgd.py"):
+        (project / name).write_text((RECIPES / name).read_text())
+    spec = (CONFIGS / "healthy_sgd.yaml").read_text().replace("../recipes", str(project))
+    (project / "spec.yaml").write_text(spec)
+    before = _tree_digest(project)
+    env = {"PYTHONDONTWRITEBYTECODE": ""}   # as on a machine that writes bytecode by default
+    assert run_cli("diagnose", project / "spec.yaml", "--out", tmp_path / "runs",
+                   env=env).returncode == 0
+    assert run_cli("scan", project, env=env).returncode == 0
+    assert _tree_digest(project) == before          # no __pycache__, nothing else
+
+
+def test_a_failed_import_leaves_sys_path_and_modules_as_they_were(tmp_path):
+    import sys
+
+    from ampdoctor.errors import AmpdoctorError
+    from ampdoctor.loading import UserCode
+    from ampdoctor.probe.callsite import CallSiteFinder
+    from ampdoctor.spec import load_spec
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "mymodel.py").write_text("import torch\ndef make():\n    return torch.nn.Linear(2, 1)\n")
+    (project / "myloop.py").write_text("raise ImportError('broken on purpose')\n")
+    (project / "spec.yaml").write_text(
+        "project_root: .\nmodel: mymodel:make\ndata: mymodel:make\n"
+        "train_loop: myloop:train_loop\naccumulation_steps: 2\nmicro_batch_size: 2\n")
+    spec = load_spec(project / "spec.yaml")
+    path_before, modules_before = list(sys.path), set(sys.modules)
+    with pytest.raises(AmpdoctorError):
+        UserCode(spec, CallSiteFinder([spec.root]))
+    assert sys.path == path_before
+    assert set(sys.modules) - modules_before == set()
+    assert not sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE")
