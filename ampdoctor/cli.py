@@ -129,6 +129,14 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
         return code
     except (SpecError, LaunchError) as exc:
         return _fail(exc, debug)
+    except (SystemExit, GeneratorExit) as exc:
+        # only the user's code exits from inside a diagnose (a factory, a loss): not healthy
+        error = UserCodeError(f"the user's code called sys.exit({getattr(exc, 'code', None)!r}) "
+                              "during the diagnose; nothing after it could be judged", cause=exc)
+        record = error_record(spec, error)
+        code = _fail(error, debug)
+        _save_and_show(record, out, json_out, render, err)
+        return code
     except KeyboardInterrupt:
         err.print("ampdoctor: interrupted; torch was restored, no record written.")
         return 130

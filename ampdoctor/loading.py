@@ -118,7 +118,7 @@ class UserCode:
                     f"project_root {self.spec.root} (nor on sys.path).", cause=exc) from exc
             raise _user_error(f"importing '{module_name}' (spec key '{key}')", exc,
                               self.finder) from exc
-        except Exception as exc:  # the user's module raised while imported
+        except (Exception, SystemExit, GeneratorExit) as exc:  # raised while imported
             raise _user_error(f"importing '{module_name}' (spec key '{key}')", exc,
                               self.finder) from exc
         obj: Any = module
@@ -155,7 +155,7 @@ class UserCode:
     def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except Exception as exc:
+        except (Exception, SystemExit, GeneratorExit) as exc:
             raise _user_error(what, exc, self.finder) from exc
 
     def forget(self) -> None:

@@ -225,7 +225,9 @@ class Session(ReferenceBuilder):
             if run_train_loop(self.code, handed, loop_optimizer, feed, settings):
                 self.notes.add("train_loop is a generator function: ampdoctor runs it by "
                                "iterating it to the end")
-        except Exception as exc:  # the user's loop raised: recorded, judged by the rung
+        except (Exception, SystemExit, GeneratorExit) as exc:
+            # The user's loop raised (or called sys.exit): recorded, judged by the rung. Only
+            # Ctrl-C and ampdoctor's own signals go past.
             trace.error = exc
             trace.error_time = time.time()
             trace.error_site = self.finder.from_traceback(exc.__traceback__)

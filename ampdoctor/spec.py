@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
+from . import limits
 from .errors import SpecError
 
 CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -45,7 +46,7 @@ class ScanSettings(_Strict):
 
 
 class DDPSettings(_Strict):
-    world_size: int = Field(default=2, ge=1, le=64)
+    world_size: StrictInt = Field(default=2, ge=1, le=64)
     #: the whole multi-process run of the ddp-sync rung, loading included (docs: spec keys)
     timeout_s: float = Field(default=300.0, gt=0, le=86400)
     wrapper: Literal["ddp", "fsdp"] = "ddp"
@@ -66,12 +67,13 @@ class Spec(_Strict):
     loss: str | None = None
     optimizer: str | OptimizerMapping | None = None
     train_loop: str
-    accumulation_steps: int = Field(ge=1)
-    micro_batch_size: int | None = Field(default=None, ge=1)
-    optimizer_steps: int = Field(default=3, ge=1)
+    accumulation_steps: StrictInt = Field(ge=1, le=1_000_000)
+    micro_batch_size: StrictInt | None = Field(default=None, ge=1)
+    optimizer_steps: StrictInt = Field(default=3, ge=1, le=1_000_000)
     max_grad_norm: float | None = Field(default=None, gt=0)
     device: str = "auto"
-    seed: int = 0
+    #: torch.manual_seed takes any 64-bit value; 2**32 - 1 keeps numpy's seeding valid too
+    seed: StrictInt = Field(default=0, ge=0, le=2**32 - 1)
     scan: ScanSettings | None = None
     tolerances: dict[Literal["fp32", "bf16", "fp16"], Tolerance] = Field(default_factory=dict)
     ddp: DDPSettings | None = None
@@ -175,8 +177,45 @@ def _paragraph(path: Path, key: str, line: int | None, what: str) -> str:
     return f"{where}: spec key '{key}': {what}"
 
 
+#: A spec is a few hundred bytes; this bounds what a file can make ampdoctor read.
+MAX_SPEC_BYTES = 1024 * 1024
+#: Values (after YAML aliases are expanded) a spec may hold: an alias bomb stops here.
+MAX_SPEC_VALUES = limits.MAX_VALUES
+#: Top-level keys beyond this are not worth a "did you mean" each.
+MAX_SPEC_KEYS = 200
+#: Problems listed in a spec error; the rest are counted.
+MAX_SPEC_ERRORS = 20
+
+
+class SpecLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice is an error (the last value would
+    otherwise win in silence)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:   # an unhashable key: SafeLoader reports it itself
+                continue
+            if first is not key_node:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first on line "
+                    f"{first.start_mark.line + 1})", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _bounded(data: Any, path: Path) -> None:
+    if limits.exceeds(data, MAX_SPEC_VALUES):
+        raise SpecError(f"{path}: the spec expands to more than {MAX_SPEC_VALUES:,} values "
+                        "(YAML aliases nested in aliases?); a spec names code and a few "
+                        "settings.")
+
+
 def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int]) -> list[str]:
-    """One sentence per problem, each naming the key and the line."""
+    """One sentence per problem, each naming the key and the line (at most MAX_SPEC_ERRORS;
+    the rest are counted in a last line)."""
     messages: list[str] = []
     seen: set[str] = set()
     known = list(Spec.model_fields.keys())
@@ -205,6 +244,9 @@ def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int])
         if paragraph not in seen:
             seen.add(paragraph)
             messages.append(paragraph)
+    if len(messages) > MAX_SPEC_ERRORS:
+        more = len(messages) - MAX_SPEC_ERRORS
+        messages = messages[:MAX_SPEC_ERRORS] + [f"... and {more:,} more problem(s)."]
     return messages
 
 
@@ -225,12 +267,21 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError(f"{path}: the spec file does not exist.")
     if path.is_dir():
         raise SpecError(f"{path}: is a folder; give the path of a YAML spec file.")
+    if not path.is_file():
+        raise SpecError(f"{path}: is not a regular file (a device or a pipe); give the path of "
+                        "a YAML spec file.")
     try:
-        text = path.read_text(encoding="utf-8")
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_SPEC_BYTES + 1)
+        if len(raw) > MAX_SPEC_BYTES:
+            raise SpecError(f"{path}: the spec is over {MAX_SPEC_BYTES // 1024} KiB; a spec "
+                            "names code and a few settings.")
+        text = raw.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read the spec: {exc}", cause=exc) from exc
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=SpecLoader)  # noqa: S506 - a SafeLoader
+        _bounded(data, path)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -242,6 +293,9 @@ def load_spec(path: str | Path) -> Spec:
     if not isinstance(data, dict):
         raise SpecError(f"{path}: the spec must be a YAML mapping of keys, not a "
                         f"{type(data).__name__}.")
+    if len(data) > MAX_SPEC_KEYS:
+        raise SpecError(f"{path}: the spec has {len(data):,} top-level keys; it knows "
+                        f"{len(Spec.model_fields) - 1}.")
     lines = _top_level_lines(text)
     non_string = [k for k in data if not isinstance(k, str)]
     if non_string:

@@ -174,3 +174,116 @@ def test_a_failed_import_leaves_sys_path_and_modules_as_they_were(tmp_path):
     assert sys.path == path_before
     assert set(sys.modules) - modules_before == set()
     assert not sys.dont_write_bytecode or os.environ.get("PYTHONDONTWRITEBYTECODE")
+
+
+# ------------------------------------------------------------------- specs that are bombs
+def _alias_bomb(levels: int = 8) -> str:
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"]
+    for i in range(levels):
+        prev, name = chr(97 + i), chr(98 + i)
+        lines.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+BASE_SPEC = "model: m:m\ndata: m:d\ntrain_loop: m:l\naccumulation_steps: 2\n"
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("alias bomb", BASE_SPEC + "extra:\n" + "".join("  " + l + "\n"
+                                                    for l in _alias_bomb().splitlines()),
+     "expands to more than 100,000 values"),
+    ("duplicate key", BASE_SPEC + "accumulation_steps: 4\n",
+     "key 'accumulation_steps' is given twice (first on line 4)"),
+    ("a bool for an int", BASE_SPEC.replace("accumulation_steps: 2", "accumulation_steps: true"),
+     "spec key 'accumulation_steps': Input should be a valid integer"),
+    ("a huge seed", BASE_SPEC + "seed: 99999999999999999999999\n",
+     "spec key 'seed': Input should be less than or equal to 4294967295"),
+    ("too many keys", BASE_SPEC + "".join(f"k{i}: 1\n" for i in range(5000)),
+     "the spec has 5,004 top-level keys"),
+    ("over a MiB", BASE_SPEC + "# " + "x" * (1024 * 1024) + "\n", "the spec is over 1024 KiB"),
+])
+def test_a_hostile_spec_is_one_clear_line_and_exit_2(tmp_path, name, text, message):
+    path = tmp_path / "spec.yaml"
+    path.write_text(text)
+    started = time.monotonic()
+    result = run_cli("diagnose", path, "--out", tmp_path / "runs", timeout=60)
+    assert result.returncode == 2, (name, result.stderr)
+    assert message in " ".join(result.stderr.split()), (name, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.splitlines()) < 40
+    assert time.monotonic() - started < 20
+    assert not (tmp_path / "runs").exists()     # a bad spec is not recorded
+
+
+def test_many_unknown_keys_are_listed_up_to_a_bound(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(BASE_SPEC + "".join(f"unknown_{i}: 1\n" for i in range(150)))
+    result = run_cli("diagnose", path)
+    assert result.returncode == 2
+    assert "... and 130 more problem(s)." in result.stderr
+    assert len(result.stderr.splitlines()) < 80
+
+
+def test_a_device_is_not_a_spec():
+    result = run_cli("diagnose", "/dev/zero", timeout=30)
+    assert result.returncode == 2
+    assert "is not a regular file" in result.stderr
+
+
+def test_scan_skips_a_config_alias_bomb_quickly(tmp_path):
+    (tmp_path / "cfg.yaml").write_text("fp16: true\n" + _alias_bomb())
+    started = time.monotonic()
+    result = run_cli("scan", tmp_path, timeout=60)
+    assert result.returncode == 0
+    assert "expands to more than 100,000 values" in result.stdout
+    assert time.monotonic() - started < 20
+
+
+# --------------------------------------------------------------- loops that leave early
+EXITING = '''
+import sys
+import torch
+
+
+def make():
+    return torch.nn.Linear(4, 1)
+
+
+def data():
+    return torch.randn(16, 4), torch.randn(16, 1)
+
+
+def exits_0(model, optimizer, micro_batches, run):
+    sys.exit(0)  # LINE
+
+
+def exits_msg(model, optimizer, micro_batches, run):
+    sys.exit("stopping early")  # LINE
+
+
+def generator_exit(model, optimizer, micro_batches, run):
+    raise GeneratorExit()  # LINE
+
+
+def data_exits():
+    sys.exit(0)  # LINE
+'''
+
+
+@pytest.mark.parametrize("loop, data", [("exits_0", "data"), ("exits_msg", "data"),
+                                        ("generator_exit", "data"), ("exits_0", "data_exits")])
+def test_a_loop_or_factory_that_exits_is_a_user_code_error_with_a_record(tmp_path, loop, data):
+    (tmp_path / "leaving.py").write_text(EXITING)
+    lines = {name: n for n, text in enumerate(EXITING.splitlines(), start=1)
+             for name in (loop, data) if f"def {name}(" in text}
+    path = tmp_path / "spec.yaml"
+    path.write_text(f"project_root: .\nmodel: leaving:make\ndata: leaving:{data}\n"
+                    f"train_loop: leaving:{loop}\naccumulation_steps: 2\nmicro_batch_size: 4\n"
+                    "optimizer_steps: 2\ndevice: cpu\n")
+    result = run_cli("diagnose", path, "--json", "--out", tmp_path / "runs")
+    assert result.returncode == 3, result.stderr       # never 0: nothing was judged
+    record = result.record
+    assert record["verdict"] == "error"
+    assert list((tmp_path / "runs").glob("*.json"))
+    failing = data if data == "data_exits" else loop
+    assert f"leaving.py:{lines[failing] + 1}" in " ".join(result.stderr.split())

@@ -55,6 +55,14 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                            "the same optimizer in one step: the gradients would be divided by "
                            f"the scale twice.{also}",
                            evidence=evidence, location=location(site))
+    if isinstance(exc, SystemExit):
+        text = f"sys.exit({exc.code!r})"
+        return Finding(rung, "loop-error", "error",
+                       f"The loop called {text} in the {trace.precision} run: it must return "
+                       "to its caller (ampdoctor runs it several times in one process), so its "
+                       "run could not be judged.",
+                       evidence={"error": text, "precision": trace.precision},
+                       location=location(trace.error_site))
     return Finding(rung, "loop-error", "error",
                    f"The loop raised in the {trace.precision} run: {text}",
                    evidence={"error": text, "precision": trace.precision},

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import yaml
 
+from ampdoctor import limits
 from ampdoctor.scan.sites import FileScan, Site
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -327,6 +328,10 @@ def scan_config(path: str, data: bytes, scan: FileScan) -> None:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             scan.skipped = f"does not parse as YAML: {reason}"
             return
+    if limits.exceeds(docs):
+        scan.skipped = (f"expands to more than {limits.MAX_VALUES:,} values (YAML aliases "
+                        "nested in aliases?), not read")
+        return
     if any(_ampdoctor_output(doc) for doc in docs):
         return
     locate = text_locator(text)
