@@ -57,8 +57,10 @@ def _fail(exc: AmpdoctorError, debug: bool) -> int:
 def _internal(exc: BaseException, debug: bool) -> int:
     if debug:
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    _stderr().print(f"[bold red]ampdoctor: internal error:[/] {type(exc).__name__}: {exc} "
-                    "(run again with --debug for the traceback)", highlight=False)
+    err = _stderr()
+    err.print("[bold red]ampdoctor: internal error:[/] ", end="", highlight=False)
+    err.print(f"{type(exc).__name__}: {exc} (run again with --debug for the traceback)",
+              markup=False, highlight=False)
     return INTERNAL_ERROR
 
 
@@ -157,7 +159,7 @@ def _save_and_show(record, out, json_out, render, err) -> None:
         sys.stdout.write(records.dumps(record))
     else:
         render(record, Console())
-    err.print(record_note, highlight=False, style="dim")
+    err.print(record_note, highlight=False, markup=False, style="dim")
 
 
 @app.command()
@@ -175,11 +177,17 @@ def report(
     try:
         path = record if record is not None else records.latest(out)
         data = records.load(path)
+        if int(data.get("record_version") or 1) > records.RECORD_VERSION:
+            _stderr().print(f"note: {path} was written by a newer ampdoctor (record version "
+                            f"{data['record_version']}, ampdoctor "
+                            f"{data.get('ampdoctor_version') or '?'}); shown with what "
+                            f"ampdoctor {__version__} knows of it.",
+                            highlight=False, markup=False)
         if html:
             from .report.html import write_html
             target = output or Path(path).with_suffix(".html")
             write_html(data, target)
-            _stderr().print(f"HTML report written to {target}", highlight=False)
+            _stderr().print(f"HTML report written to {target}", highlight=False, markup=False)
         elif json_out:
             sys.stdout.write(records.dumps(data))
         else:

@@ -18,6 +18,10 @@ from typing import Any
 from .errors import UsageError
 
 DEFAULT_DIR = Path(".ampdoctor") / "runs"
+#: The shape of the records this version writes (`record_version`).
+RECORD_VERSION = 1
+#: A record is a few KiB; `report` reads nothing larger.
+MAX_RECORD_BYTES = 64 * 2**20
 #: Temporary files of a save in progress: hidden, and not `*.json`.
 TMP_PREFIX = ".tmp-"
 
@@ -108,12 +112,17 @@ def load(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise UsageError(f"{path}: no such run record.")
     try:
+        if path.stat().st_size > MAX_RECORD_BYTES:
+            raise UsageError(f"{path}: over {MAX_RECORD_BYTES // 2**20} MiB, not an ampdoctor "
+                             "run record.")
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"{path}: not a readable ampdoctor run record ({exc}).") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise UsageError(f"{path}: not a readable ampdoctor run record "
+                         f"({type(exc).__name__}: {str(exc)[:200]}).") from exc
     if not isinstance(record, dict) or "verdict" not in record:
         raise UsageError(f"{path}: not an ampdoctor run record (no 'verdict').")
-    return upgrade(record)
+    from .record_model import validate
+    return upgrade(validate(record, str(path)))
 
 
 def upgrade(record: dict[str, Any]) -> dict[str, Any]:

@@ -124,7 +124,7 @@ def test_report_passes_over_debris_to_the_latest_real_record(tmp_path):
     assert json.loads(result.stdout)["name"] == "real"
 
 
-@pytest.mark.parametrize("field, code", [(300, 3), (0, 3), (2, 2), ("x", 3), (None, 3)])
+@pytest.mark.parametrize("field, code", [(300, 3), (0, 3), (2, 2), (None, 3), ("x", 2)])
 def test_a_records_own_exit_code_cannot_pick_reports_exit_code(tmp_path, field, code):
     path = tmp_path / "r.json"
     path.write_text(json.dumps({"verdict": "error", "error": {"exit_code": field,
@@ -287,3 +287,59 @@ def test_a_loop_or_factory_that_exits_is_a_user_code_error_with_a_record(tmp_pat
     assert list((tmp_path / "runs").glob("*.json"))
     failing = data if data == "data_exits" else loop
     assert f"leaving.py:{lines[failing] + 1}" in " ".join(result.stderr.split())
+
+
+# --------------------------------------------------------- records rendered on a terminal
+@pytest.mark.parametrize("text", ["[/data/a.bin]", "[/]", "[bold]x[/bold]", "[rung] kept"])
+def test_the_terminal_prints_record_text_literally(tmp_path, text):
+    record = _hostile_record(text)
+    for rung in record["rungs"]:
+        rung["status"] = "fail"
+    record["findings"][0].update(severity="error", kind="gradient-mismatch", rung="fp32-accum")
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(record))
+    result = run_cli("report", path)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "MarkupError" not in result.stderr
+    shown = result.stdout
+    assert shown.count(text) >= 4          # the name, a summary, the message, the fix...
+    assert "[fp32-accum]" in shown          # the panel title keeps its [rung]
+
+
+@pytest.mark.parametrize("record, field", [
+    ({"verdict": "failed", "rungs": [{"id": "a", "status": "fail", "seconds": "slow"}]},
+     "rungs.0.seconds"),
+    ({"verdict": "failed", "rungs": "abc"}, "rungs"),
+    ({"verdict": "failed", "findings": [{"rung": "a", "severity": "error"}]}, "findings.0.kind"),
+    ({"verdict": "maybe"}, "verdict"),
+    ({"verdict": "failed", "findings": [{"rung": "a", "kind": "k", "severity": "error",
+                                         "location": {"file": "f", "line": "x"}}]},
+     "findings.0.location.line"),
+    ({"verdict": "failed", "series": {"scale": ["x"]}}, "series.scale.0"),
+])
+def test_a_record_that_breaks_the_schema_is_exit_2_naming_the_field(tmp_path, record, field):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(record))
+    for extra in ([], ["--json"], ["--html", "-o", str(tmp_path / "p.html")]):
+        result = run_cli("report", path, *extra)
+        assert result.returncode == 2, (extra, result.stderr)
+        assert f"field '{field}'" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_a_deeply_nested_record_is_exit_2(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text('{"verdict": "failed", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    result = run_cli("report", path)
+    assert result.returncode == 2
+    assert "not a readable ampdoctor run record" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_record_from_a_newer_version_says_so(tmp_path):
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps({"verdict": "healthy", "record_version": 99,
+                                "ampdoctor_version": "9.0", "new_key": {"a": 1}}))
+    result = run_cli("report", path)
+    assert result.returncode == 0
+    assert "written by a newer ampdoctor (record version 99" in " ".join(result.stderr.split())

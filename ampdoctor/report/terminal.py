@@ -48,7 +48,7 @@ def render(record: dict[str, Any], console: Console) -> None:
         err = record["error"]
         loc = err.get("location")
         where = f"\n  at {display_path(loc['file'])}:{loc['line']}" if loc else ""
-        console.print(f"[bold magenta]error:[/] {err.get('message')}{where}")
+        console.print(Text.assemble(("error: ", "bold magenta"), f"{err.get('message')}{where}"))
         return
 
     table = Table(show_header=True, header_style="bold", expand=False)
@@ -58,8 +58,9 @@ def render(record: dict[str, Any], console: Console) -> None:
     table.add_column("summary", overflow="fold")
     for rung in record.get("rungs", []):
         status = rung.get("status", "")
-        table.add_row(rung.get("id", ""), Text(status, style=STATUS_STYLE.get(status, "")),
-                      f"{rung.get('seconds', 0):.2f}s", rung.get("summary", ""))
+        # every value from the record is text, never rich markup ("[/]" in a message)
+        table.add_row(Text(rung.get("id", "")), Text(status, style=STATUS_STYLE.get(status, "")),
+                      f"{rung.get('seconds', 0):.2f}s", Text(rung.get("summary", "")))
     console.print(table)
 
     for finding in record.get("findings", []):
@@ -93,7 +94,8 @@ def _finding_panel(finding: dict[str, Any]) -> Panel:
     if finding.get("fix"):
         body.append("\n  fix: ", style="bold green")
         body.append(finding["fix"])
-    title = f"{severity}: {finding.get('kind')} [{finding.get('rung')}] {finding.get('title', '')}"
+    title = Text(f"{severity}: {finding.get('kind')} [{finding.get('rung')}] "
+                 f"{finding.get('title', '')}")
     return Panel(body, title=title, title_align="left", border_style=style)
 
 

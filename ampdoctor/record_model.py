@@ -1,0 +1,86 @@
+"""The run record as a typed model: `report` validates what it loads before rendering it, so a
+record with wrong types or missing keys is one clear line naming the field (exit 2), never a
+traceback in a renderer. Extra keys are kept (newer records), missing optional ones get defaults
+(older records). No torch here."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import UsageError
+
+Scalar = str | int | float | bool | None
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class LocationModel(_Open):
+    file: str
+    line: int
+    function: str | None = None
+    code: str | None = None
+
+
+class FindingModel(_Open):
+    rung: str
+    kind: str
+    severity: str
+    message: str = ""
+    title: str = ""
+    fix: str = ""
+    evidence: dict[str, Any] = Field(default_factory=dict)
+    location: LocationModel | None = None
+
+
+class RungModel(_Open):
+    id: str
+    status: str
+    summary: str = ""
+    seconds: float = 0.0
+
+
+class ErrorModel(_Open):
+    type: str = ""
+    message: str = ""
+    exit_code: int | None = None
+
+
+class SeriesModel(_Open):
+    scale: list[float | None] = Field(default_factory=list)
+    grad_norm_before_unscale: list[float | None] = Field(default_factory=list)
+    grad_norm_after_unscale: list[float | None] = Field(default_factory=list)
+    skipped: list[bool | None] = Field(default_factory=list)
+
+
+class RecordModel(_Open):
+    record_version: int = 1
+    ampdoctor_version: str = ""
+    name: str = "run"
+    spec: str | None = None
+    device: str = "unknown"
+    verdict: Literal["healthy", "failed", "error"]
+    failed_rung: str | None = None
+    accumulation_steps: int | str | None = None
+    rungs: list[RungModel] = Field(default_factory=list)
+    findings: list[FindingModel] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+    series: SeriesModel = Field(default_factory=SeriesModel)
+    error: ErrorModel | None = None
+
+
+def validate(data: Any, source: str) -> dict[str, Any]:
+    """The record as plain data with every default filled, or UsageError naming the field."""
+    try:
+        model = RecordModel.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "(the record)"
+        more = exc.error_count() - 1
+        raise UsageError(f"{source}: not a valid ampdoctor run record: field '{field}': "
+                         f"{first['msg']}" + (f" (and {more} more problem(s))" if more else "")
+                         + ".") from exc
+    return model.model_dump()
