@@ -7,6 +7,7 @@ could not run. Torch is imported only inside `diagnose`.
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -121,14 +122,27 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
         elif not json_out:
             err.print(f"  rung {rung}...", highlight=False)
 
+    done: list = []
     try:
-        with status, contextlib.redirect_stdout(sys.stderr):
-            record = run_diagnose(spec, on_start=on_start)
+        with status, contextlib.redirect_stdout(sys.stderr), _signals_interrupt():
+            record = run_diagnose(spec, on_start=on_start, on_done=done.append)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        # Like a finished run: the terminal restored (the status spinner has exited), torch
+        # restored (run_diagnose's finally), and a record saying where it stopped.
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        name = signal.Signals(signum).name
+        error = UserCodeError(f"interrupted by {name} after {len(done)} rung(s); the record "
+                              "holds the rungs that finished", cause=exc)
+        record = error_record(spec, error)
+        record["rungs"] = [r.to_dict() for r in done]
+        record["error"]["exit_code"] = 3
+        err.print(f"ampdoctor: interrupted by {name}; torch was restored.", markup=False)
+        _save_and_show(record, out, json_out, render, err)
+        return 128 + int(signum)
     except UserCodeError as exc:
         record = error_record(spec, exc)
         code = _fail(exc, debug)
-        _save_and_show(record, out, json_out, render, err)
-        return code
+        return code if _save_and_show(record, out, json_out, render, err) else UsageError.exit_code
     except (SpecError, LaunchError) as exc:
         return _fail(exc, debug)
     except (SystemExit, GeneratorExit) as exc:
@@ -137,29 +151,60 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
                               "during the diagnose; nothing after it could be judged", cause=exc)
         record = error_record(spec, error)
         code = _fail(error, debug)
-        _save_and_show(record, out, json_out, render, err)
-        return code
-    except KeyboardInterrupt:
-        err.print("ampdoctor: interrupted; torch was restored, no record written.")
-        return 130
+        return code if _save_and_show(record, out, json_out, render, err) else UsageError.exit_code
     except Exception as exc:  # a bug in ampdoctor itself
         return _internal(exc, debug)
-    _save_and_show(record, out, json_out, render, err)
+    if not _save_and_show(record, out, json_out, render, err):
+        return UsageError.exit_code
     return records.exit_code(record)
 
 
-def _save_and_show(record, out, json_out, render, err) -> None:
+class Interrupted(BaseException):
+    """SIGTERM or SIGHUP during a diagnose: handled like Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """SIGTERM and SIGHUP raise Interrupted in the main thread while a diagnose runs."""
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {}
+    for sig in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except ValueError:   # not the main thread
+                pass
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _save_and_show(record, out, json_out, render, err) -> bool:
+    """Save the record, then show it; False (and a clear line) when it could not be saved."""
     from . import record as records
     try:
         path = records.save(record, out)
-        record_note = f"record saved to {path}"
+        saved = True
     except OSError as exc:
-        record_note = f"could not save the record: {exc}"
+        saved = False
+        problem = f"ampdoctor: usage error: could not save the record under {out or records.DEFAULT_DIR}: {exc}"
     if json_out:
         sys.stdout.write(records.dumps(record))
     else:
         render(record, Console())
-    err.print(record_note, highlight=False, markup=False, style="dim")
+    if saved:
+        err.print(f"record saved to {path}", highlight=False, markup=False, style="dim")
+    else:
+        err.print(problem, highlight=False, markup=False, style="bold red")
+    return saved
 
 
 @app.command()

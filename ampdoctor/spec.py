@@ -80,6 +80,9 @@ class Spec(_Strict):
     #: align: every forward of micro-batch i runs under the same RNG state in every run of the
     #: loop and in the reference, so dropout masks match; off: functional dropout runs at p = 0.
     dropout: Literal["align", "off"] = "align"
+    #: the longest one rung may run the loop before ampdoctor stops it (exit 3 naming the rung
+    #: and where the loop was); the ddp-sync rung is bounded by ddp.timeout_s instead
+    timeout_s: float = Field(default=600.0, gt=0, le=7 * 86400)
 
     # Filled in by load_spec, not by the user.
     spec_path: Path | None = Field(default=None, exclude=True)

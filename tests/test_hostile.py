@@ -343,3 +343,104 @@ def test_a_record_from_a_newer_version_says_so(tmp_path):
     result = run_cli("report", path)
     assert result.returncode == 0
     assert "written by a newer ampdoctor (record version 99" in " ".join(result.stderr.split())
+
+
+# ------------------------------------------------------------- hangs and interruptions
+HANGING = '''
+import torch
+
+
+def make():
+    return torch.nn.Linear(4, 1)
+
+
+def data():
+    return torch.randn(16, 4), torch.randn(16, 1)
+
+
+def train_loop(model, optimizer, micro_batches, run):
+    K = run.accumulation_steps
+    scaler = torch.amp.GradScaler(run.device_type, enabled=run.precision == "fp16")
+    for i, (x, y) in enumerate(micro_batches):
+        with torch.autocast(run.device_type, dtype=run.autocast_dtype,
+                            enabled=run.autocast_dtype is not None):
+            loss = torch.nn.functional.mse_loss(model(x).float(), y) / K
+        try:
+            scaler.scale(loss).backward()
+        except Exception:
+            pass
+        while run.precision == "bf16" and i == 2:
+            pass  # HANG
+        if (i + 1) % K == 0:
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+'''
+
+
+def _hanging_project(tmp_path: Path, timeout_s: float) -> Path:
+    (tmp_path / "hang.py").write_text(HANGING)
+    path = tmp_path / "spec.yaml"
+    path.write_text("project_root: .\nmodel: hang:make\ndata: hang:data\n"
+                    "train_loop: hang:train_loop\naccumulation_steps: 2\nmicro_batch_size: 4\n"
+                    f"optimizer_steps: 2\ndevice: cpu\ntimeout_s: {timeout_s}\n")
+    return path
+
+
+def test_a_hanging_loop_is_stopped_at_timeout_s_naming_the_rung_and_line(tmp_path):
+    spec = _hanging_project(tmp_path, 3)
+    started = time.monotonic()
+    result = run_cli("diagnose", spec, "--json", "--out", tmp_path / "runs", timeout=120)
+    assert result.returncode == 3, result.stderr
+    assert time.monotonic() - started < 60
+    record = result.record
+    assert (record["verdict"], record["failed_rung"]) == ("error", "bf16-no-scaler")
+    finding = record["findings"][0]
+    assert finding["kind"] == "loop-error"
+    line = next(n for n, t in enumerate(HANGING.splitlines(), start=1) if "# HANG" in t) - 1
+    assert finding["location"]["line"] == line
+    assert finding["evidence"]["timeout_s"] == 3
+    assert finding["evidence"]["last_event"] == "backward"
+    assert "did not finish within timeout_s = 3 s" in finding["message"]
+
+
+def test_sigterm_writes_a_record_and_restores_the_terminal(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ampdoctor_command
+
+    spec = _hanging_project(tmp_path, 600)
+    out = tmp_path / "runs"
+    env = dict(os.environ, NO_COLOR="1")
+    proc = subprocess.Popen(ampdoctor_command() + ["diagnose", str(spec), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 90
+    lines = []
+    for line in proc.stderr:                   # wait until the ladder is under way
+        lines.append(line)
+        if "rung bf16-no-scaler" in line or time.monotonic() > deadline:
+            break
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "interrupted by SIGTERM" in stderr
+    assert "Traceback" not in stderr
+    assert "\x1b[?25l" not in stdout + stderr or "\x1b[?25h" in stdout + stderr  # cursor back
+    saved = list(out.glob("*.json"))
+    assert len(saved) == 1
+    record = json.loads(saved[0].read_text())
+    assert record["verdict"] == "error"
+    assert [r["id"] for r in record["rungs"]] == ["reproducibility", "fp32-accum"]
+    assert "SIGTERM" in record["error"]["message"]
+    assert sys.platform != "win32"
+
+
+def test_an_out_folder_that_cannot_be_written_is_exit_2(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    result = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--out", blocker / "runs")
+    assert result.returncode == 2
+    assert "could not save the record" in result.stderr

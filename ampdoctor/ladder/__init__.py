@@ -9,8 +9,8 @@ import time
 from dataclasses import replace
 from collections.abc import Callable
 
-from ..errors import AmpdoctorError
 from ..findings import RUNG_IDS, RungResult
+from .deadline import RungTimeout, deadline, timeout_result
 
 
 def _rungs() -> dict[str, Callable]:
@@ -41,9 +41,11 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
             on_start(rung_id)
         started = time.perf_counter()
         try:
-            result = rungs[rung_id](session)
-        except AmpdoctorError:
-            raise
+            # ddp-sync bounds its own processes (ddp.timeout_s)
+            with deadline(None if rung_id == "ddp-sync" else session.spec.timeout_s):
+                result = rungs[rung_id](session)
+        except RungTimeout as exc:
+            result = timeout_result(rung_id, session, exc)
         result = replace(result, seconds=time.perf_counter() - started)
         session.rung_done(rung_id)
         results.append(result)
