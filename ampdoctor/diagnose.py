@@ -43,7 +43,7 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
     from .session import Session
 
     started = time.perf_counter()
-    device = resolve_device(spec.device)
+    device = resolve_device(spec.device, spec)
     finder = CallSiteFinder([spec.root, spec.spec_dir])
     record = new_record(spec, str(device))
     rng_state = torch.get_rng_state()

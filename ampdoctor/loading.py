@@ -7,6 +7,7 @@ while it is imported or called is the user's (UserCodeError, exit 3, with their 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -59,22 +60,59 @@ def _shown(path: Any) -> str:
     return str(path) if rel.startswith("..") else rel
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, spec: Spec | None = None) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
+    where = spec_where(spec, "device") if spec is not None else ""
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SpecError(f"spec key 'device': {name!r} was asked for but this machine has no CUDA "
-                        "device; use 'auto' or 'cpu'.")
+        raise SpecError(f"{where}spec key 'device': {name!r} was asked for but this machine has "
+                        "no CUDA device; use 'auto' or 'cpu'.")
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise SpecError(f"{where}spec key 'device': {name!r} was asked for but this machine has "
+                        f"{torch.cuda.device_count()} CUDA device(s).")
     return device
 
 
 def _user_error(what: str, exc: BaseException, finder: CallSiteFinder) -> UserCodeError:
     site = finder.from_traceback(exc.__traceback__)
-    where = f" at {site.file}:{site.line}" if site else ""
+    location = (site.file, site.line) if site else None
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        # the error is in the file being compiled, which no traceback frame shows
+        location = (os.path.realpath(exc.filename), exc.lineno)
+    where = f" at {location[0]}:{location[1]}" if location else ""
     one_line = traceback.format_exception_only(type(exc), exc)[-1].strip()
-    return UserCodeError(f"{what} raised{where}: {one_line}", cause=exc,
-                         location=(site.file, site.line) if site else None)
+    return UserCodeError(f"{what} raised{where}: {one_line}", cause=exc, location=location)
+
+
+#: What each spec callable is called with (CONTRACT: the train_loop signature).
+CALLED_WITH = {"model": (), "data": (), "loss": ("model", "micro_batch"),
+               "optimizer": ("model",),
+               "train_loop": ("model", "optimizer", "micro_batches", "run")}
+
+
+def _check_signature(key: str, ref: str, fn: Callable[..., Any]) -> None:
+    """A callable that cannot take what ampdoctor passes is named at its `def` line now, not
+    as a TypeError deep inside a rung."""
+    import inspect
+
+    args = CALLED_WITH[key]
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError as exc:
+        try:
+            target = inspect.unwrap(fn)
+            file = inspect.getsourcefile(target)
+            line = inspect.getsourcelines(target)[1]
+        except (OSError, TypeError):
+            file, line = None, None
+        at = f" at {file}:{line}" if file else ""
+        wanted = f"({', '.join(args)})"
+        raise UserCodeError(f"spec key '{key}': '{ref}'{at} cannot be called as {ref}{wanted}: "
+                            f"{exc}.", location=(file, line) if file else None) from exc
+    except ValueError:   # a builtin without a signature: let the call decide
+        pass
 
 
 class UserCode:
@@ -134,6 +172,7 @@ class UserCode:
         if not callable(obj):
             raise SpecError(f"{where}: spec key '{key}': '{ref}' is a "
                             f"{type(obj).__name__}, not a callable.")
+        _check_signature(key, ref, obj)
         return obj
 
     def source_files(self) -> list[str]:
@@ -208,10 +247,20 @@ def build_optimizers(code: UserCode, model: torch.nn.Module) -> tuple[Any, list[
     flat = list(result) if isinstance(result, (list, tuple)) else [result]
     if isinstance(result, dict):
         flat = list(result.values())
+    factory = f"the optimizer factory '{code.spec.optimizer}'"
+    if not flat:
+        raise UserCodeError(f"{factory} returned {result!r}: no optimizer to step.")
     for opt in flat:
         if not isinstance(opt, torch.optim.Optimizer):
-            raise UserCodeError(f"the optimizer factory returned a {type(opt).__name__}, not a "
+            raise UserCodeError(f"{factory} returned a {type(opt).__name__}, not a "
                                 "torch.optim.Optimizer (or a list of them).")
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for opt in flat for group in opt.param_groups for p in group["params"]
+               if id(p) not in own]
+    if foreign:
+        raise UserCodeError(f"{factory} returned an optimizer over {len(foreign)} parameter "
+                            "tensor(s) that are not the model's (it builds its own model?): "
+                            "the optimizer must take the `model` it is given.")
     return result, flat
 
 

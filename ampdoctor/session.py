@@ -221,6 +221,7 @@ class Session(ReferenceBuilder):
             torch.manual_seed(rng_seed)
         previous = recorder.activate(probe)
         recorder.START_SCALE = self.fp16_start_scale if precision == "fp16" else None
+        default_dtype = torch.get_default_dtype()
         try:
             if run_train_loop(self.code, handed, loop_optimizer, feed, settings):
                 self.notes.add("train_loop is a generator function: ampdoctor runs it by "
@@ -235,6 +236,14 @@ class Session(ReferenceBuilder):
             recorder.activate(previous)
             recorder.START_SCALE = None
             aligner.detach()
+            changed = torch.get_default_dtype()
+            torch.set_default_dtype(default_dtype)   # never left changed for the next run
+        if changed != default_dtype and trace.error is None:
+            raise UserCodeError(
+                f"the loop changed torch's default dtype from {default_dtype} to {changed} "
+                "(torch.set_default_dtype) in its " + precision + " run: every later run and "
+                "the reference would build their tensors in another dtype. Set the dtype on the "
+                "model or the tensors instead; ampdoctor restored it.")
         return trace
 
     def index_of(self, mb: Any, default: int) -> int:

@@ -444,3 +444,84 @@ def test_an_out_folder_that_cannot_be_written_is_exit_2(tmp_path):
     result = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--out", blocker / "runs")
     assert result.returncode == 2
     assert "could not save the record" in result.stderr
+
+
+# --------------------------------------------------------------------- clear messages
+UNCLEAR = '''
+import torch
+
+
+def make():
+    return torch.nn.Linear(4, 1)
+
+
+def data():
+    return torch.randn(16, 4), torch.randn(16, 1)
+
+
+def opt_empty(model):
+    return []
+
+
+def opt_other(model):
+    return torch.optim.SGD(torch.nn.Linear(4, 1).parameters(), lr=0.1)
+
+
+def loop_two_args(model, optimizer):
+    pass
+
+
+def loop_dtype(model, optimizer, micro_batches, run):
+    torch.set_default_dtype(torch.float64)
+    for x, y in micro_batches:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+'''
+
+
+@pytest.mark.parametrize("extra, code, fragments", [
+    ("train_loop: syntax:broken", 3, ["syntax.py:2", "SyntaxError"]),
+    ("train_loop: u:loop_two_args", 3,
+     ["cannot be called as u:loop_two_args(model, optimizer, micro_batches, run)",
+      "u.py:21"]),
+    ("optimizer: u:opt_empty\ntrain_loop: u:loop_dtype", 3,
+     ["the optimizer factory 'u:opt_empty' returned []"]),
+    ("optimizer: u:opt_other\ntrain_loop: u:loop_dtype", 3,
+     ["over 2 parameter tensor(s) that are not the model's"]),
+    ("device: cuda:7\ntrain_loop: u:loop_dtype", 2, ["spec.yaml:7: spec key 'device'"]),
+    ("train_loop: u:loop_dtype", 3,
+     ["changed torch's default dtype from torch.float32 to torch.float64", "restored"]),
+])
+def test_user_mistakes_are_named_where_they_are(tmp_path, extra, code, fragments):
+    (tmp_path / "u.py").write_text(UNCLEAR)
+    (tmp_path / "syntax.py").write_text("x = 1\ndef broken(:\n    pass\n")
+    path = tmp_path / "spec.yaml"
+    path.write_text("project_root: .\nmodel: u:make\ndata: u:data\naccumulation_steps: 2\n"
+                    f"micro_batch_size: 4\noptimizer_steps: 2\n{extra}\n")
+    result = run_cli("diagnose", path, "--out", tmp_path / "runs")
+    assert result.returncode == code, result.stderr
+    shown = " ".join(result.stderr.split())
+    saved = list((tmp_path / "runs").glob("*.json"))
+    error = json.loads(saved[0].read_text())["error"] if saved else {}
+    where = (f"{Path(error['location']['file']).name}:{error['location']['line']}"
+             if error.get("location") else "")
+    for fragment in fragments:
+        assert fragment in shown or fragment == where, (fragment, shown, where)
+    assert "Traceback" not in result.stderr
+
+
+def test_the_default_dtype_is_restored_after_a_loop_changed_it(tmp_path):
+    import torch
+
+    from ampdoctor.diagnose import run_diagnose
+    from ampdoctor.errors import UserCodeError
+    from ampdoctor.spec import load_spec
+
+    (tmp_path / "u.py").write_text(UNCLEAR)
+    path = tmp_path / "spec.yaml"
+    path.write_text("project_root: .\nmodel: u:make\ndata: u:data\naccumulation_steps: 2\n"
+                    "micro_batch_size: 4\noptimizer_steps: 2\ntrain_loop: u:loop_dtype\n"
+                    "device: cpu\n")
+    with pytest.raises(UserCodeError):
+        run_diagnose(load_spec(path))
+    assert torch.get_default_dtype() == torch.float32

@@ -182,7 +182,7 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
     spec = load_spec(spec_path)
     finder = CallSiteFinder([spec.root, spec.spec_dir])
     result["_finder"] = finder
-    device = resolve_device(spec.device)
+    device = resolve_device(spec.device, spec)
     if device.type == "cuda":
         device = torch.device("cuda", int(torch.cuda.current_device()))
     with patches.installed(wrappers.install):
