@@ -17,6 +17,10 @@ from ..findings import Finding, RungResult, location
 from ..probe import recorder
 
 
+#: Seconds between repeated alarms once the deadline has passed.
+REFIRE_S = 0.5
+
+
 class RungTimeout(BaseException):
     """The rung ran past `timeout_s`. `site`: where the loop was; `last`: its last event."""
 
@@ -35,6 +39,9 @@ def deadline(seconds: float | None) -> Iterator[None]:
         return
 
     def on_alarm(signum, frame):
+        # An exception raised where it is swallowed (a __del__, a gc callback) would be lost:
+        # fire again shortly until one reaches the rung (the finally below disarms).
+        signal.setitimer(signal.ITIMER_REAL, REFIRE_S)
         probe = recorder.ACTIVE
         raise RungTimeout(frame, probe.events[-1] if probe is not None and probe.events else None)
 
