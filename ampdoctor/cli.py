@@ -17,7 +17,8 @@ import typer
 from rich.console import Console
 
 from . import __version__
-from .errors import AmpdoctorError, LaunchError, SpecError, UsageError, UserCodeError
+from .errors import (AmpdoctorError, AmpdoctorInterrupt, LaunchError, SpecError, UsageError,
+                     UserCodeError)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Triage PyTorch training that combines gradient accumulation with mixed "
@@ -145,21 +146,25 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
         return code if _save_and_show(record, out, json_out, render, err) else UsageError.exit_code
     except (SpecError, LaunchError) as exc:
         return _fail(exc, debug)
-    except (SystemExit, GeneratorExit) as exc:
-        # only the user's code exits from inside a diagnose (a factory, a loss): not healthy
-        error = UserCodeError(f"the user's code called sys.exit({getattr(exc, 'code', None)!r}) "
-                              "during the diagnose; nothing after it could be judged", cause=exc)
+    except Exception as exc:  # a bug in ampdoctor itself
+        return _internal(exc, debug)
+    except BaseException as exc:
+        # Only the user's code raises a BaseException that is not Ctrl-C from inside a
+        # diagnose (sys.exit in a factory or a loss, GeneratorExit, its own subclass): not
+        # healthy, and not ampdoctor's bug.
+        what = (f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
+                else f"raised {type(exc).__name__}: {exc}")
+        error = UserCodeError(f"the user's code {what} during the diagnose; nothing after it "
+                              "could be judged", cause=exc)
         record = error_record(spec, error)
         code = _fail(error, debug)
         return code if _save_and_show(record, out, json_out, render, err) else UsageError.exit_code
-    except Exception as exc:  # a bug in ampdoctor itself
-        return _internal(exc, debug)
     if not _save_and_show(record, out, json_out, render, err):
         return UsageError.exit_code
     return records.exit_code(record)
 
 
-class Interrupted(BaseException):
+class Interrupted(AmpdoctorInterrupt):
     """SIGTERM or SIGHUP during a diagnose: handled like Ctrl-C."""
 
     def __init__(self, signum: int) -> None:

@@ -46,3 +46,8 @@ class LaunchError(AmpdoctorError):
     could not run)."""
 
     exit_code = 3
+
+
+class AmpdoctorInterrupt(BaseException):
+    """ampdoctor's own interruptions (a rung's timeout, SIGTERM/SIGHUP): they pass through every
+    handler of the user's code, which catches any other exception as the loop's own."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import SpecError, UserCodeError
+from .errors import AmpdoctorInterrupt, SpecError, UserCodeError
 from .probe.callsite import CallSiteFinder
 from .spec import Spec, spec_line
 
@@ -156,7 +156,9 @@ class UserCode:
                     f"project_root {self.spec.root} (nor on sys.path).", cause=exc) from exc
             raise _user_error(f"importing '{module_name}' (spec key '{key}')", exc,
                               self.finder) from exc
-        except (Exception, SystemExit, GeneratorExit) as exc:  # raised while imported
+        except BaseException as exc:  # the user's module raised while imported
+            if isinstance(exc, (KeyboardInterrupt, AmpdoctorInterrupt)):
+                raise
             raise _user_error(f"importing '{module_name}' (spec key '{key}')", exc,
                               self.finder) from exc
         obj: Any = module
@@ -194,7 +196,9 @@ class UserCode:
     def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except (Exception, SystemExit, GeneratorExit) as exc:
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, AmpdoctorInterrupt)):
+                raise
             raise _user_error(what, exc, self.finder) from exc
 
     def forget(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from . import compare
-from .errors import UserCodeError
+from .errors import AmpdoctorInterrupt, UserCodeError
 from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
                       run_train_loop, to_device)
 from .probe import recorder
@@ -226,9 +226,11 @@ class Session(ReferenceBuilder):
             if run_train_loop(self.code, handed, loop_optimizer, feed, settings):
                 self.notes.add("train_loop is a generator function: ampdoctor runs it by "
                                "iterating it to the end")
-        except (Exception, SystemExit, GeneratorExit) as exc:
-            # The user's loop raised (or called sys.exit): recorded, judged by the rung. Only
-            # Ctrl-C and ampdoctor's own signals go past.
+        except BaseException as exc:
+            # The user's loop raised (anything, sys.exit included): recorded, judged by the
+            # rung. Only Ctrl-C and ampdoctor's own interruptions go past.
+            if isinstance(exc, (KeyboardInterrupt, AmpdoctorInterrupt)):
+                raise
             trace.error = exc
             trace.error_time = time.time()
             trace.error_site = self.finder.from_traceback(exc.__traceback__)

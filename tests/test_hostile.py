@@ -267,11 +267,20 @@ def generator_exit(model, optimizer, micro_batches, run):
 
 def data_exits():
     sys.exit(0)  # LINE
+
+
+class Stop(BaseException):
+    pass
+
+
+def base_exception(model, optimizer, micro_batches, run):
+    raise Stop("a BaseException of the user's own")  # LINE
 '''
 
 
 @pytest.mark.parametrize("loop, data", [("exits_0", "data"), ("exits_msg", "data"),
-                                        ("generator_exit", "data"), ("exits_0", "data_exits")])
+                                        ("generator_exit", "data"), ("exits_0", "data_exits"),
+                                        ("base_exception", "data")])
 def test_a_loop_or_factory_that_exits_is_a_user_code_error_with_a_record(tmp_path, loop, data):
     (tmp_path / "leaving.py").write_text(EXITING)
     lines = {name: n for n, text in enumerate(EXITING.splitlines(), start=1)

@@ -13,6 +13,7 @@ import signal
 import threading
 from typing import Any, Iterator
 
+from ..errors import AmpdoctorInterrupt
 from ..findings import Finding, RungResult, location
 from ..probe import recorder
 
@@ -21,7 +22,7 @@ from ..probe import recorder
 REFIRE_S = 0.5
 
 
-class RungTimeout(BaseException):
+class RungTimeout(AmpdoctorInterrupt):
     """The rung ran past `timeout_s`. `site`: where the loop was; `last`: its last event."""
 
     def __init__(self, frame: Any, last: Any) -> None:
