@@ -353,7 +353,7 @@ def conclude(rung: str, findings: list[Finding], summary_ok: str,
     status = status_from_findings(findings)
     if status == "fail":
         first = next(f for f in findings if f.severity == "error")
-        summary = f"{first.kind}: {first.message[:120]}"
+        summary = f"{first.kind}: {first.message}"   # whole: the terminal wraps it
     elif status == "warn":
         summary = f"{summary_ok}; {len(findings)} warning(s)"
     else:

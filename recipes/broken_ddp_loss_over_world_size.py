@@ -27,6 +27,8 @@ def train_loop(model, optimizer, micro_batches, run):
             scaler.scale(loss).backward()  # BUG: double-average
         if last:
             scaler.unscale_(optimizer)
+            if run.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)

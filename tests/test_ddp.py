@@ -33,9 +33,17 @@ BROKEN = {
     # gradient misses the window's update (the gathered shards agree, the update is short)
     "broken_fsdp_sync_one_early": ("missing-no-sync", {"measured": 3, "expected": 4,
                                                        "synced_backward_in_window": [3, 3, 3]}),
+    # the same, clipped at 0.05: the factor shows before the clip
+    "broken_ddp_loss_over_world_size_clipped": ("double-average", {"measured": 0.5}),
+    # only rank 0 clips: one sync on the last backward, and still the ranks drift apart
+    "broken_ddp_rank_dependent_clip": ("gradient-mismatch", {"expected": 0.0}),
     # loss / K / world_size: DDP averages already
     "broken_ddp_loss_over_world_size": ("double-average", {"measured": 0.5, "expected": 1.0}),
 }
+
+
+#: configs that run another config's loop
+SAME_LOOP = {"broken_ddp_loss_over_world_size_clipped": "broken_ddp_loss_over_world_size"}
 
 
 def _ddp_rung(record):
@@ -50,7 +58,7 @@ def _check_broken(record, name):
     assert (finding["rung"], finding["kind"], finding["severity"]) == ("ddp-sync", kind, "error")
     for key, value in expected.items():
         assert finding["evidence"][key] == pytest.approx(value, rel=1e-3), (key, finding)
-    marker = RECIPES / f"{name}.py"
+    marker = RECIPES / f"{SAME_LOOP.get(name, name)}.py"
     assert Path(finding["location"]["file"]).resolve() == marker.resolve()
     assert finding["location"]["line"] == marked_line(marker, kind)
     return finding
@@ -63,7 +71,10 @@ def test_broken_ddp_recipe_spawned(name, records_dir):
     finding = _check_broken(result.record, name)
     rung = _ddp_rung(result.record)
     assert rung["details"]["launch"] == "spawned"
-    if name.startswith("broken_fsdp"):
+    if name == "broken_ddp_rank_dependent_clip":
+        assert finding["evidence"]["measured"] > 1.0      # the ranks' gradients, apart
+        assert "part ways at a clip call that only one of them makes" in finding["message"]
+    elif name.startswith("broken_fsdp"):
         assert rung["details"]["wrapper"] == "FSDP"
         assert "reduce-scattered once per window, but on backward 3 of 4" in finding["message"]
         assert finding["evidence"]["ratio"] < 0.9     # the last micro-batch is missing
@@ -205,4 +216,12 @@ def test_the_stack_dump_of_a_hung_rank_names_the_users_frame(tmp_path):
             '  File "/usr/lib/python3/site-packages/ampdoctor/session.py", line 200 in run_loop\n')
     site = CallSiteFinder([tmp_path]).from_stack_dump(dump)
     assert (site.file, site.line, site.function) == (str(user.resolve()), 29, "train_loop")
+    # a project's own virtualenv under project_root holds library code, not the user's
+    venv = tmp_path / ".venv/lib/python3.11/site-packages/ampdoctor/probe"
+    venv.mkdir(parents=True)
+    wrapped = ('Current thread 0x00007f (most recent call first):\n'
+               f'  File "{venv / "wrappers.py"}", line 62 in backward\n'
+               f'  File "{user}", line 29 in train_loop\n')
+    site = CallSiteFinder([tmp_path]).from_stack_dump(wrapped)
+    assert (site.file, site.line) == (str(user.resolve()), 29)
     assert CallSiteFinder([tmp_path / "elsewhere"]).from_stack_dump(dump) is None

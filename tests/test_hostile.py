@@ -534,3 +534,63 @@ def test_the_default_dtype_is_restored_after_a_loop_changed_it(tmp_path):
     with pytest.raises(UserCodeError):
         run_diagnose(load_spec(path))
     assert torch.get_default_dtype() == torch.float32
+
+
+# ------------------------------------------------------------ in a real headless browser
+def _chromium() -> str | None:
+    import shutil
+    return next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")
+                 if shutil.which(n)), None)
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no headless Chromium on this machine "
+                    "(.ci/run installs Debian's chromium)")
+def test_the_postmortem_runs_no_script_and_loads_nothing_in_a_browser(tmp_path):
+    import http.server
+    import subprocess
+    import threading
+
+    requests: list[str] = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            requests.append(self.path)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    origin = f"http://127.0.0.1:{server.server_address[1]}"
+    # a control page with the same payloads unescaped: proves the browser would run and fetch
+    pwn = "document.body.setAttribute('data-pwned','1')"
+    payloads = [f"<script>{pwn}</script>", f'"><img src="{origin}/img" onerror="{pwn}">',
+                f"<script src={origin}/x.js></script>",
+                f"<style>body{{background:url({origin}/css)}}</style>",
+                f'<svg onload="{pwn}"></svg>', f"<iframe src={origin}/frame></iframe>"]
+    try:
+        control = tmp_path / "control.html"
+        control.write_text("<html><body>" + "".join(payloads) + "</body></html>")
+        pages = []
+        for i, text in enumerate(payloads):
+            page = tmp_path / f"p{i}.html"
+            page.write_text(render_html(_hostile_record(text)))
+            pages.append(page)
+
+        def dom(page: Path) -> str:
+            return subprocess.run(
+                [_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+                 "--virtual-time-budget=2000", "--dump-dom", page.as_uri()],
+                capture_output=True, text=True, timeout=60).stdout
+
+        assert 'data-pwned="1"' in dom(control) and requests   # the payloads are live
+        requests.clear()
+        for page in pages:
+            shown = dom(page)
+            assert "<h1>" in shown and 'data-pwned="1"' not in shown, page
+        assert requests == []
+    finally:
+        server.shutdown()

@@ -26,6 +26,8 @@ from typing import Any, Callable
 import torch
 
 RUNG = "ddp-sync"
+#: Calls per rank kept for the comparison of the ranks' call sequences.
+MAX_CALLS = 20_000
 
 
 def shard(mb: Any, rank: int, world_size: int) -> Any:
@@ -170,6 +172,23 @@ def _agreement(session, judgement, model: torch.nn.Module) -> dict[str, Any]:
             "parameter_difference": final}
 
 
+def _unclipped_ratio(session, trace, judged) -> float | None:
+    """The consumed gradient's norm over the reference's, both before any clip: the factor a
+    clip hides (a loss divided by world_size, clipped to max_grad_norm like the reference)."""
+    from ..rules.accumulation import unclipped
+    from ..session import flat
+
+    step = judged.step
+    snapshot = trace.probe.snapshots.get(step.group)
+    if snapshot is None:
+        return None
+    names = [n for n in step.grads if n in session.param_shapes]
+    user, _ = unclipped(flat(session, step.grads, names), list(judged.events))
+    ref = session.reference(judged.window, snapshot.state, snapshot.training, per_mb=False)
+    ref_norm = float(flat(session, ref.full, names).norm())
+    return float(user.norm()) / ref_norm if ref_norm else None
+
+
 def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any]) -> None:
     """The rank's whole job, inside an initialised default process group. Fills `result`."""
     from ..ladder.analysis import compare_trace
@@ -207,6 +226,10 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
         result.update(buckets=observer.buckets, toggles=observer.toggles,
                       no_syncs=observer.no_syncs,
                       backwards=[_site(e.site) for e in trace.of_kind("backward")],
+                      # the calls the loop made, in order: where ranks part ways, a line differs
+                      calls=[[e.kind] + (_site(e.site) or [None, None, None])
+                             for e in trace.events
+                             if e.kind not in ("forward", "microbatch")][:MAX_CALLS],
                       steps=[s.backwards for s in trace.steps],
                       step_sites=[_site(s.site) for s in trace.steps])
         if trace.error is not None:
@@ -216,10 +239,14 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
             return
         mismatch, judgement = compare_trace(session, trace, RUNG, "fp32")
         result["judged"] = [
-            {"window": s.window, "ratio": s.metrics.ratio, "cosine": s.metrics.cosine,
+            {"window": s.window, "ratio": s.metrics.ratio, "preclip_ratio": s.preclip_ratio,
+             "cosine": s.metrics.cosine,
              "relative_error": s.metrics.rel_err, "bad": s.bad,
              "consumed": list(s.step.consumed),
              "site": _site(s.step.site)} for s in judgement.steps]
+        bad = judgement.first_bad
+        if bad is not None:
+            result["first_bad_unclipped_ratio"] = _unclipped_ratio(session, trace, bad)
         result["findings"] = [f.to_dict() for f in mismatch]
         result["tolerance"] = judgement.tolerance.rtol
         result.update(_agreement(session, judgement, trace.probe.model))

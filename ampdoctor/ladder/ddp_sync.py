@@ -15,6 +15,7 @@ the whole window (`ampdoctor.ddp.rank`). Here the rung reads what they brought b
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..errors import LaunchError
@@ -124,6 +125,20 @@ def _window_positions(r0: dict[str, Any], windows: int) -> tuple[list[int], int]
     return [((b - 1) % per_window) + 1 for b in syncing], per_window
 
 
+def _first_difference(a: list[list[Any]], b: list[list[Any]]) -> tuple[str, list[Any]] | None:
+    """The first call where two ranks' call sequences differ: (what, its site)."""
+    for x, y in zip(a, b):
+        if x != y:
+            call = x if x[1] else y
+            return (f"a {call[0]} call that only one of them makes" if x[0] != y[0]
+                    else f"{call[0]}", call[1:])
+    if len(a) != len(b):
+        longer = a if len(a) > len(b) else b
+        call = longer[min(len(a), len(b))]
+        return f"a {call[0]} call that only one of them makes", call[1:]
+    return None
+
+
 def _switch_site(r0: dict[str, Any]) -> Location | None:
     """Where the loop switches sync: its require_backward_grad_sync (or FSDP's
     set_requires_gradient_sync) line, else its no_sync()."""
@@ -150,7 +165,9 @@ def run(session) -> RungResult:
     results = _run_ranks(session, world_size, timeout_s)
     failed = _rank_error(results, world_size, timeout_s, session.finder)
     if failed is not None:
-        return failed
+        return dataclasses.replace(failed, details={
+            **failed.details, "world_size": world_size,
+            "launch": "torchrun" if launch.GROUP else "spawned"})
     wrapper = spec.ddp.wrapper if spec.ddp is not None else "ddp"
     return _judge(session, results, world_size, WORDS[wrapper])
 
@@ -221,6 +238,11 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                 "parameter_difference_between_ranks": r0.get("parameter_difference"),
                 "world_size": world_size}
     wrong_position = [p for p in positions if p != per_window]
+    # before a clip that bit: the factor a clip hides (the judge's pre-clip ratio)
+    unclipped = r.get("first_bad_unclipped_ratio")
+    ratio = (unclipped or first.get("preclip_ratio") or first["ratio"]) if first else 0.0
+    if first and ratio != first["ratio"]:
+        evidence["ratio_before_clip"] = round(ratio, 6)
     if not synced_backwards:
         finding = Finding(
             RUNG, "gradient-mismatch", "error",
@@ -243,14 +265,35 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
             evidence={"measured": wrong_position[0], "expected": per_window,
                       "synced_backward_in_window": positions, **evidence},
             location=_switch_site(r0) or _loc(r0["backwards"][synced_backwards[0] - 1]))
-    elif first and abs(first["ratio"] * world_size - 1) <= WORLD_SIZE_RATIO_RTOL and first["cosine"] > 0.99:
+    elif apart:
+        # One sync per window, on its last backward, yet the ranks consumed different
+        # gradients: the loop does something per rank (a clip, a scale, a branch on rank).
+        # Where their calls part ways is the line.
+        other = next((results[k] for k in sorted(results) if k != 0), r0)
+        parted = _first_difference(r0.get("calls", []), other.get("calls", []))
+        explained = r0.get("findings") or other.get("findings") or []
+        where = (_loc(parted[1]) if parted else
+                 Location(**explained[0]["location"]) if explained and explained[0].get("location")
+                 else _loc(r0["judged"][apart[0]]["site"]) if r0["judged"] else None)
+        how = (f" Rank 0 and rank {other['rank']} part ways at {parted[0]} "
+               f"({parted[1][0]}:{parted[1][1]})." if parted and parted[1] else "")
+        finding = Finding(
+            RUNG, "gradient-mismatch", "error",
+            f"The ranks consumed different gradients ({max(diffs):.3g} apart, relative, first "
+            f"at step {apart[0]}) although {words['who']} {words['verb']} once per window on "
+            "its last backward: something in the loop is rank-dependent (a clip, a scale or a "
+            "branch on the rank), so the ranks' parameters drift apart "
+            f"({r0.get('parameter_difference', 0):.3g} after the run).{how}",
+            evidence={"measured": round(max(diffs), 6), "expected": 0.0, **evidence},
+            location=where)
+    elif first and abs(ratio * world_size - 1) <= WORLD_SIZE_RATIO_RTOL and first["cosine"] > 0.99:
         finding = Finding(
             RUNG, "double-average", "error",
-            f"Every rank consumed {first['ratio']:.4g}x the reference gradient of the global "
+            f"Every rank consumed {ratio:.4g}x the reference gradient of the global "
             f"batch: 1/world_size (={1 / world_size:g}). {words['who']} already averages "
             "gradients over "
             "the ranks; the loss is divided by the world size on top of that.",
-            evidence={"measured": round(first["ratio"], 6), "expected": 1.0, **evidence},
+            evidence={"measured": round(ratio, 6), "expected": 1.0, **evidence},
             location=_loc(r["backwards"][0]) if r["backwards"] else None)
     elif r.get("findings"):
         data = dict(r["findings"][0])

@@ -60,12 +60,17 @@ class CallSiteFinder:
                 hit = (True, False)
             else:
                 path = os.path.realpath(filename)
-                if path.startswith(self.user_roots) and self.user_roots:
+                # Installed code is never the user's, even under project_root (a project's own
+                # .venv holding torch and ampdoctor).
+                library = (path.startswith(self.library_dirs)
+                           or f"{os.sep}site-packages{os.sep}" in path
+                           or f"{os.sep}dist-packages{os.sep}" in path)
+                if library:
+                    hit = (True, False)
+                elif path.startswith(self.user_roots) and self.user_roots:
                     hit = (False, True)
                 else:
-                    hit = (path.startswith(self.library_dirs)
-                           or f"{os.sep}site-packages{os.sep}" in path
-                           or f"{os.sep}dist-packages{os.sep}" in path, False)
+                    hit = (False, False)
             self._cache[filename] = hit
         return hit
 
