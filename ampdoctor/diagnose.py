@@ -31,6 +31,28 @@ def _deterministic_cuda():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
+@contextlib.contextmanager
+def _no_hard_exit():
+    """`os._exit()` from the user's code in this process becomes a SystemExit ampdoctor records
+    (a loop error, exit 3): it would otherwise end the process with no record -- `os._exit(0)`
+    as a silent "healthy". Forked children (DataLoader workers) exit as they always do."""
+    import os
+
+    real = os._exit
+    pid = os.getpid()
+
+    def _exit(status: int) -> None:
+        if os.getpid() != pid:
+            real(status)
+        raise SystemExit(f"os._exit({status})")
+
+    os._exit = _exit
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
                  on_done: Callable[[RungResult], None] | None = None) -> dict[str, Any]:
     """Run the ladder on a validated spec and return the run record (a dict)."""
@@ -48,7 +70,7 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
     record = new_record(spec, str(device))
     rng_state = torch.get_rng_state()
     code = None
-    with patches.installed(wrappers.install), _deterministic_cuda():
+    with patches.installed(wrappers.install), _deterministic_cuda(), _no_hard_exit():
         try:
             code = UserCode(spec, finder)
             data = code.call("the data factory", code.data_factory)

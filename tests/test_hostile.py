@@ -269,6 +269,11 @@ def data_exits():
     sys.exit(0)  # LINE
 
 
+def hard_exit(model, optimizer, micro_batches, run):
+    import os
+    os._exit(0)  # LINE
+
+
 class Stop(BaseException):
     pass
 
@@ -280,11 +285,15 @@ def base_exception(model, optimizer, micro_batches, run):
 
 @pytest.mark.parametrize("loop, data", [("exits_0", "data"), ("exits_msg", "data"),
                                         ("generator_exit", "data"), ("exits_0", "data_exits"),
-                                        ("base_exception", "data")])
+                                        ("base_exception", "data"), ("hard_exit", "data")])
 def test_a_loop_or_factory_that_exits_is_a_user_code_error_with_a_record(tmp_path, loop, data):
     (tmp_path / "leaving.py").write_text(EXITING)
-    lines = {name: n for n, text in enumerate(EXITING.splitlines(), start=1)
-             for name in (loop, data) if f"def {name}(" in text}
+    source = EXITING.splitlines()
+
+    def marked(name: str) -> int:   # the `# LINE` after `def name(`
+        start = next(n for n, text in enumerate(source) if f"def {name}(" in text)
+        return next(n for n in range(start, len(source)) if "# LINE" in source[n]) + 1
+
     path = tmp_path / "spec.yaml"
     path.write_text(f"project_root: .\nmodel: leaving:make\ndata: leaving:{data}\n"
                     f"train_loop: leaving:{loop}\naccumulation_steps: 2\nmicro_batch_size: 4\n"
@@ -295,7 +304,7 @@ def test_a_loop_or_factory_that_exits_is_a_user_code_error_with_a_record(tmp_pat
     assert record["verdict"] == "error"
     assert list((tmp_path / "runs").glob("*.json"))
     failing = data if data == "data_exits" else loop
-    assert f"leaving.py:{lines[failing] + 1}" in " ".join(result.stderr.split())
+    assert f"leaving.py:{marked(failing)}" in " ".join(result.stderr.split())
 
 
 # --------------------------------------------------------- records rendered on a terminal

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -158,7 +159,7 @@ def _state():
     import torch
     return (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler.step,
             torch.optim.Optimizer.zero_grad, torch.autocast.__enter__, torch.nn.Module.__init__,
-            torch.get_default_dtype(), list(sys.path))
+            torch.get_default_dtype(), list(sys.path), os._exit)
 
 
 def _user_modules(root: Path) -> set[str]:
