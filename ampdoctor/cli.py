@@ -7,6 +7,7 @@ could not run. Torch is imported only inside `diagnose`.
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import sys
 import traceback
@@ -268,9 +269,24 @@ def scan(
 
 
 @app.command()
-def explain(kind: str = typer.Argument(..., help="A diagnosis kind, e.g. clip-before-unscale.")) -> None:
+def explain(
+    kind: Optional[str] = typer.Argument(None, help="A diagnosis kind, e.g. clip-before-unscale "
+                                         "(none: list every kind)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the explanation as JSON."),
+) -> None:
     """Explain a diagnosis kind: what it is, why it matters, how to fix it."""
+    from rich.text import Text
+
     from .findings import CATALOGUE, RULES
+    console = Console()
+    if kind is None:
+        if json_out:
+            sys.stdout.write(json.dumps({k: e.title for k, e in CATALOGUE.items()}, indent=2)
+                             + "\n")
+            return
+        for name, entry in CATALOGUE.items():
+            console.print(Text.assemble((f"{name:32}", "bold"), entry.title))
+        return
     entry = CATALOGUE.get(kind)
     if entry is None:
         import difflib
@@ -278,16 +294,23 @@ def explain(kind: str = typer.Argument(..., help="A diagnosis kind, e.g. clip-be
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise typer.Exit(_fail(UsageError(f"unknown kind {kind!r}.{hint} Kinds: "
                                           f"{', '.join(CATALOGUE)}"), False))
-    console = Console()
-    console.print(f"[bold]{entry.name}[/]: {entry.title}\n")
-    console.print(f"[bold]Why is this bad?[/]\n{entry.why}\n", highlight=False)
-    if entry.example:
-        console.print(f"[bold]Example[/]\n{entry.example}\n", highlight=False, markup=False)
-    console.print(f"[bold]Fix[/]\n{entry.fix}\n", highlight=False)
     rule = RULES.get(kind)
+    if json_out:
+        sys.stdout.write(json.dumps({
+            "kind": entry.name, "title": entry.title, "why": entry.why,
+            "example": entry.example, "fix": entry.fix,
+            "measured": rule.measured if rule else None,
+            "decided_in": f"ampdoctor/{rule.decided_in}" if rule else None}, indent=2) + "\n")
+        return
+    # headings are ampdoctor's markup; the texts are printed literally
+    sections = [(f"{entry.name}", entry.title), ("Why is this bad?", entry.why),
+                ("Example", entry.example), ("Fix", entry.fix)]
     if rule is not None:
-        console.print(f"[bold]Measured[/]: {rule.measured}\n[bold]Decided in[/]: "
-                      f"ampdoctor/{rule.decided_in}", highlight=False)
+        sections += [("Measured", rule.measured), ("Decided in", f"ampdoctor/{rule.decided_in}")]
+    for heading, body in sections:
+        if body:
+            console.print(Text(heading, style="bold"))
+            console.print(Text(body + "\n"))
 
 
 def main() -> None:

@@ -105,10 +105,16 @@ _KINDS = [
     ),
     Kind(
         "missing-no-sync",
-        "DDP all-reduces on every micro-batch",
-        "Without `no_sync()` on the first K-1 micro-batches, DDP all-reduces the gradients K times "
-        "per optimizer step: K times the communication for the same result.",
-        "Wrap the first K-1 backward passes of each window in `with model.no_sync():`.",
+        "DDP synchronises gradients on the wrong micro-batches",
+        "Without `no_sync()` (or `require_backward_grad_sync = False`, or FSDP's "
+        "`set_requires_gradient_sync(False)`) on the first K-1 micro-batches, DDP all-reduces K "
+        "times per optimizer step: K times the communication for the same result. With the "
+        "switch one micro-batch off (set after the forward, an off-by-one condition), the one "
+        "sync of a window happens on another backward: the later micro-batches' gradients stay "
+        "rank-local, the ranks consume different gradients and their parameters drift apart.",
+        "Switch sync off for the first K-1 micro-batches and on for the last, *before* each "
+        "forward: `with model.no_sync():` around forward and backward, or "
+        "`model.require_backward_grad_sync = (micro_step == K - 1)` before the forward.",
     ),
     Kind(
         "half-open-amp",
@@ -238,8 +244,8 @@ RULES: dict[str, Rule] = {r.kind: r for r in [
          "ladder/reproducibility.py run"),
     Rule("missing-accumulation-average", "consumed / reference gradient norm (K)",
          "rules/accumulation.py classify_step"),
-    Rule("double-average", "consumed / reference gradient norm (1/K)",
-         "rules/accumulation.py classify_step"),
+    Rule("double-average", "consumed / reference gradient norm (1/K; under DDP 1/world_size)",
+         "rules/accumulation.py classify_step; ladder/ddp_sync.py _judge"),
     Rule("reduction-mismatch", "consumed / reference gradient norm (b, a token count)",
          "rules/accumulation.py classify_step; rules/shapes.py varying_divisor"),
     Rule("weighted-average-mismatch", "consumed / reference gradient norm",
@@ -248,7 +254,8 @@ RULES: dict[str, Rule] = {r.kind: r for r in [
          "rules/counts.py step_count_finding"),
     Rule("zero-grad-inside-accumulation", "micro-batches of the window that reached the step",
          "rules/accumulation.py classify_step"),
-    Rule("missing-no-sync", "gradient all-reduces per optimizer step", "ladder/ddp_sync.py run"),
+    Rule("missing-no-sync", "syncs per window (bytes), the backward that synced, rank drift",
+         "ladder/ddp_sync.py _judge"),
     Rule("half-open-amp", "autocast entered/enabled (dtype)",
          "ladder/amp.py half_open_findings; ladder/fp32_accum.py _autocast_in_fp32"),
     Rule("clip-before-unscale", "norm the clip saw / true norm (the loss scale S)",

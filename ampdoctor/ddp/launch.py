@@ -78,7 +78,9 @@ def _child(rank: int, world_size: int, spec_path: str, master: str, port: int,
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         device = resolve_device(load_spec(spec_path).device)
         if device.type == "cuda":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            # under torchrun across nodes the GPU is the node-local rank's
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            torch.cuda.set_device(local % torch.cuda.device_count())
         elif "OMP_NUM_THREADS" not in os.environ:
             # world_size ranks on one machine's cores: each its share, not all of them each
             # (as torchrun does with OMP_NUM_THREADS=1); oversubscribed ranks run 3-4x slower
