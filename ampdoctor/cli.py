@@ -220,11 +220,23 @@ def report(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Where to write the HTML."),
     json_out: bool = typer.Option(False, "--json", help="Print the record as JSON on stdout."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder of run records."),
+    record_code: bool = typer.Option(False, "--record-exit-code",
+                                     help="Exit with the record's own code (1 failed, 3 error) "
+                                     "instead of 0 once rendered."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
 ) -> None:
-    """Re-render a saved run record (no torch needed)."""
+    """Re-render a saved run record (no torch needed).
+
+    Exit 0 once rendered (a postmortem step does not fail because the run it shows failed;
+    --record-exit-code keeps the record's code), 2 for a missing or invalid record or clashing
+    options.
+    """
     from . import record as records
     from .report.terminal import render
+    clash = ("-o/--output writes the HTML page: add --html" if output is not None and not html
+             else "--html and --json: choose one" if html and json_out else None)
+    if clash:
+        raise typer.Exit(_fail(UsageError(clash + "."), debug))
     try:
         path = record if record is not None else records.latest(out)
         data = records.load(path)
@@ -247,7 +259,7 @@ def report(
         raise typer.Exit(_fail(exc, debug))
     except OSError as exc:
         raise typer.Exit(_fail(UsageError(f"cannot write the report: {exc}", cause=exc), debug))
-    raise typer.Exit(records.exit_code(data))
+    raise typer.Exit(records.exit_code(data) if record_code else 0)
 
 
 @app.command()
@@ -262,6 +274,8 @@ def scan(
     if fmt not in ("text", "json", "sarif"):
         raise typer.Exit(_fail(UsageError(f"--format must be text, json or sarif, not {fmt!r}."),
                                debug))
+    if json_out and fmt not in ("text", "json"):
+        raise typer.Exit(_fail(UsageError(f"--json and --format {fmt}: choose one."), debug))
     from .scan.command import run_scan
     raise typer.Exit(run_scan([str(p) for p in paths], as_json=json_out or fmt == "json",
                               fmt="json" if json_out else fmt,
