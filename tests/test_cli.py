@@ -133,3 +133,12 @@ def test_options_that_clash_are_a_usage_error(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert not (tmp_path / "x.html").exists()
+
+
+def test_help_lists_the_exit_codes():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    shown = " ".join(result.stdout.split())
+    for text in ("0 healthy", "1 a rung failed", "2 bad spec or usage", "3 your model",
+                 "4 an internal ampdoctor error", "report: 0 rendered"):
+        assert text in shown, text
