@@ -80,6 +80,9 @@ class Spec(_Strict):
     #: align: every forward of micro-batch i runs under the same RNG state in every run of the
     #: loop and in the reference, so dropout masks match; off: functional dropout runs at p = 0.
     dropout: Literal["align", "off"] = "align"
+    #: the precisions the user's training uses; rungs of the others are skipped
+    precisions: list[Literal["fp32", "bf16", "fp16"]] = Field(
+        default_factory=lambda: ["fp32", "bf16", "fp16"], min_length=1)
     #: the longest one rung may run the loop before ampdoctor stops it (exit 3 naming the rung
     #: and where the loop was); the ddp-sync rung is bounded by ddp.timeout_s instead
     timeout_s: float = Field(default=600.0, gt=0, le=7 * 86400)
@@ -103,6 +106,14 @@ class Spec(_Strict):
         if isinstance(value, str):
             return _check_callable(value)
         return value
+
+    @field_validator("precisions")
+    @classmethod
+    def _precisions(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("a precision is listed twice")
+        # fp32 always runs: it is what every other precision is compared with
+        return ["fp32"] + [p for p in ("bf16", "fp16") if p in value]
 
     @field_validator("dropout", mode="before")
     @classmethod

@@ -8,7 +8,7 @@ import pytest
 
 from ampdoctor.errors import SpecError
 from ampdoctor.spec import load_spec
-from conftest import CONFIGS, run_cli
+from conftest import CONFIGS, RECIPES, run_cli
 
 GOOD = """\
 model: common:make_mlp
@@ -132,3 +132,19 @@ def test_debug_shows_the_traceback(tmp_path):
     assert result.returncode == 3
     assert "Traceback" in result.stderr
     assert "ValueError" in result.stderr
+
+
+def test_precisions_always_hold_fp32_and_no_repeats(tmp_path):
+    from ampdoctor.errors import SpecError
+    from ampdoctor.spec import load_spec
+
+    base = (CONFIGS / "healthy_sgd.yaml").read_text().replace("../recipes", str(RECIPES))
+    path = tmp_path / "spec.yaml"
+    path.write_text(base + "precisions: [bf16]\n")
+    assert load_spec(path).precisions == ["fp32", "bf16"]
+    path.write_text(base + "precisions: [fp16, bf16, fp16]\n")
+    with pytest.raises(SpecError, match="listed twice"):
+        load_spec(path)
+    path.write_text(base + "precisions: [fp8]\n")
+    with pytest.raises(SpecError, match="precisions"):
+        load_spec(path)

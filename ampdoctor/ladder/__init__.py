@@ -28,6 +28,12 @@ def _rungs() -> dict[str, Callable]:
     }
 
 
+#: The precision a rung runs the loop in (fp32 rungs always run). clip-space and skips are
+#: about the fp16 loss scale: without fp16 there is no scaled space and nothing to skip.
+RUNG_PRECISION = {"bf16-no-scaler": "bf16", "fp16-scaler": "fp16", "clip-space": "fp16",
+                  "skips": "fp16"}
+
+
 def run_ladder(session, on_start: Callable[[str], None] | None = None,
                on_done: Callable[[RungResult], None] | None = None) -> list[RungResult]:
     rungs = _rungs()
@@ -36,6 +42,15 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
     for rung_id in RUNG_IDS:
         if failed:
             results.append(RungResult(rung_id, "not-run", "an earlier rung failed"))
+            continue
+        wanted = RUNG_PRECISION.get(rung_id)
+        if wanted is not None and wanted not in session.spec.precisions:
+            result = RungResult(rung_id, "skip", f"{wanted} is not in the spec's precisions "
+                                f"({', '.join(session.spec.precisions)}): this training does "
+                                f"not use it")
+            results.append(result)
+            if on_done:
+                on_done(result)
             continue
         if on_start:
             on_start(rung_id)
