@@ -199,6 +199,14 @@ def _signals_interrupt():
             signal.signal(sig, old)
 
 
+def _stdout_console() -> Console:
+    """The terminal wraps what it shows; piped or redirected output gets whole lines (one
+    finding's message on one line, greppable), never a wrap at 80 columns."""
+    if sys.stdout.isatty():
+        return Console()
+    return Console(width=100_000, no_color=True)
+
+
 def _save_and_show(record, out, json_out, render, err) -> bool:
     """Save the record, then show it; False (and a clear line) when it could not be saved."""
     from . import record as records
@@ -211,7 +219,7 @@ def _save_and_show(record, out, json_out, render, err) -> bool:
     if json_out:
         sys.stdout.write(records.dumps(record))
     else:
-        render(record, Console())
+        render(record, _stdout_console())
     if saved:
         err.print(f"record saved to {path}", highlight=False, markup=False, style="dim")
     else:
@@ -260,7 +268,7 @@ def report(
         elif json_out:
             sys.stdout.write(records.dumps(data))
         else:
-            render(data, Console())
+            render(data, _stdout_console())
     except AmpdoctorError as exc:
         raise typer.Exit(_fail(exc, debug))
     except OSError as exc:

@@ -142,3 +142,16 @@ def test_help_lists_the_exit_codes():
     for text in ("0 healthy", "1 a rung failed", "2 bad spec or usage", "3 your model",
                  "4 an internal ampdoctor error", "report: 0 rendered"):
         assert text in shown, text
+
+
+def test_piped_output_keeps_each_line_whole(saved_record):
+    """Not a terminal: no wrap at 80 columns, so a finding's message and its file:line are
+    each on one line (grep finds them)."""
+    result = run_cli("report", "--out", saved_record, env={"COLUMNS": "80"})
+    assert result.returncode == 0
+    message = next(line for line in result.stdout.splitlines()
+                   if "missing-accumulation-average" in line and "[fp32-accum]" in line)
+    assert message
+    assert any(len(line) > 120 for line in result.stdout.splitlines())
+    assert any("broken_missing_average.py:" in line and "fix" not in line
+               for line in result.stdout.splitlines())

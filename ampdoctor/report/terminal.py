@@ -96,7 +96,7 @@ def _finding_panel(finding: dict[str, Any]) -> Panel:
         body.append(finding["fix"])
     title = Text(f"{severity}: {finding.get('kind')} [{finding.get('rung')}] "
                  f"{finding.get('title', '')}")
-    return Panel(body, title=title, title_align="left", border_style=style)
+    return Panel(body, title=title, title_align="left", border_style=style, expand=False)
 
 
 def error_text(message: str, location: tuple[str, int] | None = None) -> str:
