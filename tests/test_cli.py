@@ -27,8 +27,10 @@ def test_version():
     assert __version__ in result.stdout
 
 
-def test_help_does_not_import_torch():
-    assert _modules_after("--help").strip().endswith("NO-TORCH")
+@pytest.mark.parametrize("args", [["--help"], ["explain"], ["explain", "missing-no-sync"],
+                                  ["scan", str(RECIPES / "healthy_sgd.py")]])
+def test_commands_that_run_no_model_do_not_import_torch(args):
+    assert _modules_after(*args).strip().endswith("NO-TORCH")
 
 
 @pytest.fixture(scope="module")
