@@ -91,6 +91,60 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
     return record
 
 
+def environment(spec: Spec | None) -> dict[str, Any]:
+    """Where and with what a record was made: for a postmortem read weeks later."""
+    import datetime
+    import platform
+    import socket
+    import sys
+
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(), "python": platform.python_version(),
+        "platform": platform.platform(terse=True)}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        env["torch"] = torch.__version__
+        env["cuda"] = torch.version.cuda
+        try:
+            env["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+            env["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        except Exception:  # noqa: BLE001 - a driver problem must not cost the record
+            env["gpu"] = None
+    if spec is not None:
+        env["git_commit"] = _git_commit(spec.root)
+        if spec.spec_path is not None:
+            try:
+                env["spec_text"] = spec.spec_path.read_text(encoding="utf-8")[:MAX_SPEC_TEXT]
+            except (OSError, UnicodeDecodeError):
+                env["spec_text"] = None
+    return env
+
+
+#: The spec's text kept in a record (a spec is small; this bounds a strange one).
+MAX_SPEC_TEXT = 64 * 1024
+
+
+def _git_commit(root) -> str | None:
+    """The commit of the user's project when it is a git tree (read-only: no index refresh),
+    with `+dirty` when it has uncommitted changes; None otherwise."""
+    import os
+    import subprocess
+
+    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0")
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=5, env=env)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=5, env=env)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
 def new_record(spec: Spec, device: str) -> dict[str, Any]:
     return {
         "record_version": 1,
@@ -109,6 +163,7 @@ def new_record(spec: Spec, device: str) -> dict[str, Any]:
         "series": {"scale": [], "grad_norm_before_unscale": [], "grad_norm_after_unscale": [],
                    "skipped": []},
         "error": None,
+        "environment": environment(spec),
     }
 
 

@@ -157,3 +157,32 @@ def test_piped_output_keeps_each_line_whole(saved_record):
     assert any(len(line) > 120 for line in result.stdout.splitlines())
     assert any("broken_missing_average.py:" in line and "fix" not in line
                for line in result.stdout.splitlines())
+
+
+def test_a_record_carries_its_environment(tmp_path):
+    import platform
+    import shutil
+
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("common.py", "healthy_sgd.py"):
+        shutil.copy(RECIPES / name, project / name)
+    spec_text = (CONFIGS / "healthy_sgd.yaml").read_text().replace("../recipes", str(project))
+    (project / "spec.yaml").write_text(spec_text)
+    git = ["git", "-C", str(project), "-c", "user.email=t@t", "-c", "user.name=t"]
+    if shutil.which("git"):
+        subprocess.run(git + ["init", "-q"], check=True)
+        subprocess.run(git + ["add", "."], check=True)
+        subprocess.run(git + ["commit", "-q", "-m", "x"], check=True)
+    result = run_cli("diagnose", project / "spec.yaml", "--json", "--out", tmp_path / "runs")
+    assert result.returncode == 0, result.stderr
+    env = result.record["environment"]
+    assert env["python"] == platform.python_version()
+    assert env["torch"] and env["date"].endswith("+00:00") and env["host"]
+    assert env["spec_text"] == spec_text
+    if shutil.which("git"):
+        head = subprocess.run(git + ["rev-parse", "HEAD"], capture_output=True, text=True)
+        assert env["git_commit"] == head.stdout.strip()      # clean tree: no +dirty
+    page = tmp_path / "p.html"
+    assert run_cli("report", "--out", tmp_path / "runs", "--html", "-o", page).returncode == 0
+    assert env["git_commit"][:12] in page.read_text() if env["git_commit"] else True

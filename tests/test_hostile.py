@@ -36,7 +36,7 @@ HOSTILE = [
 #: The elements the postmortem template itself writes; anything else came from a record.
 TEMPLATE_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "span", "dl",
                  "dt", "dd", "code", "pre", "table", "tr", "th", "td", "div", "p", "strong",
-                 "ul", "li", "svg", "polyline", "g", "circle"}
+                 "ul", "li", "svg", "polyline", "g", "circle", "details", "summary"}
 
 
 class _Elements(HTMLParser):
@@ -59,6 +59,7 @@ def _hostile_record(text: str) -> dict:
         "record_version": 1, "ampdoctor_version": text, "spec": f"/tmp/{text}/spec.yaml",
         "name": text, "device": text, "accumulation_steps": text, "verdict": "failed",
         "failed_rung": text, "notes": [text],
+        "environment": {"host": text, "git_commit": text, "spec_text": text, "python": text},
         "error": {"type": text, "message": text, "exit_code": 3},
         "rungs": [{"id": text, "status": text, "summary": text, "seconds": 0.5}],
         "findings": [{"rung": text, "kind": text, "severity": text, "message": text,
