@@ -130,6 +130,12 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
         elif not json_out:
             err.print(f"  rung {rung}...", highlight=False)
 
+    def recorded_failure(error: UserCodeError) -> int:
+        """The user's code could not run: say so, and still save and show a record."""
+        code = _fail(error, debug)
+        saved = _save_and_show(error_record(spec, error), out, json_out, render, err)
+        return code if saved else UsageError.exit_code
+
     done: list = []
     try:
         with status, contextlib.redirect_stdout(sys.stderr), _signals_interrupt():
@@ -143,14 +149,11 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
                               "holds the rungs that finished", cause=exc)
         record = error_record(spec, error)
         record["rungs"] = [r.to_dict() for r in done]
-        record["error"]["exit_code"] = 3
         err.print(f"ampdoctor: interrupted by {name}; torch was restored.", markup=False)
         _save_and_show(record, out, json_out, render, err)
         return 128 + int(signum)
     except UserCodeError as exc:
-        record = error_record(spec, exc)
-        code = _fail(exc, debug)
-        return code if _save_and_show(record, out, json_out, render, err) else UsageError.exit_code
+        return recorded_failure(exc)
     except (SpecError, LaunchError) as exc:
         return _fail(exc, debug)
     except Exception as exc:  # a bug in ampdoctor itself
@@ -161,11 +164,8 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
         # healthy, and not ampdoctor's bug.
         what = (f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
                 else f"raised {type(exc).__name__}: {exc}")
-        error = UserCodeError(f"the user's code {what} during the diagnose; nothing after it "
-                              "could be judged", cause=exc)
-        record = error_record(spec, error)
-        code = _fail(error, debug)
-        return code if _save_and_show(record, out, json_out, render, err) else UsageError.exit_code
+        return recorded_failure(UserCodeError(f"the user's code {what} during the diagnose; "
+                                              "nothing after it could be judged", cause=exc))
     if not _save_and_show(record, out, json_out, render, err):
         return UsageError.exit_code
     return records.exit_code(record)

@@ -6,6 +6,7 @@ versions load too: missing keys get their defaults.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -13,7 +14,7 @@ import re
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import UsageError
 
@@ -38,11 +39,7 @@ def save(record: dict[str, Any], out_dir: Path | None = None) -> Path:
     # The whole record goes to a temporary file first (a name `latest` never reads), then is
     # linked under a name that did not exist: os.link fails rather than replace, so two saves in
     # the same second (two processes, one folder) each get their own name.
-    fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=TMP_PREFIX, suffix=".part")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(dumps(record))
-        os.chmod(tmp, 0o666 & ~_umask())
+    with _temporary(out_dir, dumps(record)) as tmp:
         for n in range(1, 10_000):
             path = out_dir / (f"{base}.json" if n == 1 else f"{base}-{n}.json")
             try:
@@ -51,8 +48,21 @@ def save(record: dict[str, Any], out_dir: Path | None = None) -> Path:
             except FileExistsError:
                 continue
         raise OSError(f"no free record name for {base} in {out_dir}")
+
+
+@contextlib.contextmanager
+def _temporary(folder: Path, text: str) -> Iterator[str]:
+    """`text` written whole to a hidden temporary file in `folder` (a name `latest` never
+    reads), removed on the way out unless the caller renamed it away."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=TMP_PREFIX, suffix=".part")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        yield tmp
     finally:
-        os.unlink(tmp)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _claim(tmp: str, path: Path) -> None:
@@ -160,16 +170,8 @@ def exit_code(record: dict[str, Any]) -> int:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write to a temporary file beside `path` and rename: never a half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=TMP_PREFIX, suffix=".part")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o666 & ~_umask())
+    with _temporary(path.parent, text) as tmp:
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _umask() -> int:

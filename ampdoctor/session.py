@@ -135,10 +135,8 @@ class Session(ReferenceBuilder):
         self.loop_weighting: str | None = None
         self.weighting_open = False
         #: The loss scale every fp16 run starts from when the loop's own init_scale overflowed
-        #: every step of the slice (`start_scale_search`), else None: the loop's own.
+        #: every step of the slice (`_past_scale_search`), else None: the loop's own.
         self.fp16_start_scale: float | None = None
-        #: What that search saw: the loop's init_scale, the scale it ended on, skips, runs.
-        self.scale_search: dict[str, Any] | None = None
 
     def _build_template(self) -> torch.nn.Module:
         """Build the model once while recording where each submodule was constructed, so a
@@ -288,24 +286,18 @@ class Session(ReferenceBuilder):
         for _ in range(self.SCALE_SEARCH_RUNS):
             steps = trace.of_kind("scaler_step")
             scales = [e.scale_after for e in trace.of_kind("update") if e.scale_after]
-            inits = [e for e in trace.of_kind("scaler_init") if e.enabled]
             if (trace.error is not None or not steps or not all(e.skipped for e in steps)
-                    or not scales or not inits):
+                    or not scales or not any(e.enabled for e in trace.of_kind("scaler_init"))):
                 break
-            if self.scale_search is None:
-                self.scale_search = {"loop_init_scale": inits[0].init_scale,
-                                     "skipped_steps": len(steps), "runs": 1}
             self.fp16_start_scale = scales[-1]
-            self.scale_search["runs"] += 1
-            self.scale_search["start_scale"] = scales[-1]
             trace = self.run_loop("fp16", rng_seed=self.spec.seed + 1)
         if trace is not first:
-            s = self.scale_search
+            loop_init = next(e.init_scale for e in first.of_kind("scaler_init") if e.enabled)
             applied = any(not e.skipped for e in trace.of_kind("scaler_step"))
             self.notes.add(
-                f"the loop's init_scale {s['loop_init_scale']:g} overflowed all "
-                f"{s['skipped_steps']} steps of the slice (the scaler's start-up search): the "
-                f"fp16 runs start from {s['start_scale']:g}"
+                f"the loop's init_scale {loop_init:g} overflowed all "
+                f"{len(first.of_kind('scaler_step'))} steps of the slice (the scaler's start-up "
+                f"search): the fp16 runs start from {self.fp16_start_scale:g}"
                 + ("" if applied else ", where every step still overflowed"))
         return trace
 

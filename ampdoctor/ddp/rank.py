@@ -144,9 +144,9 @@ def _relative_differences(vectors: list[torch.Tensor]) -> list[float]:
     import torch.distributed as dist
 
     world_size = dist.get_world_size()
-    gathered = [torch.empty_like(vectors[0]) for _ in range(world_size)] if vectors else []
     out: list[float] = []
-    for v in vectors:
+    for v in vectors:   # sizes differ between the steps of different optimizers
+        gathered = [torch.empty_like(v) for _ in range(world_size)]
         dist.all_gather(gathered, v.contiguous())
         base = float(gathered[0].double().norm()) or 1.0
         out.append(max(float((g.double() - gathered[0].double()).norm()) / base

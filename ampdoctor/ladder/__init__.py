@@ -48,21 +48,18 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
             result = RungResult(rung_id, "skip", f"{wanted} is not in the spec's precisions "
                                 f"({', '.join(session.spec.precisions)}): this training does "
                                 f"not use it")
-            results.append(result)
-            if on_done:
-                on_done(result)
-            continue
-        if on_start:
-            on_start(rung_id)
-        started = time.perf_counter()
-        try:
-            # ddp-sync bounds its own processes (ddp.timeout_s)
-            with deadline(None if rung_id == "ddp-sync" else session.spec.timeout_s):
-                result = rungs[rung_id](session)
-        except RungTimeout as exc:
-            result = timeout_result(rung_id, session, exc)
-        result = replace(result, seconds=time.perf_counter() - started)
-        session.rung_done(rung_id)
+        else:
+            if on_start:
+                on_start(rung_id)
+            started = time.perf_counter()
+            try:
+                # ddp-sync bounds its own processes (ddp.timeout_s)
+                with deadline(None if rung_id == "ddp-sync" else session.spec.timeout_s):
+                    result = rungs[rung_id](session)
+            except RungTimeout as exc:
+                result = timeout_result(rung_id, session, exc)
+            result = replace(result, seconds=time.perf_counter() - started)
+            session.rung_done(rung_id)
         results.append(result)
         if on_done:
             on_done(result)
