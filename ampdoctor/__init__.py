@@ -1,3 +1,36 @@
-"""ampdoctor: triage for gradient accumulation combined with mixed precision."""
+"""ampdoctor: triage for gradient accumulation combined with mixed precision.
+
+The Python API (`diagnose`, `assert_healthy`, `Spec`, `Record`) is imported on first use, so
+`import ampdoctor` (and `ampdoctor --help`) stays fast and does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+__all__ = ["diagnose", "assert_healthy", "load", "Spec", "Record", "Unhealthy", "SpecError",
+           "UserCodeError", "__version__"]
+
+if TYPE_CHECKING:
+    from .api import Record, Unhealthy, assert_healthy, diagnose, load
+    from .errors import SpecError, UserCodeError
+    from .spec import Spec
+
+_LAZY = {"diagnose": "api", "assert_healthy": "api", "load": "api", "Record": "api",
+         "Unhealthy": "api", "Spec": "spec", "SpecError": "errors", "UserCodeError": "errors"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ampdoctor' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(_LAZY))

@@ -21,7 +21,7 @@ from . import __version__
 from .errors import (AmpdoctorError, AmpdoctorInterrupt, LaunchError, SpecError, UsageError,
                      UserCodeError)
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   help="Triage PyTorch training that combines gradient accumulation with mixed "
                        "precision (fp16 + GradScaler, or bf16).",
                   epilog="Exit codes (diagnose): 0 healthy (warnings allowed), 1 a rung failed, "
@@ -73,23 +73,42 @@ def _internal(exc: BaseException, debug: bool) -> int:
     return INTERNAL_ERROR
 
 
+def _csv(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
 @app.command()
 def diagnose(
     spec: Path = typer.Argument(..., help="The YAML spec of the run to triage."),
     json_out: bool = typer.Option(False, "--json", help="Print the run record as JSON on stdout."),
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks (the user's code's "
+                               "full traceback too; the record keeps it either way)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Folder for run records "
                                        "(default .ampdoctor/runs)."),
+    device: Optional[str] = typer.Option(None, "--device", help="Override the spec's device: "
+                                         "auto, cpu, cuda or cuda:N."),
+    precisions: Optional[str] = typer.Option(None, "--precisions", help="Override the spec's "
+                                             "precisions, comma-separated (fp32 always runs), "
+                                             "e.g. fp32,bf16."),
+    rungs: Optional[str] = typer.Option(None, "--rungs", help="Run only these rungs, "
+                                        "comma-separated, e.g. fp32-accum,fp16-scaler; the "
+                                        "others are reported as skipped."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Override optimizer_steps (the "
+                                        "slice must hold steps x K x b samples)."),
 ) -> None:
     """Run the triage ladder on SPEC and report what is wrong, with numbers and file:line."""
-    raise typer.Exit(_diagnose(spec, json_out, debug, out))
+    overrides = {"device": device, "precisions": _csv(precisions), "rungs": _csv(rungs),
+                 "optimizer_steps": steps}
+    raise typer.Exit(_diagnose(spec, json_out, debug, out,
+                               {k: v for k, v in overrides.items() if v is not None}))
 
 
-def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None) -> int:
-    from .spec import load_spec
+def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
+              overrides: dict | None = None) -> int:
+    from .api import load
 
     try:
-        spec = load_spec(spec_path)
+        spec = load(spec_path, **(overrides or {}))
     except SpecError as exc:
         return _fail(exc, debug)
 
@@ -105,7 +124,7 @@ def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None) ->
     except LaunchError as exc:
         return _fail(exc, debug)
     if launched[0] != 0:
-        return group.serve(str(spec.spec_path))
+        return group.serve(spec)
     launch.GROUP = group
     code = INTERNAL_ERROR
     try:
@@ -116,30 +135,57 @@ def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None) ->
     return code
 
 
+class _Progress:
+    """Progress on stderr: a live status line on a terminal; otherwise one line per rung and
+    at most one line a second per optimizer step (a CI log stays short)."""
+
+    def __init__(self, err: Console, quiet: bool):
+        self.err = err
+        self.quiet = quiet
+        self.status = err.status("loading the spec's code...") if err.is_terminal else None
+        self.last_line = 0.0
+
+    def __enter__(self):
+        if self.status is not None:
+            self.status.__enter__()
+        return self
+
+    def __exit__(self, *exc_info):
+        if self.status is not None:
+            self.status.__exit__(*exc_info)
+
+    def __call__(self, event: dict) -> None:
+        import time
+        rung, precision, step = event.get("rung"), event.get("precision"), event.get("step")
+        elapsed = f"{event.get('elapsed_s', 0):.1f}s"
+        if precision is None:
+            text = f"rung {rung}  ({elapsed})"
+        else:
+            of = f"/{event['steps']}" if event.get("steps") else ""
+            text = f"rung {rung}  {precision}  optimizer step {step}{of}  ({elapsed})"
+        if self.status is not None:
+            self.status.update(text)
+            return
+        if self.quiet:
+            return
+        now = time.monotonic()
+        if precision is None or now - self.last_line >= 1.0:
+            self.last_line = now
+            self.err.print(f"  {text}", highlight=False, markup=False)
+
+
 def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
     from . import record as records
-    from .diagnose import error_record, run_diagnose
+    from .api import diagnose as run
+    from .runner import error_record
     from .report.terminal import render
 
     err = _stderr()
-    status = err.status("loading the spec's code...") if err.is_terminal else contextlib.nullcontext()
-
-    def on_start(rung: str) -> None:
-        if hasattr(status, "update"):
-            status.update(f"rung [bold]{rung}[/]...")
-        elif not json_out:
-            err.print(f"  rung {rung}...", highlight=False)
-
-    def recorded_failure(error: UserCodeError) -> int:
-        """The user's code could not run: say so, and still save and show a record."""
-        code = _fail(error, debug)
-        saved = _save_and_show(error_record(spec, error), out, json_out, render, err)
-        return code if saved else UsageError.exit_code
-
     done: list = []
     try:
-        with status, contextlib.redirect_stdout(sys.stderr), _signals_interrupt():
-            record = run_diagnose(spec, on_start=on_start, on_done=done.append)
+        with _Progress(err, quiet=json_out) as progress, \
+                contextlib.redirect_stdout(sys.stderr), _signals_interrupt():
+            result = run(spec, save=False, on_done=done.append, on_progress=progress)
     except (KeyboardInterrupt, Interrupted) as exc:
         # Like a finished run: the terminal restored (the status spinner has exited), torch
         # restored (run_diagnose's finally), and a record saying where it stopped.
@@ -152,23 +198,23 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
         err.print(f"ampdoctor: interrupted by {name}; torch was restored.", markup=False)
         _save_and_show(record, out, json_out, render, err)
         return 128 + int(signum)
-    except UserCodeError as exc:
-        return recorded_failure(exc)
     except (SpecError, LaunchError) as exc:
         return _fail(exc, debug)
     except Exception as exc:  # a bug in ampdoctor itself
         return _internal(exc, debug)
-    except BaseException as exc:
-        # Only the user's code raises a BaseException that is not Ctrl-C from inside a
-        # diagnose (sys.exit in a factory or a loss, GeneratorExit, its own subclass): not
-        # healthy, and not ampdoctor's bug.
-        what = (f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
-                else f"raised {type(exc).__name__}: {exc}")
-        return recorded_failure(UserCodeError(f"the user's code {what} during the diagnose; "
-                                              "nothing after it could be judged", cause=exc))
+    record = result.data
+    code = records.exit_code(record)
+    if result.exception is not None:
+        code = _fail(result.exception, debug)
+    elif debug:
+        for finding in record.get("findings", []):
+            if finding.get("traceback"):
+                err.print(f"traceback of the {finding.get('kind')} in rung "
+                          f"{finding.get('rung')}:", markup=False, highlight=False)
+                sys.stderr.write(finding["traceback"])
     if not _save_and_show(record, out, json_out, render, err):
         return UsageError.exit_code
-    return records.exit_code(record)
+    return code
 
 
 class Interrupted(AmpdoctorInterrupt):
@@ -339,6 +385,39 @@ def explain(
         if body:
             console.print(Text(heading, style="bold"))
             console.print(Text(body + "\n"))
+
+
+@app.command()
+def schema() -> None:
+    """Print the spec's JSON Schema (for editors: the YAML language server completes and checks
+    spec keys with it)."""
+    from .spec import json_schema
+    sys.stdout.write(json.dumps(json_schema(), indent=2) + "\n")
+
+
+@app.command()
+def init(
+    py_file: Optional[Path] = typer.Argument(None, help="Your training script: its loop, model "
+                                             "and data functions fill the spec in (read, "
+                                             "never run)."),
+    output: Path = typer.Option(Path("triage.yaml"), "-o", "--output",
+                                help="The spec to write (never overwritten)."),
+) -> None:
+    """Write a commented starter spec, filled in from PY_FILE when given."""
+    from .init_spec import write_starter
+    try:
+        target, found = write_starter(output, py_file)
+    except UsageError as exc:
+        raise typer.Exit(_fail(exc, False))
+    err = _stderr()
+    err.print(f"wrote {target}", markup=False, highlight=False)
+    if found is not None:
+        missing = [k for k in ("train_loop", "model", "data") if getattr(found, k) is None]
+        if missing:
+            err.print(f"fill in: {', '.join(missing)} (marked TODO); then run "
+                      f"`ampdoctor diagnose {target}`", markup=False, highlight=False)
+        else:
+            err.print(f"next: ampdoctor diagnose {target}", markup=False, highlight=False)
 
 
 def main() -> None:

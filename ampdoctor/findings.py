@@ -315,6 +315,8 @@ class Finding:
     location: Location | None = None
     title: str = ""
     fix: str = ""
+    #: the full traceback, for a loop that raised (shown with --debug, kept in the record)
+    traceback: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in CATALOGUE:
@@ -327,6 +329,8 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        if self.traceback is None:
+            del data["traceback"]
         if self.location is not None:
             data["location"] = {k: v for k, v in data["location"].items() if v is not None}
         return data

@@ -144,6 +144,10 @@ class UserCode:
 
     def resolve(self, key: str) -> Callable[..., Any]:
         ref: str = getattr(self.spec, key)
+        given = self.spec.callable_for(key)
+        if given is not None:   # a Spec built in code: the object itself, nothing to import
+            _check_signature(key, ref, given)
+            return given
         module_name, _, attr_path = ref.partition(":")
         where = spec_where(self.spec, key).rstrip(": ")
         try:
@@ -387,6 +391,8 @@ def run_train_loop(code: UserCode, model: Any, optimizer: Any, feed: Any, settin
     when iterated, so iterate it to the end. True when it was a generator."""
     import inspect
 
+    from . import progress
+    progress.run_started(settings.precision, settings.optimizer_steps)
     result = code.train_loop(model, optimizer, feed, settings)
     if not inspect.isgenerator(result):
         return False

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError,
+                      field_validator, model_validator)
 
 from . import limits
 from .errors import SpecError
@@ -23,7 +24,25 @@ DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
+class CodeRef(str):
+    """The `module:qualname` of a callable given in code (`Spec(model=make_model)`): shown in
+    messages and sent to DDP ranks; the object itself is kept on the spec."""
+
+
+#: The keys that name the user's code: a 'module:function' string, or (in code) the callable.
+CODE_KEYS = ("model", "data", "loss", "optimizer", "train_loop")
+
+
+def code_ref(fn: Any) -> CodeRef:
+    module = getattr(fn, "__module__", None) or "?"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) \
+        or type(fn).__qualname__
+    return CodeRef(f"{module}:{name}")
+
+
 def _check_callable(value: str) -> str:
+    if isinstance(value, CodeRef):
+        return value
     if not CALLABLE_RE.match(value):
         raise ValueError(
             f"{value!r} is not a callable reference: write it as 'module.path:attribute' "
@@ -87,18 +106,69 @@ class Spec(_Strict):
     #: and where the loop was); the ddp-sync rung is bounded by ddp.timeout_s instead
     timeout_s: float = Field(default=600.0, gt=0, le=7 * 86400)
 
+    #: the rungs to run (default: all); the others are reported as skipped
+    rungs: list[str] | None = Field(default=None, min_length=1)
+
     # Filled in by load_spec, not by the user.
     spec_path: Path | None = Field(default=None, exclude=True)
+    #: callables given in code, by key (their `CodeRef` is the key's value)
+    _callables: dict[str, Any] = PrivateAttr(default_factory=dict)
 
-    @field_validator("model", "data", "train_loop")
+    @model_validator(mode="wrap")
     @classmethod
-    def _callable(cls, value: str) -> str:
-        return _check_callable(value)
+    def _code_objects(cls, data: Any, handler: Any) -> Any:
+        """`Spec(train_loop=my_loop)`: a callable stands for its 'module:function' reference
+        and is kept as it is (no import needed)."""
+        found: dict[str, Any] = {}
+        if isinstance(data, dict):
+            data = dict(data)
+            for key in CODE_KEYS:
+                value = data.get(key)
+                if value is not None and not isinstance(value, (str, dict)) and callable(value):
+                    found[key] = value
+                    data[key] = code_ref(value)
+        spec = handler(data)
+        if found:
+            spec._callables.update(found)
+        return spec
 
-    @field_validator("loss")
+    @field_validator("rungs")
     @classmethod
-    def _optional_callable(cls, value: str | None) -> str | None:
-        return None if value is None else _check_callable(value)
+    def _rung_ids(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        from .findings import RUNG_IDS
+        for rung in value:
+            if rung not in RUNG_IDS:
+                close = difflib.get_close_matches(rung, RUNG_IDS, n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise ValueError(f"{rung!r} is not a rung.{hint} Rungs: {', '.join(RUNG_IDS)}")
+        return [r for r in RUNG_IDS if r in value]
+
+    def callable_for(self, key: str) -> Any | None:
+        """The object given in code for `key`, or None when the key is a reference string."""
+        return self._callables.get(key)
+
+    def with_overrides(self, **overrides: Any) -> "Spec":
+        """This spec with some keys replaced (the CLI's --steps, --device, ...), validated
+        again; SpecError naming the key when a value is not valid."""
+        if not overrides:
+            return self
+        data = self.model_dump(exclude={"spec_path"}, exclude_unset=True)
+        data.update(self._callables)
+        data.update(overrides)
+        try:
+            spec = Spec.model_validate(data)
+        except ValidationError as exc:
+            raise SpecError("\n".join(validation_messages(
+                exc, Path("override"), {})), cause=exc) from exc
+        spec.spec_path = self.spec_path
+        return spec
+
+    @field_validator("model", "data", "train_loop", "loss", mode="before")
+    @classmethod
+    def _callable(cls, value: Any) -> Any:
+        return _check_callable(value) if isinstance(value, str) else value
 
     @field_validator("optimizer", mode="before")
     @classmethod
@@ -339,3 +409,59 @@ def spec_line(spec: Spec, key: str) -> int | None:
         return _top_level_lines(spec.spec_path.read_text(encoding="utf-8")).get(key)
     except OSError:
         return None
+
+
+# --- the spec sent to the processes of the ddp-sync rung -----------------------------------
+
+def to_wire(spec: Spec) -> str:
+    """The spec as the ddp-sync rung's rank processes rebuild it: its file (for its folder and
+    messages) and its keys with every override applied. A callable given in code travels as
+    its 'module:function', which must be importable by name (SpecError otherwise)."""
+    import importlib
+    import json
+
+    for key, obj in spec._callables.items():
+        ref = str(getattr(spec, key))
+        module_name, _, qualname = ref.partition(":")
+        found: Any = None
+        try:
+            if module_name != "__main__" and "<" not in qualname:
+                found = importlib.import_module(module_name)
+                for part in qualname.split("."):
+                    found = getattr(found, part)
+        except (ImportError, AttributeError):
+            found = None
+        if found is not obj:
+            raise SpecError(f"spec key '{key}': the ddp-sync rung runs the loop in new "
+                            f"processes, which import the spec's code by name, and {ref} "
+                            "cannot be imported there: define it at the top level of an "
+                            "importable module (or give 'module:function').")
+    data = spec.model_dump(mode="json", exclude={"spec_path"}, exclude_unset=True)
+    return json.dumps({"path": str(spec.spec_path) if spec.spec_path else None, "keys": data,
+                       "cwd": str(Path.cwd())})
+
+
+def from_wire(text: str) -> Spec:
+    """The spec `to_wire` sent (a plain path also works: a YAML spec file)."""
+    import json
+    import os
+
+    if not text.lstrip().startswith("{"):
+        return load_spec(text)
+    wire = json.loads(text)
+    if wire.get("cwd") and wire["path"] is None:
+        os.chdir(wire["cwd"])   # a spec built in code: project_root is relative to it
+    spec = Spec.model_validate(wire["keys"])
+    spec.spec_path = Path(wire["path"]) if wire["path"] else None
+    return spec
+
+
+def json_schema() -> dict[str, Any]:
+    """The spec's JSON Schema (from the pydantic model), as editors want it."""
+    schema = Spec.model_json_schema()
+    schema["properties"].pop("spec_path", None)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "ampdoctor spec"
+    schema["description"] = ("What `ampdoctor diagnose` runs: the model and data factories, the "
+                             "training loop, K, and how much of it to run.")
+    return schema

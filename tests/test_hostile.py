@@ -534,7 +534,7 @@ def test_user_mistakes_are_named_where_they_are(tmp_path, extra, code, fragments
 def test_the_default_dtype_is_restored_after_a_loop_changed_it(tmp_path):
     import torch
 
-    from ampdoctor.diagnose import run_diagnose
+    from ampdoctor.runner import run_diagnose
     from ampdoctor.errors import UserCodeError
     from ampdoctor.spec import load_spec
 

@@ -170,7 +170,7 @@ def _user_modules(root: Path) -> set[str]:
 @pytest.mark.parametrize("loop, outcome", [("ctrl_c", KeyboardInterrupt),
                                            ("exits", UserCodeError), ("hangs", "error")])
 def test_every_exit_path_leaves_torch_and_the_interpreter_as_they_were(tmp_path, loop, outcome):
-    from ampdoctor.diagnose import run_diagnose
+    from ampdoctor.runner import run_diagnose
     from ampdoctor.probe import recorder
 
     (tmp_path / "leaving_mod.py").write_text(LEAVING)

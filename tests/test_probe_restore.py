@@ -7,7 +7,7 @@ import hashlib
 import pytest
 import torch
 
-from ampdoctor.diagnose import run_diagnose
+from ampdoctor.runner import run_diagnose
 from ampdoctor.errors import UserCodeError
 from ampdoctor.probe import patches, recorder, wrappers
 from ampdoctor.spec import load_spec

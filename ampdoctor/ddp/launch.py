@@ -70,13 +70,13 @@ def _child(rank: int, world_size: int, spec_path: str, master: str, port: int,
         import torch.distributed as dist
 
         from ..loading import resolve_device
-        from ..spec import load_spec
+        from ..spec import from_wire
         from .rank import run_rank
 
         # A child of a torchrun worker inherits the agent's settings: with this one set, rank 0
         # would not serve the rung's own store at master:port, and every rank would wait for it.
         os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        device = resolve_device(load_spec(spec_path).device)
+        device = resolve_device(from_wire(spec_path).device)
         if device.type == "cuda":
             # under torchrun across nodes the GPU is the node-local rank's
             local = int(os.environ.get("LOCAL_RANK", rank))
@@ -312,9 +312,11 @@ class TorchrunGroup:
                 self._set(f"result/{self.rank}", json.dumps(found[self.rank]))
             return found
 
-    def serve(self, spec_path: str) -> int:
-        """A rank other than 0: run its rank when rank 0 asks, then exit with rank 0's code."""
-        self.spec_path = spec_path
+    def serve(self, spec: Any) -> int:
+        """A rank other than 0: run its rank when rank 0 asks, then exit with rank 0's code.
+        `spec`: the Spec, with this command line's overrides (the same on every rank)."""
+        from ..spec import to_wire
+        self.spec_path = spec if isinstance(spec, str) else to_wire(spec)
         ran = False
         while True:
             try:

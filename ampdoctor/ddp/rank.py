@@ -196,9 +196,9 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
     from ..probe import patches, recorder, wrappers
     from ..probe.callsite import CallSiteFinder
     from ..session import Distributed, Session
-    from ..spec import load_spec
+    from ..spec import from_wire
 
-    spec = load_spec(spec_path)
+    spec = from_wire(spec_path)
     finder = CallSiteFinder([spec.root, spec.spec_dir])
     result["_finder"] = finder
     device = resolve_device(spec.device, spec)

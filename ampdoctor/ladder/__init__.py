@@ -44,7 +44,11 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
             results.append(RungResult(rung_id, "not-run", "an earlier rung failed"))
             continue
         wanted = RUNG_PRECISION.get(rung_id)
-        if wanted is not None and wanted not in session.spec.precisions:
+        chosen = session.spec.rungs
+        if chosen is not None and rung_id not in chosen:
+            result = RungResult(rung_id, "skip", f"not among the rungs asked for "
+                                f"({', '.join(chosen)})")
+        elif wanted is not None and wanted not in session.spec.precisions:
             result = RungResult(rung_id, "skip", f"{wanted} is not in the spec's precisions "
                                 f"({', '.join(session.spec.precisions)}): this training does "
                                 f"not use it")

@@ -22,6 +22,7 @@ from ..errors import LaunchError
 from ..findings import Finding, Location, RungResult, conclude, location
 from ..thresholds import WORLD_SIZE_RATIO_RTOL
 from ..ddp import launch
+from ..spec import to_wire
 from ..probe.callsite import Site
 
 RUNG = "ddp-sync"
@@ -53,7 +54,7 @@ def _uneven(session, world_size: int) -> str | None:
 
 
 def _run_ranks(session, world_size: int, timeout_s: float) -> dict[int, dict[str, Any]]:
-    spec_path = str(session.spec.spec_path)
+    spec_path = to_wire(session.spec)
     if launch.GROUP is not None:
         return launch.GROUP.run_ranks(spec_path, timeout_s)
     return launch.run_spawned(spec_path, world_size, timeout_s)

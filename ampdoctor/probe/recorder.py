@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from .. import progress
 from .callsite import CallSiteFinder, Site
 from .events import (Backward, Event, Forward, MicroBatchFetched, OptimizerStep, Snapshot,
                      StepRecord)
@@ -195,6 +196,8 @@ class Probe:
                                      self.backward_count, self._group, grads, site,
                                      self._scaler_step_slot, self._group_consumed, lrs, finite))
         self.optimizer_step_count += 1
+        if slot == 0:
+            progress.optimizer_stepped()
         self.record(OptimizerStep, site=site, optimizer=slot,
                     via_scaler=self._scaler_step_slot is not None)
 

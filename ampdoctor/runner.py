@@ -1,6 +1,6 @@
-"""`ampdoctor diagnose`: load the spec, install the probe, import the user's code, run the
-ladder, and build the run record. Torch is restored and the user's modules forgotten on every
-exit path."""
+"""The run of a diagnose, under `ampdoctor.diagnose()` and the CLI: install the probe, import
+the user's code, run the ladder, and build the run record. Torch is restored and the user's
+modules forgotten on every exit path."""
 
 from __future__ import annotations
 
@@ -54,10 +54,15 @@ def _no_hard_exit():
 
 
 def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
-                 on_done: Callable[[RungResult], None] | None = None) -> dict[str, Any]:
-    """Run the ladder on a validated spec and return the run record (a dict)."""
+                 on_done: Callable[[RungResult], None] | None = None,
+                 on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the ladder on a validated spec and return the run record (a dict).
+
+    `on_progress` is called at each optimizer step of the loop's runs with
+    {"rung", "precision", "step", "steps"}."""
     import torch
 
+    from . import progress
     from .ladder import run_ladder
     from .loading import UserCode, check_finite, cut_micro_batches, resolve_device
     from .probe import patches, recorder, wrappers
@@ -70,14 +75,20 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
     record = new_record(spec, str(device))
     rng_state = torch.get_rng_state()
     code = None
-    with patches.installed(wrappers.install), _deterministic_cuda(), _no_hard_exit():
+    def started_rung(rung_id: str) -> None:
+        progress.rung(rung_id)
+        if on_start is not None:
+            on_start(rung_id)
+
+    with patches.installed(wrappers.install), _deterministic_cuda(), _no_hard_exit(), \
+            progress.listening(on_progress):
         try:
             code = UserCode(spec, finder)
             data = code.call("the data factory", code.data_factory)
             micro_batches = cut_micro_batches(data, spec)
             check_finite(micro_batches)
             session = Session(spec, code, device, finder, micro_batches)
-            results = run_ladder(session, on_start, on_done)
+            results = run_ladder(session, started_rung, on_done)
             record["notes"] = sorted(session.notes)
         finally:
             recorder.activate(None)
@@ -118,6 +129,10 @@ def environment(spec: Spec | None) -> dict[str, Any]:
                 env["spec_text"] = spec.spec_path.read_text(encoding="utf-8")[:MAX_SPEC_TEXT]
             except (OSError, UnicodeDecodeError):
                 env["spec_text"] = None
+        else:   # built in code: its keys, callables by their module:function
+            import yaml
+            env["spec_text"] = yaml.safe_dump(
+                spec.model_dump(mode="json", exclude_unset=True), sort_keys=False)[:MAX_SPEC_TEXT]
     return env
 
 
@@ -194,4 +209,7 @@ def error_record(spec: Spec | None, exc: AmpdoctorError, device: str = "unknown"
                        "exit_code": exc.exit_code}
     if isinstance(exc, UserCodeError) and exc.location:
         record["error"]["location"] = {"file": exc.location[0], "line": exc.location[1]}
+    if isinstance(exc, UserCodeError) and exc.cause is not None:
+        from .api import format_traceback
+        record["error"]["traceback"] = format_traceback(exc.cause)
     return record

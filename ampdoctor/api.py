@@ -1,0 +1,228 @@
+"""The Python API: run a diagnose from a script or a test, get a typed record back.
+
+    import ampdoctor
+
+    record = ampdoctor.diagnose("triage.yaml", optimizer_steps=6)
+    record.verdict, record.failed_rung, record.findings[0].location
+
+    spec = ampdoctor.Spec(model=make_model, data=triage_slice, train_loop=train_loop,
+                          accumulation_steps=4, micro_batch_size=8)
+    ampdoctor.assert_healthy(spec)      # AssertionError whose message is the diagnosis
+
+The CLI's `diagnose` command runs through `diagnose()` below. A spec that is not valid raises
+`SpecError`; the user's code failing is not an exception here: the record says so (verdict
+"error", exit code 3), as the CLI's record does.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from .errors import AmpdoctorError, AmpdoctorInterrupt, SpecError, UserCodeError
+from .spec import Spec, load_spec
+
+if TYPE_CHECKING:
+    from .findings import RungResult
+    from .record_model import FindingModel, RungModel
+
+#: What `diagnose` accepts as a spec: a `Spec` (built in code or loaded), or a YAML path.
+SpecLike = Spec | str | os.PathLike
+
+Verdict = Literal["healthy", "failed", "error"]
+
+#: Keyword overrides the CLI also offers, under the name of the flag (`steps=` is
+#: `optimizer_steps=`); every other keyword must be a spec key.
+ALIASES = {"steps": "optimizer_steps", "K": "accumulation_steps"}
+
+
+def load(spec: SpecLike, **overrides: Any) -> Spec:
+    """The validated spec, with `overrides` (spec keys, or `steps=`) applied."""
+    if isinstance(spec, Spec):
+        resolved = spec
+    elif isinstance(spec, (str, os.PathLike)):
+        resolved = load_spec(spec)
+    else:
+        raise SpecError(f"ampdoctor.diagnose() takes a Spec or the path of a YAML spec, not a "
+                        f"{type(spec).__name__}.")
+    overrides = {ALIASES.get(k, k): v for k, v in overrides.items() if v is not None}
+    unknown = sorted(k for k in overrides if k not in Spec.model_fields or k == "spec_path")
+    if unknown:
+        raise SpecError(f"unknown override(s) {', '.join(unknown)}: an override is a spec key "
+                        f"({', '.join(k for k in Spec.model_fields if k != 'spec_path')}).")
+    return resolved.with_overrides(**overrides)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A run record: the JSON the CLI saves (`data`), with typed views of it."""
+
+    data: dict[str, Any]
+    #: where it was saved (None with `save=False`)
+    path: Path | None = None
+    #: the error that stopped the run before any rung (the user's code), when there was one
+    exception: AmpdoctorError | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def verdict(self) -> Verdict:
+        return self.data["verdict"]
+
+    @property
+    def healthy(self) -> bool:
+        return self.verdict == "healthy"
+
+    @property
+    def exit_code(self) -> int:
+        """The CLI's exit code for this record: 0 healthy, 1 a rung failed, 3 the user's code
+        could not run."""
+        from .record import exit_code
+        return exit_code(self.data)
+
+    @property
+    def failed_rung(self) -> str | None:
+        return self.data.get("failed_rung")
+
+    @property
+    def findings(self) -> list[FindingModel]:
+        from .record_model import FindingModel
+        return [FindingModel.model_validate(f) for f in self.data.get("findings", [])]
+
+    @property
+    def errors(self) -> list[FindingModel]:
+        return [f for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[FindingModel]:
+        return [f for f in self.findings if f.severity == "warning"]
+
+    @property
+    def rungs(self) -> list[RungModel]:
+        from .record_model import RungModel
+        return [RungModel.model_validate(r) for r in self.data.get("rungs", [])]
+
+    def to_json(self) -> str:
+        from .record import dumps
+        return dumps(self.data)
+
+    def summary(self) -> str:
+        """The diagnosis as plain text: verdict, then each finding's kind, rung, message,
+        evidence, file:line and fix (what `assert_healthy` fails with)."""
+        return summary_text(self.data)
+
+
+def summary_text(data: dict[str, Any]) -> str:
+    verdict = data.get("verdict", "error")
+    failed = data.get("failed_rung")
+    head = f"ampdoctor: {data.get('name') or 'run'}: {verdict.upper()}"
+    if failed:
+        head += f" at rung {failed}"
+    lines = [head]
+    error = data.get("error")
+    if error:
+        lines.append(f"  error: {error.get('message', '')}")
+        loc = error.get("location")
+        if loc:
+            lines.append(f"    at {loc.get('file')}:{loc.get('line')}")
+    for f in data.get("findings", []):
+        lines.append(f"  {f.get('severity')}: {f.get('kind')} [{f.get('rung')}] "
+                     f"{f.get('title', '')}".rstrip())
+        lines.append(f"    {f.get('message', '')}")
+        evidence = {k: v for k, v in (f.get("evidence") or {}).items()
+                    if not isinstance(v, (dict, list)) or k in ("measured", "expected")}
+        if evidence:
+            lines.append("    evidence: " + ", ".join(f"{k}={_short(v)}"
+                                                      for k, v in evidence.items()))
+        loc = f.get("location")
+        if loc:
+            code = f"    {loc['code']}" if loc.get("code") else ""
+            lines.append(f"    at {loc.get('file')}:{loc.get('line')}{code}")
+        if f.get("fix"):
+            lines.append(f"    fix: {f['fix']}")
+    if data.get("path"):
+        lines.append(f"  record: {data['path']}")
+    return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    text = str(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def diagnose(spec: SpecLike, *, out: str | os.PathLike | None = None, save: bool = True,
+             on_start: Callable[[str], None] | None = None,
+             on_done: Callable[[RungResult], None] | None = None,
+             on_progress: Callable[[dict[str, Any]], None] | None = None,
+             **overrides: Any) -> Record:
+    """Run the triage ladder on `spec` and return its record.
+
+    `spec`: a `Spec` or a YAML path. `overrides`: spec keys to replace for this run
+    (`optimizer_steps=6`, `device="cpu"`, `precisions=["fp32", "bf16"]`,
+    `rungs=["fp32-accum"]`; `steps=` is `optimizer_steps=`). The record is saved under `out`
+    (default `.ampdoctor/runs`) unless `save=False`. Raises `SpecError` for a spec that is not
+    valid; the user's code raising is recorded (verdict "error"), not raised.
+    """
+    from .runner import error_record, run_diagnose
+
+    resolved = load(spec, **overrides)
+    if resolved.ddp is not None and (resolved.rungs is None or "ddp-sync" in resolved.rungs):
+        from .spec import to_wire
+        to_wire(resolved)   # the rank processes must be able to import the spec's code
+    exception: AmpdoctorError | None = None
+    try:
+        data = run_diagnose(resolved, on_start=on_start, on_done=on_done,
+                            on_progress=on_progress)
+    except UserCodeError as exc:
+        exception = exc
+    except Exception:
+        raise          # SpecError, LaunchError, or a bug in ampdoctor itself
+    except BaseException as exc:
+        if isinstance(exc, (KeyboardInterrupt, AmpdoctorInterrupt)):
+            raise
+        # Only the user's code raises a BaseException that is not Ctrl-C from inside a diagnose
+        # (sys.exit in a factory or a loss, GeneratorExit, its own subclass): not healthy.
+        what = (f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
+                else f"raised {type(exc).__name__}: {exc}")
+        exception = UserCodeError(f"the user's code {what} during the diagnose; nothing after "
+                                  "it could be judged", cause=exc)
+    if exception is not None:
+        data = error_record(resolved, exception)
+    path = None
+    if save:
+        from .record import save as save_record
+        path = save_record(data, Path(out) if out is not None else None)
+    return Record(data, path, exception)
+
+
+class Unhealthy(AssertionError):
+    """`assert_healthy` failed: the message is the diagnosis; `record` is the run."""
+
+    def __init__(self, record: Record):
+        super().__init__(record.summary())
+        self.record = record
+
+
+def assert_healthy(spec: SpecLike, *, allow_warnings: bool = True,
+                   out: str | os.PathLike | None = None, **overrides: Any) -> Record:
+    """Diagnose `spec` and raise `Unhealthy` (an AssertionError) unless it is healthy.
+
+    For a project's own tests: the failure message is the diagnosis (kind, rung, evidence,
+    file:line, fix). Records are saved only when `out` is given. `allow_warnings=False` also
+    fails on warnings.
+    """
+    record = diagnose(spec, out=out, save=out is not None, **overrides)
+    if not record.healthy or (not allow_warnings and record.warnings):
+        raise Unhealthy(record)
+    return record
+
+
+def format_traceback(exc: BaseException | None) -> str | None:
+    """The full traceback of an exception, as Python prints it (stored in records)."""
+    if exc is None:
+        return None
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

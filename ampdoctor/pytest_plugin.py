@@ -1,0 +1,76 @@
+"""pytest plugin (the `pytest11` entry point, active wherever ampdoctor is installed).
+
+In a project's own tests:
+
+    def test_training_loop_is_honest(ampdoctor):
+        ampdoctor.assert_healthy("triage.yaml")            # or an ampdoctor.Spec(...)
+
+or, without the fixture, `ampdoctor.assert_healthy(spec)` anywhere. A loop that is not healthy
+fails the test with the diagnosis as its whole message: kind, rung, evidence, the loop's
+file:line and the fix (no traceback through ampdoctor's own frames).
+
+`--ampdoctor-records DIR` keeps every run record of the session in DIR (default: the test's
+tmp_path). Nothing here imports torch until a check runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("ampdoctor")
+    group.addoption("--ampdoctor-records", metavar="DIR", default=None,
+                    help="keep the run records of ampdoctor checks in DIR (default: each "
+                         "test's tmp_path)")
+
+
+class AmpdoctorFixture:
+    """What the `ampdoctor` fixture gives a test: the API, saving records in one folder."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def diagnose(self, spec: Any, **overrides: Any):
+        """`ampdoctor.diagnose(spec, **overrides)`, the record saved under `self.out`."""
+        from .api import diagnose
+        return diagnose(spec, out=self.out, **overrides)
+
+    def assert_healthy(self, spec: Any, *, allow_warnings: bool = True, **overrides: Any):
+        """Fail the test, with the diagnosis as the message, unless `spec` is healthy."""
+        from .api import assert_healthy
+        return assert_healthy(spec, allow_warnings=allow_warnings, out=self.out, **overrides)
+
+
+@pytest.fixture
+def ampdoctor(request: pytest.FixtureRequest, tmp_path: Path) -> AmpdoctorFixture:
+    """Diagnose a training loop from a test: `ampdoctor.assert_healthy("triage.yaml")`."""
+    chosen = request.config.getoption("ampdoctor_records")
+    return AmpdoctorFixture(Path(chosen) if chosen else tmp_path / "ampdoctor-runs")
+
+
+def _is_unhealthy(exc: BaseException) -> bool:
+    import sys
+    api = sys.modules.get("ampdoctor.api")
+    return api is not None and isinstance(exc, api.Unhealthy)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    excinfo = call.excinfo
+    if excinfo is None or not report.failed or not _is_unhealthy(excinfo.value):
+        return
+    # the test's own line that asked, then the diagnosis; ampdoctor's frames say nothing
+    where = ""
+    test_file = os.path.realpath(str(getattr(item, "path", "")))
+    for entry in reversed(excinfo.traceback):
+        if os.path.realpath(str(entry.path)) == test_file:
+            where = f"{entry.path}:{entry.lineno + 1}: "
+            break
+    report.longrepr = f"{where}the training loop is not healthy\n{excinfo.value}"

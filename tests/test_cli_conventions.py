@@ -1,0 +1,172 @@
+"""CLI conventions: `schema`, `init` then `diagnose` on what it wrote, the overrides on
+`diagnose`, progress on stderr, a loop error's user frames and `--debug` traceback."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import yaml
+
+from conftest import CONFIGS, RECIPES, marked_line, run_cli
+
+TRAIN_PY = textwrap.dedent('''\
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    GRADIENT_ACCUMULATION_STEPS = 2
+    MAX_GRAD_NORM = 1.0
+
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+        def forward(self, x):
+            return self.body(x)
+
+
+    def get_batches():
+        g = torch.Generator().manual_seed(0)
+        return [(torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g))
+                for _ in range(6)]
+
+
+    def train(model, optimizer, micro_batches, run):
+        scaler = torch.amp.GradScaler(run.device_type, enabled=run.precision == "fp16")
+        for i, (x, y) in enumerate(micro_batches):
+            with torch.autocast(run.device_type, dtype=run.autocast_dtype,
+                                enabled=run.autocast_dtype is not None):
+                loss = F.mse_loss(model(x).float(), y) / run.accumulation_steps
+            scaler.scale(loss).backward()
+            if (i + 1) % run.accumulation_steps == 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+    ''')
+
+
+def test_schema_is_the_spec_model_and_validates_the_samples(tmp_path: Path) -> None:
+    result = run_cli("schema")
+    assert result.returncode == 0
+    schema = json.loads(result.stdout)
+    assert set(schema["required"]) == {"model", "data", "train_loop", "accumulation_steps"}
+    assert "spec_path" not in schema["properties"]
+    for key in ("tolerances", "ddp", "seed", "scan", "precisions", "rungs", "timeout_s"):
+        assert key in schema["properties"], key
+    assert schema["additionalProperties"] is False
+    # every sample config uses only keys the schema knows
+    for config in CONFIGS.glob("*.yaml"):
+        data = yaml.safe_load(config.read_text())
+        assert set(data) <= set(schema["properties"]), config.name
+
+
+def test_init_fills_the_spec_from_the_file_and_diagnose_runs_it(tmp_path: Path) -> None:
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text(TRAIN_PY)
+    result = run_cli("init", "src/train.py", "-o", "triage.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "next: ampdoctor diagnose triage.yaml" in result.stderr
+    spec = yaml.safe_load((tmp_path / "triage.yaml").read_text())
+    assert spec["project_root"] == "src"
+    assert (spec["model"], spec["data"], spec["train_loop"]) == (
+        "train:Net", "train:get_batches", "train:train")
+    assert spec["accumulation_steps"] == 2 and spec["max_grad_norm"] == 1.0
+    text = (tmp_path / "triage.yaml").read_text()
+    assert "# yaml-language-server: $schema=ampdoctor.schema.json\n" in text
+    # a second init never overwrites
+    again = run_cli("init", "src/train.py", "-o", "triage.yaml", cwd=tmp_path)
+    assert again.returncode == 2 and "already exists" in again.stderr
+    assert (tmp_path / "triage.yaml").read_text() == text
+    run = run_cli("diagnose", "triage.yaml", "--device", "cpu", "--json", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.record["verdict"] == "healthy"
+
+
+def test_init_without_a_file_writes_todos_that_diagnose_names(tmp_path: Path) -> None:
+    assert run_cli("init", cwd=tmp_path).returncode == 0
+    text = (tmp_path / "triage.yaml").read_text()
+    assert "# TODO" in text and "accumulation_steps: 4" in text
+    run = run_cli("diagnose", "triage.yaml", cwd=tmp_path)
+    assert run.returncode == 2
+    assert "spec key 'model': module 'models' was not found" in run.stderr
+
+
+def test_overrides_change_the_run_and_bad_ones_are_usage_errors(tmp_path: Path) -> None:
+    result = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--json", "--out", tmp_path,
+                     "--steps", "2", "--precisions", "fp32,bf16", "--rungs",
+                     "fp32-accum,bf16-no-scaler,fp16-scaler", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["optimizer_steps"] == 2 and record["device"] == "cpu"
+    status = {r["id"]: r for r in record["rungs"]}
+    assert status["fp32-accum"]["status"] == "pass"
+    assert status["fp32-accum"]["summary"].startswith("2 optimizer steps")
+    assert status["bf16-no-scaler"]["status"] == "pass"
+    assert status["fp16-scaler"]["status"] == "skip"       # fp16 not among the precisions
+    assert status["skips"]["status"] == "skip"
+    assert "not among the rungs asked for" in status["skips"]["summary"]
+    bad = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--rungs", "fp16", "--out", tmp_path)
+    assert bad.returncode == 2 and "'fp16' is not a rung" in bad.stderr
+    bad = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--precisions", "fp8",
+                  "--out", tmp_path)
+    assert bad.returncode == 2 and "precisions" in bad.stderr
+    bad = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--steps", "5", "--out", tmp_path)
+    assert bad.returncode == 2 and "5 x 4 x 8 = 160 are needed" in bad.stderr
+
+
+def test_progress_names_rung_precision_step_and_elapsed(tmp_path: Path) -> None:
+    result = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--out", tmp_path,
+                     "--rungs", "fp32-accum")
+    assert result.returncode == 0
+    lines = result.stderr.splitlines()
+    assert any(line.strip().startswith("rung fp32-accum") for line in lines)
+    progress = [line for line in lines if "optimizer step" in line]
+    assert progress, result.stderr
+    assert "rung fp32-accum  fp32  optimizer step 0/3" in progress[0]
+    assert progress[0].rstrip().endswith("s)")
+
+
+def test_loop_error_names_the_innermost_frame_and_the_loops_line(tmp_path: Path) -> None:
+    recipe = RECIPES / "broken_loop_error.py"
+    result = run_cli("diagnose", CONFIGS / "broken_loop_error.yaml", "--json", "--out",
+                     tmp_path, "--rungs", "fp32-accum")
+    assert result.returncode == 3
+    finding = result.record["findings"][0]
+    assert finding["kind"] == "loop-error"
+    assert finding["location"]["line"] == marked_line(recipe, "loop-error")
+    loop_line = next(n for n, line in enumerate(recipe.read_text().splitlines(), 1)
+                     if "x = add_bias_column(x)" in line)
+    assert finding["evidence"]["loop_line"] == f"{recipe}:{loop_line}"
+    assert f"called from the loop at broken_loop_error.py:{loop_line}" in finding["message"]
+    assert "Traceback (most recent call last)" in finding["traceback"]
+    # --debug prints it; without --debug it stays in the record only
+    debug = run_cli("diagnose", CONFIGS / "broken_loop_error.yaml", "--debug", "--out",
+                    tmp_path, "--rungs", "fp32-accum")
+    assert debug.returncode == 3
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert "in add_bias_column" in debug.stderr
+    plain = run_cli("diagnose", CONFIGS / "broken_loop_error.yaml", "--out", tmp_path,
+                    "--rungs", "fp32-accum")
+    assert "Traceback" not in plain.stderr
+
+
+def test_shell_completion_is_offered() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    assert "--install-completion" in result.stdout and "--show-completion" in result.stdout
+
+
+def test_overrides_reach_the_ddp_ranks(tmp_path: Path) -> None:
+    # the ranks rebuild the spec in their own processes: with the override, not the file's 3
+    result = run_cli("diagnose", CONFIGS / "healthy_sgd_ddp.yaml", "--steps", "2", "--rungs",
+                     "ddp-sync", "--json", "--out", tmp_path)
+    assert result.returncode == 0, result.stderr
+    ddp = next(r for r in result.record["rungs"] if r["id"] == "ddp-sync")
+    assert ddp["status"] == "pass"
+    assert "(2 steps," in ddp["summary"]
