@@ -18,6 +18,15 @@ class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class SourceModel(_Open):
+    """A few lines of the user's file around a finding's line, read at diagnose time."""
+
+    file: str = ""
+    start: int = 1
+    line: int = 1
+    lines: list[str] = Field(default_factory=list)
+
+
 class LocationModel(_Open):
     file: str
     line: int
@@ -34,6 +43,8 @@ class FindingModel(_Open):
     fix: str = ""
     evidence: dict[str, Any] = Field(default_factory=dict)
     location: LocationModel | None = None
+    source: SourceModel | None = None
+    traceback: str | None = None
 
 
 class RungModel(_Open):
@@ -47,6 +58,9 @@ class ErrorModel(_Open):
     type: str = ""
     message: str = ""
     exit_code: int | None = None
+    location: LocationModel | None = None
+    source: SourceModel | None = None
+    traceback: str | None = None
 
 
 class SeriesModel(_Open):
@@ -54,6 +68,22 @@ class SeriesModel(_Open):
     grad_norm_before_unscale: list[float | None] = Field(default_factory=list)
     grad_norm_after_unscale: list[float | None] = Field(default_factory=list)
     skipped: list[bool | None] = Field(default_factory=list)
+
+
+class RunSeriesModel(_Open):
+    """One judged run's chart series (`ladder/series.py`)."""
+
+    rung: str = ""
+    precision: str = ""
+    label: str = ""
+    step: list[int] = Field(default_factory=list)
+    ratio: list[float | None] = Field(default_factory=list)
+    bad: list[bool] = Field(default_factory=list)
+    band: list[float] = Field(default_factory=list, max_length=2)
+    scale: list[float | None] = Field(default_factory=list)
+    skipped: list[bool | None] = Field(default_factory=list)
+    grad_norm_before_unscale: list[float | None] = Field(default_factory=list)
+    grad_norm_after_unscale: list[float | None] = Field(default_factory=list)
 
 
 class RecordModel(_Open):
@@ -69,6 +99,7 @@ class RecordModel(_Open):
     findings: list[FindingModel] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
     series: SeriesModel = Field(default_factory=SeriesModel)
+    runs: list[RunSeriesModel] = Field(default_factory=list)
     error: ErrorModel | None = None
 
 

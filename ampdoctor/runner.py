@@ -90,6 +90,7 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
             session = Session(spec, code, device, finder, micro_batches)
             results = run_ladder(session, started_rung, on_done)
             record["notes"] = sorted(session.notes)
+            record["runs"] = session.charts
         finally:
             recorder.activate(None)
             recorder.DROPOUT_OFF = False
@@ -183,8 +184,11 @@ def new_record(spec: Spec, device: str) -> dict[str, Any]:
 
 
 def fill_record(record: dict[str, Any], results: list[RungResult]) -> None:
+    from .source_snippet import attach
     record["rungs"] = [r.to_dict() for r in results]
     record["findings"] = [f.to_dict() for r in results for f in r.findings]
+    for finding in record["findings"]:
+        attach(finding)
     failed = next((r for r in results if r.status == "fail"), None)
     record["failed_rung"] = failed.id if failed else None
     loop_errors = [f for r in results for f in r.findings if f.kind == "loop-error"]
@@ -208,7 +212,9 @@ def error_record(spec: Spec | None, exc: AmpdoctorError, device: str = "unknown"
     record["error"] = {"type": type(exc).__name__, "message": exc.message,
                        "exit_code": exc.exit_code}
     if isinstance(exc, UserCodeError) and exc.location:
+        from .source_snippet import attach
         record["error"]["location"] = {"file": exc.location[0], "line": exc.location[1]}
+        attach(record["error"])
     if isinstance(exc, UserCodeError) and exc.cause is not None:
         from .api import format_traceback
         record["error"]["traceback"] = format_traceback(exc.cause)

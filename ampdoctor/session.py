@@ -128,6 +128,8 @@ class Session(ReferenceBuilder):
         self.param_order = [n for n, _ in self._template.named_parameters()]
         self.initial_state = {k: v.detach().clone() for k, v in self._template.state_dict().items()}
         self.traces: dict[str, Trace] = {}
+        #: per-run chart series for the record (`ladder.series`): scalars only
+        self.charts: list[dict[str, Any]] = []
         #: Caveats about how the reference was built, shown in the record.
         self.notes: set[str] = set()
         #: Micro-batches of different shapes without a `loss`: how the loop weighs them, a key

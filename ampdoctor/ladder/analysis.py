@@ -13,6 +13,7 @@ from ..judge import Judgement, judge
 from ..rules import (classify_step, last_unscale_pair, loop_error_finding, scheduler_findings,
                      step_count_finding, update_missing)
 from ..session import Session, Trace
+from . import series
 
 __all__ = ["compare_trace", "location", "loop_error_finding", "last_unscale_pair",
            "update_missing", "scheduler_findings", "step_count_finding"]
@@ -22,6 +23,7 @@ def compare_trace(session: Session, trace: Trace, rung: str,
                   precision: str) -> tuple[list[Finding], Judgement]:
     """Judge every optimizer step (the judge decides); explain the first bad one (the rules)."""
     judgement = judge(session, trace, precision)
+    series.keep(session, series.run_series(rung, trace, judgement))
     bad = judgement.first_bad
     if bad is None:
         return [], judgement

@@ -18,6 +18,7 @@ from .. import compare
 from ..findings import Finding, RungResult, conclude
 from ..probe.recorder import Probe
 from ..session import Session, Trace
+from .series import keep, run_series
 from .analysis import last_unscale_pair, location, loop_error_finding, update_missing
 
 RUNG = "skips"
@@ -249,6 +250,8 @@ def run(session: Session) -> RungResult:
     trace = session.run_loop("fp16", rng_seed=session.spec.seed + 1, before_backward=injector,
                              capture=False)   # windows and events only: no gradients kept
     details: dict[str, Any] = {"injected_window": inject_window, "injected_microbatch": target_mb}
+    keep(session, run_series(RUNG, trace, label=f"fp16 run, overflow injected in window "
+                                                f"{inject_window}"))
     if trace.error is not None:
         finding = _skip_path_left_open(trace, plain, injector) or loop_error_finding(trace, RUNG)
         return RungResult(RUNG, "fail", "the fp16 run with an injected overflow raised",

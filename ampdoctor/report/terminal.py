@@ -81,7 +81,11 @@ def _finding_panel(finding: dict[str, Any]) -> Panel:
     if loc:
         body.append("\n  at ", style="dim")
         body.append(f"{display_path(loc['file'])}:{loc['line']}", style="bold")
-        if loc.get("code"):
+        source = finding.get("source") or {}
+        if source.get("lines"):
+            body.append("\n")
+            _source_lines(body, source)
+        elif loc.get("code"):
             body.append(f"    {loc['code']}", style="cyan")
         body.append("\n")
     evidence = finding.get("evidence") or {}
@@ -102,3 +106,14 @@ def _finding_panel(finding: dict[str, Any]) -> Panel:
 def error_text(message: str, location: tuple[str, int] | None = None) -> str:
     where = f"\n  at {display_path(location[0])}:{location[1]}" if location else ""
     return f"{message}{where}"
+
+
+def _source_lines(body: Text, source: dict[str, Any]) -> None:
+    """The user's lines around the finding, the offending one marked (text, never markup)."""
+    start, hit = int(source.get("start") or 1), int(source.get("line") or 0)
+    for offset, line in enumerate(source.get("lines") or []):
+        number = start + offset
+        mark = ">" if number == hit else " "
+        body.append(f"  {mark}{number:5d} | ", style="dim")
+        body.append(str(line) + ("\n" if offset < len(source["lines"]) - 1 else ""),
+                    style="bold cyan" if number == hit else "")

@@ -1,0 +1,136 @@
+"""The postmortem's charts: matplotlib figures rendered to inline SVG (Agg, no display).
+
+Per judged run: the consumed/reference gradient-norm ratio of every optimizer step with the
+tolerance band; for runs with an enabled GradScaler, the loss scale on a log axis with the
+skipped steps marked, and the gradient norm before and after unscale_. Nothing from the
+record's text is drawn: titles and labels are fixed strings (the page shows the run's label as
+escaped HTML), the numbers are numbers. matplotlib is imported only here, only for --html.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from typing import Any
+
+#: one style for every chart
+BLUE, RED, GREY, GREEN = "#2563eb", "#b91c1c", "#6b7280", "#15803d"
+
+
+def _finite(values: list[Any]) -> list[tuple[int, float]]:
+    return [(i, float(v)) for i, v in enumerate(values)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+
+
+def _figure():
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+    matplotlib.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "ampdoctor",
+                                "font.size": 9})
+    fig = Figure(figsize=(6.4, 2.5))
+    ax = fig.add_subplot()
+    ax.grid(True, color="#e5e7eb", linewidth=0.6)
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig, ax
+
+
+def _svg(fig) -> str:
+    buf = io.StringIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
+    text = buf.getvalue()
+    text = text[text.index("<svg"):]            # no XML prolog or DOCTYPE inside HTML
+    # no scripts or links can come from matplotlib, but keep the contract explicit
+    text = re.sub(r"<script.*?</script>|<metadata>.*?</metadata>", "", text, flags=re.S)
+    return text
+
+
+def ratio_chart(run: dict[str, Any]) -> str | None:
+    ratios = run.get("ratio") or []
+    steps = run.get("step") or list(range(len(ratios)))
+    points = [(steps[i] if i < len(steps) else i, v) for i, v in _finite(ratios)]
+    if not points:
+        return None
+    fig, ax = _figure()
+    band = run.get("band") or []
+    if len(band) == 2 and all(isinstance(b, (int, float)) for b in band):
+        ax.axhspan(band[0], band[1], color=GREEN, alpha=0.15,
+                   label=f"tolerance band {band[0]:g} to {band[1]:g}")
+    ax.axhline(1.0, color=GREEN, linewidth=0.8, linestyle="--", label="reference (1.0)")
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    ax.plot(xs, ys, marker="o", color=BLUE, linewidth=1.4, label="consumed / reference")
+    bad = run.get("bad") or []
+    flagged = [(x, y) for (i, y), x in zip(_finite(ratios), xs) if i < len(bad) and bad[i]]
+    if flagged:
+        ax.scatter([p[0] for p in flagged], [p[1] for p in flagged], marker="x", color=RED,
+                   s=60, zorder=3, label="judged bad")
+    span = ys + [1.0]   # the reference line is on the chart too
+    if min(span) > 0 and max(span) / min(span) > 20:
+        ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("gradient norm ratio\n(consumed / reference)")
+    ax.legend(loc="best", fontsize=7, framealpha=0.8)
+    return _svg(fig)
+
+
+def scale_chart(run: dict[str, Any]) -> str | None:
+    scale = _finite(run.get("scale") or [])
+    scale = [(i, v) for i, v in scale if v > 0]
+    if not scale:
+        return None
+    fig, ax = _figure()
+    ax.plot([i for i, _ in scale], [v for _, v in scale], marker="o", color=BLUE,
+            drawstyle="steps-post", linewidth=1.4, label="loss scale after update()")
+    ax.set_yscale("log", base=2)
+    skipped = run.get("skipped") or []
+    values = dict(scale)
+    marks = [(i, values.get(i, scale[0][1])) for i, s in enumerate(skipped) if s]
+    if marks:
+        ax.scatter([i for i, _ in marks], [v for _, v in marks], marker="v", color=RED, s=70,
+                   zorder=3, label="step skipped (inf/NaN)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss scale S (log2)")
+    ax.legend(loc="best", fontsize=7, framealpha=0.8)
+    return _svg(fig)
+
+
+def norm_chart(run: dict[str, Any]) -> str | None:
+    before = [(i, v) for i, v in _finite(run.get("grad_norm_before_unscale") or []) if v > 0]
+    after = [(i, v) for i, v in _finite(run.get("grad_norm_after_unscale") or []) if v > 0]
+    if not before and not after:
+        return None
+    fig, ax = _figure()
+    if before:
+        ax.plot([i for i, _ in before], [v for _, v in before], marker="o", color=RED,
+                linewidth=1.2, label="before unscale_ (scaled: x S)")
+    if after:
+        ax.plot([i for i, _ in after], [v for _, v in after], marker="s", color=BLUE,
+                linewidth=1.2, label="after unscale_ (true)")
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("gradient L2 norm (log)")
+    ax.legend(loc="best", fontsize=7, framealpha=0.8)
+    return _svg(fig)
+
+
+def run_charts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each run: its rung, label and the charts it has ([(title, svg)])."""
+    out = []
+    for run in runs:
+        charts = []
+        for title, make in (("consumed / reference gradient per optimizer step", ratio_chart),
+                            ("loss scale, skipped steps marked", scale_chart),
+                            ("gradient norm before and after unscale_", norm_chart)):
+            try:
+                svg = make(run)
+            except (ValueError, TypeError, OverflowError):   # a hand-edited record
+                svg = None
+            if svg:
+                charts.append((title, svg))
+        if charts:
+            out.append({"rung": run.get("rung", ""), "label": run.get("label", ""),
+                        "charts": charts})
+    return out

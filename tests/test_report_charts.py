@@ -1,0 +1,104 @@
+"""The postmortem's data: per-run chart series in the record (every judged run, a run failing
+at fp32-accum included, and the skips rung's injected-overflow run), the user's source lines
+kept at diagnose time, and the charts and snippets rendered from them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import CONFIGS, RECIPES, marked_line, run_cli
+
+from ampdoctor.report.html import render_html
+
+
+@pytest.fixture(scope="module")
+def healthy_record(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("healthy")
+    result = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--json", "--out", out)
+    assert result.returncode == 0, result.stderr
+    return result.record
+
+
+def test_every_judged_run_has_its_series(healthy_record: dict) -> None:
+    runs = {(r["rung"], r["label"]): r for r in healthy_record["runs"]}
+    for rung, precision, rtol in (("fp32-accum", "fp32", 1e-3), ("bf16-no-scaler", "bf16", 0.1),
+                                  ("fp16-scaler", "fp16", 0.05)):
+        run = runs[(rung, f"{precision} run")]
+        assert run["step"] == [0, 1, 2]
+        assert all(abs(r - 1) <= rtol for r in run["ratio"]), run["ratio"]
+        assert run["band"] == [pytest.approx(1 - rtol), pytest.approx(1 + rtol)]
+        assert run["bad"] == [False, False, False]
+    fp16 = runs[("fp16-scaler", "fp16 run")]
+    assert fp16["scale"] == [65536.0] * 3
+    # before unscale_ the norm is S times the true one
+    for before, after in zip(fp16["grad_norm_before_unscale"], fp16["grad_norm_after_unscale"]):
+        assert before / after == pytest.approx(65536, rel=1e-3)
+    injected = next(r for r in healthy_record["runs"] if r["rung"] == "skips")
+    assert injected["label"] == "fp16 run, overflow injected in window 1"
+    assert injected["skipped"] == [False, True, False]
+    assert injected["scale"] == [65536.0, 32768.0, 32768.0]      # backed off once
+    assert injected["grad_norm_after_unscale"][1] is None        # the inf window
+
+
+def test_a_run_failing_at_fp32_accum_has_its_chart_and_source(tmp_path: Path) -> None:
+    result = run_cli("diagnose", CONFIGS / "broken_missing_average.yaml", "--json", "--out",
+                     tmp_path)
+    assert result.returncode == 1
+    record = result.record
+    (run,) = [r for r in record["runs"] if r["rung"] == "fp32-accum"]
+    assert run["ratio"] == [pytest.approx(4.0, rel=1e-3)] * 3      # K = 4 times the reference
+    assert run["bad"][0] is True
+    finding = record["findings"][0]
+    line = marked_line(RECIPES / "broken_missing_average.py", "missing-accumulation-average")
+    source = finding["source"]
+    assert source["line"] == line and source["start"] == line - 3
+    assert "# BUG: missing-accumulation-average" in source["lines"][line - source["start"]]
+    assert len(source["lines"]) == 7
+    page = render_html(record)
+    assert page.count("<svg") == 1             # the ratio chart of the one run that ran
+    assert "gradient norm ratio" in page and "optimizer step" in page
+    assert 'class="hit"' in page
+    # the terminal shows the same lines, the offending one marked
+    text = run_cli("report", next(tmp_path.glob("*.json"))).stdout
+    assert f">{line:5d} | " in text
+
+
+def test_source_is_kept_as_it_was_at_diagnose_time(tmp_path: Path) -> None:
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "loop.py").write_text((RECIPES / "broken_missing_average.py").read_text())
+    (project / "common.py").write_text((RECIPES / "common.py").read_text())
+    spec = (CONFIGS / "broken_missing_average.yaml").read_text()
+    spec = spec.replace("project_root: ../recipes", "project_root: .")
+    spec = spec.replace("broken_missing_average:train_loop", "loop:train_loop")
+    (project / "spec.yaml").write_text("\n".join(
+        line for line in spec.splitlines() if "recipes/" not in line and "scan:" not in line))
+    result = run_cli("diagnose", project / "spec.yaml", "--json", "--out", tmp_path / "runs",
+                     "--rungs", "fp32-accum")
+    assert result.returncode == 1, result.stderr
+    (project / "loop.py").write_text("# rewritten after the run\n")
+    saved = json.loads(next((tmp_path / "runs").glob("*.json")).read_text())
+    assert any("BUG: missing-accumulation-average" in line
+               for line in saved["findings"][0]["source"]["lines"])
+
+
+def test_old_records_without_runs_still_chart_their_fp16_series() -> None:
+    record = {"verdict": "healthy", "name": "old", "rungs": [], "findings": [],
+              "series": {"scale": [1024.0, 512.0, 512.0], "skipped": [False, True, False],
+                         "grad_norm_before_unscale": [900.0, None, 700.0],
+                         "grad_norm_after_unscale": [0.9, None, 1.4]}}
+    page = render_html(record)
+    assert page.count("<svg") == 2             # scale and norms; no ratio without a judgement
+    assert "loss scale S (log2)" in page and "step skipped (inf/NaN)" in page
+
+
+def test_broken_series_in_a_record_do_not_break_the_page() -> None:
+    record = {"verdict": "failed", "name": "hand-edited", "rungs": [], "findings": [],
+              "runs": [{"rung": "fp16-scaler", "label": "x", "ratio": [1.0, float("nan")],
+                        "step": [0], "band": [1.1, 0.9], "scale": [0.0, -1.0],
+                        "skipped": [True]}]}
+    page = render_html(record)
+    assert "<h1>" in page and page.count("<svg") == 1
