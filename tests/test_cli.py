@@ -58,7 +58,7 @@ def test_report_json_and_html(saved_record, tmp_path):
     result = run_cli("report", "--out", saved_record, "--html", "-o", target)
     html = target.read_text()
     assert "missing-accumulation-average" in html
-    assert "<svg" not in html or "polyline" in html
+    assert "<svg" not in html or "optimizer step" in html
     assert "broken_missing_average.py" in html
 
 

@@ -5,6 +5,8 @@ kept at diagnose time, and the charts and snippets rendered from them."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,7 +61,7 @@ def test_a_run_failing_at_fp32_accum_has_its_chart_and_source(tmp_path: Path) ->
     assert len(source["lines"]) == 7
     page = render_html(record)
     assert page.count("<svg") == 1             # the ratio chart of the one run that ran
-    assert "gradient norm ratio" in page and "optimizer step" in page
+    assert "consumed / reference" in page and "gradient norm" in page and "optimizer step" in page
     assert 'class="hit"' in page
     # the terminal shows the same lines, the offending one marked
     text = run_cli("report", next(tmp_path.glob("*.json"))).stdout
@@ -102,3 +104,84 @@ def test_broken_series_in_a_record_do_not_break_the_page() -> None:
                         "skipped": [True]}]}
     page = render_html(record)
     assert "<h1>" in page and page.count("<svg") == 1
+
+
+_SMALL = {"verdict": "failed", "name": "small", "rungs": [], "findings": [],
+          "runs": [{"rung": "fp16-scaler", "precision": "fp16", "label": "fp16 run",
+                    "step": [0, 1, 2], "ratio": [1.0, 4.0, 1.0], "bad": [False, True, False],
+                    "band": [0.95, 1.05], "scale": [65536.0, 32768.0, 32768.0],
+                    "skipped": [False, True, False],
+                    "grad_norm_before_unscale": [6.0e4, None, 3.0e4],
+                    "grad_norm_after_unscale": [0.9, None, 0.9]}]}
+
+
+def _imports_after(*args: str) -> str:
+    code = ("import sys\nfrom ampdoctor.cli import app\n"
+            f"try:\n    app({list(args)!r})\nexcept SystemExit:\n    pass\n"
+            "print('MODULES', 'torch' in sys.modules, 'matplotlib' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+def test_matplotlib_is_imported_only_for_the_html_page(tmp_path: Path) -> None:
+    record = tmp_path / "r.json"
+    record.write_text(json.dumps(_SMALL))
+    assert _imports_after("--help") == "MODULES False False"
+    assert _imports_after("report", str(record)) == "MODULES False False"
+    page = tmp_path / "r.html"
+    assert _imports_after("report", str(record), "--html", "-o", str(page)) \
+        == "MODULES False True"
+    assert page.read_text().count("<svg") == 3
+
+
+def test_charts_are_deterministic_and_leave_rcparams_alone() -> None:
+    import matplotlib
+    before = dict(matplotlib.rcParams)
+    first, second = render_html(_SMALL), render_html(_SMALL)
+    assert first == second
+    assert dict(matplotlib.rcParams) == before
+    assert "<script" not in first and "<?xml" not in first and "<!DOCTYPE svg" not in first
+    # axes, units and the band are on the ratio chart; the scale axis is log2
+    for text in ("optimizer step", "consumed / reference", "gradient norm",
+                 "tolerance band 0.95 to 1.05", "loss scale S (log2)", "step skipped (inf/NaN)",
+                 "before unscale_ (scaled: x S)", "after unscale_ (true)"):
+        assert text in first, text
+
+
+def test_the_terminal_prints_an_errors_source_literally() -> None:
+    from rich.console import Console
+
+    from ampdoctor.report.terminal import render
+    record = {"verdict": "error", "name": "e", "rungs": [], "findings": [],
+              "error": {"type": "UserCodeError", "message": "the loop raised [bold]x[/]",
+                        "location": {"file": "/tmp/loop.py", "line": 11},
+                        "source": {"file": "/tmp/loop.py", "start": 10, "line": 11,
+                                   "lines": ["x = 1", "raise ValueError('[red]boom[/]')",
+                                             "y = 2"]}}}
+    console = Console(record=True, width=120, color_system=None)
+    render(record, console)
+    text = console.export_text()
+    assert "the loop raised [bold]x[/]" in text
+    assert ">   11 | raise ValueError('[red]boom[/]')" in text
+    assert "    10 | x = 1" in text
+
+
+def test_the_noise_band_is_the_one_the_judge_accepts() -> None:
+    from ampdoctor import compare
+    from ampdoctor.ladder.series import NOISE_BAND
+
+    def noise(ratio: float) -> bool:
+        m = compare.Metrics(rel_err=0.5, ratio=ratio, cosine=0.99, norm_user=ratio,
+                            norm_ref=1.0, ok=False, allowed=0.1)
+        return compare.is_precision_noise(m, "bf16")
+
+    lo, hi = NOISE_BAND
+    assert noise(lo) and noise(hi) and noise(1.0)
+    assert not noise(lo * 0.99) and not noise(hi * 1.01)
+
+
+def test_reduced_precision_runs_carry_their_noise_band(healthy_record: dict) -> None:
+    bands = {r["precision"]: r.get("noise_band") for r in healthy_record["runs"]
+             if r.get("ratio")}
+    assert bands["fp32"] is None
+    assert bands["bf16"] == [0.8, 1.25] and bands["fp16"] == [0.8, 1.25]

@@ -23,18 +23,36 @@ def _finite(values: list[Any]) -> list[tuple[int, float]]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
 
 
-def _figure():
+#: matplotlib settings for the charts, applied only while a chart is drawn and saved
+#: (`rc_context`): a notebook that renders a page keeps its own rcParams. `svg.hashsalt` makes
+#: the SVG ids the same from one render to the next (a page is deterministic, diffable).
+RC = {"svg.fonttype": "none", "svg.hashsalt": "ampdoctor", "font.size": 9}
+
+
+def _agg() -> None:
+    """The CLI draws without a display: Agg. A process that already imported pyplot keeps its
+    backend (switching would close its figures); the charts never use pyplot anyway."""
+    import sys
+
     import matplotlib
-    matplotlib.use("Agg", force=False)
+    if "matplotlib.pyplot" not in sys.modules:
+        matplotlib.use("Agg")
+
+
+def _figure():
     from matplotlib.figure import Figure
-    matplotlib.rcParams.update({"svg.fonttype": "none", "svg.hashsalt": "ampdoctor",
-                                "font.size": 9})
-    fig = Figure(figsize=(6.4, 2.5))
+    from matplotlib.ticker import MaxNLocator
+    fig = Figure(figsize=(7.6, 2.5))
     ax = fig.add_subplot()
     ax.grid(True, color="#e5e7eb", linewidth=0.6)
-    from matplotlib.ticker import MaxNLocator
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     return fig, ax
+
+
+def _legend(ax) -> None:
+    """Beside the axes, never over the data."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
+              borderaxespad=0.0)
 
 
 def _svg(fig) -> str:
@@ -59,9 +77,20 @@ def ratio_chart(run: dict[str, Any]) -> str | None:
     if len(band) == 2 and all(isinstance(b, (int, float)) for b in band):
         ax.axhspan(band[0], band[1], color=GREEN, alpha=0.15,
                    label=f"tolerance band {band[0]:g} to {band[1]:g}")
+    noise = run.get("noise_band") or []
+    if len(noise) == 2 and all(isinstance(b, (int, float)) for b in noise):
+        ax.axhspan(noise[0], noise[1], color=GREY, alpha=0.08,
+                   label=f"precision noise if cosine >= 0.95:\n{noise[0]:g} to {noise[1]:g}")
     ax.axhline(1.0, color=GREEN, linewidth=0.8, linestyle="--", label="reference (1.0)")
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     ax.plot(xs, ys, marker="o", color=BLUE, linewidth=1.4, label="consumed / reference")
+    preclip = run.get("preclip") or []
+    clipped = [(x, y) for (i, y), x in zip(_finite(ratios), xs)
+               if i < len(preclip) and preclip[i] is True]
+    if clipped:
+        ax.scatter([p[0] for p in clipped], [p[1] for p in clipped], marker="o", s=110,
+                   facecolors="none", edgecolors=GREY, zorder=3,
+                   label="norm a clip saw, before clipping")
     bad = run.get("bad") or []
     flagged = [(x, y) for (i, y), x in zip(_finite(ratios), xs) if i < len(bad) and bad[i]]
     if flagged:
@@ -71,8 +100,8 @@ def ratio_chart(run: dict[str, Any]) -> str | None:
     if min(span) > 0 and max(span) / min(span) > 20:
         ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("gradient norm ratio\n(consumed / reference)")
-    ax.legend(loc="best", fontsize=7, framealpha=0.8)
+    ax.set_ylabel("consumed / reference\ngradient norm")
+    _legend(ax)
     return _svg(fig)
 
 
@@ -93,7 +122,7 @@ def scale_chart(run: dict[str, Any]) -> str | None:
                    zorder=3, label="step skipped (inf/NaN)")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss scale S (log2)")
-    ax.legend(loc="best", fontsize=7, framealpha=0.8)
+    _legend(ax)
     return _svg(fig)
 
 
@@ -112,25 +141,29 @@ def norm_chart(run: dict[str, Any]) -> str | None:
     ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("gradient L2 norm (log)")
-    ax.legend(loc="best", fontsize=7, framealpha=0.8)
+    _legend(ax)
     return _svg(fig)
 
 
 def run_charts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each run: its rung, label and the charts it has ([(title, svg)])."""
-    out = []
-    for run in runs:
-        charts = []
-        for title, make in (("consumed / reference gradient per optimizer step", ratio_chart),
-                            ("loss scale, skipped steps marked", scale_chart),
-                            ("gradient norm before and after unscale_", norm_chart)):
-            try:
-                svg = make(run)
-            except (ValueError, TypeError, OverflowError):   # a hand-edited record
-                svg = None
-            if svg:
-                charts.append((title, svg))
-        if charts:
-            out.append({"rung": run.get("rung", ""), "label": run.get("label", ""),
-                        "charts": charts})
-    return out
+    _agg()
+    import matplotlib
+    with matplotlib.rc_context(RC):
+        return [chart for run in runs if (chart := _run_charts(run))]
+
+
+def _run_charts(run: dict[str, Any]) -> dict[str, Any] | None:
+    charts = []
+    for title, make in (("consumed / reference gradient per optimizer step", ratio_chart),
+                        ("loss scale, skipped steps marked", scale_chart),
+                        ("gradient norm before and after unscale_", norm_chart)):
+        try:
+            svg = make(run)
+        except (ValueError, TypeError, OverflowError):   # a hand-edited record
+            svg = None
+        if svg:
+            charts.append((title, svg))
+    if not charts:
+        return None
+    return {"rung": run.get("rung", ""), "label": run.get("label", ""), "charts": charts}

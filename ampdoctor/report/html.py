@@ -31,6 +31,8 @@ def render_html(record: dict[str, Any]) -> str:
         # a record from before per-run series: its fp16 series alone
         runs = [{"rung": "fp16-scaler", "precision": "fp16", "label": "fp16 run", **series}]
     charted = run_charts(runs)
+    # the run the failed rung judged comes first: what a postmortem reader looks for
+    charted.sort(key=lambda run: run["rung"] != record.get("failed_rung"))
     for run in charted:
         # matplotlib's SVG: numbers and fixed labels only (charts.py), so it is markup
         run["charts"] = [(title, Markup(svg)) for title, svg in run["charts"]]

@@ -48,7 +48,11 @@ def render(record: dict[str, Any], console: Console) -> None:
         err = record["error"]
         loc = err.get("location")
         where = f"\n  at {display_path(loc['file'])}:{loc['line']}" if loc else ""
-        console.print(Text.assemble(("error: ", "bold magenta"), f"{err.get('message')}{where}"))
+        text = Text.assemble(("error: ", "bold magenta"), f"{err.get('message')}{where}")
+        if (err.get("source") or {}).get("lines"):
+            text.append("\n")
+            _source_lines(text, err["source"])
+        console.print(text)
         return
 
     table = Table(show_header=True, header_style="bold", expand=False)

@@ -15,10 +15,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-PAGES = {  # name: (sample config, window height in CSS pixels)
-    "healthy": ("sample_configs/healthy_adamw_clip_sched.yaml", 1500),
-    "failed": ("sample_configs/broken_clip_before_unscale.yaml", 1500),
-    "error": ("sample_configs/bad/factory_raises.yaml", 900),
+WIDTH = 1200   # CSS pixels
+PAGES = {  # name: (sample config, window height in CSS pixels: the error page is short)
+    "healthy": ("sample_configs/healthy_adamw_clip_sched.yaml", 2000),
+    "failed": ("sample_configs/broken_clip_before_unscale.yaml", 2000),
+    "error": ("sample_configs/bad/factory_raises.yaml", 1000),
 }
 
 
@@ -45,7 +46,7 @@ def main() -> None:
                             "--disable-background-networking", "--disable-component-update",
                             "--disable-sync", "--no-first-run", "--hide-scrollbars",
                             f"--user-data-dir={Path(tmp) / 'profile'}",
-                            f"--window-size=1000,{height}",
+                            f"--window-size={WIDTH},{height}",
                             f"--screenshot={HERE / (name + '.png')}", page.as_uri()],
                            check=True, capture_output=True, timeout=120)
             print(f"docs/screenshots/{name}.png  <- {config}")
