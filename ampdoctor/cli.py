@@ -169,7 +169,7 @@ class _Progress:
         if self.quiet:
             return
         now = time.monotonic()
-        if precision is None or now - self.last_line >= 1.0:
+        if precision is None or step == 0 or now - self.last_line >= 1.0:
             self.last_line = now
             self.err.print(f"  {text}", highlight=False, markup=False)
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import CONFIGS, RECIPES, marked_line, run_cli
+from conftest import CONFIGS, RECIPES, marked_line, run_cli, run_cli_process
 from ampdoctor import __version__
 from ampdoctor.findings import CATALOGUE, RUNG_IDS
 
@@ -22,7 +22,7 @@ def _modules_after(*args: str) -> set[str]:
 
 
 def test_version():
-    result = run_cli("--version")
+    result = run_cli_process("--version")       # the installed console script runs
     assert result.returncode == 0
     assert __version__ in result.stdout
 
@@ -41,6 +41,7 @@ def saved_record(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("saved_record")   # one module fixture, one worker
 def test_report_rerenders_latest_without_torch(saved_record):
     result = run_cli("report", "--out", saved_record)
     assert result.returncode == 0      # rendered: a postmortem step does not fail
@@ -49,6 +50,7 @@ def test_report_rerenders_latest_without_torch(saved_record):
     assert _modules_after("report", "--out", str(saved_record)).strip().endswith("NO-TORCH")
 
 
+@pytest.mark.xdist_group("saved_record")   # one module fixture, one worker
 def test_report_json_and_html(saved_record, tmp_path):
     result = run_cli("report", "--out", saved_record, "--json")
     record = json.loads(result.stdout)
@@ -114,8 +116,8 @@ def test_missing_spec_file_is_exit_2(tmp_path):
 def test_torch_warnings_from_a_wrapped_call_name_the_users_line(tmp_path):
     """torch warns about scheduler.step() before optimizer.step() at its caller's line; with
     the probe in between that caller is ampdoctor, so the warning is said again at the user's
-    scheduler call, once."""
-    result = run_cli("diagnose", CONFIGS / "broken_scheduler_per_microbatch.yaml", "--out",
+    scheduler call, once. (In a process of its own: pytest records warnings in this one.)"""
+    result = run_cli_process("diagnose", CONFIGS / "broken_scheduler_per_microbatch.yaml", "--out",
                      tmp_path)
     recipe = RECIPES / "broken_scheduler_per_microbatch.py"
     line = marked_line(recipe, "scheduler-per-microbatch")
@@ -146,6 +148,7 @@ def test_help_lists_the_exit_codes():
         assert text in shown, text
 
 
+@pytest.mark.xdist_group("saved_record")   # one module fixture, one worker
 def test_piped_output_keeps_each_line_whole(saved_record):
     """Not a terminal: no wrap at 80 columns, so a finding's message and its file:line are
     each on one line (grep finds them)."""

@@ -7,9 +7,10 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
 import yaml
 
-from conftest import CONFIGS, RECIPES, marked_line, run_cli
+from conftest import CONFIGS, RECIPES, marked_line, run_cli, run_cli_process
 
 TRAIN_PY = textwrap.dedent('''\
     import torch
@@ -121,7 +122,9 @@ def test_overrides_change_the_run_and_bad_ones_are_usage_errors(tmp_path: Path) 
 
 
 def test_progress_names_rung_precision_step_and_elapsed(tmp_path: Path) -> None:
-    result = run_cli("diagnose", CONFIGS / "healthy_sgd.yaml", "--out", tmp_path,
+    # in a process of its own: the CLI shows at most one progress line a second, and a warm
+    # in-process run reaches step 0 within a second of the rung's own line
+    result = run_cli_process("diagnose", CONFIGS / "healthy_sgd.yaml", "--out", tmp_path,
                      "--rungs", "fp32-accum")
     assert result.returncode == 0
     lines = result.stderr.splitlines()
@@ -162,6 +165,7 @@ def test_shell_completion_is_offered() -> None:
     assert "--install-completion" in result.stdout and "--show-completion" in result.stdout
 
 
+@pytest.mark.slow
 def test_overrides_reach_the_ddp_ranks(tmp_path: Path) -> None:
     # the ranks rebuild the spec in their own processes: with the override, not the file's 3
     result = run_cli("diagnose", CONFIGS / "healthy_sgd_ddp.yaml", "--steps", "2", "--rungs",

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, RECIPES, CliResult, marked_line, run_cli
+from conftest import CONFIGS, RECIPES, CliResult, marked_line, run_cli, run_cli_process
 
 # config -> (kind, evidence that must hold)
 BROKEN = {
@@ -64,6 +64,7 @@ def _check_broken(record, name):
     return finding
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(BROKEN))
 def test_broken_ddp_recipe_spawned(name, records_dir):
     result = run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir)
@@ -87,9 +88,11 @@ def test_broken_ddp_recipe_spawned(name, records_dir):
                 == 4 * finding["evidence"]["minimum_bytes_per_window"])
 
 
-def test_the_ranks_of_a_healthy_loop_agree_with_the_global_reference(records_dir):
-    result = run_cli("diagnose", CONFIGS / "healthy_require_grad_sync_ddp.yaml", "--json",
-                     "--out", records_dir)
+@pytest.mark.slow
+@pytest.mark.xdist_group("healthy_require_grad_sync_ddp")
+def test_the_ranks_of_a_healthy_loop_agree_with_the_global_reference(diagnosed):
+    # the same diagnose as test_e2e_diagnose's healthy check of this config (run once)
+    result = diagnosed("healthy_require_grad_sync_ddp")
     assert result.returncode == 0, result.stderr
     details = _ddp_rung(result.record)["details"]
     assert details["sync_position_in_window"] == [4, 4, 4]
@@ -98,10 +101,11 @@ def test_the_ranks_of_a_healthy_loop_agree_with_the_global_reference(records_dir
     assert details["parameter_difference_between_ranks"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_ends_the_run_with_its_line(records_dir):
     started = time.monotonic()
-    result = run_cli("diagnose", CONFIGS / "broken_ddp_rank_raises.yaml", "--json",
-                     "--out", records_dir, timeout=120)
+    result = run_cli_process("diagnose", CONFIGS / "broken_ddp_rank_raises.yaml", "--json",
+                             "--out", records_dir, timeout=120)
     assert result.returncode == 3, result.stderr
     finding = result.record["findings"][0]
     assert (finding["rung"], finding["kind"]) == ("ddp-sync", "loop-error")
@@ -113,10 +117,11 @@ def test_a_rank_that_raises_ends_the_run_with_its_line(records_dir):
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_is_stopped_at_the_timeout_with_where_it_waited(records_dir):
     started = time.monotonic()
-    result = run_cli("diagnose", CONFIGS / "broken_ddp_rank_hangs.yaml", "--json",
-                     "--out", records_dir, timeout=120)
+    result = run_cli_process("diagnose", CONFIGS / "broken_ddp_rank_hangs.yaml", "--json",
+                             "--out", records_dir, timeout=120)
     elapsed = time.monotonic() - started
     assert result.returncode == 3, result.stderr
     finding = result.record["findings"][0]
@@ -140,6 +145,7 @@ def _torchrun(config: str, records_dir: Path) -> CliResult:
     return CliResult(proc.returncode, proc.stdout, proc.stderr)
 
 
+@pytest.mark.slow
 def test_torchrun_healthy(records_dir):
     result = _torchrun("healthy_require_grad_sync_ddp", records_dir)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -150,7 +156,15 @@ def test_torchrun_healthy(records_dir):
     assert len(list(records_dir.glob("*.json"))) == 1   # rank 0 alone wrote it
 
 
-@pytest.mark.parametrize("name", sorted(BROKEN))
+#: Under torchrun only the launch differs (the ranks meet at torchrun's store, rank 0 runs the
+#: ladder): one recipe per way a finding is measured -- the all-reduce count, what the DDP
+#: ranks consumed, FSDP's reduce-scatter. Every recipe is run spawned above.
+TORCHRUN_BROKEN = ["broken_missing_no_sync", "broken_ddp_sync_one_early",
+                   "broken_fsdp_sync_one_early"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TORCHRUN_BROKEN)
 def test_broken_ddp_recipe_under_torchrun(name, records_dir):
     result = _torchrun(name, records_dir)
     assert result.returncode != 0
@@ -161,6 +175,7 @@ def test_broken_ddp_recipe_under_torchrun(name, records_dir):
     assert "exitcode  : 3" not in result.stderr
 
 
+@pytest.mark.slow
 def test_torchrun_rank_raises(records_dir):
     result = _torchrun("broken_ddp_rank_raises", records_dir)
     finding = result.record["findings"][0]
@@ -185,6 +200,7 @@ def test_launched_rank_reads_the_launch_environment(monkeypatch):
     assert launch.launched_rank() is None          # a single process: nothing to join
 
 
+@pytest.mark.slow
 def test_a_store_that_cannot_be_reached_is_a_launch_error_not_a_loop_error(tmp_path, records_dir):
     spec = (CONFIGS / "healthy_sgd_ddp.yaml").read_text().replace(
         "project_root: ../recipes", f"project_root: {RECIPES}").replace(
@@ -196,9 +212,9 @@ def test_a_store_that_cannot_be_reached_is_a_launch_error_not_a_loop_error(tmp_p
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]   # closed again: nothing listens there
-    result = run_cli("diagnose", path, "--out", records_dir, timeout=60,
-                     env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                          "MASTER_PORT": str(port)})
+    result = run_cli_process("diagnose", path, "--out", records_dir, timeout=60,
+                             env={"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                  "MASTER_PORT": str(port)})
     assert result.returncode == 3
     assert "DDP launch error" in result.stderr
     assert f"127.0.0.1:{port}" in result.stderr

@@ -2,6 +2,9 @@
 
 Each broken recipe must fail at the right rung with the right kind, evidence within a stated
 band, and the exact file:line its `# BUG:` marker names. Every healthy recipe must pass clean.
+
+Each sample config is diagnosed once per session (`diagnosed`, in this process): the tests that
+check one config's record share that run, and its xdist_group keeps them on one worker.
 """
 
 from __future__ import annotations
@@ -11,6 +14,14 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIGS, RECIPES, marked_line, run_cli
+
+
+def _grouped(names):
+    """Parameters that run on the worker which diagnoses (and caches) their config; a DDP
+    config (2 spawned ranks) is slow."""
+    return [pytest.param(n, marks=[pytest.mark.xdist_group(n)]
+                         + ([pytest.mark.slow] if n.endswith("_ddp") else []))
+            for n in sorted(names)]
 
 HEALTHY = sorted(p.stem for p in CONFIGS.glob("healthy_*.yaml"))
 
@@ -169,9 +180,9 @@ WARNINGS = {
 }
 
 
-@pytest.mark.parametrize("name", HEALTHY)
-def test_healthy_recipe_passes_clean(name, records_dir):
-    result = run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir)
+@pytest.mark.parametrize("name", _grouped(HEALTHY))
+def test_healthy_recipe_passes_clean(name, diagnosed):
+    result = diagnosed(name)
     record = result.record
     errors = [f for f in record["findings"] if f["severity"] == "error"]
     assert errors == [], errors
@@ -200,22 +211,23 @@ def test_healthy_recipe_passes_clean(name, records_dir):
     assert sum(record["series"]["skipped"]) <= 1
 
 
-def test_noloss_uneven_micro_batches_take_the_loops_token_weighting(records_dir):
+@pytest.mark.xdist_group("healthy_token_weighted_noloss")
+def test_noloss_uneven_micro_batches_take_the_loops_token_weighting(diagnosed):
     """Without `loss`, micro-batches that cannot be concatenated have no full-batch reference:
     the equal-weight mean is only a guess, and a loop that weighs by tokens is right. The
     record and the terminal say which weighting the reference used."""
-    record = run_cli("diagnose", CONFIGS / "healthy_token_weighted_noloss.yaml", "--json",
-                     "--out", records_dir).record
+    run = diagnosed("healthy_token_weighted_noloss")
+    record = run.record
     assert record["verdict"] == "healthy"
     assert any("labels of `labels` that are not -100" in n for n in record["notes"]), record
-    saved = sorted(records_dir.glob("*.json"))[-1]
+    saved = sorted(run.out.glob("*.json"))[-1]
     shown = run_cli("report", saved).stdout
     assert "note: micro-batches differ in shape and the loop weighs each by its count of" in shown
 
 
-def test_a_gradscaler_the_loop_never_builds_is_not_an_owner(records_dir):
-    record = run_cli("diagnose", CONFIGS / "healthy_pretrain_and_finetune.yaml", "--json",
-                     "--out", records_dir).record
+@pytest.mark.xdist_group("healthy_pretrain_and_finetune")
+def test_a_gradscaler_the_loop_never_builds_is_not_an_owner(diagnosed):
+    record = diagnosed("healthy_pretrain_and_finetune").record
     rung = next(r for r in record["rungs"] if r["id"] == "double-scaling")
     recipe = RECIPES / "healthy_pretrain_and_finetune.py"
     dormant = rung["details"]["dormant_owners"]
@@ -225,23 +237,24 @@ def test_a_gradscaler_the_loop_never_builds_is_not_an_owner(records_dir):
     assert "never built by this loop" in rung["summary"]
 
 
-def test_a_rung_that_compared_nothing_does_not_pass(records_dir):
-    record = run_cli("diagnose", CONFIGS / "broken_scale_never_settles.yaml", "--json",
-                     "--out", records_dir).record
+@pytest.mark.xdist_group("broken_scale_never_settles")
+def test_a_rung_that_compared_nothing_does_not_pass(diagnosed):
+    run = diagnosed("broken_scale_never_settles")
+    record = run.record
     rungs = {r["id"]: r for r in record["rungs"]}
     assert rungs["fp16-scaler"]["status"] == "skip"
     assert rungs["fp16-scaler"]["details"]["steps_compared"] == 0
     assert "applied no update" in rungs["skips"]["summary"]
     # the record is strict JSON even though every grad norm before unscale_ was inf/NaN
-    text = next(records_dir.glob("*.json")).read_text()
+    text = next(run.out.glob("*.json")).read_text()
     assert "NaN" not in text and "Infinity" not in text
 
 
-def test_a_clip_that_saturates_does_not_hide_the_factor(records_dir):
+@pytest.mark.xdist_group("broken_missing_average_clipped")
+def test_a_clip_that_saturates_does_not_hide_the_factor(diagnosed):
     """At step 0 both the 4x gradient and the reference exceed max_grad_norm, so after the clip
     they are equal; the norm the loop's clip saw (4x the reference's) gives it away there."""
-    record = run_cli("diagnose", CONFIGS / "broken_missing_average_clipped.yaml", "--json",
-                     "--out", records_dir).record
+    record = diagnosed("broken_missing_average_clipped").record
     finding = record["findings"][0]
     assert finding["kind"] == "missing-accumulation-average"
     assert finding["evidence"]["step"] == 0
@@ -249,9 +262,9 @@ def test_a_clip_that_saturates_does_not_hide_the_factor(records_dir):
     assert finding["evidence"]["clip_total_norm"] > 0.5
 
 
-def test_clip_space_runs_when_clipping_is_configured(records_dir):
-    record = run_cli("diagnose", CONFIGS / "healthy_clip_active.yaml", "--json", "--out",
-                     records_dir).record
+@pytest.mark.xdist_group("healthy_clip_active")
+def test_clip_space_runs_when_clipping_is_configured(diagnosed):
+    record = diagnosed("healthy_clip_active").record
     rung = next(r for r in record["rungs"] if r["id"] == "clip-space")
     assert rung["status"] == "pass"
     assert all(abs(r - 1) < 1e-3 for r in rung["details"]["clip_ratios"])
@@ -259,10 +272,10 @@ def test_clip_space_runs_when_clipping_is_configured(records_dir):
     assert rung["details"]["clips_that_bit"] >= 3
 
 
-@pytest.mark.parametrize("name", sorted(WARNINGS))
-def test_warning_recipe(name, records_dir):
+@pytest.mark.parametrize("name", _grouped(WARNINGS))
+def test_warning_recipe(name, diagnosed):
     rung, kind, marker_file = WARNINGS[name]
-    result = run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir)
+    result = diagnosed(name)
     record = result.record
     assert result.returncode == 0, result.stderr
     finding = next(f for f in record["findings"] if f["kind"] == kind)
@@ -273,10 +286,10 @@ def test_warning_recipe(name, records_dir):
     assert finding["location"]["line"] == marked_line(marker, kind)
 
 
-@pytest.mark.parametrize("name", sorted(BROKEN))
-def test_broken_recipe_is_diagnosed(name, records_dir):
+@pytest.mark.parametrize("name", _grouped(BROKEN))
+def test_broken_recipe_is_diagnosed(name, diagnosed):
     rung, kind, key, (low, high), marker_file = BROKEN[name]
-    result = run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir)
+    result = diagnosed(name)
     record = result.record
     assert result.returncode == 1, result.stderr
     assert record["verdict"] == "failed"
@@ -295,7 +308,7 @@ def test_broken_recipe_is_diagnosed(name, records_dir):
     assert statuses[failed_at] == "fail"
     assert all(s == "not-run" for s in statuses[failed_at + 1:])
     # the record was saved too
-    assert list(records_dir.glob("*.json"))
+    assert list(result.out.glob("*.json"))
 
 
 def test_loop_error_exits_3_with_record_and_line(records_dir):
@@ -326,9 +339,9 @@ def test_loop_ignoring_micro_batches_is_a_loop_error(records_dir):
     assert finding["location"]["line"] == marked_line(recipe, "loop-error")
 
 
-def test_generator_loop_is_run_and_noted(records_dir):
-    record = run_cli("diagnose", CONFIGS / "healthy_generator_loop.yaml", "--json", "--out",
-                     records_dir).record
+@pytest.mark.xdist_group("healthy_generator_loop")
+def test_generator_loop_is_run_and_noted(diagnosed):
+    record = diagnosed("healthy_generator_loop").record
     assert record["verdict"] == "healthy"
     assert any("generator" in n for n in record["notes"])
     fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
@@ -349,33 +362,36 @@ def test_terminal_report_names_kind_line_and_fix(records_dir):
 
 # --- consequence first: loops written the way popular projects write them -----------------
 
-def _diagnose(name, records_dir):
-    return run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir).record
+def _diagnose(name, diagnosed):
+    return diagnosed(name).record
 
 
 def _rung(record, rung_id):
     return next(r for r in record["rungs"] if r["id"] == rung_id)
 
 
-def test_a_clip_that_bites_shows_the_factor_before_the_clip(records_dir):
+@pytest.mark.xdist_group("broken_missing_average_clip_bites")
+def test_a_clip_that_bites_shows_the_factor_before_the_clip(diagnosed):
     """Both the 4x gradient and (here) the reference exceed max_grad_norm: after the clip they
     agree, so the evidence must carry the pre-clip ratio."""
-    finding = _diagnose("broken_missing_average_clip_bites", records_dir)["findings"][0]
+    finding = _diagnose("broken_missing_average_clip_bites", diagnosed)["findings"][0]
     assert 3.99 <= finding["evidence"]["ratio"] <= 4.01
     assert finding["evidence"]["ratio_after_clip"] < 3.5
     assert finding["evidence"]["clip_total_norm"] > 0.05
 
 
-def test_a_divisor_that_varies_per_step_is_not_told_to_divide_by_k(records_dir):
-    finding = _diagnose("broken_token_count_overwritten", records_dir)["findings"][0]
+@pytest.mark.xdist_group("broken_token_count_overwritten")
+def test_a_divisor_that_varies_per_step_is_not_told_to_divide_by_k(diagnosed):
+    finding = _diagnose("broken_token_count_overwritten", diagnosed)["findings"][0]
     ratios = finding["evidence"]["ratios_per_step"]
     assert len(ratios) == 3 and max(ratios) / min(ratios) > 1.5
     assert "varies" in finding["message"]
     assert "accumulation_steps" not in finding["fix"] and "whole optimizer step" in finding["fix"]
 
 
-def test_clip_in_scaled_space_at_a_scaled_threshold_is_the_same_update(records_dir):
-    record = _diagnose("healthy_clip_scaled_threshold", records_dir)
+@pytest.mark.xdist_group("healthy_clip_scaled_threshold")
+def test_clip_in_scaled_space_at_a_scaled_threshold_is_the_same_update(diagnosed):
+    record = _diagnose("healthy_clip_scaled_threshold", diagnosed)
     assert record["verdict"] == "healthy" and record["findings"] == []
     rung = _rung(record, "clip-space")
     assert rung["status"] == "pass"
@@ -384,24 +400,26 @@ def test_clip_in_scaled_space_at_a_scaled_threshold_is_the_same_update(records_d
     assert all(r > 1000 for r in rung["details"]["clip_ratios"])
 
 
-def test_a_loop_that_clips_at_its_own_threshold_is_judged_at_that_threshold(records_dir):
-    record = _diagnose("healthy_timm_fixed_clip_maxnorm", records_dir)
+@pytest.mark.xdist_group("healthy_timm_fixed_clip_maxnorm")
+def test_a_loop_that_clips_at_its_own_threshold_is_judged_at_that_threshold(diagnosed):
+    record = _diagnose("healthy_timm_fixed_clip_maxnorm", diagnosed)
     assert record["verdict"] == "healthy" and record["findings"] == []
     rung = _rung(record, "clip-space")
     assert rung["status"] == "pass"
     assert "own threshold" in rung["details"]["forced_clipping"]
 
 
-def test_per_group_and_subset_clipping_are_referenced_per_call(records_dir):
-    for name in ("healthy_per_group_clip", "healthy_clip_subset"):
-        record = _diagnose(name, records_dir)
-        assert record["findings"] == [], (name, record["findings"])
-        rung = _rung(record, "clip-space")
-        assert rung["status"] == "pass" and rung["details"]["clips_that_bit"] >= 1, rung
+@pytest.mark.parametrize("name", _grouped(["healthy_per_group_clip", "healthy_clip_subset"]))
+def test_per_group_and_subset_clipping_are_referenced_per_call(name, diagnosed):
+    record = _diagnose(name, diagnosed)
+    assert record["findings"] == [], (name, record["findings"])
+    rung = _rung(record, "clip-space")
+    assert rung["status"] == "pass" and rung["details"]["clips_that_bit"] >= 1, rung
 
 
-def test_a_window_retried_after_a_skipped_overflow_is_healthy(records_dir):
-    record = _diagnose("healthy_fairseq_overflow_retry", records_dir)
+@pytest.mark.xdist_group("healthy_fairseq_overflow_retry")
+def test_a_window_retried_after_a_skipped_overflow_is_healthy(diagnosed):
+    record = _diagnose("healthy_fairseq_overflow_retry", diagnosed)
     assert record["findings"] == []
     skips = _rung(record, "skips")
     assert skips["status"] == "pass"
@@ -409,10 +427,11 @@ def test_a_window_retried_after_a_skipped_overflow_is_healthy(records_dir):
     assert skips["details"]["backoffs_in_injected_window"] == 1
 
 
-def test_an_init_scale_search_that_outlasts_the_slice_is_rerun_from_where_it_ended(records_dir):
+@pytest.mark.xdist_group("healthy_fairseq_default_scale")
+def test_an_init_scale_search_that_outlasts_the_slice_is_rerun_from_where_it_ended(diagnosed):
     """Summed token losses at GradScaler's default 65536 skip all 3 steps of the slice: the
     fp16 runs start again from 8192 (after the 3 halvings), compare real updates and say so."""
-    record = _diagnose("healthy_fairseq_default_scale", records_dir)
+    record = _diagnose("healthy_fairseq_default_scale", diagnosed)
     assert record["findings"] == []
     fp16 = _rung(record, "fp16-scaler")
     assert fp16["status"] == "pass" and fp16["details"]["steps_compared"] >= 2
@@ -420,30 +439,34 @@ def test_an_init_scale_search_that_outlasts_the_slice_is_rerun_from_where_it_end
                for n in record["notes"]), record["notes"]
 
 
-def test_a_project_local_accelerator_is_one_owner(records_dir):
-    record = _diagnose("healthy_local_accelerator", records_dir)
+@pytest.mark.xdist_group("healthy_local_accelerator")
+def test_a_project_local_accelerator_is_one_owner(diagnosed):
+    record = _diagnose("healthy_local_accelerator", diagnosed)
     assert record["findings"] == []
     rung = _rung(record, "double-scaling")
     assert rung["status"] == "pass"
     assert rung["summary"].startswith("one loss-scale owner"), rung["summary"]
 
 
-@pytest.mark.parametrize("name", ["healthy_transformer_dropout", "healthy_transformer_dropout_off",
-                                  "healthy_dropout_mlp"])
-def test_dropout_models_go_through_the_ladder_unchanged(name, records_dir):
-    record = _diagnose(name, records_dir)
+@pytest.mark.parametrize("name", _grouped(["healthy_transformer_dropout",
+                                            "healthy_transformer_dropout_off",
+                                            "healthy_dropout_mlp"]))
+def test_dropout_models_go_through_the_ladder_unchanged(name, diagnosed):
+    record = _diagnose(name, diagnosed)
     assert record["verdict"] == "healthy" and record["findings"] == []
     rep = _rung(record, "reproducibility")
     assert rep["status"] == "pass" and rep["details"]["loop_repeat_error"] <= 1e-5
 
 
-def test_a_constant_schedule_stepped_per_micro_batch_is_fine(records_dir):
-    record = _diagnose("healthy_constant_lambdalr_per_microbatch", records_dir)
+@pytest.mark.xdist_group("healthy_constant_lambdalr_per_microbatch")
+def test_a_constant_schedule_stepped_per_micro_batch_is_fine(diagnosed):
+    record = _diagnose("healthy_constant_lambdalr_per_microbatch", diagnosed)
     assert record["findings"] == []
 
 
-def test_one_natural_overflow_is_not_frequent_skips(records_dir):
-    record = _diagnose("healthy_yolo_ema_checkpoint", records_dir)
+@pytest.mark.xdist_group("healthy_yolo_ema_checkpoint")
+def test_one_natural_overflow_is_not_frequent_skips(diagnosed):
+    record = _diagnose("healthy_yolo_ema_checkpoint", diagnosed)
     assert record["series"]["skipped"] == [False, True, False]
     assert record["findings"] == []
     assert _rung(record, "skips")["status"] == "pass"

@@ -89,7 +89,13 @@ def _mutate(base, data):
 
 COUNTS = {"specs": 0, "records": 0}
 
+# the count at the end reads COUNTS in this process: the module's tests stay on one xdist worker
+pytestmark = pytest.mark.xdist_group("test_hostile_fuzz")
+#: hundreds of generated inputs (each record rendered as terminal text and an HTML page)
+many_runs = pytest.mark.slow
 
+
+@many_runs
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_a_mangled_spec_is_accepted_or_refused_clearly(tmp_path_factory, data):
@@ -109,6 +115,7 @@ def test_a_mangled_spec_is_accepted_or_refused_clearly(tmp_path_factory, data):
         assert len(exc.message) < 20_000
 
 
+@many_runs
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_a_mangled_record_is_rendered_or_refused_clearly(tmp_path_factory, data):
@@ -192,6 +199,7 @@ def test_every_exit_path_leaves_torch_and_the_interpreter_as_they_were(tmp_path,
     assert _user_modules(tmp_path) == set()
 
 
+@many_runs      # with the two fuzz tests it counts
 def test_the_fuzz_suite_counts(capsys):
     """Runs last in this module: how many mangled inputs were tried (all behaved, or a test
     above failed)."""

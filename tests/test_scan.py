@@ -391,10 +391,11 @@ def _cli_has_scan() -> bool:
 needs_cli = pytest.mark.skipif(not _cli_has_scan(), reason="ampdoctor/cli.py has no scan command yet")
 
 
-def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = dict(os.environ, NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "ampdoctor", "scan", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=120, env=env)
+def _cli(*args: str, cwd: Path = REPO):
+    """`ampdoctor scan ARGS` in this process (returncode, stdout, stderr); the console script
+    and `python -m` in processes of their own are tested above and below."""
+    from conftest import run_cli
+    return run_cli("scan", *args, cwd=cwd)
 
 
 @needs_cli
