@@ -81,16 +81,43 @@ def _round(value: float, digits: int = 6) -> float:
     return float(f"{value:.{digits}g}")
 
 
+#: Vectors longer than this are compared in float64 chunks of this many elements, so a large
+#: model's comparison never holds three float64 copies of its gradient (~24 bytes/parameter).
+CHUNK = 1 << 22
+
+
+def _chunked(user: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float, float]:
+    """norm(user), norm(ref), norm(user - ref) and dot(user, ref) in float64, chunk by chunk."""
+    su = sr = sd = dot = 0.0
+    for start in range(0, user.numel(), CHUNK):
+        u = user[start:start + CHUNK].double()
+        r = ref[start:start + CHUNK].double()
+        su += float(torch.dot(u, u))
+        sr += float(torch.dot(r, r))
+        dot += float(torch.dot(u, r))
+        u.sub_(r)
+        sd += float(torch.dot(u, u))
+    return math.sqrt(su), math.sqrt(sr), math.sqrt(sd), dot
+
+
 def metrics(user: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Metrics:
+    if user.numel() > CHUNK and user.numel() == ref.numel():
+        norm_u, norm_r, diff, dot = _chunked(user.reshape(-1), ref.reshape(-1))
+        return _metrics(norm_u, norm_r, diff, lambda: dot, ref.numel(), tol)
     user = user.double()
     ref = ref.double()
     norm_u = float(torch.linalg.vector_norm(user))
     norm_r = float(torch.linalg.vector_norm(ref))
     diff = float(torch.linalg.vector_norm(user - ref))
-    allowed = tol.rtol * norm_r + tol.atol * math.sqrt(max(ref.numel(), 1))
+    return _metrics(norm_u, norm_r, diff, lambda: float(torch.dot(user, ref)), ref.numel(), tol)
+
+
+def _metrics(norm_u: float, norm_r: float, diff: float, dot, numel: int,
+             tol: Tolerance) -> Metrics:
+    allowed = tol.rtol * norm_r + tol.atol * math.sqrt(max(numel, 1))
     rel = diff / norm_r if norm_r > 0 else (0.0 if diff == 0 else math.inf)
     if norm_u > 0 and norm_r > 0:
-        cosine = float(torch.dot(user, ref)) / (norm_u * norm_r)
+        cosine = dot() / (norm_u * norm_r)
     else:
         cosine = 1.0 if norm_u == norm_r else 0.0
     ratio = norm_u / norm_r if norm_r > 0 else (1.0 if norm_u == 0 else math.inf)

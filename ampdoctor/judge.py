@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import compare
+from .probe import spill
 from .probe.recorder import Event, StepRecord
 from .reference import ClipCall, apply_clips, clip_calls, reference_norm
 from .loading import micro_batch_counts
@@ -113,23 +114,26 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
             break   # the run diverged after a bad step: nothing later can be compared
         window = session.window_of(steps[0], ordinal, trace)
         ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
+        ref_every = flat(session, ref.full, session.param_order)
         for step in steps:
             names = [n for n in step.grads if n in session.param_shapes]
             events = [e for e in trace.events if previous_seq < e.seq < step.seq]
             calls = clip_calls(names_of, events, owner, known)
             user = flat(session, step.grads, names)
-            calls = _hand_clip(calls, trace, names, user, flat(session, ref.full, names), sizes,
-                               tol)
-            expected = _clipped_reference(session, ref, names, sizes, calls)
+            calls = _hand_clip(calls, trace, names, user,
+                               lambda: _restrict(session, ref_every, names, sizes), sizes, tol)
+            expected = _clipped_reference(session, ref_every, names, sizes, calls)
             m = compare.metrics(user, expected, tol)
             if not m.ok and session.weighting_open and precision == "fp32" \
                     and adopt_weighting(session, window, ref, names, user, tol):
                 ref = session.reference(window, snapshot.state, snapshot.training,
                                         per_mb=False)
-                expected = _clipped_reference(session, ref, names, sizes, calls)
+                ref_every = flat(session, ref.full, session.param_order)
+                expected = _clipped_reference(session, ref_every, names, sizes, calls)
                 m = compare.metrics(user, expected, tol)
             bad = not m.ok and not compare.is_precision_noise(m, precision)
-            preclip = _preclip_ratio(session, ref, names, sizes, calls)
+            preclip = _preclip_ratio(session, ref_every, names, sizes, calls)
+            del expected
             if not bad and preclip is not None and precision in ("fp32", "bf16"):
                 band = max(3 * tol.rtol, PRECLIP_BAND_FP32) if precision == "fp32" \
                     else PRECLIP_BAND_BF16
@@ -137,15 +141,34 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
             judged.append(StepJudgement(ordinal, window, step, m, tuple(calls), preclip,
                                         tuple(events), bad))
         previous_seq = max(s.seq for s in steps)
+    spill.forget_cache()   # the last step's copy read back from disk is not needed any more
     return Judgement(precision, tol, tuple(judged))
 
 
-def _clipped_reference(session: Session, ref, names: list[str], sizes: dict[str, int],
-                       calls: list[ClipCall]) -> torch.Tensor:
-    """The reference clipped as the loop meant, over every parameter (a clip may cover more
-    than the one optimizer whose step is judged), then restricted to `names`."""
+def _restrict(session: Session, vector: torch.Tensor, names: list[str],
+              sizes: dict[str, int]) -> torch.Tensor:
+    """A vector flattened over every parameter (`session.param_order`), restricted to `names`
+    (the vector itself when `names` are all of them, in that order)."""
     every = session.param_order
-    clipped, _ = apply_clips(flat(session, ref.full, every), every, sizes, calls)
+    if names == every:
+        return vector
+    offsets, offset = {}, 0
+    for name in every:
+        offsets[name] = (offset, offset + sizes[name])
+        offset += sizes[name]
+    parts = [vector[slice(*offsets[n])] for n in names]
+    return torch.cat(parts) if parts else vector[:0]
+
+
+def _clipped_reference(session: Session, ref_every: torch.Tensor, names: list[str],
+                       sizes: dict[str, int], calls: list[ClipCall]) -> torch.Tensor:
+    """The reference (flattened over every parameter) clipped as the loop meant, over every
+    parameter (a clip may cover more than the one optimizer whose step is judged), then
+    restricted to `names`."""
+    every = session.param_order
+    clipped, _ = apply_clips(ref_every, every, sizes, calls)
+    if names == every:
+        return clipped
     offsets, offset = {}, 0
     for name in every:
         offsets[name] = (offset, offset + sizes[name])
@@ -159,7 +182,7 @@ def _finite_state(state: dict[str, torch.Tensor]) -> bool:
 
 
 def _hand_clip(calls: list[ClipCall], trace: Trace, names: list[str], user: torch.Tensor,
-               reference: torch.Tensor, sizes: dict[str, int],
+               reference_of, sizes: dict[str, int],
                tol: compare.Tolerance) -> list[ClipCall]:
     """No clip call was seen but the loop was handed max_grad_norm: it may clip by hand
     (`p.grad.mul_(max_norm / norm)`). The reference then clips all parameters at that threshold,
@@ -168,14 +191,15 @@ def _hand_clip(calls: list[ClipCall], trace: Trace, names: list[str], user: torc
     if calls or threshold is None or not math.isfinite(threshold):
         return calls
     hand = [ClipCall(None, "norm", tuple(names), 2.0, threshold, threshold, None, None)]
+    reference = reference_of()
     clipped, _ = apply_clips(reference, names, sizes, hand)
     if compare.metrics(user, clipped, tol).rel_err <= compare.metrics(user, reference, tol).rel_err:
         return hand
     return calls
 
 
-def _preclip_ratio(session: Session, ref, names: list[str], sizes: dict[str, int],
-                   calls: list[ClipCall]) -> float | None:
+def _preclip_ratio(session: Session, ref_every: torch.Tensor, names: list[str],
+                   sizes: dict[str, int], calls: list[ClipCall]) -> float | None:
     """For the last norm clip that bit: the norm it saw (in true space) over the reference's
     unclipped norm of the same parameters."""
     biting = [c for c in calls if c.bit]
@@ -183,7 +207,7 @@ def _preclip_ratio(session: Session, ref, names: list[str], sizes: dict[str, int
         return None
     call = biting[-1]
     every = session.param_order
-    ref_norm = reference_norm(flat(session, ref.full, every), every, sizes, call)
+    ref_norm = reference_norm(ref_every, every, sizes, call)
     seen = call.seen_true_norm
     if not ref_norm or seen is None:
         return None

@@ -15,7 +15,7 @@ from . import compare
 from .errors import AmpdoctorInterrupt, UserCodeError
 from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
                       run_train_loop, to_device)
-from .probe import recorder
+from .probe import recorder, spill
 from .probe.callsite import CallSiteFinder, Site
 from .reference import ReferenceBuilder
 from .spec import Spec
@@ -178,7 +178,8 @@ class Session(ReferenceBuilder):
                  K: int | None = None, state: dict[str, torch.Tensor] | None = None,
                  training: bool = True, max_grad_norm: float | None | str = "spec",
                  rng_seed: int | None = None, capture: bool = True,
-                 before_backward=None, distributed: Distributed | None = None) -> Trace:
+                 before_backward=None, distributed: Distributed | None = None,
+                 step_sink=None) -> Trace:
         """One run of the user's loop under the probe.
 
         `distributed`: a DDP rank's run -- the micro-batches are this rank's shards (in the
@@ -197,6 +198,7 @@ class Session(ReferenceBuilder):
         probe = recorder.Probe(self.finder, model, flat)
         probe.capture_grads = capture
         probe.before_backward = before_backward
+        probe.step_sink = step_sink
         batch_index = self.batch_index
         handed: Any = model
         if distributed is not None:
@@ -258,9 +260,19 @@ class Session(ReferenceBuilder):
 
     def rung_done(self, rung_id: str) -> None:
         """Free what no later rung needs (a 20M-parameter model keeps ~160 MB per step)."""
+        spill.forget_cache()
         precision = self._LAST_USE.get(rung_id)
         if precision in self.traces:
-            self.traces[precision].release_tensors()
+            trace = self.traces[precision]
+            trace.release_tensors()
+            # The run's optimizer state (AdamW: two more copies of the model) and gradients are
+            # not read again either: only the run's events, names and identities are.
+            model = trace.probe.model
+            if model is not None and model is not self._template and model is not self._ref_model:
+                for opt in trace.probe.optimizers:
+                    opt.state.clear()
+                for p in model.parameters():
+                    p.grad = None
 
     def trace(self, precision: str) -> Trace:
         """The plain run of a precision, run once and cached."""

@@ -5,6 +5,7 @@ Each rung is `run(session) -> RungResult`. "Stop at the first failure" lives her
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import replace
 from collections.abc import Callable
@@ -37,6 +38,7 @@ RUNG_PRECISION = {"bf16-no-scaler": "bf16", "fp16-scaler": "fp16", "clip-space":
 def run_ladder(session, on_start: Callable[[str], None] | None = None,
                on_done: Callable[[RungResult], None] | None = None) -> list[RungResult]:
     rungs = _rungs()
+    from ..probe.feed import FORWARDS
     results: list[RungResult] = []
     failed = False
     for rung_id in RUNG_IDS:
@@ -56,6 +58,7 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
             if on_start:
                 on_start(rung_id)
             started = time.perf_counter()
+            passes = dict(FORWARDS)
             try:
                 # ddp-sync bounds its own processes (ddp.timeout_s)
                 with deadline(None if rung_id == "ddp-sync" else session.spec.timeout_s):
@@ -63,6 +66,11 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
             except RungTimeout as exc:
                 result = timeout_result(rung_id, session, exc)
             result = replace(result, seconds=time.perf_counter() - started)
+            if os.environ.get("AMPDOCTOR_COUNT_PASSES"):
+                result.details["passes"] = {k: FORWARDS[k] - passes[k] for k in FORWARDS}
+                import torch
+                if torch.cuda.is_available() and torch.cuda.is_initialized():
+                    result.details["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
             session.rung_done(rung_id)
         results.append(result)
         if on_done:

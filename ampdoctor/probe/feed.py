@@ -48,6 +48,13 @@ class MicroBatchIndex:
         return None
 
 
+#: Top-level model forwards run so far in this process, by who ran them: "loop" (the user's
+#: loop under the probe, references run as the loop included) or "reference" (the reference
+#: model on the spec's `loss`). The ladder reports them per rung when AMPDOCTOR_COUNT_PASSES is
+#: set (bench/); each forward is followed by its backward in every run ampdoctor makes.
+FORWARDS: dict[str, int] = {"loop": 0, "reference": 0}
+
+
 class ForwardAligner:
     """Forward hooks on a model: name the micro-batch each top-level forward consumes and, with
     `seed` set, run that forward under a fixed RNG state per micro-batch (dropout masks then
@@ -79,6 +86,8 @@ class ForwardAligner:
 
     def _pre(self, module, args, kwargs):
         index = self.index.find(args, kwargs)
+        if self.depth == 0:
+            FORWARDS["loop" if self.on_forward is not None else "reference"] += 1
         if self.on_forward is not None:
             self.on_forward(index)
         key = index if index is not None else (self.fallback() if self.fallback else None)

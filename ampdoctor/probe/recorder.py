@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import progress
+from . import spill
 from .callsite import CallSiteFinder, Site
 from .events import (Backward, Event, Forward, MicroBatchFetched, OptimizerStep, Snapshot,
                      StepRecord)
@@ -86,6 +87,9 @@ class Probe:
         #: Called as inject(probe, loss_tensor) before each backward (overflow injection).
         self.before_backward: Callable[[Probe, torch.Tensor], None] | None = None
         self.capture_grads = True
+        #: Called with each StepRecord (gradients filled) as the step happens; the record then
+        #: keeps no gradients and the probe no snapshots (a streamed comparison).
+        self.step_sink: Callable[[StepRecord], None] | None = None
 
     # --- bookkeeping --------------------------------------------------------------------
     def optimizer_slot(self, optimizer: Any) -> int:
@@ -168,11 +172,11 @@ class Probe:
             self._backwards_at_group = self.backward_count
             self._group_consumed = tuple(sorted(set(self._consumed)))
             self._consumed = []
-            if self.model is not None and self.capture_grads:
+            if self.model is not None and self.capture_grads and self.step_sink is None:
                 self.snapshots[self._group] = Snapshot(
                     self._group,
-                    {k: full_tensor(v.detach()).to("cpu", copy=True)
-                     for k, v in self.model.state_dict().items()},
+                    spill.maybe_spill({k: full_tensor(v.detach()).to("cpu", copy=True)
+                                       for k, v in self.model.state_dict().items()}),
                     self.model.training,
                 )
         grads: dict[str, torch.Tensor | None] = {}
@@ -192,9 +196,15 @@ class Probe:
         lrs = tuple(float(g["lr"]) for g in optimizer.param_groups
                     if isinstance(g.get("lr"), (int, float, torch.Tensor)))
         site = self.finder.from_frame(_caller(2))
-        self.steps.append(StepRecord(len(self.events), slot, self.current_microbatch,
-                                     self.backward_count, self._group, grads, site,
-                                     self._scaler_step_slot, self._group_consumed, lrs, finite))
+        record = StepRecord(len(self.events), slot, self.current_microbatch,
+                            self.backward_count, self._group, grads, site,
+                            self._scaler_step_slot, self._group_consumed, lrs, finite)
+        if self.step_sink is not None:
+            self.step_sink(record)
+            record.grads = {}
+        elif self.capture_grads:
+            record.grads = spill.maybe_spill(grads)
+        self.steps.append(record)
         self.optimizer_step_count += 1
         if slot == 0:
             progress.optimizer_stepped()

@@ -71,8 +71,19 @@ class ReferenceBuilder:
         return model
 
     def _grads_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-        return {n: None if p.grad is None else p.grad.detach().to("cpu", torch.float32, copy=True)
-                for n, p in model.named_parameters()}
+        """The model's gradients as fp32 host tensors; the model's .grad are left None. A grad
+        already on the host in fp32 is taken as it is (no second copy of the model's gradient)."""
+        out: dict[str, torch.Tensor | None] = {}
+        for n, p in model.named_parameters():
+            g = p.grad
+            if g is None:
+                out[n] = None
+                continue
+            p.grad = None
+            g = g.detach()
+            out[n] = g if g.device.type == "cpu" and g.dtype == torch.float32 \
+                and type(g) is torch.Tensor else g.to("cpu", torch.float32, copy=True)
+        return out
 
     def reference(self, window: int, state: dict[str, torch.Tensor] | None = None,
                   training: bool = True, rng_seed: int | None = None,
@@ -85,6 +96,10 @@ class ReferenceBuilder:
                       label: str = "window") -> WindowReference:
         """The fp32 reference gradient of one optimizer step over `mbs` at `state`."""
         state = self.initial_state if state is None else state
+        key = self._cache_key(mbs, state, training, rng_seed, per_mb)
+        cached = getattr(self, "_ref_cache", None)
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1]
         previous = recorder.activate(None)
         try:
             if rng_seed is not None:
@@ -93,9 +108,42 @@ class ReferenceBuilder:
                 ref = self._reference_from_loss(mbs, state, training, per_mb)
             else:
                 ref = self._reference_from_loop(mbs, state, training, per_mb)
-            return self._check_finite(ref, label)
+            ref = self._check_finite(ref, label)
+            if key is not None:
+                self._ref_cache = (key, ref)
+            return ref
         finally:
             recorder.activate(previous)
+
+    #: Set once the reproducibility rung found two fp32 references at the same weights equal:
+    #: from then on a reference at weights already seen is reused instead of recomputed.
+    reference_repeatable = False
+
+    def remember_reference(self, window: int, ref: WindowReference, training: bool = True) -> None:
+        """Keep `ref`, computed at the initial weights on `window`, as the cached reference
+        (the reproducibility rung's, once it proved the reference repeatable to the bit)."""
+        key = self._cache_key(self.window(window), self.initial_state, training, None, False)
+        if key is not None and ref.per_mb is None:
+            self._ref_cache = (key, ref)
+
+    def _cache_key(self, mbs: list[Any], state, training: bool, rng_seed: int | None,
+                   per_mb: bool):
+        """A key for the reference of a window at the initial weights (the first step of every
+        run sees them), or None when this reference is not to be cached. Only one is kept."""
+        if not self.reference_repeatable or rng_seed is not None or per_mb:
+            return None
+        position = {id(mb): i for i, mb in enumerate(self.micro_batches)}
+        ids = tuple(position.get(id(mb)) for mb in mbs)
+        if not ids or None in ids:
+            return None
+        if state is not self.initial_state:
+            initial = self.initial_state
+            if state.keys() != initial.keys() or not all(
+                    state[k].shape == initial[k].shape and state[k].dtype == initial[k].dtype
+                    and torch.equal(state[k].to(initial[k].device), initial[k])
+                    for k in initial):
+                return None
+        return (ids, training, self.loop_weighting)
 
     def _check_finite(self, ref: WindowReference, window: str) -> WindowReference:
         bad = [n for n, g in ref.full.items() if g is not None and not bool(torch.isfinite(g).all())]

@@ -26,7 +26,7 @@ def make_model() -> nn.Module:
     return WideMLP()
 
 
-def make_data(n: int = 96):
+def make_data(n: int = 1536):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, 512, generator=g)
     return x, x[:, :10].argmax(1)

@@ -1,0 +1,124 @@
+"""Per-step copies a run must keep until it is judged, held on disk instead of in memory.
+
+A trace keeps, per optimizer step, the gradients the step consumed and the parameters it saw: two
+copies of the model per step, the bulk of a diagnose's memory on a large model (and growing with
+optimizer_steps). Above `SPILL_BYTES` per copy, the probe writes each copy to a temporary file
+(in a background thread) and keeps a `Spilled` mapping: its keys without loading, its tensors loaded on first access (one
+copy at a time is cached, so the judge reading a step's gradients name by name loads them once).
+The round trip is exact (torch.save / torch.load), so nothing judged changes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+#: A copy at least this large (bytes) is spilled; smaller ones stay in memory.
+SPILL_BYTES = 32 * 2**20
+
+_DIR: tempfile.TemporaryDirectory | None = None
+_CACHE: tuple[str, dict[str, Any]] | None = None
+_COUNT = 0
+
+
+_WRITER: ThreadPoolExecutor | None = None
+
+
+def _writer() -> ThreadPoolExecutor:
+    global _WRITER
+    if _WRITER is None:
+        _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ampdoctor-spill")
+    return _WRITER
+
+
+def _directory() -> str:
+    global _DIR
+    if _DIR is None:
+        _DIR = tempfile.TemporaryDirectory(prefix="ampdoctor-spill-")
+    return _DIR.name
+
+
+def size_of(tensors: Mapping[str, Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values()
+               if isinstance(t, torch.Tensor))
+
+
+class Spilled(Mapping):
+    """A dict of tensors kept in a file; read like the dict it was."""
+
+    def __init__(self, tensors: dict[str, Any]):
+        global _COUNT
+        _COUNT += 1
+        self.path = os.path.join(_directory(), f"{_COUNT}.pt")
+        self._keys = list(tensors)
+        #: the tensors until they are on disk: written by a background thread, so the run goes
+        #: on meanwhile, and read from memory until the write is done
+        self._tensors: dict[str, Any] | None = tensors
+        self._written = _writer().submit(self._write)
+
+    def _write(self) -> None:
+        tensors = self._tensors
+        if tensors is not None:
+            torch.save(tensors, self.path)
+        self._tensors = None
+
+    def _load(self) -> dict[str, Any]:
+        global _CACHE
+        tensors = self._tensors
+        if tensors is not None:
+            return tensors
+        self._written.result()
+        if _CACHE is None or _CACHE[0] != self.path:
+            _CACHE = None
+            _CACHE = (self.path, torch.load(self.path, weights_only=True))
+        return _CACHE[1]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys:
+            raise KeyError(key)
+        return self._load()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def keys(self):  # type: ignore[override]
+        return dict.fromkeys(self._keys).keys()
+
+    def release(self) -> None:
+        global _CACHE
+        self._written.result()
+        if _CACHE is not None and _CACHE[0] == self.path:
+            _CACHE = None
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+def maybe_spill(tensors: dict[str, Any]) -> Mapping[str, Any]:
+    """`tensors` as they are, or spilled to disk when they are large."""
+    if size_of(tensors) < SPILL_BYTES:
+        return tensors
+    return Spilled(tensors)
+
+
+def forget_cache() -> None:
+    global _CACHE
+    _CACHE = None
