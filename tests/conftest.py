@@ -102,7 +102,10 @@ def _is_user_file(path: str | None) -> bool:
     if not path or not os.path.isabs(path):     # torch.ops and torch.classes: "_ops.py"
         return False
     resolved = str(Path(path).resolve())
-    return not resolved.startswith(_LIBRARY_ROOTS) and not resolved.startswith(str(ROOT / "tests"))
+    installed = f"{os.sep}site-packages{os.sep}" in resolved or \
+        f"{os.sep}dist-packages{os.sep}" in resolved    # any environment's installed packages
+    return not installed and not resolved.startswith(_LIBRARY_ROOTS) \
+        and not resolved.startswith(str(ROOT / "tests"))
 
 
 def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,

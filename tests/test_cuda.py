@@ -69,9 +69,9 @@ def test_deprecated_cuda_gradscaler_is_observed(tmp_path):
         "accumulation_steps: 4\n"
         "micro_batch_size: 8\n"
         "device: cuda\n")
-    # the loop lives beside the spec (project_root); the shared factories come from recipes/
-    result = run_cli("diagnose", spec, "--json", "--out", tmp_path / "runs",
-                     env={"PYTHONPATH": str(RECIPES)})
+    # the loop lives beside the spec (project_root), with a copy of the shared factories
+    (tmp_path / "common.py").write_text((RECIPES / "common.py").read_text())
+    result = run_cli("diagnose", spec, "--json", "--out", tmp_path / "runs")
     record = result.record
     assert result.returncode == 0, record["findings"]
     statuses = {r["id"]: r["status"] for r in record["rungs"]}
