@@ -17,7 +17,6 @@ The CLI's `diagnose` command runs through `diagnose()` below. A spec that is not
 from __future__ import annotations
 
 import os
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,10 +218,3 @@ def assert_healthy(spec: SpecLike, *, allow_warnings: bool = True,
     if not record.healthy or (not allow_warnings and record.warnings):
         raise Unhealthy(record)
     return record
-
-
-def format_traceback(exc: BaseException | None) -> str | None:
-    """The full traceback of an exception, as Python prints it (stored in records)."""
-    if exc is None:
-        return None
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -14,6 +14,14 @@ class AmpdoctorError(Exception):
         self.cause = cause
 
 
+def format_traceback(exc: BaseException | None) -> str | None:
+    """The full traceback of an exception, as Python prints it (kept in records)."""
+    if exc is None:
+        return None
+    import traceback
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
 class SpecError(AmpdoctorError):
     """The spec is malformed or names something that does not exist (exit 2)."""
 

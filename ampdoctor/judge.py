@@ -165,16 +165,8 @@ def _clipped_reference(session: Session, ref_every: torch.Tensor, names: list[st
     """The reference (flattened over every parameter) clipped as the loop meant, over every
     parameter (a clip may cover more than the one optimizer whose step is judged), then
     restricted to `names`."""
-    every = session.param_order
-    clipped, _ = apply_clips(ref_every, every, sizes, calls)
-    if names == every:
-        return clipped
-    offsets, offset = {}, 0
-    for name in every:
-        offsets[name] = (offset, offset + sizes[name])
-        offset += sizes[name]
-    parts = [clipped[slice(*offsets[n])] for n in names]
-    return torch.cat(parts) if parts else clipped[:0]
+    clipped, _ = apply_clips(ref_every, session.param_order, sizes, calls)
+    return _restrict(session, clipped, names, sizes)
 
 
 def _finite_state(state: dict[str, torch.Tensor]) -> bool:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import __version__
-from .errors import AmpdoctorError, UserCodeError
+from .errors import AmpdoctorError, UserCodeError, format_traceback
 from .findings import RungResult
 from .spec import Spec
 
@@ -216,6 +216,5 @@ def error_record(spec: Spec | None, exc: AmpdoctorError, device: str = "unknown"
         record["error"]["location"] = {"file": exc.location[0], "line": exc.location[1]}
         attach(record["error"])
     if isinstance(exc, UserCodeError) and exc.cause is not None:
-        from .api import format_traceback
         record["error"]["traceback"] = format_traceback(exc.cause)
     return record

@@ -316,7 +316,7 @@ class TorchrunGroup:
         """A rank other than 0: run its rank when rank 0 asks, then exit with rank 0's code.
         `spec`: the Spec, with this command line's overrides (the same on every rank)."""
         from ..spec import to_wire
-        self.spec_path = spec if isinstance(spec, str) else to_wire(spec)
+        self.spec_path = to_wire(spec)
         ran = False
         while True:
             try:

@@ -23,6 +23,7 @@ from ..compare import _round as compare_round
 from ..rules.scale_state import (SCALE_TRAJECTORY_KINDS, explain_with_calls,
                                  runtime_double_scaling, skipped_steps, step_ratio,
                                  violation_findings)
+from .series import scaler_series
 from .analysis import (compare_trace, location, loop_error_finding, scheduler_findings,
                        step_count_finding)
 
@@ -113,17 +114,6 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     return findings
 
 
-def _series(trace: Trace) -> dict[str, list[Any]]:
-    unscales = [e for e in trace.of_kind("unscale") if e.enabled]
-    return {
-        "scale": [e.scale_after for e in trace.of_kind("update")
-                  if e.scale_after is not None],
-        "grad_norm_before_unscale": [e.norm_before for e in unscales],
-        "grad_norm_after_unscale": [e.norm_after for e in unscales],
-        "skipped": [bool(e.skipped) for e in trace.of_kind("scaler_step")],
-    }
-
-
 def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
     exc = trace.error
     refused_update = isinstance(exc, AssertionError) and "No inf checks were recorded" in str(exc)
@@ -181,7 +171,10 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
     trace = session.trace(precision)
     details: dict[str, Any] = {}
     if precision == "fp16":
-        details["series"] = _series(trace)
+        # the record's fp16 `series`: the run's scale after every update that recorded one
+        series = scaler_series(trace)
+        series["scale"] = [v for v in series["scale"] if v is not None]
+        details["series"] = series
     if trace.error is not None and _backend_cannot(session, trace):
         return RungResult(rung, "skip", f"torch on {session.device.type} cannot run this model in "
                           f"{precision}: {str(trace.error).splitlines()[0][:160]}",

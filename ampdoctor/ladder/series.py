@@ -27,15 +27,24 @@ def _num(value: Any) -> float | None:
     return round(number, 6) if math.isfinite(number) else None
 
 
+def scaler_series(trace: Trace) -> dict[str, list[Any]]:
+    """Per window of a run: the loss scale after each update(), whether scaler.step skipped,
+    and the gradient norm before and after each enabled unscale_ (as the probe recorded them)."""
+    unscales = [e for e in trace.of_kind("unscale") if e.enabled]
+    return {
+        "scale": [e.scale_after for e in trace.of_kind("update")],
+        "grad_norm_before_unscale": [e.norm_before for e in unscales],
+        "grad_norm_after_unscale": [e.norm_after for e in unscales],
+        "skipped": [bool(e.skipped) for e in trace.of_kind("scaler_step")],
+    }
+
+
 def run_series(rung: str, trace: Trace, judgement: Judgement | None = None,
                label: str | None = None) -> dict[str, Any]:
-    unscales = [e for e in trace.of_kind("unscale") if e.enabled]
     series: dict[str, Any] = {
         "rung": rung, "precision": trace.precision, "label": label or f"{trace.precision} run",
-        "scale": [_num(e.scale_after) for e in trace.of_kind("update")],
-        "skipped": [bool(e.skipped) for e in trace.of_kind("scaler_step")],
-        "grad_norm_before_unscale": [_num(e.norm_before) for e in unscales],
-        "grad_norm_after_unscale": [_num(e.norm_after) for e in unscales],
+        **{key: values if key == "skipped" else [_num(v) for v in values]
+           for key, values in scaler_series(trace).items()},
     }
     if judgement is not None:
         # The band is 1 +- rtol: a ratio outside it has a relative error above the tolerance
@@ -60,8 +69,6 @@ def run_series(rung: str, trace: Trace, judgement: Judgement | None = None,
 
 def keep(session: Session, series: dict[str, Any]) -> None:
     """Add a run's series to the session's (one per rung and run label)."""
-    kept = getattr(session, "charts", None)
-    if kept is None:
-        return
+    kept = session.charts
     kept[:] = [s for s in kept if (s["rung"], s["label"]) != (series["rung"], series["label"])]
     kept.append(series)

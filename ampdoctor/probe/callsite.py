@@ -98,6 +98,12 @@ class CallSiteFinder:
     def here(self) -> Site | None:
         return self.from_frame(sys._getframe(1))
 
+    def user_sites(self, tb: TracebackType | None) -> list[Site]:
+        """Every frame of the traceback that is the user's code, outermost first."""
+        return [Site(os.path.realpath(frame.f_code.co_filename), lineno, frame.f_code.co_name)
+                for frame, lineno in traceback.walk_tb(tb)
+                if self._classify(frame.f_code.co_filename)[1]]
+
     def from_traceback(self, tb: TracebackType | None) -> Site | None:
         """The deepest frame of the traceback that is the user's code."""
         best: Site | None = None

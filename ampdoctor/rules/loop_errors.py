@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 
+from ..errors import format_traceback
 from ..findings import Finding, location
 from ..probe.events import Event
 from ..session import Trace
@@ -64,44 +65,21 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                        "run could not be judged.",
                        evidence={"error": text, "precision": trace.precision},
                        location=location(trace.error_site))
-    frames = user_frames(trace)
+    finder = getattr(trace.probe, "finder", None)
+    frames = finder.user_sites(exc.__traceback__) if finder is not None else []
     evidence = {"error": text, "precision": trace.precision}
     called_from = ""
     if len(frames) > 1:
         # innermost user frame is the location; the loop's own line is where it was called
         outer = frames[0]
-        evidence["loop_line"] = f"{outer[0]}:{outer[1]}"
-        evidence["user_frames"] = [f"{f}:{n} in {fn}" for f, n, fn in frames]
-        called_from = (f" (in {frames[-1][2]}(), called from the loop at "
-                       f"{os.path.basename(outer[0])}:{outer[1]})")
+        evidence["loop_line"] = f"{outer.file}:{outer.line}"
+        evidence["user_frames"] = [f"{f.file}:{f.line} in {f.function}" for f in frames]
+        called_from = (f" (in {frames[-1].function}(), called from the loop at "
+                       f"{os.path.basename(outer.file)}:{outer.line})")
     return Finding(rung, "loop-error", "error",
                    f"The loop raised in the {trace.precision} run: {text}{called_from}",
                    evidence=evidence, location=location(trace.error_site),
-                   traceback=_formatted(trace.error))
-
-
-def user_frames(trace: Trace) -> list[tuple[str, int, str]]:
-    """The user's own frames of the loop's exception, outermost (the loop) first."""
-    import os
-    import traceback as tb
-
-    exc = trace.error
-    finder = getattr(trace.probe, "finder", None)
-    if exc is None or finder is None:
-        return []
-    frames = []
-    for frame, lineno in tb.walk_tb(exc.__traceback__):
-        filename = frame.f_code.co_filename
-        if finder._classify(filename)[1]:
-            frames.append((os.path.realpath(filename), lineno, frame.f_code.co_name))
-    return frames
-
-
-def _formatted(exc: BaseException | None) -> str | None:
-    import traceback as tb
-    if exc is None:
-        return None
-    return "".join(tb.format_exception(type(exc), exc, exc.__traceback__))
+                   traceback=format_traceback(trace.error))
 
 
 def last_unscale_pair(trace: Trace) -> tuple[Event, Event, list[Event]] | None:
