@@ -86,8 +86,9 @@ def _round(value: float, digits: int = 6) -> float:
 CHUNK = 1 << 22
 
 
-def _chunked(user: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float, float]:
-    """norm(user), norm(ref), norm(user - ref) and dot(user, ref) in float64, chunk by chunk."""
+def _chunked(user: torch.Tensor, ref: torch.Tensor, squared: bool = False):
+    """norm(user), norm(ref), norm(user - ref) and dot(user, ref) in float64, chunk by chunk
+    (`squared`: the three squared norms as a tuple, and the dot)."""
     su = sr = sd = dot = 0.0
     for start in range(0, user.numel(), CHUNK):
         u = user[start:start + CHUNK].double()
@@ -97,7 +98,31 @@ def _chunked(user: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float
         dot += float(torch.dot(u, r))
         u.sub_(r)
         sd += float(torch.dot(u, u))
+    if squared:
+        return (su, sr, sd), dot
     return math.sqrt(su), math.sqrt(sr), math.sqrt(sd), dot
+
+
+def metrics_of(user: Grads, ref: Grads, names: Sequence[str], shapes: dict[str, torch.Size],
+               tol: Tolerance) -> Metrics:
+    """`metrics` of the two gradients flattened over `names` (`flatten`: a missing or None
+    gradient is zeros), computed tensor by tensor: no flat copy of either is made."""
+    sums = [0.0, 0.0, 0.0]
+    dot = 0.0
+    numel = 0
+    for name in names:
+        numel += math.prod(shapes[name])
+        u, r = user.get(name), ref.get(name)
+        if u is None and r is None:
+            continue
+        u = torch.zeros(()) if u is None else u.detach().reshape(-1).float().cpu()
+        r = torch.zeros(()) if r is None else r.detach().reshape(-1).float().cpu()
+        u, r = torch.broadcast_tensors(u.reshape(-1), r.reshape(-1))
+        squared, d = _chunked(u, r, squared=True)
+        sums = [a + b for a, b in zip(sums, squared)]
+        dot += d
+    su, sr, sd = (math.sqrt(v) for v in sums)
+    return _metrics(su, sr, sd, lambda: dot, numel, tol)
 
 
 def metrics(user: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Metrics:

@@ -105,6 +105,7 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
     sizes = {n: math.prod(shape) for n, shape in session.param_shapes.items()}
     judged: list[StepJudgement] = []
     previous_seq = -1
+    skips = [e for e in trace.of_kind("scaler_step") if e.skipped]
     for ordinal, group in enumerate(step_groups(trace)):
         steps = [s for s in trace.steps if s.group == group]
         snapshot = trace.probe.snapshots.get(group)
@@ -117,7 +118,10 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
         ref_every = flat(session, ref.full, session.param_order)
         for step in steps:
             names = [n for n in step.grads if n in session.param_shapes]
-            events = [e for e in trace.events if previous_seq < e.seq < step.seq]
+            # a window scaler.step skipped consumed nothing: its clips and unscales are not
+            # this step's (the skip threw its gradients away)
+            start = max([previous_seq] + [e.seq for e in skips if e.seq < step.seq])
+            events = [e for e in trace.events if start < e.seq < step.seq]
             calls = clip_calls(names_of, events, owner, known)
             user = flat(session, step.grads, names)
             calls = _hand_clip(calls, trace, names, user,

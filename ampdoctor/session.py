@@ -126,7 +126,8 @@ class Session(ReferenceBuilder):
                                 "trainable parameters: there is nothing to optimize.")
         self.param_shapes = {n: p.shape for n, p in self._template.named_parameters()}
         self.param_order = [n for n, _ in self._template.named_parameters()]
-        self.initial_state = {k: v.detach().clone() for k, v in self._template.state_dict().items()}
+        # The template is never trained: its own tensors are the initial state (no copy).
+        self.initial_state = {k: v.detach() for k, v in self._template.state_dict().items()}
         self.traces: dict[str, Trace] = {}
         #: per-run chart series for the record (`ladder.series`): scalars only
         self.charts: list[dict[str, Any]] = []
@@ -139,6 +140,9 @@ class Session(ReferenceBuilder):
         #: The loss scale every fp16 run starts from when the loop's own init_scale overflowed
         #: every step of the slice (`_past_scale_search`), else None: the loop's own.
         self.fp16_start_scale: float | None = None
+        #: The fp16 run with an injected overflow (`ladder.skips.InjectedRun`), once run:
+        #: clip-space may run it (with clipping forced) for skips.
+        self.injected: Any = None
 
     def _build_template(self) -> torch.nn.Module:
         """Build the model once while recording where each submodule was constructed, so a
@@ -242,6 +246,8 @@ class Session(ReferenceBuilder):
             aligner.detach()
             changed = torch.get_default_dtype()
             torch.set_default_dtype(default_dtype)   # never left changed for the next run
+        # a DDP rank compares its final parameters with the other ranks'
+        self._drop_training_state(trace, parameters=distributed is None)
         if changed != default_dtype and trace.error is None:
             raise UserCodeError(
                 f"the loop changed torch's default dtype from {default_dtype} to {changed} "
@@ -262,17 +268,35 @@ class Session(ReferenceBuilder):
         """Free what no later rung needs (a 20M-parameter model keeps ~160 MB per step)."""
         spill.forget_cache()
         precision = self._LAST_USE.get(rung_id)
-        if precision in self.traces:
-            trace = self.traces[precision]
+        done = [self.traces[precision]] if precision in self.traces else []
+        if rung_id == "clip-space" and self.injected is not None:
+            done.append(self.injected.trace)   # skips reads its events only
+        for trace in done:
             trace.release_tensors()
-            # The run's optimizer state (AdamW: two more copies of the model) and gradients are
-            # not read again either: only the run's events, names and identities are.
-            model = trace.probe.model
-            if model is not None and model is not self._template and model is not self._ref_model:
-                for opt in trace.probe.optimizers:
-                    opt.state.clear()
-                for p in model.parameters():
-                    p.grad = None
+            self._drop_training_state(trace, parameters=True)
+
+    def _drop_training_state(self, trace: Trace, parameters: bool = False) -> None:
+        """Free what a finished run's model holds that nothing reads again: its optimizer
+        state (AdamW: two copies of the model) and gradients once the loop returned (the steps
+        keep their own copies); its parameters too once no rung judges the run again (only
+        their names and identities are read: the storage is freed, the tensors stay). Storage
+        the template, the initial state or the reference model also use is never freed."""
+        model = trace.probe.model
+        if model is None or model is self._template or model is self._ref_model:
+            return
+        for opt in trace.probe.optimizers:
+            opt.state.clear()
+        for p in model.parameters():
+            p.grad = None
+        if not parameters:
+            return
+        kept = {t.untyped_storage().data_ptr() for t in self.initial_state.values()}
+        if self._ref_model is not None:
+            kept |= {t.untyped_storage().data_ptr() for t in self._ref_model.state_dict().values()}
+        for t in model.state_dict().values():
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in kept and storage.nbytes() and type(t) is torch.Tensor:
+                storage.resize_(0)
 
     def trace(self, precision: str) -> Trace:
         """The plain run of a precision, run once and cached."""

@@ -51,6 +51,37 @@ def _clip_ratios(trace) -> list[float]:
     return ratios
 
 
+#: Share the pass with skips only when this many windows are left to judge besides the
+#: injected one.
+MIN_SHARED_WINDOWS = 2
+
+
+def _shared_with_skips(session: Session, plain, threshold: float | None):
+    """The clipping pass, run once for both rungs: the skips rung's overflow-injected fp16
+    run with clipping forced. Its clipped windows are judged as a plain forced run's would be
+    (the skipped window consumed nothing). Only when the skips rung will run anyway, windows
+    can be told apart by their micro-batches, and the injection did nothing but skip its own
+    window -- else None, and clip-space runs its own pass."""
+    from . import skips
+    chosen = session.spec.rungs
+    scaler = plain.probe.scalers[0] if plain.probe.scalers else None
+    if ((chosen is not None and skips.RUNG not in chosen) or scaler is None
+            or not scaler.is_enabled() or session.N < MIN_SHARED_WINDOWS + 1
+            or not (plain.probe.forward_matched or plain.lazy_feed)):
+        return None
+    shared = skips.injected_run(session, "spec" if threshold is None else threshold,
+                                capture=True)
+    trace = shared.trace
+    window_of = {s.group: session.window_of(s, 0, trace) for s in trace.steps}
+    applied = set(window_of.values())
+    expected = {session.window_of(s, 0, plain) for s in plain.steps} - {shared.window}
+    if (trace.error is not None or not shared.injector.fired or applied != expected
+            or not all(s.finite for s in trace.steps)):
+        trace.release_tensors()   # skips reads its events only
+        return None
+    return trace
+
+
 def run(session: Session) -> RungResult:
     trace = session.trace("fp16")
     if trace.error is not None:   # fp16-scaler skipped it: the backend cannot run fp16 here
@@ -67,20 +98,23 @@ def run(session: Session) -> RungResult:
     ref0 = session.reference(0, per_mb=False)
     true_norm = float(torch.linalg.vector_norm(flat(session, ref0.full, session.param_order)))
     details["true_norm_window0"] = compare._round(true_norm)
-    if session.spec.max_grad_norm is None:
-        # The loop clips at its own threshold: a plain fp16 pass is the clipped run to judge
-        # (the fp16-scaler rung's trace no longer keeps its gradients).
-        threshold = None
-        forced = session.run_loop("fp16", rng_seed=session.spec.seed + 1)
+    # The loop clips at its own threshold: a plain fp16 pass is the clipped run to judge (the
+    # fp16-scaler rung's trace no longer keeps its gradients). Else clipping is forced.
+    threshold = None if session.spec.max_grad_norm is None else FORCED_CLIP_FRACTION * true_norm
+    forced = _shared_with_skips(session, trace, threshold)
+    if forced is not None:
+        details["shared_with_skips"] = (f"the same pass had an overflow injected in window "
+                                        f"{session.injected.window}, which is not judged here")
+    if threshold is None:
+        forced = forced or session.run_loop("fp16", rng_seed=session.spec.seed + 1)
         if forced.error is not None:
             finding = loop_error_finding(forced, RUNG)
             return RungResult(RUNG, "fail", "the fp16 clipping pass raised", [finding],
                               details=details)
     else:
-        threshold = FORCED_CLIP_FRACTION * true_norm
         details["forced_threshold"] = compare._round(threshold)
-        forced = session.run_loop("fp16", max_grad_norm=threshold,
-                                  rng_seed=session.spec.seed + 1)
+        forced = forced or session.run_loop("fp16", max_grad_norm=threshold,
+                                            rng_seed=session.spec.seed + 1)
         if forced.error is not None:
             finding = loop_error_finding(forced, RUNG)
             return RungResult(RUNG, "fail", "the forced-clipping fp16 pass raised", [finding],

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .. import compare
 from ..findings import Finding, RungResult, status_from_findings
-from ..session import Session, flat
+from ..session import Session
 from .analysis import location
 
 RUNG = "reproducibility"
@@ -51,8 +51,8 @@ def run(session: Session) -> RungResult:
     seed = session.spec.seed
     first = session.reference(0, rng_seed=seed + 11, per_mb=False)
     second = session.reference(0, rng_seed=seed + 12, per_mb=False)
-    m = compare.metrics(flat(session, second.full, names), flat(session, first.full, names),
-                        REPEAT_TOLERANCE)
+    m = compare.metrics_of(second.full, first.full, names, session.param_shapes,
+                           REPEAT_TOLERANCE)
     if not m.ok:
         finding = _nondeterministic(session, "Two fp32 reference gradients at the same weights",
                                     m)
@@ -77,8 +77,8 @@ def run(session: Session) -> RungResult:
         step_a = run_a.steps[compared]
         compared += 1
         keys = [n for n in step_a.grads if n in session.param_shapes]
-        mm = compare.metrics(flat(session, step_b.grads, keys), flat(session, step_a.grads, keys),
-                             REPEAT_TOLERANCE)
+        mm = compare.metrics_of(step_b.grads, step_a.grads, keys, session.param_shapes,
+                                REPEAT_TOLERANCE)
         if worst is None or mm.rel_err > worst.rel_err:
             worst = mm
 

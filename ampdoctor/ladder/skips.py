@@ -10,6 +10,7 @@ step. The plain fp16 run gives the natural skip rate.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -234,6 +235,34 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
         location=location(site))
 
 
+@dataclass
+class InjectedRun:
+    """The fp16 run with one overflow injected; clip-space may run it with clipping forced
+    (`max_grad_norm`) and judge its other windows, so both rungs share one pass."""
+
+    trace: Trace
+    injector: OverflowInjector
+    window: int
+    microbatch: int
+    max_grad_norm: float | None | str
+
+
+def injected_run(session: Session, max_grad_norm: float | None | str = "spec",
+                 capture: bool = False) -> InjectedRun:
+    """Run the loop in fp16 with an overflow injected in window 1 (0 in a one-step slice);
+    kept on the session for the skips rung. Its windows and events are what skips reads;
+    `capture` also keeps each step's gradients (for clip-space's judge)."""
+    plain = session.trace("fp16")
+    K, N = session.K, session.N
+    window = 1 if N >= 2 else 0
+    per_window = max(1, round(plain.probe.backward_count / max(N, 1)))
+    injector = OverflowInjector(window, K, per_window)
+    trace = session.run_loop("fp16", rng_seed=session.spec.seed + 1, before_backward=injector,
+                             capture=capture, max_grad_norm=max_grad_norm)
+    session.injected = InjectedRun(trace, injector, window, window * K + K // 2, max_grad_norm)
+    return session.injected
+
+
 def run(session: Session) -> RungResult:
     plain = session.trace("fp16")
     if plain.error is not None:   # fp16-scaler skipped it: the backend cannot run fp16 here
@@ -243,15 +272,15 @@ def run(session: Session) -> RungResult:
         return RungResult(RUNG, "skip", "the fp16 run has no enabled GradScaler")
     findings: list[Finding] = []
     K, N = session.K, session.N
-    inject_window = 1 if N >= 2 else 0
-    target_mb = inject_window * K + K // 2
-    per_window = max(1, round(plain.probe.backward_count / max(N, 1)))
-    injector = OverflowInjector(inject_window, K, per_window)
-    trace = session.run_loop("fp16", rng_seed=session.spec.seed + 1, before_backward=injector,
-                             capture=False)   # windows and events only: no gradients kept
+    injected = session.injected or injected_run(session)   # windows and events only
+    trace, injector, inject_window = injected.trace, injected.injector, injected.window
+    target_mb = injected.microbatch
     details: dict[str, Any] = {"injected_window": inject_window, "injected_microbatch": target_mb}
-    keep(session, run_series(RUNG, trace, label=f"fp16 run, overflow injected in window "
-                                                f"{inject_window}"))
+    label = f"fp16 run, overflow injected in window {inject_window}"
+    if injected.max_grad_norm != "spec":
+        details["clipping_forced_at"] = injected.max_grad_norm
+        label += f", clipping forced at {injected.max_grad_norm:.3g} (shared with clip-space)"
+    keep(session, run_series(RUNG, trace, label=label))
     if trace.error is not None:
         finding = _skip_path_left_open(trace, plain, injector) or loop_error_finding(trace, RUNG)
         return RungResult(RUNG, "fail", "the fp16 run with an injected overflow raised",
