@@ -59,3 +59,9 @@ class LaunchError(AmpdoctorError):
 class AmpdoctorInterrupt(BaseException):
     """ampdoctor's own interruptions (a rung's timeout, SIGTERM/SIGHUP): they pass through every
     handler of the user's code, which catches any other exception as the loop's own."""
+
+
+class EnoughSteps(BaseException):
+    """Raised from the probe once a run has given what a rung asked of it (the first optimizer
+    step of a repeat run): the loop stops there, its `finally` blocks run, and the trace ends
+    cleanly (`Trace.stopped`). A BaseException, so `except Exception` in the loop lets it by."""

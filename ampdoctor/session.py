@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from . import compare
-from .errors import AmpdoctorInterrupt, UserCodeError
+from .errors import AmpdoctorInterrupt, EnoughSteps, UserCodeError
 from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
                       run_train_loop, to_device)
 from .probe import recorder, spill
@@ -34,6 +34,7 @@ class Trace:
     error_time: float | None = None     # wall clock (time.time) when the loop raised
     optimizer_count: int = 1
     microbatches: int = 0
+    stopped: bool = False               # ended early on purpose (`errors.EnoughSteps`)
 
     @property
     def events(self) -> list[recorder.Event]:
@@ -237,9 +238,12 @@ class Session(ReferenceBuilder):
             # rung. Only Ctrl-C and ampdoctor's own interruptions go past.
             if isinstance(exc, (KeyboardInterrupt, AmpdoctorInterrupt)):
                 raise
-            trace.error = exc
-            trace.error_time = time.time()
-            trace.error_site = self.finder.from_traceback(exc.__traceback__)
+            if isinstance(exc, EnoughSteps):
+                trace.stopped = True
+            else:
+                trace.error = exc
+                trace.error_time = time.time()
+                trace.error_site = self.finder.from_traceback(exc.__traceback__)
         finally:
             recorder.activate(previous)
             recorder.START_SCALE = None

@@ -9,9 +9,10 @@
     python bench/bench_triage.py SPEC.yaml --repeats 5 --also /path/to/other/checkout
 
 Each repeat runs `ampdoctor diagnose SPEC --json` (with AMPDOCTOR_COUNT_PASSES=1, so every rung
-reports its forward passes) and `bench/handwritten_triage.py SPEC` (no probe, no CLI: the fp32
-reference twice, the loop in fp32, bf16, fp16 and fp16 again) as whole processes, alternated,
-each under /usr/bin/time -v for its peak RSS. Prints medians, the ratio, peak CUDA memory (on a
+reports its forward passes), `bench/handwritten_triage.py SPEC` (no probe, no CLI: the fp32
+reference twice, the loop in fp32, bf16, fp16 and fp16 again) and `handwritten_triage.py SPEC
+--bare` (the loop alone, once per precision: the memory target's denominator) as whole
+processes, alternated, each under /usr/bin/time -v for its peak RSS. Prints medians, the ratio, peak CUDA memory (on a
 GPU) and the passes per rung. `--also TREE` alternates a third process: ampdoctor from another
 checkout (PYTHONPATH=TREE), for a before/after in the same run.
 """
@@ -98,6 +99,8 @@ def main() -> None:
         spec = prepared_spec(path, Path(tmp), args.steps, args.K, device)
         runs: dict[str, list[tuple[float, int | None]]] = {name: [] for name in variants}
         runs["hand-written"] = []
+        runs["bare loop"] = []
+        bare_cuda = None
         passes: dict[str, dict] = {}
         inner: list[float] = []
         cuda_peak = None
@@ -125,19 +128,32 @@ def main() -> None:
             inner.append(result["wall_s"])
             passes["hand-written"] = result["forwards"]
             cuda_peak = result.get("peak_cuda_bytes")
+            wall, rss, out = timed([sys.executable, str(HERE / "handwritten_triage.py"),
+                                    str(spec), "--bare"], dict(os.environ), Path(tmp))
+            runs["bare loop"].append((wall, rss))
+            bare_cuda = json.loads(out).get("peak_cuda_bytes")
     base = statistics.median(w for w, _ in runs["hand-written"])
     print(f"spec {path.name}  (steps={args.steps or 'spec'}, K={args.K or 'spec'}, "
           f"device={device or 'spec'}), {args.repeats} alternated runs, medians")
-    print(f"{'':28} {'wall s':>8} {'ratio':>6} {'peak RSS MB':>12} {'RSS ratio':>9}")
-    base_rss = statistics.median(r for _, r in runs["hand-written"] if r) if all(
-        r for _, r in runs["hand-written"]) else None
+    print(f"{'':28} {'wall s':>8} {'ratio':>6} {'peak RSS MB':>12} {'RSS ratio':>9} "
+          f"{'RSS / bare loop':>15}")
+
+    def median_rss(values):
+        return statistics.median(r for _, r in values) if all(r for _, r in values) else None
+
+    base_rss, bare_rss = median_rss(runs["hand-written"]), median_rss(runs["bare loop"])
     for name, values in runs.items():
         wall = statistics.median(w for w, _ in values)
-        rss = statistics.median(r for _, r in values if r) if all(r for _, r in values) else None
+        rss = median_rss(values)
         print(f"{name:28} {wall:8.2f} {wall / base:6.2f} "
-              f"{(rss or 0) / 2**20:12.0f} {(rss / base_rss if rss and base_rss else 0):9.2f}")
+              f"{(rss or 0) / 2**20:12.0f} {(rss / base_rss if rss and base_rss else 0):9.2f} "
+              f"{(rss / bare_rss if rss and bare_rss else 0):15.2f}")
+    print("(ratio: wall time over the hand-written triage's; RSS / bare loop: peak RSS over the "
+          "loop's own, run once per precision)")
     if cuda_peak:
         print(f"hand-written peak CUDA memory: {cuda_peak / 2**20:.0f} MB")
+    if bare_cuda:
+        print(f"bare loop peak CUDA memory: {bare_cuda / 2**20:.0f} MB")
     for name, peak in cuda_peaks.items():
         print(f"{name} peak CUDA memory: {peak / 2**20:.0f} MB")
     print("forward passes per rung:")

@@ -1,6 +1,6 @@
 """The least a triage of ampdoctor's questions needs, written by hand: no probe, no CLI.
 
-    python bench/handwritten_triage.py SPEC.yaml [--steps N] [--K K]
+    python bench/handwritten_triage.py SPEC.yaml [--steps N] [--K K] [--bare]
 
 For the spec's model, data and loop: the loop run in fp32 with, at each optimizer step (a
 pre-hook), the fp32 reference gradient of the step's window computed twice at the parameters the
@@ -9,6 +9,9 @@ the loop run in bf16, fp16 and fp16 again (the skip check), each step's gradient
 compared to the fp32 run's. Only scalars are kept. The reference is the spec's `loss` (mean of
 the window's micro-batch losses) or, without one, the loop itself in fp32 at K = 1 on one batch
 holding the window (as ampdoctor does). Prints one JSON line: wall seconds, passes, verdicts.
+
+`--bare`: the bare loop, the denominator of the memory target -- the spec's loop run once in
+each precision (fp32, bf16, fp16), one model and optimizer at a time, nothing else kept.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--K", type=int)
     parser.add_argument("--device")
+    parser.add_argument("--bare", action="store_true", help="only the loop, once per precision")
     args = parser.parse_args()
     started = time.perf_counter()
     spec = yaml.safe_load(args.spec.read_text())
@@ -89,6 +93,16 @@ def main() -> None:
             lambda m, a: FORWARDS.__setitem__(kind, FORWARDS[kind] + 1))
         return model
 
+    if args.bare:
+        for precision in DTYPES:
+            model = build()
+            loop(model, opt_cls(model.parameters(), **opt_spec), mbs,
+                 settings(precision, K, clip, N))
+            del model
+        print(json.dumps({"wall_s": time.perf_counter() - started, "forwards": FORWARDS,
+                          "peak_cuda_bytes": torch.cuda.max_memory_allocated()
+                          if device.type == "cuda" else None}))
+        return
     ref_model = build("reference")
 
     def reference(state, window: int) -> list[torch.Tensor]:

@@ -72,3 +72,87 @@ def test_a_healthy_diagnose_reuses_the_first_reference_and_streams_the_second_fp
     for trace in streamed:
         assert trace.steps and all(not step.grads for step in trace.steps)
         assert not trace.probe.snapshots
+        # ... and stops after its first optimizer step: one window of passes, not N
+        assert trace.stopped and trace.error is None and len(trace.steps) == 1
+        assert trace.microbatches_taken == K
+    repro = rungs["reproducibility"]["details"]["passes"]
+    assert repro["loop"] == N * K + K
+    # every finished run gave back its optimizer state, gradients and parameters' storage
+    for _, trace in kept:
+        model = trace.probe.model
+        assert all(not opt.state for opt in trace.probe.optimizers)
+        assert all(p.grad is None and p.untyped_storage().nbytes() == 0
+                   for p in model.parameters())
+
+
+def test_tensor_by_tensor_metrics_match_the_flat_ones():
+    shapes = {"a": torch.Size([3, 4]), "b": torch.Size([2]), "c": torch.Size([5]),
+              "d": torch.Size([1])}
+    user = {"a": torch.randn(3, 4), "b": None, "c": torch.randn(5), "d": None}
+    ref = {"a": torch.randn(3, 4), "b": torch.randn(2), "c": None, "d": None}
+    tol = compare.DEFAULT_TOLERANCES["fp32"]
+    names = list(shapes)
+    flat = compare.metrics(compare.flatten(user, names, shapes),
+                           compare.flatten(ref, names, shapes), tol)
+    by_tensor = compare.metrics_of(user, ref, names, shapes, tol)
+    for field in ("rel_err", "ratio", "cosine", "norm_user", "norm_ref", "allowed"):
+        assert getattr(by_tensor, field) == pytest.approx(getattr(flat, field), rel=1e-12)
+    same = compare.metrics_of(user, user, names, shapes, tol)
+    assert same.ok and same.rel_err == 0
+
+
+def test_the_mmap_threshold_is_fixed_unless_the_user_set_one(monkeypatch):
+    from ampdoctor import memory
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    assert memory.return_freed_memory() is False
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
+    import ctypes.util
+    glibc = ctypes.util.find_library("c") is not None and Path("/etc/alpine-release").exists() \
+        is False
+    assert memory.return_freed_memory() is (glibc and __import__("sys").platform == "linux")
+
+
+def _scaled_loop(model, optimizer, micro_batches, run):
+    """Two windows; between them the scale is set by hand twice (update(new_scale) and
+    load_state_dict), which the probe must see although it reads the scale once per update."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for i, (x, y) in enumerate(micro_batches):
+        loss = torch.nn.functional.mse_loss(model(x), y) / 2
+        scaler.scale(loss).backward()
+        if i % 2 == 1:
+            scaler.step(optimizer)
+            scaler.update(new_scale=32.0 if i == 1 else None)
+            optimizer.zero_grad()
+        if i == 2:
+            state = scaler.state_dict()
+            state["scale"] = 8.0
+            scaler.load_state_dict(state)
+
+
+def test_the_scale_each_micro_batch_saw_is_recorded_without_a_read_per_micro_batch(
+        monkeypatch):
+    from ampdoctor.probe import patches, recorder, wrappers
+    from ampdoctor.probe.callsite import CallSiteFinder
+
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mbs = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(4)]
+    reads = []
+    original = torch.amp.GradScaler.get_scale
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale",
+                        lambda self: reads.append(1) or original(self))
+    probe = recorder.Probe(CallSiteFinder([ROOT]), model, [optimizer])
+    with patches.installed(wrappers.install):
+        previous = recorder.activate(probe)
+        try:
+            _scaled_loop(model, optimizer, mbs, None)
+        finally:
+            recorder.activate(previous)
+    scales = [e.scale for e in probe.events if e.kind == "scale"]
+    assert scales == [256.0, 256.0, 32.0, 8.0]
+    backwards = [e for e in probe.events if e.kind == "backward"]
+    assert [e.scaled_by for e in backwards] == [256.0, 256.0, 32.0, 8.0]
+    # the loss is read for the first backward only (the first scaled one is the same)
+    assert backwards[0].value is not None and all(e.value is None for e in backwards[1:])
+    assert len(reads) < 2 * len(mbs) + 6

@@ -46,7 +46,9 @@ class Forward(Event):
 
 @dataclass(frozen=True)
 class Backward(Event):
-    value: float | None = None          # the loss reaching backward, when it is a scalar
+    #: the loss reaching backward, when it is a scalar: read for the run's first backward and
+    #: its first scaled one only (a read is a host-device sync)
+    value: float | None = None
     scaled_by: float | None = None      # the GradScaler scale(s) applied to it
     kind: ClassVar[str] = "backward"
 

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..errors import EnoughSteps
+
 from .. import progress
 from . import spill
 from .callsite import CallSiteFinder, Site
@@ -90,6 +92,10 @@ class Probe:
         #: Called with each StepRecord (gradients filled) as the step happens; the record then
         #: keeps no gradients and the probe no snapshots (a streamed comparison).
         self.step_sink: Callable[[StepRecord], None] | None = None
+        self._scaled_read = False
+        #: each scaler's scale as last read, with the scale tensor it was read from: scale()
+        #: runs every micro-batch and the scale only changes in update() (a read is a sync)
+        self.scales_seen: dict[int, tuple[Any, float | None]] = {}
 
     # --- bookkeeping --------------------------------------------------------------------
     def optimizer_slot(self, optimizer: Any) -> int:
@@ -157,10 +163,15 @@ class Probe:
         self.record(Forward, index=index)
 
     def on_backward(self, tensor: torch.Tensor, site: Site | None) -> None:
-        value = float(tensor.detach().float()) if tensor.numel() == 1 else None
+        scaled_by = getattr(tensor, "_ampdoctor_scale", None)
+        # Reading the loss is a host-device sync on a GPU: only the run's first backward and
+        # its first scaled one are read (what `rules.scale_state` compares), not every one.
+        read = tensor.numel() == 1 and (self.backward_count == 0
+                                        or (scaled_by is not None and not self._scaled_read))
+        value = float(tensor.detach().float()) if read else None
+        self._scaled_read = self._scaled_read or (read and scaled_by is not None)
         self.backward_count += 1
-        self.record(Backward, site=site, value=value,
-                    scaled_by=getattr(tensor, "_ampdoctor_scale", None))
+        self.record(Backward, site=site, value=value, scaled_by=scaled_by)
 
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         slot = self.optimizer_slot(optimizer)
@@ -199,8 +210,9 @@ class Probe:
         record = StepRecord(len(self.events), slot, self.current_microbatch,
                             self.backward_count, self._group, grads, site,
                             self._scaler_step_slot, self._group_consumed, lrs, finite)
+        enough = False
         if self.step_sink is not None:
-            self.step_sink(record)
+            enough = bool(self.step_sink(record))   # true: the run has given what it was for
             record.grads = {}
         elif self.capture_grads:
             record.grads = spill.maybe_spill(grads)
@@ -210,6 +222,8 @@ class Probe:
             progress.optimizer_stepped()
         self.record(OptimizerStep, site=site, optimizer=slot,
                     via_scaler=self._scaler_step_slot is not None)
+        if enough:
+            raise EnoughSteps
 
 
 def _caller(depth: int):

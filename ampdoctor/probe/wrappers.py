@@ -130,7 +130,13 @@ def _wrap_scale(original):
         slot = probe.scaler_slot(self)
         already = getattr(outputs, "_ampdoctor_scale", None) if isinstance(outputs, torch.Tensor) else None
         result = original(self, outputs)
-        value = _scale_value(self)
+        seen = probe.scales_seen.get(slot)
+        current = getattr(self, "_scale", None)   # a disabled scaler has none
+        if seen is not None and current is not None and seen[0] is current:
+            value = seen[1]   # no update() since: the same scale, without a device sync
+        else:
+            value = _scale_value(self)
+            probe.scales_seen[slot] = (current, value)
         probe.record(Scale, scaler=slot, scale=value, enabled=bool(self.is_enabled()),
                      input_already_scaled=already)
         if isinstance(result, torch.Tensor) and value is not None:
@@ -203,9 +209,21 @@ def _wrap_update(original):
         except Exception as exc:
             probe.complete(event, error=str(exc))
             raise
-        probe.complete(event, scale_after=_scale_value(self))
+        after = _scale_value(self)
+        probe.scales_seen[slot] = (getattr(self, "_scale", None), after)
+        probe.complete(event, scale_after=after)
         return result
     return update
+
+
+def _wrap_scaler_load_state_dict(original):
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        probe = _active()
+        if probe is not None:
+            probe.scales_seen.pop(probe.scaler_slot(self), None)   # the scale is overwritten
+        return original(self, state_dict)
+    return load_state_dict
 
 
 def _wrap_zero_grad(original, owner: str):
@@ -364,6 +382,8 @@ def install(patcher: Patcher) -> None:
     patcher.setattr(scaler_cls, "step", _wrap_scaler_step(scaler_cls.step))
     patcher.setattr(scaler_cls, "update", _wrap_update(scaler_cls.update))
     patcher.setattr(scaler_cls, "get_scale", _wrap_get_scale(scaler_cls.get_scale))
+    patcher.setattr(scaler_cls, "load_state_dict",
+                    _wrap_scaler_load_state_dict(scaler_cls.load_state_dict))
 
     patcher.setattr(torch.optim.Optimizer, "zero_grad",
                     _wrap_zero_grad(torch.optim.Optimizer.zero_grad, "optimizer"))
