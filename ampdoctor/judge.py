@@ -174,7 +174,7 @@ def _clipped_reference(session: Session, ref_every: torch.Tensor, names: list[st
 
 
 def _finite_state(state: dict[str, torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(v).all()) for v in state.values() if v.is_floating_point())
+    return all(compare.all_finite(v) for v in state.values() if v.is_floating_point())
 
 
 def _hand_clip(calls: list[ClipCall], trace: Trace, names: list[str], user: torch.Tensor,

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..compare import all_finite
 from ..errors import EnoughSteps
 
 from .. import progress
@@ -201,9 +202,9 @@ class Probe:
                 grads[self.param_name(param, slot, index)] = full_tensor(
                     param.grad.detach()).to("cpu", torch.float32, copy=True)
             elif finite:
-                finite = bool(torch.isfinite(param.grad).all())
+                finite = all_finite(param.grad)
         if self.capture_grads:
-            finite = all(g is None or bool(torch.isfinite(g).all()) for g in grads.values())
+            finite = all(g is None or all_finite(g) for g in grads.values())
         lrs = tuple(float(g["lr"]) for g in optimizer.param_groups
                     if isinstance(g.get("lr"), (int, float, torch.Tensor)))
         site = self.finder.from_frame(_caller(2))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import compare
 from ..probe.callsite import Site
 from ..probe.recorder import Event
 from ..thresholds import CLIP_EPSILON, SCALED_THRESHOLD_RTOL
@@ -103,10 +104,18 @@ def _scale_carried(before: list[Event], slots: set[int]) -> float | None:
     return scale
 
 
-def _norm(vector: torch.Tensor, norm_type: float) -> float:
+def _norm(parts: list[torch.Tensor], norm_type: float) -> float:
+    """The norm of the parts concatenated (without concatenating them)."""
+    parts = [p for p in parts if p.numel()]
+    if not parts:
+        return 0.0
     if math.isinf(norm_type):
-        return float(vector.abs().max()) if vector.numel() else 0.0
-    return float(torch.linalg.vector_norm(vector.double(), norm_type))
+        return max(float(p.abs().max()) for p in parts)
+    if norm_type == 2:
+        return math.sqrt(sum(compare.norm2(p) ** 2 for p in parts))
+    total = sum(float(torch.linalg.vector_norm(p.double(), norm_type)) ** norm_type
+                for p in parts)
+    return total ** (1.0 / norm_type)
 
 
 def apply_clips(vector: torch.Tensor, names: list[str], sizes: dict[str, int],
@@ -129,13 +138,14 @@ def apply_clips(vector: torch.Tensor, names: list[str], sizes: dict[str, int],
             continue
         if call.kind == "value":
             for sl in parts:
-                out[sl] = out[sl].clamp(-call.intended, call.intended)
+                out[sl].clamp_(-call.intended, call.intended)
             coefficients.append(None)
             continue
-        norm = _norm(torch.cat([out[sl] for sl in parts]), call.norm_type)
+        norm = _norm([out[sl] for sl in parts], call.norm_type)
         coef = min(1.0, call.intended / (norm + CLIP_EPSILON))
-        for sl in parts:
-            out[sl] = out[sl] * coef
+        if coef != 1.0:
+            for sl in parts:
+                out[sl].mul_(coef)
         coefficients.append(coef)
     return out, coefficients
 
@@ -149,6 +159,4 @@ def reference_norm(vector: torch.Tensor, names: list[str], sizes: dict[str, int]
         if name in covered:
             parts.append(vector[offset:offset + sizes[name]])
         offset += sizes[name]
-    if not parts:
-        return 0.0
-    return _norm(torch.cat(parts), call.norm_type)
+    return _norm(parts, call.norm_type)

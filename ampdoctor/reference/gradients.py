@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .. import compare
 from ..errors import UserCodeError
 from ..loading import (build_model, merge_micro_batches, micro_batch_counts,
                        micro_batch_size_of)
@@ -146,7 +147,7 @@ class ReferenceBuilder:
         return (ids, training, self.loop_weighting)
 
     def _check_finite(self, ref: WindowReference, window: str) -> WindowReference:
-        bad = [n for n, g in ref.full.items() if g is not None and not bool(torch.isfinite(g).all())]
+        bad = [n for n, g in ref.full.items() if g is not None and not compare.all_finite(g)]
         if bad:
             raise UserCodeError(
                 f"the fp32 reference gradient of {window} is not finite (parameter "
