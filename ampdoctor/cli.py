@@ -106,9 +106,6 @@ def diagnose(
 def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
               overrides: dict | None = None) -> int:
     from .api import load
-    from .memory import return_freed_memory
-
-    return_freed_memory()   # this process is ampdoctor's: its peak RSS is what it holds
     try:
         spec = load(spec_path, **(overrides or {}))
     except SpecError as exc:

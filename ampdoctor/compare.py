@@ -82,9 +82,9 @@ def _round(value: float, digits: int = 6) -> float:
 
 
 #: Sums of squares and dot products run over float32 chunks of this many elements, each
-#: chunk's result added up in Python floats (float64): as accurate as a float64 pass (relative
-#: error ~1e-8 on 22M elements, measured) at a fraction of the memory traffic, and no float64
-#: copy of a model-sized vector is ever made.
+#: chunk's result added up in Python floats (float64): relative error 1e-8 to 1e-7 against a
+#: float64 pass on 2M-22M elements (measured; the tightest tolerance is 1e-5), at a fraction of
+#: its memory traffic, and no float64 copy of a model-sized vector is ever made.
 CHUNK = 1 << 16
 
 
@@ -101,7 +101,7 @@ def _sumsq(vector: torch.Tensor) -> float:
 
 
 def norm2(vector: torch.Tensor) -> float:
-    """The 2-norm of a vector of any size, accurate to ~1e-8 (see CHUNK)."""
+    """The 2-norm of a vector of any size, to ~1e-7 relative (see CHUNK)."""
     return math.sqrt(_sumsq(vector))
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import rng
 from .errors import AmpdoctorInterrupt, SpecError, UserCodeError
 from .probe.callsite import CallSiteFinder
 from .spec import Spec, spec_line
@@ -207,10 +208,11 @@ class UserCode:
 
     def forget(self) -> None:
         """Drop the modules this diagnose imported and its sys.path entry."""
+        root = str(self.spec.root)   # a property that resolves the path: read once
         for name in set(sys.modules) - self._imported_before:
             module = sys.modules.get(name)
             path = getattr(module, "__file__", None) or ""
-            if path.startswith(str(self.spec.root)):
+            if path.startswith(root):
                 del sys.modules[name]
         if self._added_path and self._added_path in sys.path:
             sys.path.remove(self._added_path)
@@ -220,7 +222,7 @@ class UserCode:
 # --- model and optimizer -----------------------------------------------------------------
 
 def build_model(code: UserCode, device: torch.device, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
+    rng.manual_seed(seed)
     model = code.call("the model factory", code.model_factory)
     if not isinstance(model, torch.nn.Module):
         raise UserCodeError(f"the model factory '{code.spec.model}' returned a "

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import compare
+from . import compare, memory, rng
 from .errors import AmpdoctorInterrupt, EnoughSteps, UserCodeError
 from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
                       run_train_loop, to_device)
@@ -225,7 +225,7 @@ class Session(ReferenceBuilder):
         trace = Trace(precision, settings.accumulation_steps, probe, settings,
                       optimizer_count=len(flat), microbatches=len(mbs))
         if rng_seed is not None:
-            torch.manual_seed(rng_seed)
+            rng.manual_seed(rng_seed)
         previous = recorder.activate(probe)
         recorder.START_SCALE = self.fp16_start_scale if precision == "fp16" else None
         default_dtype = torch.get_default_dtype()
@@ -252,6 +252,7 @@ class Session(ReferenceBuilder):
             torch.set_default_dtype(default_dtype)   # never left changed for the next run
         # a DDP rank compares its final parameters with the other ranks'
         self._drop_training_state(trace, parameters=distributed is None)
+        memory.trim()
         if changed != default_dtype and trace.error is None:
             raise UserCodeError(
                 f"the loop changed torch's default dtype from {default_dtype} to {changed} "
@@ -278,6 +279,7 @@ class Session(ReferenceBuilder):
         for trace in done:
             trace.release_tensors()
             self._drop_training_state(trace, parameters=True)
+        memory.trim()
 
     def _drop_training_state(self, trace: Trace, parameters: bool = False) -> None:
         """Free what a finished run's model holds that nothing reads again: its optimizer

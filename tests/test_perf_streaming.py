@@ -33,7 +33,9 @@ def test_small_copies_stay_in_memory():
 
 
 def test_chunked_metrics_are_as_accurate_as_float64(monkeypatch):
-    """float32 chunks summed in Python floats: the float64 answer to ~1e-8, at any chunk size."""
+    """float32 chunks summed in Python floats: the float64 answer to 1e-6 (tolerances start at
+    1e-5), at any chunk size."""
+    torch.manual_seed(0)
     user = torch.randn(2_000_003) * 1e-3
     ref = user + torch.randn(2_000_003) * 1e-6
     u, r = user.double(), ref.double()
@@ -45,9 +47,9 @@ def test_chunked_metrics_are_as_accurate_as_float64(monkeypatch):
         monkeypatch.setattr(compare, "CHUNK", chunk)
         m = compare.metrics(user, ref, tol)
         for field, value in exact.items():
-            assert getattr(m, field) == pytest.approx(value, rel=1e-7), (chunk, field)
+            assert getattr(m, field) == pytest.approx(value, rel=1e-6), (chunk, field)
         assert m.ok
-    assert compare.norm2(user) == pytest.approx(exact["norm_user"], rel=1e-7)
+    assert compare.norm2(user) == pytest.approx(exact["norm_user"], rel=1e-6)
     bad = user.clone()
     bad[5] = float("inf")
     assert not compare.metrics(bad, ref, tol).ok
@@ -116,16 +118,17 @@ def test_tensor_by_tensor_metrics_match_the_flat_ones():
     assert same.ok and same.rel_err == 0
 
 
-def test_the_mmap_threshold_is_fixed_unless_the_user_set_one(monkeypatch):
+def test_freed_heap_pages_go_back_to_the_system():
+    import ctypes.util
+    import sys
+
     from ampdoctor import memory
 
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    assert memory.return_freed_memory() is False
-    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
-    import ctypes.util
-    glibc = ctypes.util.find_library("c") is not None and Path("/etc/alpine-release").exists() \
-        is False
-    assert memory.return_freed_memory() is (glibc and __import__("sys").platform == "linux")
+    block = torch.ones(8 * 2**20 // 4)   # 8 MiB, freed below
+    del block
+    glibc = sys.platform == "linux" and hasattr(memory._libc() or object(), "malloc_trim")
+    assert memory.trim() is glibc
+    assert ctypes.util.find_library("c") is not None or not glibc
 
 
 def _scaled_loop(model, optimizer, micro_batches, run):

@@ -193,13 +193,10 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
     """The rank's whole job, inside an initialised default process group. Fills `result`."""
     from ..ladder.analysis import compare_trace
     from ..loading import UserCode, cut_micro_batches, resolve_device
-    from ..memory import return_freed_memory
     from ..probe import patches, recorder, wrappers
     from ..probe.callsite import CallSiteFinder
     from ..session import Distributed, Session
     from ..spec import from_wire
-
-    return_freed_memory()   # a rank is ampdoctor's own process
 
     spec = from_wire(spec_path)
     finder = CallSiteFinder([spec.root, spec.spec_dir])

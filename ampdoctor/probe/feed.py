@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import rng
+
 if TYPE_CHECKING:
     from .recorder import Probe
 
@@ -97,7 +99,7 @@ class ForwardAligner:
                        and torch.cuda.is_initialized() else [])
             fork = torch.random.fork_rng(devices=devices)
             fork.__enter__()
-            torch.manual_seed(self.seed * 1_000_003 + key)
+            rng.manual_seed(self.seed * 1_000_003 + key)
         self._forks.append(fork)
         self.depth += 1
         return None

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import compare
+from .. import compare, rng
 from ..errors import UserCodeError
 from ..loading import (build_model, merge_micro_batches, micro_batch_counts,
                        micro_batch_size_of)
@@ -104,7 +104,7 @@ class ReferenceBuilder:
         previous = recorder.activate(None)
         try:
             if rng_seed is not None:
-                torch.manual_seed(rng_seed)
+                rng.manual_seed(rng_seed)
             if self.code.loss is not None:
                 ref = self._reference_from_loss(mbs, state, training, per_mb)
             else:
