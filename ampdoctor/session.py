@@ -204,6 +204,8 @@ class Session(ReferenceBuilder):
         probe.capture_grads = capture
         probe.before_backward = before_backward
         probe.step_sink = step_sink
+        if state is None and distributed is None:
+            probe.initial_state = self.initial_state
         batch_index = self.batch_index
         handed: Any = model
         if distributed is not None:

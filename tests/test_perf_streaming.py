@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_spilled_copies_read_back_exactly_and_keep_their_keys(monkeypatch):
     monkeypatch.setattr(spill, "SPILL_BYTES", 0)
+    monkeypatch.setattr(spill, "KEEP_IN_MEMORY", 0)
     tensors = {"a.weight": torch.randn(3, 4), "a.bias": None, "b": torch.arange(5.0)}
     kept = spill.maybe_spill(tensors)
     assert isinstance(kept, spill.Spilled)
@@ -25,6 +26,28 @@ def test_spilled_copies_read_back_exactly_and_keep_their_keys(monkeypatch):
     path = kept.path
     kept.release()
     assert not Path(path).exists()
+
+
+def test_at_most_keep_in_memory_large_copies_stay_in_memory(monkeypatch):
+    import gc
+
+    monkeypatch.setattr(spill, "SPILL_BYTES", 0)
+    monkeypatch.setattr(spill, "KEEP_IN_MEMORY", 2)
+    gc.collect()
+    monkeypatch.setattr(spill, "_KEPT", 0)   # restored when the test ends
+    first = spill.maybe_spill({"w": torch.ones(3)})
+    second = spill.maybe_spill({"w": torch.ones(3) * 2})
+    third = spill.maybe_spill({"w": torch.ones(3) * 3})
+    assert not isinstance(first, spill.Spilled) and not isinstance(second, spill.Spilled)
+    assert isinstance(third, spill.Spilled)
+    assert torch.equal(third["w"], torch.ones(3) * 3) and torch.equal(second["w"], 2 * first["w"])
+    del first   # one place free again
+    fourth = spill.maybe_spill({"w": torch.ones(3)})
+    assert not isinstance(fourth, spill.Spilled)
+    third.release()
+    del second, third, fourth
+    gc.collect()
+    assert spill._KEPT == 0
 
 
 def test_small_copies_stay_in_memory():
@@ -71,9 +94,14 @@ def test_a_healthy_diagnose_reuses_the_first_reference_and_streams_the_second_fp
     kept: list = []
     original = session_module.Session.run_loop
 
+    firsts: list = []
+
     def run_loop(self, precision, **kwargs):
         trace = original(self, precision, **kwargs)
         kept.append((kwargs.get("step_sink") is not None, trace))
+        if trace.probe.snapshots and kwargs.get("state") is None:
+            first = trace.probe.snapshots[min(trace.probe.snapshots)]
+            firsts.append(first.state is self.initial_state)
         return trace
 
     monkeypatch.setattr(session_module.Session, "run_loop", run_loop)
@@ -92,6 +120,8 @@ def test_a_healthy_diagnose_reuses_the_first_reference_and_streams_the_second_fp
         # ... and stops after its first optimizer step: one window of passes, not N
         assert trace.stopped and trace.error is None and len(trace.steps) == 1
         assert trace.microbatches_taken == K
+    # a run's first step saw the initial weights: its snapshot is them, not a copy
+    assert firsts and all(firsts)
     repro = rungs["reproducibility"]["details"]["passes"]
     assert repro["loop"] == N * K + K
     # every finished run gave back its optimizer state, gradients and parameters' storage

@@ -93,6 +93,9 @@ class Probe:
         #: Called with each StepRecord (gradients filled) as the step happens; the record then
         #: keeps no gradients and the probe no snapshots (a streamed comparison).
         self.step_sink: Callable[[StepRecord], None] | None = None
+        #: the weights the run started from, when they are the session's initial state: a
+        #: first snapshot equal to them is kept as that same dict, not copied
+        self.initial_state: dict[str, torch.Tensor] | None = None
         self._scaled_read = False
         #: each scaler's scale as last read, with the scale tensor it was read from: scale()
         #: runs every micro-batch and the scale only changes in update() (a read is a sync)
@@ -185,12 +188,13 @@ class Probe:
             self._group_consumed = tuple(sorted(set(self._consumed)))
             self._consumed = []
             if self.model is not None and self.capture_grads and self.step_sink is None:
-                self.snapshots[self._group] = Snapshot(
-                    self._group,
-                    spill.maybe_spill({k: full_tensor(v.detach()).to("cpu", copy=True)
-                                       for k, v in self.model.state_dict().items()}),
-                    self.model.training,
-                )
+                state = self.model.state_dict()
+                if not self.snapshots and _same_state(state, self.initial_state):
+                    kept = self.initial_state   # the first step saw the initial weights: no copy
+                else:
+                    kept = spill.maybe_spill({k: full_tensor(v.detach()).to("cpu", copy=True)
+                                              for k, v in state.items()})
+                self.snapshots[self._group] = Snapshot(self._group, kept, self.model.training)
         grads: dict[str, torch.Tensor | None] = {}
         finite = True
         for index, param in enumerate(optimizer_params(optimizer)):
@@ -225,6 +229,19 @@ class Probe:
                     via_scaler=self._scaler_step_slot is not None)
         if enough:
             raise EnoughSteps
+
+
+def _same_state(state: dict[str, torch.Tensor],
+                initial: dict[str, torch.Tensor] | None) -> bool:
+    if initial is None or state.keys() != initial.keys():
+        return False
+    for key, value in state.items():
+        other = initial[key]
+        if (type(value) is not torch.Tensor or value.shape != other.shape
+                or value.dtype != other.dtype or value.device != other.device
+                or not torch.equal(value, other)):
+            return False
+    return True
 
 
 def _caller(depth: int):

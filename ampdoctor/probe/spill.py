@@ -5,13 +5,16 @@ copies of the model per step, the bulk of a diagnose's memory on a large model (
 optimizer_steps). Above `SPILL_BYTES` per copy, the probe writes each copy to a temporary file
 (in a background thread) and keeps a `Spilled` mapping: its keys without loading, its tensors loaded on first access (one
 copy at a time is cached, so the judge reading a step's gradients name by name loads them once).
-The round trip is exact (torch.save / torch.load), so nothing judged changes.
+The round trip is exact (torch.save / torch.load), so nothing judged changes. The first
+`KEEP_IN_MEMORY` large copies alive at a time stay in memory (`_Kept`): a disk round trip costs
+more than the copy, and a fixed number keeps memory flat in optimizer_steps.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -20,6 +23,9 @@ import torch
 
 #: A copy at least this large (bytes) is spilled; smaller ones stay in memory.
 SPILL_BYTES = 32 * 2**20
+#: ... unless fewer than this many such copies are in memory: those stay.
+KEEP_IN_MEMORY = 2
+_KEPT = 0
 
 _DIR: tempfile.TemporaryDirectory | None = None
 _CACHE: tuple[str, dict[str, Any]] | None = None
@@ -112,10 +118,28 @@ class Spilled(Mapping):
             pass
 
 
+class _Kept(dict):
+    """A large copy kept in memory: counted while it is alive."""
+
+    def __init__(self, tensors: dict[str, Any]):
+        global _KEPT
+        super().__init__(tensors)
+        _KEPT += 1
+        weakref.finalize(self, _forget_kept)
+
+
+def _forget_kept() -> None:
+    global _KEPT
+    _KEPT -= 1
+
+
 def maybe_spill(tensors: dict[str, Any]) -> Mapping[str, Any]:
-    """`tensors` as they are, or spilled to disk when they are large."""
+    """`tensors` as they are, or spilled to disk when they are large and KEEP_IN_MEMORY
+    large copies are already in memory."""
     if size_of(tensors) < SPILL_BYTES:
         return tensors
+    if _KEPT < KEEP_IN_MEMORY:
+        return _Kept(tensors)
     return Spilled(tensors)
 
 
