@@ -8,6 +8,7 @@ No torch here: validation must be fast and usable without it.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -224,8 +225,10 @@ class Spec(_Strict):
 
 # --- YAML with line numbers --------------------------------------------------------------
 
+@functools.lru_cache(maxsize=8)
 def _top_level_lines(text: str) -> dict[str, int]:
-    """Map each top-level key (and `key.sub` for one level of nesting) to its 1-based line."""
+    """Map each top-level key (and `key.sub` for one level of nesting) to its 1-based line
+    (cached: a spec's text is read for its lines several times; callers do not mutate it)."""
     lines: dict[str, int] = {}
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)

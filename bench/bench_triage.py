@@ -135,8 +135,8 @@ def main() -> None:
     base = statistics.median(w for w, _ in runs["hand-written"])
     print(f"spec {path.name}  (steps={args.steps or 'spec'}, K={args.K or 'spec'}, "
           f"device={device or 'spec'}), {args.repeats} alternated runs, medians")
-    print(f"{'':28} {'wall s':>8} {'ratio':>6} {'peak RSS MB':>12} {'RSS ratio':>9} "
-          f"{'RSS / bare loop':>15}")
+    print(f"{'':28} {'wall s':>8} {'ratio':>6} {'pairwise':>8} {'peak RSS MB':>12} "
+          f"{'RSS ratio':>9} {'RSS / bare loop':>15}")
 
     def median_rss(values):
         return statistics.median(r for _, r in values) if all(r for _, r in values) else None
@@ -145,11 +145,13 @@ def main() -> None:
     for name, values in runs.items():
         wall = statistics.median(w for w, _ in values)
         rss = median_rss(values)
-        print(f"{name:28} {wall:8.2f} {wall / base:6.2f} "
+        pairwise = statistics.median(w / h for (w, _), (h, _) in zip(values, runs["hand-written"]))
+        print(f"{name:28} {wall:8.2f} {wall / base:6.2f} {pairwise:8.2f} "
               f"{(rss or 0) / 2**20:12.0f} {(rss / base_rss if rss and base_rss else 0):9.2f} "
               f"{(rss / bare_rss if rss and bare_rss else 0):15.2f}")
-    print("(ratio: wall time over the hand-written triage's; RSS / bare loop: peak RSS over the "
-          "loop's own, run once per precision)")
+    print("(ratio: median wall time over the hand-written triage's; pairwise: the median of each "
+          "repeat's ratio, the runs of one repeat being back to back; RSS / bare loop: peak RSS "
+          "over the loop's own, run once per precision)")
     if cuda_peak:
         print(f"hand-written peak CUDA memory: {cuda_peak / 2**20:.0f} MB")
     if bare_cuda:

@@ -26,6 +26,9 @@ SPILL_BYTES = 32 * 2**20
 #: ... unless fewer than this many such copies are in memory: those stay.
 KEEP_IN_MEMORY = 2
 _KEPT = 0
+#: At most this many spilled copies wait in memory for the background writer.
+MAX_PENDING = 2
+_PENDING: list = []
 
 _DIR: tempfile.TemporaryDirectory | None = None
 _CACHE: tuple[str, dict[str, Any]] | None = None
@@ -65,7 +68,12 @@ class Spilled(Mapping):
         #: the tensors until they are on disk: written by a background thread, so the run goes
         #: on meanwhile, and read from memory until the write is done
         self._tensors: dict[str, Any] | None = tensors
+        # Backpressure: when the disk falls behind the run, at most MAX_PENDING copies wait in
+        # memory for their write (else they would pile up, one per step).
+        while len(_PENDING) >= MAX_PENDING:
+            _PENDING.pop(0).result()
         self._written = _writer().submit(self._write)
+        _PENDING.append(self._written)
 
     def _write(self) -> None:
         tensors = self._tensors
