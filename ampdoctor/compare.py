@@ -96,14 +96,29 @@ def _dot(a: torch.Tensor, b: torch.Tensor) -> float:
     return value
 
 
-def _sumsq(vector: torch.Tensor) -> float:
+def sum_of_squares(vector: torch.Tensor) -> float:
+    """The squared 2-norm of a vector of any size, to ~1e-6 relative (see CHUNK)."""
     v = vector.reshape(-1).float()
     return sum(_dot(c, c) for c in v.split(CHUNK))
 
 
 def norm2(vector: torch.Tensor) -> float:
     """The 2-norm of a vector of any size, to ~1e-6 relative (see CHUNK)."""
-    return math.sqrt(_sumsq(vector))
+    return math.sqrt(sum_of_squares(vector))
+
+
+def same_tensors(a: Grads, b: Grads | None) -> bool:
+    """The same keys, and under each a plain tensor equal in shape, dtype and every element
+    (a state dict against another, e.g. the initial weights)."""
+    if b is None or a.keys() != b.keys():
+        return False
+    for key, value in a.items():
+        other = b[key]
+        if (type(value) is not torch.Tensor or type(other) is not torch.Tensor
+                or value.shape != other.shape or value.dtype != other.dtype
+                or not torch.equal(value.to(other.device), other)):
+            return False
+    return True
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -140,10 +155,13 @@ def metrics_of(user: Grads, ref: Grads, names: Sequence[str], shapes: dict[str, 
         u, r = user.get(name), ref.get(name)
         if u is None and r is None:
             continue
-        if u is None or r is None:   # against zeros
-            squares = _sumsq((u if r is None else r).detach().cpu())
-            su, sr, sd = su + (squares if r is None else 0.0), \
-                sr + (0.0 if r is None else squares), sd + squares
+        if u is None or r is None:   # against zeros: the difference is the other one
+            squares = sum_of_squares((u if r is None else r).detach().cpu())
+            sd += squares
+            if r is None:
+                su += squares
+            else:
+                sr += squares
             continue
         (a, b, c), d = _chunked(u.detach().cpu(), r.detach().cpu())
         su, sr, sd, dot = su + a, sr + b, sd + c, dot + d

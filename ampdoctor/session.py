@@ -278,17 +278,16 @@ class Session(ReferenceBuilder):
         done = [self.traces[precision]] if precision in self.traces else []
         if rung_id == "clip-space" and self.injected is not None:
             done.append(self.injected.trace)   # skips reads its events only
-        for trace in done:
+        for trace in done:   # the run's model was freed when its loop returned
             trace.release_tensors()
-            self._drop_training_state(trace, parameters=True)
         memory.trim()
 
-    def _drop_training_state(self, trace: Trace, parameters: bool = False) -> None:
-        """Free what a finished run's model holds that nothing reads again: its optimizer
-        state (AdamW: two copies of the model) and gradients once the loop returned (the steps
-        keep their own copies); its parameters too once no rung judges the run again (only
-        their names and identities are read: the storage is freed, the tensors stay). Storage
-        the template, the initial state or the reference model also use is never freed."""
+    def _drop_training_state(self, trace: Trace, parameters: bool) -> None:
+        """Free what a run's model holds once its loop returned, none of it read again: its
+        optimizer state (AdamW: two copies of the model) and gradients (the steps keep their
+        own copies); with `parameters`, their storage too (the judge reads only their names
+        and identities: the tensors stay). Storage the template, the initial state or the
+        reference model also use is never freed."""
         model = trace.probe.model
         if model is None or model is self._template or model is self._ref_model:
             return

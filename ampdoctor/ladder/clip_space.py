@@ -64,7 +64,7 @@ def _shared_with_skips(session: Session, plain, threshold: float | None):
     window -- else None, and clip-space runs its own pass."""
     from . import skips
     chosen = session.spec.rungs
-    scaler = plain.probe.scalers[0] if plain.probe.scalers else None
+    scaler = skips.scaler_of(plain)
     if ((chosen is not None and skips.RUNG not in chosen) or scaler is None
             or not scaler.is_enabled() or session.N < MIN_SHARED_WINDOWS + 1
             or not (plain.probe.forward_matched or plain.lazy_feed)):
@@ -72,9 +72,8 @@ def _shared_with_skips(session: Session, plain, threshold: float | None):
     shared = skips.injected_run(session, "spec" if threshold is None else threshold,
                                 capture=True)
     trace = shared.trace
-    window_of = {s.group: session.window_of(s, 0, trace) for s in trace.steps}
-    applied = set(window_of.values())
-    expected = {session.window_of(s, 0, plain) for s in plain.steps} - {shared.window}
+    applied = skips.applied_windows(session, trace, None)
+    expected = skips.applied_windows(session, plain, None) - {shared.window}
     if (trace.error is not None or not shared.injector.fired or applied != expected
             or not all(s.finite for s in trace.steps)):
         trace.release_tensors()   # skips reads its events only

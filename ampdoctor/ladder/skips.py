@@ -99,7 +99,7 @@ class OverflowInjector:
         return poison
 
 
-def _scaler(trace: Trace):
+def scaler_of(trace: Trace):
     return trace.probe.scalers[0] if trace.probe.scalers else None
 
 
@@ -115,7 +115,7 @@ def _windows(trace: Trace, K: int) -> dict[int, dict[str, list]]:
     return out
 
 
-def _applied_windows(session: Session, trace: Trace, optimizer: int | None) -> set[int]:
+def applied_windows(session: Session, trace: Trace, optimizer: int | None) -> set[int]:
     """The windows in which the optimizer really stepped (GradScaler checks inf per optimizer,
     so only the optimizer holding the poisoned parameter must skip)."""
     return {session.window_of(step, 0, trace) for step in trace.steps
@@ -267,7 +267,7 @@ def run(session: Session) -> RungResult:
     plain = session.trace("fp16")
     if plain.error is not None:   # fp16-scaler skipped it: the backend cannot run fp16 here
         return RungResult(RUNG, "skip", "the fp16 run cannot run on this device (see fp16-scaler)")
-    scaler = _scaler(plain)
+    scaler = scaler_of(plain)
     if scaler is None or not scaler.is_enabled():
         return RungResult(RUNG, "skip", "the fp16 run has no enabled GradScaler")
     findings: list[Finding] = []
@@ -291,7 +291,7 @@ def run(session: Session) -> RungResult:
     details["injected_parameter"] = injector.param_name
     windows = _windows(trace, K)
     injected = windows.get(inject_window, {})
-    backoff = _scaler(trace).get_backoff_factor() if _scaler(trace) else 0.5
+    backoff = scaler_of(trace).get_backoff_factor() if scaler_of(trace) else 0.5
     scaler_steps = injected.get("scaler_step", [])
     skipped_flags = [bool(e.skipped) for e in trace.of_kind("scaler_step")]
     details["skipped"] = skipped_flags
@@ -300,8 +300,8 @@ def run(session: Session) -> RungResult:
     # The injected window must be skipped (whether scaler.step skipped it or the loop's own
     # non-finite check did).
     owner = _owner_slot(trace, injector.param_id)
-    applied = _applied_windows(session, trace, owner)
-    applied_plain = _applied_windows(session, plain, owner)
+    applied = applied_windows(session, trace, owner)
+    applied_plain = applied_windows(session, plain, owner)
     details["applied_windows"] = sorted(applied)
     # Consequence: no optimizer may consume the inf. A step in the injected window on finite
     # gradients is fine (a loop that retries the window after the skip, as fairseq does).

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..compare import all_finite
+from ..compare import all_finite, same_tensors
 from ..errors import EnoughSteps
 
 from .. import progress
@@ -189,7 +189,7 @@ class Probe:
             self._consumed = []
             if self.model is not None and self.capture_grads and self.step_sink is None:
                 state = self.model.state_dict()
-                if not self.snapshots and _same_state(state, self.initial_state):
+                if not self.snapshots and same_tensors(state, self.initial_state):
                     kept = self.initial_state   # the first step saw the initial weights: no copy
                 else:
                     kept = spill.maybe_spill({k: full_tensor(v.detach()).to("cpu", copy=True)
@@ -229,19 +229,6 @@ class Probe:
                     via_scaler=self._scaler_step_slot is not None)
         if enough:
             raise EnoughSteps
-
-
-def _same_state(state: dict[str, torch.Tensor],
-                initial: dict[str, torch.Tensor] | None) -> bool:
-    if initial is None or state.keys() != initial.keys():
-        return False
-    for key, value in state.items():
-        other = initial[key]
-        if (type(value) is not torch.Tensor or value.shape != other.shape
-                or value.dtype != other.dtype or value.device != other.device
-                or not torch.equal(value, other)):
-            return False
-    return True
 
 
 def _caller(depth: int):

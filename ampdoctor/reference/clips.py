@@ -112,7 +112,7 @@ def _norm(parts: list[torch.Tensor], norm_type: float) -> float:
     if math.isinf(norm_type):
         return max(float(p.abs().max()) for p in parts)
     if norm_type == 2:
-        return math.sqrt(sum(compare.norm2(p) ** 2 for p in parts))
+        return math.sqrt(sum(compare.sum_of_squares(p) for p in parts))
     total = sum(float(torch.linalg.vector_norm(p.double(), norm_type)) ** norm_type
                 for p in parts)
     return total ** (1.0 / norm_type)

@@ -137,13 +137,8 @@ class ReferenceBuilder:
         ids = tuple(position.get(id(mb)) for mb in mbs)
         if not ids or None in ids:
             return None
-        if state is not self.initial_state:
-            initial = self.initial_state
-            if state.keys() != initial.keys() or not all(
-                    state[k].shape == initial[k].shape and state[k].dtype == initial[k].dtype
-                    and torch.equal(state[k].to(initial[k].device), initial[k])
-                    for k in initial):
-                return None
+        if state is not self.initial_state and not compare.same_tensors(state, self.initial_state):
+            return None
         return (ids, training, self.loop_weighting)
 
     def _check_finite(self, ref: WindowReference, window: str) -> WindowReference:
