@@ -10,13 +10,16 @@ only place where a gradient mismatch becomes bad.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
 from . import compare
-from .probe import spill
+from .errors import AmpdoctorInterrupt
+from .probe import recorder, spill
 from .probe.recorder import Event, StepRecord
 from .reference import ClipCall, apply_clips, clip_calls, reference_norm
 from .loading import micro_batch_counts
@@ -95,19 +98,80 @@ def known_thresholds(session: Session, trace: Trace) -> set[float]:
     return {float(t) for t in known if math.isfinite(t)}
 
 
+@dataclass
+class _Context:
+    """What judging a step of one trace needs besides the step and its reference."""
+
+    session: Session
+    trace: Trace
+    precision: str
+    tol: compare.Tolerance
+    names_of: dict[int, str]
+    owner: dict[int, int]
+    known: set[float]
+    sizes: dict[str, int]
+
+    @classmethod
+    def of(cls, session: Session, trace: Trace, precision: str,
+           known: set[float] | None = None) -> _Context:
+        model = trace.probe.model
+        names_of = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        owner = {id(p): slot for slot, opt in enumerate(trace.probe.optimizers)
+                 for group in opt.param_groups for p in group["params"]}
+        return cls(session, trace, precision, tolerance(session, precision), names_of, owner,
+                   known_thresholds(session, trace) if known is None else known,
+                   {n: math.prod(shape) for n, shape in session.param_shapes.items()})
+
+
+def _step_events(trace: Trace, step: StepRecord, previous_seq: int) -> list[Event]:
+    """The events that produced `step`: those since the previous step group's last step, or
+    since the last skipped scaler.step before it (a skipped window consumed nothing: its clips
+    and unscales are not this step's, the skip threw its gradients away)."""
+    skips = [e.seq for e in trace.events if e.kind == "scaler_step" and e.skipped
+             and e.seq < step.seq]
+    start = max([previous_seq] + skips)
+    return [e for e in trace.events if start < e.seq < step.seq]
+
+
+def _judge_step(ctx: _Context, ordinal: int, window: int, step: StepRecord,
+                ref_every: torch.Tensor, events: list[Event]) -> StepJudgement:
+    """One step's consumed gradient against the reference (flattened over every parameter)
+    clipped the way the loop meant."""
+    session, precision, tol, sizes = ctx.session, ctx.precision, ctx.tol, ctx.sizes
+    names = [n for n in step.grads if n in session.param_shapes]
+    calls = clip_calls(ctx.names_of, events, ctx.owner, ctx.known)
+    user = flat(session, step.grads, names)
+    calls = _hand_clip(calls, ctx.trace, names, user,
+                       lambda: _restrict(session, ref_every, names, sizes), sizes, tol)
+    expected = _clipped_reference(session, ref_every, names, sizes, calls)
+    m = compare.metrics(user, expected, tol)
+    del expected, user
+    bad = not m.ok and not compare.is_precision_noise(m, precision)
+    preclip = _preclip_ratio(session, ref_every, names, sizes, calls)
+    if not bad and preclip is not None and precision in ("fp32", "bf16"):
+        band = max(3 * tol.rtol, PRECLIP_BAND_FP32) if precision == "fp32" \
+            else PRECLIP_BAND_BF16
+        bad = abs(preclip - 1) > band
+    return StepJudgement(ordinal, window, step, m, tuple(calls), preclip, tuple(events), bad)
+
+
 def judge(session: Session, trace: Trace, precision: str) -> Judgement:
-    tol = tolerance(session, precision)
-    model = trace.probe.model
-    names_of = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-    owner = {id(p): slot for slot, opt in enumerate(trace.probe.optimizers)
-             for group in opt.param_groups for p in group["params"]}
-    known = known_thresholds(session, trace)
-    sizes = {n: math.prod(shape) for n, shape in session.param_shapes.items()}
+    ctx = _Context.of(session, trace, precision)
+    eager: StepJudge | None = trace.probe.step_judge
+    if eager is not None and eager.precision != precision:
+        raise RuntimeError(f"a {eager.precision} run judged as it ran cannot be judged in "
+                           f"{precision}")
     judged: list[StepJudgement] = []
     previous_seq = -1
-    skips = [e for e in trace.of_kind("scaler_step") if e.skipped]
     for ordinal, group in enumerate(step_groups(trace)):
         steps = [s for s in trace.steps if s.group == group]
+        done = eager.groups.get(group) if eager is not None else None
+        if done is not None:   # judged as it happened (`StepJudge`)
+            if done.stop:
+                break
+            judged.extend(done.steps)
+            previous_seq = max(s.seq for s in steps)
+            continue
         snapshot = trace.probe.snapshots.get(group)
         if snapshot is None:
             continue
@@ -117,36 +181,207 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
         ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
         ref_every = flat(session, ref.full, session.param_order)
         for step in steps:
-            names = [n for n in step.grads if n in session.param_shapes]
-            # a window scaler.step skipped consumed nothing: its clips and unscales are not
-            # this step's (the skip threw its gradients away)
-            start = max([previous_seq] + [e.seq for e in skips if e.seq < step.seq])
-            events = [e for e in trace.events if start < e.seq < step.seq]
-            calls = clip_calls(names_of, events, owner, known)
-            user = flat(session, step.grads, names)
-            calls = _hand_clip(calls, trace, names, user,
-                               lambda: _restrict(session, ref_every, names, sizes), sizes, tol)
-            expected = _clipped_reference(session, ref_every, names, sizes, calls)
-            m = compare.metrics(user, expected, tol)
-            if not m.ok and session.weighting_open and precision == "fp32" \
-                    and adopt_weighting(session, window, ref, names, user, tol):
-                ref = session.reference(window, snapshot.state, snapshot.training,
-                                        per_mb=False)
-                ref_every = flat(session, ref.full, session.param_order)
-                expected = _clipped_reference(session, ref_every, names, sizes, calls)
-                m = compare.metrics(user, expected, tol)
-            bad = not m.ok and not compare.is_precision_noise(m, precision)
-            preclip = _preclip_ratio(session, ref_every, names, sizes, calls)
-            del expected
-            if not bad and preclip is not None and precision in ("fp32", "bf16"):
-                band = max(3 * tol.rtol, PRECLIP_BAND_FP32) if precision == "fp32" \
-                    else PRECLIP_BAND_BF16
-                bad = abs(preclip - 1) > band
-            judged.append(StepJudgement(ordinal, window, step, m, tuple(calls), preclip,
-                                        tuple(events), bad))
+            events = _step_events(trace, step, previous_seq)
+            verdict = _judge_step(ctx, ordinal, window, step, ref_every, events)
+            if not verdict.metrics.ok and session.weighting_open and precision == "fp32":
+                names = [n for n in step.grads if n in session.param_shapes]
+                if adopt_weighting(session, window, ref, names,
+                                   flat(session, step.grads, names), ctx.tol):
+                    ref = session.reference(window, snapshot.state, snapshot.training,
+                                            per_mb=False)
+                    ref_every = flat(session, ref.full, session.param_order)
+                    verdict = _judge_step(ctx, ordinal, window, step, ref_every, events)
+            judged.append(verdict)
         previous_seq = max(s.seq for s in steps)
     spill.forget_cache()   # the last step's copy read back from disk is not needed any more
-    return Judgement(precision, tol, tuple(judged))
+    return Judgement(precision, ctx.tol, tuple(judged))
+
+
+@dataclass
+class JudgedGroup:
+    """A step group judged as it happened, with the scalars the rules read instead of copies."""
+
+    ordinal: int
+    window: int
+    #: each parameter's squared norm of the unclipped reference (`rules.scale_state`)
+    ref_squares: dict[str, float]
+    steps: list[StepJudgement] = field(default_factory=list)
+    #: step seq -> each parameter's squared norm of the gradient it consumed
+    grad_squares: dict[int, dict[str, float]] = field(default_factory=dict)
+    #: the run diverged after a bad step: the judge stops before this group
+    stop: bool = False
+
+
+@dataclass
+class Keep:
+    """What of a step judged as it happened the probe copies for the rules."""
+
+    grads: bool
+    state: bool
+
+
+class StepJudge:
+    """Judge each optimizer step of a run while it happens (observe -> judge in one pass).
+
+    At the first step of a group, in the optimizer's pre-hook, the reference is computed at the
+    live weights (outside the loop's autocast, grad mode and RNG stream, with the probe off) and
+    each step is judged exactly as `judge` would after the run (`_judge_step`), against the live
+    gradients. Nothing is copied for a step that matched, but for the gradients of the step
+    before it (what a gradient not cleared carries over) and, in fp32, of the run's first step
+    (the reproducibility rung's repeat run compares its own with them); the first bad step
+    keeps its gradients and weights for the rules. So a run keeps two gradient copies at most,
+    not two model copies per step on disk.
+
+    Only for a group whose window is known when it starts (the micro-batches its forwards
+    consumed) and a run with one optimizer; any error here leaves the group to `judge` after
+    the run, with the usual copies (a reference that fails then fails there, where it says so).
+    """
+
+    def __init__(self, session: Session, trace: Trace, precision: str):
+        self.session, self.trace, self.precision = session, trace, precision
+        self.groups: dict[int, JudgedGroup] = {}
+        self._reference: tuple[int, torch.Tensor] | None = None
+        self._previous_seq = -1      # the previous group's last step
+        self._last: StepJudgement | None = None
+        self._bad_seen = False
+        self._kept: StepRecord | None = None   # the last step whose gradients were copied
+        self.stopped = False
+        self.failed = False
+
+    def __deepcopy__(self, memo) -> StepJudge:
+        # A loop that deep-copies its model (an EMA) copies the probe its hooks reach: the
+        # session behind this judge (earlier runs' freed weights among it) is not the loop's.
+        return self
+
+    def begin_group(self, group: int, consumed: tuple[int, ...], state: dict[str, torch.Tensor],
+                    training: bool) -> bool:
+        """A new group starts at `state` (the live weights): True when it will be judged here,
+        so the probe keeps no snapshot of it."""
+        self._reference = None
+        # the previous group's last step (this group's step is not recorded yet)
+        self._previous_seq = max((s.seq for s in self.trace.steps), default=-1)
+        if self.stopped:
+            self.groups[group] = JudgedGroup(-1, -1, {}, stop=True)
+            return True
+        if self.failed or not consumed:
+            # judged after the run from here on (the stop after a diverged bad step depends
+            # on every step before it)
+            self.failed = True
+            return False
+        session = self.session
+        try:
+            if self._last is not None and self._last.bad and not _finite_state(state):
+                self.stopped = True
+                self.groups[group] = JudgedGroup(-1, -1, {}, stop=True)
+                return True
+            window = max(0, min(max(consumed) // session.K, session.N - 1))
+            ordinal = len({s.group for s in self.trace.steps})
+            with outside_the_loop(session.device):
+                ref = session.reference(window, state, training, per_mb=False)
+            ref_every = flat(session, ref.full, session.param_order)
+            squares = {n: 0.0 if g is None else compare.sum_of_squares(g)
+                       for n, g in ref.full.items()}
+        except (KeyboardInterrupt, AmpdoctorInterrupt):
+            raise
+        except Exception:
+            self.failed = True
+            return False
+        self.groups[group] = JudgedGroup(ordinal, window, squares)
+        self._reference = (group, ref_every)
+        return True
+
+    def judging(self, group: int) -> bool:
+        """Are this group's steps judged here (the probe then hands over live gradients)?"""
+        return group in self.groups
+
+    def judge_step(self, step: StepRecord) -> Keep:
+        """Judge `step` (its `grads` the live gradients); say what the probe must copy."""
+        done = self.groups[step.group]
+        if done.stop:
+            return Keep(False, False)
+        try:
+            if self._reference is None or self._reference[0] != step.group:
+                raise RuntimeError("no reference for this group")
+            known = known_thresholds(self.session, self.trace)
+            if self.precision == "fp32" and "fp32" not in self.session.traces:
+                # judged after the run, the fp32 run's own clips are known thresholds
+                known |= {float(e.max_norm) for e in self.trace.of_kind("clip")
+                          if e.max_norm is not None and math.isfinite(e.max_norm)}
+            ctx = _Context.of(self.session, self.trace, self.precision, known)
+            verdict = _judge_step(ctx, done.ordinal, done.window, step, self._reference[1],
+                                  _step_events(self.trace, step, self._previous_seq))
+            done.grad_squares[step.seq] = {n: 0.0 if g is None else compare.sum_of_squares(g)
+                                           for n, g in step.grads.items()}
+        except (KeyboardInterrupt, AmpdoctorInterrupt):
+            raise
+        except Exception:
+            # judged after the run instead: it needs the group's weights and this gradient
+            self.failed = True
+            del self.groups[step.group]
+            return Keep(True, True)
+        done.steps.append(verdict)
+        self._last = verdict
+        if self._bad_seen:
+            return Keep(False, False)
+        if verdict.bad:
+            self._bad_seen = True
+            return Keep(True, len(done.steps) == 1)
+        # the previous step's copy is not needed any more (but the fp32 run's first)
+        previous = self._kept
+        if previous is not None and not (self.precision == "fp32" and previous is self.trace.steps[0]):
+            previous.grads = JudgedGradients(previous.grads, previous.seq)
+        return Keep(True, False)
+
+    @staticmethod
+    def names_only(grads, seq: int) -> JudgedGradients:
+        return JudgedGradients(grads, seq)
+
+    def kept(self, step: StepRecord) -> None:
+        """The probe copied `step`'s gradients."""
+        self._kept = step
+
+    def finish(self) -> None:
+        """The run is over: drop the reference."""
+        self._reference = None
+
+
+class JudgedGradients(Mapping):
+    """The parameter names of a step judged as it happened, whose gradients were not kept.
+    Reading one is a bug in ampdoctor, said loudly (never zeros)."""
+
+    def __init__(self, names, seq: int):
+        self._names = list(names)
+        self._seq = seq
+
+    def __getitem__(self, key: str):
+        raise RuntimeError(f"the gradients of the step at event {self._seq} were judged as "
+                           "they happened and not kept")
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+@contextlib.contextmanager
+def outside_the_loop(device: torch.device):
+    """Run ampdoctor's own passes from inside the loop's optimizer step as if outside it: the
+    probe off (nothing here is the loop's), grad mode on, no autocast, and the loop's RNG state
+    (CPU and this CUDA device) left as it was."""
+    with contextlib.ExitStack() as stack:
+        previous = recorder.activate(None)
+        stack.callback(recorder.activate, previous)
+        stack.enter_context(torch.random.fork_rng(
+            devices=[device] if device.type == "cuda" else []))
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if device.type == "cuda":
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
 
 
 def _restrict(session: Session, vector: torch.Tensor, names: list[str],

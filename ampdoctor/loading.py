@@ -12,6 +12,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -209,14 +210,27 @@ class UserCode:
     def forget(self) -> None:
         """Drop the modules this diagnose imported and its sys.path entry."""
         root = str(self.spec.root)   # a property that resolves the path: read once
+        # A project root that holds its virtual environment holds torch too: what torch or
+        # ampdoctor imported lazily during the run stays (torch registers its operator
+        # libraries once per process and refuses a second import).
+        kept = _installed_prefixes()
         for name in set(sys.modules) - self._imported_before:
             module = sys.modules.get(name)
             path = getattr(module, "__file__", None) or ""
-            if path.startswith(root):
+            if path.startswith(root) and not path.startswith(kept):
                 del sys.modules[name]
         if self._added_path and self._added_path in sys.path:
             sys.path.remove(self._added_path)
         sys.dont_write_bytecode = self._wrote_bytecode
+
+
+def _installed_prefixes() -> tuple[str, ...]:
+    """Where installed packages (the interpreter's, the environment's) and ampdoctor live."""
+    import sysconfig
+    paths = sysconfig.get_paths()
+    found = {sys.prefix, sys.exec_prefix, paths.get("purelib"), paths.get("platlib"),
+             paths.get("stdlib"), str(Path(__file__).resolve().parent)}
+    return tuple(str(Path(p).resolve()) + os.sep for p in found if p)
 
 
 # --- model and optimizer -----------------------------------------------------------------

@@ -21,6 +21,11 @@ from .reference import ReferenceBuilder
 from .spec import Spec
 
 
+#: Judge each step of the runs the rungs judge as it happens (`judge.StepJudge`); False: copy
+#: every step's gradients and weights and judge after the run (the tests compare the two).
+JUDGE_AS_IT_RUNS = True
+
+
 @dataclass
 class Trace:
     """What one run of the user's loop did."""
@@ -184,12 +189,15 @@ class Session(ReferenceBuilder):
                  training: bool = True, max_grad_norm: float | None | str = "spec",
                  rng_seed: int | None = None, capture: bool = True,
                  before_backward=None, distributed: Distributed | None = None,
-                 step_sink=None) -> Trace:
+                 step_sink=None, judge_as_it_runs: str | None = None) -> Trace:
         """One run of the user's loop under the probe.
 
         `distributed`: a DDP rank's run -- the micro-batches are this rank's shards (in the
         order of the session's micro-batches, so a shard's position is its micro-batch's index),
         the model is handed to the loop through `distributed.wrap`, and `run` says the rank.
+
+        `judge_as_it_runs`: the precision this run will be judged at; each step is then judged
+        as it happens (`judge.StepJudge`) where it can be, instead of copied for after the run.
         """
         model = build_model(self.code, self.device, self.spec.seed)
         if state is not None:
@@ -226,6 +234,11 @@ class Session(ReferenceBuilder):
         probe.aligner = aligner
         trace = Trace(precision, settings.accumulation_steps, probe, settings,
                       optimizer_count=len(flat), microbatches=len(mbs))
+        if (judge_as_it_runs is not None and JUDGE_AS_IT_RUNS and self.code.loss is not None
+                and distributed is None and state is None and micro_batches is None
+                and K is None and capture and step_sink is None and len(flat) == 1):
+            from .judge import StepJudge
+            probe.step_judge = StepJudge(self, trace, judge_as_it_runs)
         if rng_seed is not None:
             rng.manual_seed(rng_seed)
         previous = recorder.activate(probe)
@@ -249,6 +262,8 @@ class Session(ReferenceBuilder):
         finally:
             recorder.activate(previous)
             recorder.START_SCALE = None
+            if probe.step_judge is not None:
+                probe.step_judge.finish()
             aligner.detach()
             changed = torch.get_default_dtype()
             torch.set_default_dtype(default_dtype)   # never left changed for the next run
@@ -308,7 +323,8 @@ class Session(ReferenceBuilder):
     def trace(self, precision: str) -> Trace:
         """The plain run of a precision, run once and cached."""
         if precision not in self.traces:
-            trace = self.run_loop(precision, rng_seed=self.spec.seed + 1)
+            trace = self.run_loop(precision, rng_seed=self.spec.seed + 1,
+                                  judge_as_it_runs=precision)
             if precision == "fp16":
                 trace = self._past_scale_search(trace)
             self.traces[precision] = trace
@@ -335,7 +351,7 @@ class Session(ReferenceBuilder):
                     or not scales or not any(e.enabled for e in trace.of_kind("scaler_init"))):
                 break
             self.fp16_start_scale = scales[-1]
-            trace = self.run_loop("fp16", rng_seed=self.spec.seed + 1)
+            trace = self.run_loop("fp16", rng_seed=self.spec.seed + 1, judge_as_it_runs="fp16")
         if trace is not first:
             loop_init = next(e.init_scale for e in first.of_kind("scaler_init") if e.enabled)
             applied = any(not e.skipped for e in trace.of_kind("scaler_step"))

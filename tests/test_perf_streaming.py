@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ampdoctor import compare
+from ampdoctor.judge import JudgedGradients
 from ampdoctor.probe import spill
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,20 +86,29 @@ def test_chunked_metrics_are_as_accurate_as_float64(monkeypatch):
     assert compare.all_finite(torch.empty(0))
 
 
+@pytest.mark.parametrize("as_it_runs", [True, False], ids=["judged-as-it-runs", "judged-after"])
 def test_a_healthy_diagnose_reuses_the_first_reference_and_streams_the_second_fp32_run(
-        monkeypatch):
+        monkeypatch, as_it_runs):
     import ampdoctor
     from ampdoctor import session as session_module
 
     monkeypatch.setenv("AMPDOCTOR_COUNT_PASSES", "1")
+    monkeypatch.setattr(session_module, "JUDGE_AS_IT_RUNS", as_it_runs)
     kept: list = []
     original = session_module.Session.run_loop
 
     firsts: list = []
+    copied: dict = {}   # per run, as it returned: which steps' gradients were copied
 
     def run_loop(self, precision, **kwargs):
         trace = original(self, precision, **kwargs)
         kept.append((kwargs.get("step_sink") is not None, trace))
+        copied[id(trace)] = [not isinstance(s.grads, JudgedGradients) for s in trace.steps]
+        for step in trace.steps:
+            if isinstance(step.grads, JudgedGradients):   # a gradient not kept is never zeros
+                assert list(step.grads) == list(trace.steps[0].grads)
+                with pytest.raises(RuntimeError, match="judged as they happened"):
+                    step.grads.get(next(iter(step.grads)))
         if trace.probe.snapshots and kwargs.get("state") is None:
             first = trace.probe.snapshots[min(trace.probe.snapshots)]
             firsts.append(first.state is self.initial_state)
@@ -120,8 +130,23 @@ def test_a_healthy_diagnose_reuses_the_first_reference_and_streams_the_second_fp
         # ... and stops after its first optimizer step: one window of passes, not N
         assert trace.stopped and trace.error is None and len(trace.steps) == 1
         assert trace.microbatches_taken == K
-    # a run's first step saw the initial weights: its snapshot is them, not a copy
-    assert firsts and all(firsts)
+    judged = [trace for sink, trace in kept if not sink and trace.probe.step_judge is not None]
+    if as_it_runs:
+        # every run a rung judges was judged step by step: no weights kept, and of the
+        # gradients only the fp32 run's first step and the last step (what a later step that
+        # failed would have carried over)
+        assert {t.precision for t in judged} == {"fp32", "bf16", "fp16"} and not firsts
+        for trace in judged:
+            assert not trace.probe.snapshots and not trace.probe.step_judge.failed
+            assert len(trace.probe.step_judge.groups) == len(trace.steps) == N
+            # as the run returned (rung_done has released every copy since)
+            assert copied[id(trace)] == ([True] + [False] * (N - 2) + [True]
+                                         if trace.precision == "fp32" else
+                                         [False] * (N - 1) + [True])
+    else:
+        assert not judged
+        # a run's first step saw the initial weights: its snapshot is them, not a copy
+        assert firsts and all(firsts)
     repro = rungs["reproducibility"]["details"]["passes"]
     assert repro["loop"] == N * K + K
     # every finished run gave back its optimizer state, gradients and parameters' storage

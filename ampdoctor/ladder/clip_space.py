@@ -105,7 +105,8 @@ def run(session: Session) -> RungResult:
         details["shared_with_skips"] = (f"the same pass had an overflow injected in window "
                                         f"{session.injected.window}, which is not judged here")
     if threshold is None:
-        forced = forced or session.run_loop("fp16", rng_seed=session.spec.seed + 1)
+        forced = forced or session.run_loop("fp16", rng_seed=session.spec.seed + 1,
+                                            judge_as_it_runs="fp16")
         if forced.error is not None:
             finding = loop_error_finding(forced, RUNG)
             return RungResult(RUNG, "fail", "the fp16 clipping pass raised", [finding],
@@ -113,7 +114,8 @@ def run(session: Session) -> RungResult:
     else:
         details["forced_threshold"] = compare._round(threshold)
         forced = forced or session.run_loop("fp16", max_grad_norm=threshold,
-                                            rng_seed=session.spec.seed + 1)
+                                            rng_seed=session.spec.seed + 1,
+                                            judge_as_it_runs="fp16")
         if forced.error is not None:
             finding = loop_error_finding(forced, RUNG)
             return RungResult(RUNG, "fail", "the forced-clipping fp16 pass raised", [finding],

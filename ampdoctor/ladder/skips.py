@@ -258,7 +258,8 @@ def injected_run(session: Session, max_grad_norm: float | None | str = "spec",
     per_window = max(1, round(plain.probe.backward_count / max(N, 1)))
     injector = OverflowInjector(window, K, per_window)
     trace = session.run_loop("fp16", rng_seed=session.spec.seed + 1, before_backward=injector,
-                             capture=capture, max_grad_norm=max_grad_norm)
+                             capture=capture, max_grad_norm=max_grad_norm,
+                             judge_as_it_runs="fp16" if capture else None)
     session.injected = InjectedRun(trace, injector, window, window * K + K // 2, max_grad_norm)
     return session.injected
 

@@ -93,6 +93,8 @@ class Probe:
         #: Called with each StepRecord (gradients filled) as the step happens; the record then
         #: keeps no gradients and the probe no snapshots (a streamed comparison).
         self.step_sink: Callable[[StepRecord], None] | None = None
+        #: Judges each step as it happens (`judge.StepJudge`), or None: judged after the run
+        self.step_judge: Any = None
         #: the weights the run started from, when they are the session's initial state: a
         #: first snapshot equal to them is kept as that same dict, not copied
         self.initial_state: dict[str, torch.Tensor] | None = None
@@ -177,6 +179,16 @@ class Probe:
         self.backward_count += 1
         self.record(Backward, site=site, value=value, scaled_by=scaled_by)
 
+    def _snapshot(self) -> None:
+        """Keep the weights the current step group starts from (the reference's parameters)."""
+        state = self.model.state_dict()
+        if not self.snapshots and same_tensors(state, self.initial_state):
+            kept = self.initial_state   # the first step saw the initial weights: no copy
+        else:
+            kept = spill.maybe_spill({k: full_tensor(v.detach()).to("cpu", copy=True)
+                                      for k, v in state.items()})
+        self.snapshots[self._group] = Snapshot(self._group, kept, self.model.training)
+
     def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         slot = self.optimizer_slot(optimizer)
         if self.backward_count != self._backwards_at_group:
@@ -188,13 +200,12 @@ class Probe:
             self._group_consumed = tuple(sorted(set(self._consumed)))
             self._consumed = []
             if self.model is not None and self.capture_grads and self.step_sink is None:
-                state = self.model.state_dict()
-                if not self.snapshots and same_tensors(state, self.initial_state):
-                    kept = self.initial_state   # the first step saw the initial weights: no copy
-                else:
-                    kept = spill.maybe_spill({k: full_tensor(v.detach()).to("cpu", copy=True)
-                                              for k, v in state.items()})
-                self.snapshots[self._group] = Snapshot(self._group, kept, self.model.training)
+                judge = self.step_judge
+                if judge is None or not judge.begin_group(
+                        self._group, self._group_consumed, self.model.state_dict(),
+                        self.model.training):
+                    self._snapshot()
+        live = self.step_judge is not None and self.step_judge.judging(self._group)
         grads: dict[str, torch.Tensor | None] = {}
         finite = True
         for index, param in enumerate(optimizer_params(optimizer)):
@@ -202,9 +213,10 @@ class Probe:
                 if self.capture_grads:
                     grads[self.param_name(param, slot, index)] = None
                 continue
-            if self.capture_grads:
-                grads[self.param_name(param, slot, index)] = full_tensor(
-                    param.grad.detach()).to("cpu", torch.float32, copy=True)
+            if live:   # judged as it happens: copied only if the judge asks
+                grads[self.param_name(param, slot, index)] = param.grad.detach()
+            elif self.capture_grads:
+                grads[self.param_name(param, slot, index)] = _host_copy(param.grad)
             elif finite:
                 finite = all_finite(param.grad)
         if self.capture_grads:
@@ -219,6 +231,16 @@ class Probe:
         if self.step_sink is not None:
             enough = bool(self.step_sink(record))   # true: the run has given what it was for
             record.grads = {}
+        elif live:
+            keep = self.step_judge.judge_step(record)
+            if keep.state:
+                self._snapshot()
+            if keep.grads:
+                record.grads = spill.maybe_spill({n: None if g is None else _host_copy(g)
+                                                  for n, g in grads.items()})
+                self.step_judge.kept(record)
+            else:
+                record.grads = self.step_judge.names_only(grads, record.seq)
         elif self.capture_grads:
             record.grads = spill.maybe_spill(grads)
         self.steps.append(record)
@@ -229,6 +251,11 @@ class Probe:
                     via_scaler=self._scaler_step_slot is not None)
         if enough:
             raise EnoughSteps
+
+
+def _host_copy(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as an fp32 host tensor of its own (gathered whole when sharded)."""
+    return full_tensor(grad.detach()).to("cpu", torch.float32, copy=True)
 
 
 def _caller(depth: int):

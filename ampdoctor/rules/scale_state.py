@@ -29,7 +29,24 @@ def _state_for_window(session: Session, trace: Trace, window: int):
     return None
 
 
+def _judged_group(session: Session, trace: Trace, window: int):
+    """The step group of `window` judged as it happened whose weights were not kept, if any."""
+    judge = trace.probe.step_judge
+    if judge is None:
+        return None
+    for ordinal, step in enumerate(trace.steps):
+        if session.window_of(step, ordinal, trace) == window:
+            done = judge.groups.get(step.group)
+            if done is not None and not done.stop and step.group not in trace.probe.snapshots:
+                return done
+            return None
+    return None
+
+
 def _reference_norm(session: Session, trace: Trace, window: int, names: list[str] | None = None):
+    done = _judged_group(session, trace, window)
+    if done is not None:   # the judge kept each parameter's squared norm, not the weights
+        return math.sqrt(sum(done.ref_squares.get(n, 0.0) for n in names or session.param_order))
     found = _state_for_window(session, trace, window)
     if found is None:
         return None
@@ -175,11 +192,19 @@ def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
     if step is None:
         return None
     snap = trace.probe.snapshots.get(step.group)
+    names = [n for n in step.grads if n in session.param_shapes]
+    judge = trace.probe.step_judge
+    done = judge.groups.get(step.group) if judge is not None and snap is None else None
+    if done is not None and step.seq in done.grad_squares:
+        # judged as it happened: each parameter's squared norm was kept, not the tensors
+        user = math.sqrt(sum(done.grad_squares[step.seq].get(n, 0.0) for n in names))
+        ref = math.sqrt(sum(done.ref_squares.get(n, 0.0) for n in names))
+        ratio = user / ref if ref > 0 else (1.0 if user == 0 else math.inf)
+        return ratio if math.isfinite(ratio) else None
     if snap is None:
         return None
     ordinal = [s.group for s in trace.steps].index(step.group)
     window = session.window_of(step, ordinal, trace)
-    names = [n for n in step.grads if n in session.param_shapes]
     ref = session.reference(window, snap.state, snap.training, per_mb=False)
     m = compare.metrics(flat(session, step.grads, names), flat(session, ref.full, names),
                         compare.DEFAULT_TOLERANCES["fp16"])

@@ -1,0 +1,185 @@
+"""Judging each step as it happens (`judge.StepJudge`) says exactly what judging after the run
+says: the same verdict, rung, kinds, numbers and lines, on healthy and broken loops; and the
+reference computed inside the loop's optimizer step leaves the loop as it was."""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import ampdoctor
+from ampdoctor import session as session_module
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return float(f"{value:.4g}") if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rounded(v) for v in value]
+    return value
+
+
+def _diagnose(monkeypatch, spec, as_it_runs: bool):
+    """The record's verdict and findings, and how many step groups were judged as they ran."""
+    monkeypatch.setattr(session_module, "JUDGE_AS_IT_RUNS", as_it_runs)
+    judged = []
+    original = session_module.Session.run_loop
+
+    def run_loop(self, precision, **kwargs):
+        trace = original(self, precision, **kwargs)
+        if trace.probe.step_judge is not None:
+            judged.append(len(trace.probe.step_judge.groups))
+        return trace
+
+    monkeypatch.setattr(session_module.Session, "run_loop", run_loop)
+    record = ampdoctor.diagnose(spec, save=False)
+    monkeypatch.setattr(session_module.Session, "run_loop", original)
+    seen = {"verdict": record.verdict, "failed_rung": record.failed_rung,
+            "rungs": [(r["id"], r["status"]) for r in record.data["rungs"]],
+            "findings": [(f.rung, f.kind, f.severity, f.location and f.location.line,
+                          _rounded(f.evidence)) for f in record.findings]}
+    return seen, sum(judged)
+
+
+@pytest.mark.parametrize("recipe", [
+    "healthy_fetch_ahead_nanogpt",
+    "healthy_yolo_ema_checkpoint",   # the loop deep-copies its model (and the probe's hooks)
+    "healthy_clip_scaled_threshold",
+    "healthy_fairseq_overflow_retry",
+    "broken_missing_average",
+    "broken_no_zero_grad",           # the rule reads the step before the bad one
+    "broken_clip_before_unscale",    # the rules read the reference norm of a window
+    "broken_step_bypasses_scaler",   # the loop raised: the ratio of a step judged as it ran
+    "broken_no_zero_grad_after_skip",
+])
+def test_as_it_runs_and_after_the_run_say_the_same(monkeypatch, recipe):
+    spec = ROOT / "sample_configs" / f"{recipe}.yaml"
+    now, groups = _diagnose(monkeypatch, spec, True)
+    after, none = _diagnose(monkeypatch, spec, False)
+    assert groups > 0 and none == 0   # the first really judged steps as they happened
+    assert now == after
+    assert now["verdict"] == ("healthy" if recipe.startswith("healthy") else "failed")
+
+
+LOOP = textwrap.dedent('''\
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    DRAWS = []
+    AUTOCASTS = []
+
+
+    def make_model():
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.3), nn.Linear(16, 1))
+
+
+    def make_data():
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 6, generator=g)
+        return x, x[:, :1] - x[:, 1:2]
+
+
+    def mse(model, batch):
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+
+    def train_loop(model, optimizer, micro_batches, run):
+        K = run.accumulation_steps
+        scaler = torch.amp.GradScaler(run.device_type, enabled=run.precision == "fp16")
+        for i, (x, y) in enumerate(micro_batches):
+            with torch.autocast(run.device_type, dtype=run.autocast_dtype,
+                                enabled=run.autocast_dtype is not None):
+                loss = F.mse_loss(model(x).float(), y) / K
+                scaler.scale(loss).backward()
+                if (i + 1) % K == 0:
+                    # the step inside autocast and no_grad, as some loops do
+                    with torch.no_grad():
+                        scaler.step(optimizer)
+                    AUTOCASTS.append(torch.is_autocast_enabled(run.device_type))
+                    scaler.update()
+                    optimizer.zero_grad(set_to_none=True)
+            # the loop's own random stream goes on after each step
+            DRAWS.append(float(torch.rand(())))
+    ''')
+
+
+def test_the_reference_inside_the_step_leaves_the_loop_as_it_was(monkeypatch, tmp_path):
+    """Computed in the optimizer's pre-hook, inside the loop's autocast and no_grad, with
+    aligned dropout seeding every reference forward: the loop's random draws after each step,
+    its autocast state and the record are those of a run judged after it ended."""
+    import importlib
+    import sys
+
+    (tmp_path / "hostile_loop.py").write_text(LOOP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("hostile_loop")
+    spec = ampdoctor.Spec(model=module.make_model, data=module.make_data, loss=module.mse,
+                          train_loop=module.train_loop, accumulation_steps=4,
+                          micro_batch_size=4, optimizer_steps=3,
+                          rungs=["fp32-accum", "bf16-no-scaler", "fp16-scaler"])
+    runs = {}
+    for as_it_runs in (True, False):
+        module.DRAWS.clear()
+        module.AUTOCASTS.clear()
+        record, groups = _diagnose(monkeypatch, spec, as_it_runs)
+        runs[as_it_runs] = (record, groups, list(module.DRAWS), list(module.AUTOCASTS))
+    now, after = runs[True], runs[False]
+    assert now[1] > 0 and after[1] == 0
+    assert now[0] == after[0] and now[0]["verdict"] == "healthy"
+    assert now[2] == after[2] and len(now[2]) >= 3 * 12   # three runs of 12 micro-batches
+    # the loop's autocast was still on after the step in bf16 and fp16, off in fp32
+    assert now[3] == after[3] and now[3] == [False] * 3 + [True] * 3 + [True] * 3
+    sys.modules.pop("hostile_loop", None)
+
+
+def test_what_torch_and_ampdoctor_import_during_a_run_is_never_forgotten():
+    """A project root that holds its virtual environment holds torch: a second diagnose in the
+    same process must not re-import what torch loaded lazily in the first (torch refuses to
+    register its operator libraries twice)."""
+    import torch
+
+    from ampdoctor import loading
+
+    kept = loading._installed_prefixes()
+    assert torch.__file__.startswith(kept) and loading.__file__.startswith(kept)
+    assert not str(ROOT / "recipes" / "common.py").startswith(kept)
+
+
+def test_the_rules_read_the_same_norms_from_the_scalars_a_step_judged_as_it_ran_keeps(
+        monkeypatch):
+    """Without the weights of a step judged as it ran, the fp16 rules' reference norm of a
+    window and consumed/reference ratio of a step come from the squared norms the judge kept:
+    the numbers the kept weights give after the run."""
+    from ampdoctor.ladder import amp
+    from ampdoctor.rules import scale_state
+
+    original = amp.violation_findings
+    seen = {}
+
+    def spy(session, trace, rung):
+        seen[session_module.JUDGE_AS_IT_RUNS] = (
+            trace.probe.step_judge is not None and not trace.probe.snapshots,
+            [scale_state._reference_norm(session, trace, w) for w in range(session.N)],
+            [scale_state.step_ratio(session, trace, e) for e in trace.of_kind("step")])
+        return original(session, trace, rung)
+
+    monkeypatch.setattr(amp, "violation_findings", spy)
+    spec = ROOT / "sample_configs" / "healthy_clip_active.yaml"
+    for as_it_runs in (True, False):
+        _diagnose(monkeypatch, spec, as_it_runs)
+    (scalars, norms_now, ratios_now), (copies, norms_after, ratios_after) = seen[True], seen[False]
+    assert scalars and not copies
+    assert len(norms_now) == len(ratios_now) == 3 and None not in norms_now + ratios_now
+    assert norms_now == pytest.approx(norms_after, rel=1e-6)
+    assert ratios_now == pytest.approx(ratios_after, rel=1e-6)
+    # the clip bites in this loop: the consumed gradient is shorter than the reference
+    assert all(n > 0 for n in norms_now) and all(0 < r < 1 for r in ratios_now)
