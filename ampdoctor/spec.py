@@ -392,9 +392,15 @@ def load_spec(path: str | Path) -> Spec:
     except ValidationError as exc:
         raise SpecError("\n".join(validation_messages(exc, path, lines)), cause=exc) from exc
     spec.spec_path = path.resolve()
-    root = spec.root
-    if not root.is_dir():
-        line = lines.get("project_root")
+    line = lines.get("project_root")
+    try:
+        root = spec.root
+        is_dir = root.is_dir()
+    except (OSError, ValueError) as exc:   # UnicodeEncodeError: a name the file system refuses
+        raise SpecError(_paragraph(path, "project_root", line,
+                                   f"{spec.project_root!r} is not a usable folder name ({exc})."),
+                        cause=exc) from exc
+    if not is_dir:
         raise SpecError(_paragraph(path, "project_root", line,
                                    f"the folder {root} does not exist."))
     for p in spec.scan_paths():

@@ -90,6 +90,12 @@ def test_missing_project_root_and_file(tmp_path):
         load_spec(tmp_path / "absent.yaml")
 
 
+def test_a_project_root_the_file_system_cannot_name_is_a_spec_error(tmp_path):
+    # YAML's escaped surrogate pair loads as two lone surrogates: no file name can hold them
+    with pytest.raises(SpecError, match=r"project_root.*not a usable folder name"):
+        load_spec(write(tmp_path, GOOD + 'project_root: "\\ud800\\udc00"\n'))
+
+
 def test_optimizer_mapping_and_callable(tmp_path):
     spec = load_spec(write(tmp_path, GOOD + "optimizer: {name: AdamW, lr: 0.001}\n"))
     assert spec.optimizer.name == "AdamW"
