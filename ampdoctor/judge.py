@@ -21,7 +21,7 @@ from . import compare
 from .errors import AmpdoctorInterrupt
 from .probe import recorder, spill
 from .probe.recorder import Event, StepRecord
-from .reference import ClipCall, apply_clips, clip_calls, reference_norm
+from .reference import ClipCall, clip_calls, clip_ops, norm_of
 from .loading import micro_batch_counts
 from .session import Session, Trace, flat
 from .thresholds import PRECLIP_BAND_BF16, PRECLIP_BAND_FP32
@@ -109,7 +109,6 @@ class _Context:
     names_of: dict[int, str]
     owner: dict[int, int]
     known: set[float]
-    sizes: dict[str, int]
 
     @classmethod
     def of(cls, session: Session, trace: Trace, precision: str,
@@ -119,8 +118,7 @@ class _Context:
         owner = {id(p): slot for slot, opt in enumerate(trace.probe.optimizers)
                  for group in opt.param_groups for p in group["params"]}
         return cls(session, trace, precision, tolerance(session, precision), names_of, owner,
-                   known_thresholds(session, trace) if known is None else known,
-                   {n: math.prod(shape) for n, shape in session.param_shapes.items()})
+                   known_thresholds(session, trace) if known is None else known)
 
 
 def _step_events(trace: Trace, step: StepRecord, previous_seq: int) -> list[Event]:
@@ -134,20 +132,19 @@ def _step_events(trace: Trace, step: StepRecord, previous_seq: int) -> list[Even
 
 
 def _judge_step(ctx: _Context, ordinal: int, window: int, step: StepRecord,
-                ref_every: torch.Tensor, events: list[Event]) -> StepJudgement:
-    """One step's consumed gradient against the reference (flattened over every parameter)
-    clipped the way the loop meant."""
-    session, precision, tol, sizes = ctx.session, ctx.precision, ctx.tol, ctx.sizes
+                reference: dict[str, torch.Tensor | None], events: list[Event]) -> StepJudgement:
+    """One step's consumed gradient against the reference (every parameter's unclipped
+    gradient) clipped the way the loop meant; tensor by tensor, no flat copy of either."""
+    session, precision, tol = ctx.session, ctx.precision, ctx.tol
     names = [n for n in step.grads if n in session.param_shapes]
     calls = clip_calls(ctx.names_of, events, ctx.owner, ctx.known)
-    user = flat(session, step.grads, names)
-    calls = _hand_clip(calls, ctx.trace, names, user,
-                       lambda: _restrict(session, ref_every, names, sizes), sizes, tol)
-    expected = _clipped_reference(session, ref_every, names, sizes, calls)
-    m = compare.metrics(user, expected, tol)
-    del expected, user
+    calls = _hand_clip(calls, ctx.trace, names, step.grads, reference, session, tol)
+    # clipped over every parameter (a clip may cover more than the one optimizer whose step is
+    # judged), compared over the step's own
+    expected, _ = clip_ops(reference, session.param_order, calls)
+    m = compare.metrics_of(step.grads, expected, names, session.param_shapes, tol)
     bad = not m.ok and not compare.is_precision_noise(m, precision)
-    preclip = _preclip_ratio(session, ref_every, names, sizes, calls)
+    preclip = _preclip_ratio(reference, calls)
     if not bad and preclip is not None and precision in ("fp32", "bf16"):
         band = max(3 * tol.rtol, PRECLIP_BAND_FP32) if precision == "fp32" \
             else PRECLIP_BAND_BF16
@@ -179,18 +176,16 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
             break   # the run diverged after a bad step: nothing later can be compared
         window = session.window_of(steps[0], ordinal, trace)
         ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
-        ref_every = flat(session, ref.full, session.param_order)
         for step in steps:
             events = _step_events(trace, step, previous_seq)
-            verdict = _judge_step(ctx, ordinal, window, step, ref_every, events)
+            verdict = _judge_step(ctx, ordinal, window, step, ref.full, events)
             if not verdict.metrics.ok and session.weighting_open and precision == "fp32":
                 names = [n for n in step.grads if n in session.param_shapes]
                 if adopt_weighting(session, window, ref, names,
                                    flat(session, step.grads, names), ctx.tol):
                     ref = session.reference(window, snapshot.state, snapshot.training,
                                             per_mb=False)
-                    ref_every = flat(session, ref.full, session.param_order)
-                    verdict = _judge_step(ctx, ordinal, window, step, ref_every, events)
+                    verdict = _judge_step(ctx, ordinal, window, step, ref.full, events)
             judged.append(verdict)
         previous_seq = max(s.seq for s in steps)
     spill.forget_cache()   # the last step's copy read back from disk is not needed any more
@@ -240,7 +235,7 @@ class StepJudge:
     def __init__(self, session: Session, trace: Trace, precision: str):
         self.session, self.trace, self.precision = session, trace, precision
         self.groups: dict[int, JudgedGroup] = {}
-        self._reference: tuple[int, torch.Tensor] | None = None
+        self._reference: tuple[int, dict[str, torch.Tensor | None]] | None = None
         self._previous_seq = -1      # the previous group's last step
         self._last: StepJudgement | None = None
         self._bad_seen = False
@@ -278,7 +273,6 @@ class StepJudge:
             ordinal = len({s.group for s in self.trace.steps})
             with outside_the_loop(session.device):
                 ref = session.reference(window, state, training, per_mb=False)
-            ref_every = flat(session, ref.full, session.param_order)
             squares = {n: 0.0 if g is None else compare.sum_of_squares(g)
                        for n, g in ref.full.items()}
         except (KeyboardInterrupt, AmpdoctorInterrupt):
@@ -287,7 +281,7 @@ class StepJudge:
             self.failed = True
             return False
         self.groups[group] = JudgedGroup(ordinal, window, squares)
-        self._reference = (group, ref_every)
+        self._reference = (group, ref.full)
         return True
 
     def judging(self, group: int) -> bool:
@@ -384,37 +378,12 @@ def outside_the_loop(device: torch.device):
         yield
 
 
-def _restrict(session: Session, vector: torch.Tensor, names: list[str],
-              sizes: dict[str, int]) -> torch.Tensor:
-    """A vector flattened over every parameter (`session.param_order`), restricted to `names`
-    (the vector itself when `names` are all of them, in that order)."""
-    every = session.param_order
-    if names == every:
-        return vector
-    offsets, offset = {}, 0
-    for name in every:
-        offsets[name] = (offset, offset + sizes[name])
-        offset += sizes[name]
-    parts = [vector[slice(*offsets[n])] for n in names]
-    return torch.cat(parts) if parts else vector[:0]
-
-
-def _clipped_reference(session: Session, ref_every: torch.Tensor, names: list[str],
-                       sizes: dict[str, int], calls: list[ClipCall]) -> torch.Tensor:
-    """The reference (flattened over every parameter) clipped as the loop meant, over every
-    parameter (a clip may cover more than the one optimizer whose step is judged), then
-    restricted to `names`."""
-    clipped, _ = apply_clips(ref_every, session.param_order, sizes, calls)
-    return _restrict(session, clipped, names, sizes)
-
-
 def _finite_state(state: dict[str, torch.Tensor]) -> bool:
     return all(compare.all_finite(v) for v in state.values() if v.is_floating_point())
 
 
-def _hand_clip(calls: list[ClipCall], trace: Trace, names: list[str], user: torch.Tensor,
-               reference_of, sizes: dict[str, int],
-               tol: compare.Tolerance) -> list[ClipCall]:
+def _hand_clip(calls: list[ClipCall], trace: Trace, names: list[str], user, reference,
+               session: Session, tol: compare.Tolerance) -> list[ClipCall]:
     """No clip call was seen but the loop was handed max_grad_norm: it may clip by hand
     (`p.grad.mul_(max_norm / norm)`). The reference then clips all parameters at that threshold,
     unless the unclipped reference fits the consumed gradient better."""
@@ -422,23 +391,22 @@ def _hand_clip(calls: list[ClipCall], trace: Trace, names: list[str], user: torc
     if calls or threshold is None or not math.isfinite(threshold):
         return calls
     hand = [ClipCall(None, "norm", tuple(names), 2.0, threshold, threshold, None, None)]
-    reference = reference_of()
-    clipped, _ = apply_clips(reference, names, sizes, hand)
-    if compare.metrics(user, clipped, tol).rel_err <= compare.metrics(user, reference, tol).rel_err:
+    clipped, _ = clip_ops(reference, names, hand)
+    shapes = session.param_shapes
+    if (compare.metrics_of(user, clipped, names, shapes, tol).rel_err
+            <= compare.metrics_of(user, reference, names, shapes, tol).rel_err):
         return hand
     return calls
 
 
-def _preclip_ratio(session: Session, ref_every: torch.Tensor, names: list[str],
-                   sizes: dict[str, int], calls: list[ClipCall]) -> float | None:
+def _preclip_ratio(reference, calls: list[ClipCall]) -> float | None:
     """For the last norm clip that bit: the norm it saw (in true space) over the reference's
     unclipped norm of the same parameters."""
     biting = [c for c in calls if c.bit]
     if not biting:
         return None
     call = biting[-1]
-    every = session.param_order
-    ref_norm = reference_norm(ref_every, every, sizes, call)
+    ref_norm = norm_of(reference, call.names, call.norm_type)
     seen = call.seen_true_norm
     if not ref_norm or seen is None:
         return None

@@ -78,3 +78,31 @@ def test_apply_clips_inf_norm():
     calls = clip_calls({1: "p"}, [_clip(0, 0.3, ids=(1,), norm_type=math.inf)], {1: 0}, set())
     clipped, _ = apply_clips(grads, ["p"], {"p": 5}, calls)
     assert torch.allclose(clipped, p.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clipping_tensor_by_tensor_equals_clipping_the_flat_vector(norm_type):
+    """The judge clips the reference parameter by parameter (`clip_ops`, no clipped copy of the
+    model): in order, a value clip of one parameter, then a norm clip over both measured on what
+    the value clip left, then a second norm clip of one; a None gradient is zeros."""
+    from ampdoctor.reference import clip_ops, norm_of
+
+    torch.manual_seed(1)
+    grads = {"a": torch.randn(3) * 2, "b": torch.randn(2) * 5, "c": None}
+    sizes = {"a": 3, "b": 2, "c": 4}
+    flat = torch.cat([grads["a"], grads["b"], torch.zeros(4)])
+    names = {1: "a", 2: "b", 3: "c"}
+    owner = {1: 0, 2: 0, 3: 0}
+    calls = clip_calls(names, [_clip(0, 0.5, ids=(2,), kind="value"),
+                               _clip(1, 0.8, ids=(1, 2, 3), norm_type=norm_type),
+                               _clip(2, 0.1, ids=(1,))], owner, set())
+    expected, coefficients = apply_clips(flat, ["a", "b", "c"], sizes, calls)
+    clipped, lazy_coefficients = clip_ops(grads, ["a", "b", "c"], calls)
+    assert coefficients[0] is None and lazy_coefficients[0] is None
+    assert lazy_coefficients[1:] == pytest.approx(coefficients[1:], rel=1e-6)
+    assert coefficients[1] < 1 and coefficients[2] < 1
+    got = torch.cat([clipped["a"], clipped["b"], torch.zeros(4)])
+    assert clipped["c"] is None and torch.allclose(got, expected, rtol=1e-6, atol=1e-7)
+    assert torch.equal(grads["a"], flat[:3])   # the reference itself is never clipped in place
+    assert norm_of(grads, ["a", "b", "c"], norm_type) == pytest.approx(
+        float(torch.linalg.vector_norm(flat, norm_type)), rel=1e-6)

@@ -14,6 +14,7 @@ referenced at that threshold in true space, so the mismatch shows.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -160,3 +161,76 @@ def reference_norm(vector: torch.Tensor, names: list[str], sizes: dict[str, int]
             parts.append(vector[offset:offset + sizes[name]])
         offset += sizes[name]
     return _norm(parts, call.norm_type)
+
+
+#: One clip's effect on one parameter's reference gradient: ("mul", coefficient) or
+#: ("clamp", value).
+ClipOp = tuple[str, float]
+
+
+def _applied(tensor: torch.Tensor, ops: list[ClipOp]) -> torch.Tensor:
+    """`tensor` (fp32) as the ops leave it; a new tensor only when there are ops."""
+    out = tensor
+    for op, value in ops:
+        out = out * value if op == "mul" else out.clamp(-value, value)
+    return out
+
+
+class ClippedReference(Mapping):
+    """The reference gradient as the loop's clips leave it, parameter by parameter: each
+    parameter's clipped tensor is made when it is read (no clipped copy of the whole model)."""
+
+    def __init__(self, reference: Mapping[str, torch.Tensor | None],
+                 ops: dict[str, list[ClipOp]]):
+        self.reference, self.ops = reference, ops
+
+    def __getitem__(self, name: str) -> torch.Tensor | None:
+        tensor = self.reference[name]
+        ops = self.ops.get(name)
+        return tensor if tensor is None or not ops else _applied(tensor.float(), ops)
+
+    def __iter__(self):
+        return iter(self.reference)
+
+    def __len__(self) -> int:
+        return len(self.reference)
+
+
+def norm_of(reference: Mapping[str, torch.Tensor | None], names, norm_type: float,
+            ops: dict[str, list[ClipOp]] | None = None) -> float:
+    """The norm of the reference over `names` (a missing or None gradient is zeros), with the
+    clip ops applied when given: the same number as `_norm` over the flattened vector."""
+    parts = []
+    for name in names:
+        tensor = reference.get(name)
+        if tensor is not None:
+            parts.append(_applied(tensor.float(), (ops or {}).get(name, [])).reshape(-1))
+    return _norm(parts, norm_type)
+
+
+def clip_ops(reference: Mapping[str, torch.Tensor | None], names: list[str],
+             calls: list[ClipCall]) -> tuple[ClippedReference, list[float | None]]:
+    """`apply_clips` on a dict of gradients, parameter by parameter: the reference over `names`
+    clipped the way the loop meant, and each call's coefficient (None for a value clip). The
+    calls apply in order, each norm measured on what the calls before it left."""
+    ops: dict[str, list[ClipOp]] = {name: [] for name in names}
+    coefficients: list[float | None] = []
+    for call in calls:
+        covered = [n for n in call.names if n in ops]
+        if not covered:
+            coefficients.append(None)
+            continue
+        if call.kind == "value":
+            for name in covered:
+                ops[name].append(("clamp", call.intended))
+            coefficients.append(None)
+            continue
+        norm = norm_of(reference, covered, call.norm_type, ops)
+        coef = min(1.0, call.intended / (norm + CLIP_EPSILON))
+        if coef != 1.0:
+            for name in covered:
+                ops[name].append(("mul", coef))
+        coefficients.append(coef)
+    view = {name: reference.get(name) for name in names}
+    return ClippedReference(view, ops), coefficients
+
