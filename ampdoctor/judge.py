@@ -306,6 +306,10 @@ class StepJudge:
                                   _step_events(self.trace, step, self._previous_seq))
             done.grad_squares[step.seq] = {n: 0.0 if g is None else compare.sum_of_squares(g)
                                            for n, g in step.grads.items()}
+            # One optimizer: its one step of the group is judged, and the reference is not held
+            # through the next window's passes. (A second step without a backward between is
+            # a step per micro-batch, which every rung reports before judging: it falls back.)
+            self._reference = None
         except (KeyboardInterrupt, AmpdoctorInterrupt):
             raise
         except Exception:

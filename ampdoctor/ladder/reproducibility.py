@@ -61,12 +61,14 @@ def run(session: Session) -> RungResult:
     session.reference_repeatable = True
     if m.rel_err == 0:
         session.remember_reference(0, second)   # the judge's first reference, already computed
+    mode = first.mode
+    del first, second   # not held through the fp32 runs (the session keeps the one it reuses)
 
     run_a = session.trace("fp32")
     if run_a.error is not None:
         return RungResult(RUNG, "pass", "the fp32 reference is repeatable (the loop itself "
                           "raised; see fp32-accum)", [],
-                          details={"reference_mode": first.mode})
+                          details={"reference_mode": mode})
     worst = None
     compared = 0
     # The repeat run stops after its first optimizer step (every optimizer's): randomness in the
@@ -99,8 +101,8 @@ def run(session: Session) -> RungResult:
                                     site)
         return RungResult(RUNG, "fail", "two fp32 runs of the loop disagree", [finding])
     findings: list[Finding] = []
-    summary = (f"reference repeatable ({first.mode} mode); two fp32 runs agree "
+    summary = (f"reference repeatable ({mode} mode); two fp32 runs agree "
                f"(max relative difference {worst.rel_err if worst else 0:.2g})")
     return RungResult(RUNG, status_from_findings(findings), summary, findings,
-                      details={"reference_mode": first.mode,
+                      details={"reference_mode": mode,
                                "loop_repeat_error": worst.rel_err if worst else 0.0})
