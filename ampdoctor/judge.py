@@ -209,10 +209,12 @@ class JudgedGroup:
 
 @dataclass
 class Keep:
-    """What of a step judged as it happened the probe copies for the rules."""
+    """What of a step judged as it happened the probe copies for the rules; without its
+    gradients, what the step record holds instead (their names)."""
 
     grads: bool
     state: bool
+    names: JudgedGradients | None = None
 
 
 class StepJudge:
@@ -289,50 +291,52 @@ class StepJudge:
         return group in self.groups
 
     def judge_step(self, step: StepRecord) -> Keep:
-        """Judge `step` (its `grads` the live gradients); say what the probe must copy."""
-        done = self.groups[step.group]
-        if done.stop:
-            return Keep(False, False)
+        """Judge `step` (its `grads` the live gradients); say what the probe must copy. Never
+        raises into the loop: on any error the step is left to the judge after the run."""
         try:
-            if self._reference is None or self._reference[0] != step.group:
-                raise RuntimeError("no reference for this group")
-            known = known_thresholds(self.session, self.trace)
-            if self.precision == "fp32" and "fp32" not in self.session.traces:
-                # judged after the run, the fp32 run's own clips are known thresholds
-                known |= {float(e.max_norm) for e in self.trace.of_kind("clip")
-                          if e.max_norm is not None and math.isfinite(e.max_norm)}
-            ctx = _Context.of(self.session, self.trace, self.precision, known)
-            verdict = _judge_step(ctx, done.ordinal, done.window, step, self._reference[1],
-                                  _step_events(self.trace, step, self._previous_seq))
-            done.grad_squares[step.seq] = {n: 0.0 if g is None else compare.sum_of_squares(g)
-                                           for n, g in step.grads.items()}
-            # One optimizer: its one step of the group is judged, and the reference is not held
-            # through the next window's passes. (A second step without a backward between is
-            # a step per micro-batch, which every rung reports before judging: it falls back.)
-            self._reference = None
+            return self._judge_one(step)
         except (KeyboardInterrupt, AmpdoctorInterrupt):
             raise
         except Exception:
             # judged after the run instead: it needs the group's weights and this gradient
             self.failed = True
-            del self.groups[step.group]
+            self.groups.pop(step.group, None)
             return Keep(True, True)
+
+    def _judge_one(self, step: StepRecord) -> Keep:
+        done = self.groups[step.group]
+        dropped = Keep(False, False, JudgedGradients(step.grads, step.seq))
+        if done.stop:
+            return dropped
+        if self._reference is None or self._reference[0] != step.group:
+            raise RuntimeError("no reference for this group")
+        known = known_thresholds(self.session, self.trace)
+        if self.precision == "fp32" and "fp32" not in self.session.traces:
+            # judged after the run, the fp32 run's own clips are known thresholds
+            known |= {float(e.max_norm) for e in self.trace.of_kind("clip")
+                      if e.max_norm is not None and math.isfinite(e.max_norm)}
+        ctx = _Context.of(self.session, self.trace, self.precision, known)
+        verdict = _judge_step(ctx, done.ordinal, done.window, step, self._reference[1],
+                              _step_events(self.trace, step, self._previous_seq))
+        done.grad_squares[step.seq] = {n: 0.0 if g is None else compare.sum_of_squares(g)
+                                       for n, g in step.grads.items()}
+        # One optimizer: its one step of the group is judged, and the reference is not held
+        # through the next window's passes. (A second step without a backward between is
+        # a step per micro-batch, which every rung reports before judging: it falls back.)
+        self._reference = None
         done.steps.append(verdict)
         self._last = verdict
         if self._bad_seen:
-            return Keep(False, False)
+            return dropped
         if verdict.bad:
             self._bad_seen = True
             return Keep(True, len(done.steps) == 1)
         # the previous step's copy is not needed any more (but the fp32 run's first)
         previous = self._kept
-        if previous is not None and not (self.precision == "fp32" and previous is self.trace.steps[0]):
+        if previous is not None and not (self.precision == "fp32"
+                                         and previous is self.trace.steps[0]):
             previous.grads = JudgedGradients(previous.grads, previous.seq)
         return Keep(True, False)
-
-    @staticmethod
-    def names_only(grads, seq: int) -> JudgedGradients:
-        return JudgedGradients(grads, seq)
 
     def kept(self, step: StepRecord) -> None:
         """The probe copied `step`'s gradients."""

@@ -183,3 +183,36 @@ def test_the_rules_read_the_same_norms_from_the_scalars_a_step_judged_as_it_ran_
     assert ratios_now == pytest.approx(ratios_after, rel=1e-6)
     # the clip bites in this loop: the consumed gradient is shorter than the reference
     assert all(n > 0 for n in norms_now) and all(0 < r < 1 for r in ratios_now)
+
+
+@pytest.mark.parametrize("where", ["reference", "judge", "keep"])
+def test_an_error_in_the_early_judge_never_reaches_the_loop(monkeypatch, where):
+    """Whatever fails in ampdoctor's own work inside the optimizer's pre-hook (the reference,
+    the comparison, deciding what to keep), the step falls back to copies judged after the run:
+    the same verdict, never a loop error blamed on the user's code."""
+    from ampdoctor import judge as judge_module
+
+    spec = ROOT / "sample_configs" / "broken_no_zero_grad.yaml"
+    expected, _ = _diagnose(monkeypatch, spec, False)
+    calls = {"n": 0}
+    fail_at = 2   # at the fp32 run's second step, after its first was judged as it ran
+
+    def broken(original):
+        def wrapper(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise ValueError("ampdoctor's own bug")
+            return original(*args, **kwargs)
+        return wrapper
+
+    if where == "reference":
+        monkeypatch.setattr(judge_module, "outside_the_loop",
+                            broken(judge_module.outside_the_loop))
+    elif where == "judge":
+        monkeypatch.setattr(judge_module, "_judge_step", broken(judge_module._judge_step))
+    else:
+        monkeypatch.setattr(judge_module, "JudgedGradients", broken(judge_module.JudgedGradients))
+    seen, groups = _diagnose(monkeypatch, spec, True)
+    assert calls["n"] >= fail_at and groups > 0
+    assert seen == expected and seen["failed_rung"] == "fp32-accum"
+    assert seen["findings"][0][1] == "missing-zero-grad"

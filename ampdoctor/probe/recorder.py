@@ -235,12 +235,12 @@ class Probe:
             keep = self.step_judge.judge_step(record)
             if keep.state:
                 self._snapshot()
-            if keep.grads:
+            if keep.names is not None:
+                record.grads = keep.names
+            else:
                 record.grads = spill.maybe_spill({n: None if g is None else _host_copy(g)
                                                   for n, g in grads.items()})
                 self.step_judge.kept(record)
-            else:
-                record.grads = self.step_judge.names_only(grads, record.seq)
         elif self.capture_grads:
             record.grads = spill.maybe_spill(grads)
         self.steps.append(record)
