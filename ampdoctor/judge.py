@@ -229,9 +229,11 @@ class StepJudge:
     keeps its gradients and weights for the rules. So a run keeps two gradient copies at most,
     not two model copies per step on disk.
 
-    Only for a group whose window is known when it starts (the micro-batches its forwards
-    consumed) and a run with one optimizer; any error here leaves the group to `judge` after
-    the run, with the usual copies (a reference that fails then fails there, where it says so).
+    Only for a run with one optimizer and a group whose window is known when it starts (the
+    micro-batches its forwards consumed); any error here leaves the group to `judge` after the
+    run, with the usual copies (a reference that fails then fails there, where it says so). A
+    second optimizer the loop builds itself is seen at its first step: the group it steps in
+    is judged here (the reference is held until the group ends), the later ones after the run.
     """
 
     def __init__(self, session: Session, trace: Trace, precision: str):
@@ -241,7 +243,8 @@ class StepJudge:
         self._previous_seq = -1      # the previous group's last step
         self._last: StepJudgement | None = None
         self._bad_seen = False
-        self._kept: StepRecord | None = None   # the last step whose gradients were copied
+        #: per optimizer, the last step whose gradients were copied
+        self._kept: dict[int, StepRecord] = {}
         self.stopped = False
         self.failed = False
 
@@ -260,9 +263,10 @@ class StepJudge:
         if self.stopped:
             self.groups[group] = JudgedGroup(-1, -1, {}, stop=True)
             return True
-        if self.failed or not consumed:
+        if self.failed or not consumed or len(self.trace.probe.optimizers) > 1:
             # judged after the run from here on (the stop after a diverged bad step depends
-            # on every step before it)
+            # on every step before it; a second optimizer the loop built itself steps on the
+            # group's gradients from weights the first one changed: its group keeps them)
             self.failed = True
             return False
         session = self.session
@@ -281,6 +285,11 @@ class StepJudge:
             raise
         except Exception:
             self.failed = True
+            if session._ref_model is not None:
+                # a reference that failed half-way (out of memory) keeps no gradients (set
+                # directly: zero_grad() here would be recorded as the loop's)
+                for param in session._ref_model.parameters():
+                    param.grad = None
             return False
         self.groups[group] = JudgedGroup(ordinal, window, squares)
         self._reference = (group, ref.full)
@@ -298,8 +307,13 @@ class StepJudge:
         except (KeyboardInterrupt, AmpdoctorInterrupt):
             raise
         except Exception:
-            # judged after the run instead: it needs the group's weights and this gradient
             self.failed = True
+            done = self.groups.get(step.group)
+            if done is not None and done.steps:
+                # an earlier step of the group was judged here and the group's weights are gone:
+                # this step stays unjudged (its gradients kept), the group stays as judged
+                return Keep(True, False)
+            # judged after the run instead: it needs the group's weights and this gradient
             self.groups.pop(step.group, None)
             return Keep(True, True)
 
@@ -320,27 +334,29 @@ class StepJudge:
                               _step_events(self.trace, step, self._previous_seq))
         done.grad_squares[step.seq] = {n: 0.0 if g is None else compare.sum_of_squares(g)
                                        for n, g in step.grads.items()}
-        # One optimizer: its one step of the group is judged, and the reference is not held
-        # through the next window's passes. (A second step without a backward between is
-        # a step per micro-batch, which every rung reports before judging: it falls back.)
-        self._reference = None
+        # (the reference is kept until the group ends: a second optimizer, or a second step,
+        # may still step on the same gradients from weights the first step changed)
         done.steps.append(verdict)
         self._last = verdict
         if self._bad_seen:
             return dropped
         if verdict.bad:
+            # its weights are the group's only at the group's first step (else the rules
+            # explain it with the numbers alone)
             self._bad_seen = True
             return Keep(True, len(done.steps) == 1)
-        # the previous step's copy is not needed any more (but the fp32 run's first)
-        previous = self._kept
+        # the same optimizer's previous copy is not needed any more (but the fp32 run's first
+        # group: the repeat run compares with it)
+        previous = self._kept.get(step.optimizer)
+        first_group = self.trace.steps[0].group if self.trace.steps else step.group
         if previous is not None and not (self.precision == "fp32"
-                                         and previous is self.trace.steps[0]):
+                                         and previous.group == first_group):
             previous.grads = JudgedGradients(previous.grads, previous.seq)
         return Keep(True, False)
 
     def kept(self, step: StepRecord) -> None:
         """The probe copied `step`'s gradients."""
-        self._kept = step
+        self._kept[step.optimizer] = step
 
     def finish(self) -> None:
         """The run is over: drop the reference."""
@@ -377,8 +393,9 @@ def outside_the_loop(device: torch.device):
     with contextlib.ExitStack() as stack:
         previous = recorder.activate(None)
         stack.callback(recorder.activate, previous)
-        stack.enter_context(torch.random.fork_rng(
-            devices=[device] if device.type == "cuda" else []))
+        cuda = (list(range(torch.cuda.device_count()))
+                if torch.cuda.is_available() and torch.cuda.is_initialized() else [])
+        stack.enter_context(torch.random.fork_rng(devices=cuda))   # ampdoctor seeds them all
         stack.enter_context(torch.enable_grad())
         stack.enter_context(torch.autocast("cpu", enabled=False))
         if device.type == "cuda":
@@ -414,7 +431,7 @@ def _preclip_ratio(reference, calls: list[ClipCall]) -> float | None:
     if not biting:
         return None
     call = biting[-1]
-    ref_norm = norm_of(reference, call.names, call.norm_type)
+    ref_norm = norm_of(reference, list(dict.fromkeys(call.names)), call.norm_type)
     seen = call.seen_true_norm
     if not ref_norm or seen is None:
         return None

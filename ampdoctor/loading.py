@@ -210,14 +210,18 @@ class UserCode:
     def forget(self) -> None:
         """Drop the modules this diagnose imported and its sys.path entry."""
         root = str(self.spec.root)   # a property that resolves the path: read once
-        # A project root that holds its virtual environment holds torch too: what torch or
-        # ampdoctor imported lazily during the run stays (torch registers its operator
-        # libraries once per process and refuses a second import).
-        kept = _installed_prefixes()
+        # A project root that holds its virtual environment holds torch too: what a package
+        # imported before the run (torch, ampdoctor) loaded lazily during it stays, as does
+        # anything installed (torch registers its operator libraries once per process and
+        # refuses a second import).
+        packages = {name.partition(".")[0] for name in self._imported_before}
+        installed = _installed_prefixes()
         for name in set(sys.modules) - self._imported_before:
+            if name.partition(".")[0] in packages:
+                continue
             module = sys.modules.get(name)
             path = getattr(module, "__file__", None) or ""
-            if path.startswith(root) and not path.startswith(kept):
+            if path.startswith(root) and not os.path.realpath(path).startswith(installed):
                 del sys.modules[name]
         if self._added_path and self._added_path in sys.path:
             sys.path.remove(self._added_path)
@@ -225,12 +229,17 @@ class UserCode:
 
 
 def _installed_prefixes() -> tuple[str, ...]:
-    """Where installed packages (the interpreter's, the environment's) and ampdoctor live."""
+    """Where installed packages live (site-packages, the standard library) and ampdoctor."""
+    import site
     import sysconfig
     paths = sysconfig.get_paths()
-    found = {sys.prefix, sys.exec_prefix, paths.get("purelib"), paths.get("platlib"),
-             paths.get("stdlib"), str(Path(__file__).resolve().parent)}
-    return tuple(str(Path(p).resolve()) + os.sep for p in found if p)
+    found = {paths.get("purelib"), paths.get("platlib"), paths.get("stdlib"),
+             paths.get("platstdlib"), str(Path(__file__).resolve().parent)}
+    try:
+        found |= set(site.getsitepackages()) | {site.getusersitepackages()}
+    except AttributeError:   # a virtualenv's old site module
+        pass
+    return tuple(os.path.realpath(p) + os.sep for p in found if p)
 
 
 # --- model and optimizer -----------------------------------------------------------------

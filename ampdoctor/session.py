@@ -234,9 +234,12 @@ class Session(ReferenceBuilder):
         probe.aligner = aligner
         trace = Trace(precision, settings.accumulation_steps, probe, settings,
                       optimizer_count=len(flat), microbatches=len(mbs))
+        # (a reduced-precision run is judged with the fp32 run's clip thresholds: as it runs
+        # only once that run exists, as with the whole ladder)
         if (judge_as_it_runs is not None and JUDGE_AS_IT_RUNS and self.code.loss is not None
                 and distributed is None and state is None and micro_batches is None
-                and K is None and capture and step_sink is None and len(flat) == 1):
+                and K is None and capture and step_sink is None and len(flat) == 1
+                and (judge_as_it_runs == "fp32" or "fp32" in self.traces)):
             from .judge import StepJudge
             probe.step_judge = StepJudge(self, trace, judge_as_it_runs)
         if rng_seed is not None:

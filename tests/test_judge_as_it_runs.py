@@ -149,9 +149,16 @@ def test_what_torch_and_ampdoctor_import_during_a_run_is_never_forgotten():
 
     from ampdoctor import loading
 
+    import os
+    import sys
+
     kept = loading._installed_prefixes()
-    assert torch.__file__.startswith(kept) and loading.__file__.startswith(kept)
+    assert os.path.realpath(torch.__file__).startswith(kept)
+    assert os.path.realpath(loading.__file__).startswith(kept)
     assert not str(ROOT / "recipes" / "common.py").startswith(kept)
+    # the interpreter's prefix is not among them: a project in it (a venv made in the project
+    # root) still has its own modules forgotten
+    assert not any(p == os.path.realpath(sys.prefix) + os.sep for p in kept)
 
 
 def test_the_rules_read_the_same_norms_from_the_scalars_a_step_judged_as_it_ran_keeps(
@@ -216,3 +223,60 @@ def test_an_error_in_the_early_judge_never_reaches_the_loop(monkeypatch, where):
     assert calls["n"] >= fail_at and groups > 0
     assert seen == expected and seen["failed_rung"] == "fp32-accum"
     assert seen["findings"][0][1] == "missing-zero-grad"
+
+
+TWO_OPTIMIZERS = textwrap.dedent('''\
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+
+    def make_model():
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+    def make_data():
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(64, 6, generator=g)
+        return x, x[:, :1] - x[:, 1:2]
+
+
+    def mse(model, batch):
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+
+    def train_loop(model, optimizer, micro_batches, run):
+        # a second optimizer the loop builds itself, stepping the first layer again on the same
+        # gradients (after the first optimizer changed the weights)
+        extra = torch.optim.SGD(model[0].parameters(), lr=0.01)
+        K = run.accumulation_steps
+        for i, (x, y) in enumerate(micro_batches):
+            (F.mse_loss(model(x), y) / K).backward()
+            if (i + 1) % K == 0:
+                optimizer.step()
+                extra.step()
+                optimizer.zero_grad(set_to_none=True)
+    ''')
+
+
+def test_a_second_optimizer_the_loop_builds_is_judged_like_after_the_run(monkeypatch,
+                                                                           tmp_path):
+    """The spec names one optimizer, the loop steps a second one on the same gradients: the
+    group where it first steps is judged as it runs against the group's own weights (the
+    reference is held until the group ends), the later groups after the run; the record is the
+    one a run judged after it ended gives."""
+    import importlib
+    import sys
+
+    (tmp_path / "two_optimizers.py").write_text(TWO_OPTIMIZERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("two_optimizers")
+    spec = ampdoctor.Spec(model=module.make_model, data=module.make_data, loss=module.mse,
+                          train_loop=module.train_loop, accumulation_steps=4,
+                          micro_batch_size=4, optimizer_steps=3, rungs=["fp32-accum"])
+    now, groups = _diagnose(monkeypatch, spec, True)
+    after, none = _diagnose(monkeypatch, spec, False)
+    assert groups == 1 and none == 0   # the first group only: a second optimizer was seen
+    assert now == after and now["rungs"][1] == ("fp32-accum", "pass")
+    sys.modules.pop("two_optimizers", None)
