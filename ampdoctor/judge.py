@@ -21,7 +21,7 @@ from . import compare
 from .errors import AmpdoctorInterrupt
 from .probe import recorder, spill
 from .probe.recorder import Event, StepRecord
-from .reference import ClipCall, clip_calls, clip_ops, norm_of
+from .reference import ClipCall, clip_calls, clip_ops, reference_norm
 from .loading import micro_batch_counts
 from .session import Session, Trace, flat
 from .thresholds import PRECLIP_BAND_BF16, PRECLIP_BAND_FP32
@@ -206,13 +206,25 @@ class JudgedGroup:
     #: the run diverged after a bad step: the judge stops before this group
     stop: bool = False
 
+    def reference_norm(self, names) -> float:
+        """The unclipped reference's 2-norm over `names`."""
+        return math.sqrt(sum(self.ref_squares.get(n, 0.0) for n in names))
+
+    def gradient_norm(self, seq: int, names) -> float:
+        """The 2-norm over `names` of the gradient the step at event `seq` consumed."""
+        return math.sqrt(sum(self.grad_squares[seq].get(n, 0.0) for n in names))
+
+
+def _squares(grads) -> dict[str, float]:
+    """Each parameter's squared 2-norm (a None gradient: 0)."""
+    return {n: 0.0 if g is None else compare.sum_of_squares(g) for n, g in grads.items()}
+
 
 @dataclass
 class Keep:
-    """What of a step judged as it happened the probe copies for the rules; without its
-    gradients, what the step record holds instead (their names)."""
+    """What of a step judged as it happened the probe keeps for the rules: the group's weights
+    (`state`), and its gradients unless `names` (what the step record holds instead) is set."""
 
-    grads: bool
     state: bool
     names: JudgedGradients | None = None
 
@@ -279,8 +291,7 @@ class StepJudge:
             ordinal = len({s.group for s in self.trace.steps})
             with outside_the_loop(session.device):
                 ref = session.reference(window, state, training, per_mb=False)
-            squares = {n: 0.0 if g is None else compare.sum_of_squares(g)
-                       for n, g in ref.full.items()}
+            squares = _squares(ref.full)
         except (KeyboardInterrupt, AmpdoctorInterrupt):
             raise
         except Exception:
@@ -312,14 +323,14 @@ class StepJudge:
             if done is not None and done.steps:
                 # an earlier step of the group was judged here and the group's weights are gone:
                 # this step stays unjudged (its gradients kept), the group stays as judged
-                return Keep(True, False)
+                return Keep(False)
             # judged after the run instead: it needs the group's weights and this gradient
             self.groups.pop(step.group, None)
-            return Keep(True, True)
+            return Keep(True)
 
     def _judge_one(self, step: StepRecord) -> Keep:
         done = self.groups[step.group]
-        dropped = Keep(False, False, JudgedGradients(step.grads, step.seq))
+        dropped = Keep(False, JudgedGradients(step.grads, step.seq))
         if done.stop:
             return dropped
         if self._reference is None or self._reference[0] != step.group:
@@ -332,8 +343,7 @@ class StepJudge:
         ctx = _Context.of(self.session, self.trace, self.precision, known)
         verdict = _judge_step(ctx, done.ordinal, done.window, step, self._reference[1],
                               _step_events(self.trace, step, self._previous_seq))
-        done.grad_squares[step.seq] = {n: 0.0 if g is None else compare.sum_of_squares(g)
-                                       for n, g in step.grads.items()}
+        done.grad_squares[step.seq] = _squares(step.grads)
         # (the reference is kept until the group ends: a second optimizer, or a second step,
         # may still step on the same gradients from weights the first step changed)
         done.steps.append(verdict)
@@ -344,7 +354,7 @@ class StepJudge:
             # its weights are the group's only at the group's first step (else the rules
             # explain it with the numbers alone)
             self._bad_seen = True
-            return Keep(True, len(done.steps) == 1)
+            return Keep(len(done.steps) == 1)
         # the same optimizer's previous copy is not needed any more (but the fp32 run's first
         # group: the repeat run compares with it)
         previous = self._kept.get(step.optimizer)
@@ -352,7 +362,7 @@ class StepJudge:
         if previous is not None and not (self.precision == "fp32"
                                          and previous.group == first_group):
             previous.grads = JudgedGradients(previous.grads, previous.seq)
-        return Keep(True, False)
+        return Keep(False)
 
     def kept(self, step: StepRecord) -> None:
         """The probe copied `step`'s gradients."""
@@ -431,7 +441,7 @@ def _preclip_ratio(reference, calls: list[ClipCall]) -> float | None:
     if not biting:
         return None
     call = biting[-1]
-    ref_norm = norm_of(reference, list(dict.fromkeys(call.names)), call.norm_type)
+    ref_norm = reference_norm(reference, call)
     seen = call.seen_true_norm
     if not ref_norm or seen is None:
         return None

@@ -3,12 +3,14 @@ covered, its norm type or value clipping, the threshold intended in true-gradien
 
 from __future__ import annotations
 
+import dataclasses
 import math
+
 import pytest
 import torch
 
 from ampdoctor.probe.events import make_event
-from ampdoctor.reference import apply_clips, clip_calls
+from ampdoctor.reference import clip_calls, clip_ops, norm_of, reference_norm
 
 
 def _event(seq, event_kind, **fields):
@@ -65,8 +67,9 @@ def test_apply_clips_matches_torch_per_group_and_by_value():
     torch.nn.utils.clip_grad_value_([b], 0.2)
     calls = clip_calls(PARAMS, [_clip(0, 0.7, ids=(1,)), _clip(1, 0.2, ids=(2,), kind="value")],
                        OWNER, set())
-    clipped, coefficients = apply_clips(grads, ["a", "b"], SIZES, calls)
-    assert torch.allclose(clipped, torch.cat([a.grad, b.grad]), atol=1e-6)
+    clipped, coefficients = clip_ops({"a": grads[:3], "b": grads[3:]}, ["a", "b"], calls)
+    assert torch.allclose(torch.cat([clipped["a"], clipped["b"]]),
+                          torch.cat([a.grad, b.grad]), atol=1e-6)
     assert coefficients[0] < 1 and coefficients[1] is None
 
 
@@ -76,33 +79,46 @@ def test_apply_clips_inf_norm():
     p.grad = grads.clone()
     torch.nn.utils.clip_grad_norm_([p], 0.3, norm_type=math.inf)
     calls = clip_calls({1: "p"}, [_clip(0, 0.3, ids=(1,), norm_type=math.inf)], {1: 0}, set())
-    clipped, _ = apply_clips(grads, ["p"], {"p": 5}, calls)
-    assert torch.allclose(clipped, p.grad, atol=1e-6)
+    clipped, _ = clip_ops({"p": grads}, ["p"], calls)
+    assert torch.allclose(clipped["p"], p.grad, atol=1e-6)
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
-def test_clipping_tensor_by_tensor_equals_clipping_the_flat_vector(norm_type):
+def test_clips_in_sequence_match_torch_parameter_by_parameter(norm_type):
     """The judge clips the reference parameter by parameter (`clip_ops`, no clipped copy of the
-    model): in order, a value clip of one parameter, then a norm clip over both measured on what
-    the value clip left, then a second norm clip of one; a None gradient is zeros."""
-    from ampdoctor.reference import clip_ops, norm_of
-
+    model), as torch's clips would, in order: a value clip of one parameter, then a norm clip
+    over all three measured on what the value clip left (a None gradient counts as zeros), then a
+    second norm clip of one."""
     torch.manual_seed(1)
     grads = {"a": torch.randn(3) * 2, "b": torch.randn(2) * 5, "c": None}
-    sizes = {"a": 3, "b": 2, "c": 4}
-    flat = torch.cat([grads["a"], grads["b"], torch.zeros(4)])
+    params = {n: torch.nn.Parameter(torch.zeros(k)) for n, k in (("a", 3), ("b", 2), ("c", 4))}
+    for name, grad in grads.items():
+        params[name].grad = None if grad is None else grad.clone()
+    torch.nn.utils.clip_grad_value_([params["b"]], 0.5)
+    total = float(torch.nn.utils.clip_grad_norm_(list(params.values()), 0.8,
+                                                 norm_type=norm_type))
+    last = float(torch.nn.utils.clip_grad_norm_([params["a"]], 0.1))
     names = {1: "a", 2: "b", 3: "c"}
     owner = {1: 0, 2: 0, 3: 0}
     calls = clip_calls(names, [_clip(0, 0.5, ids=(2,), kind="value"),
                                _clip(1, 0.8, ids=(1, 2, 3), norm_type=norm_type),
                                _clip(2, 0.1, ids=(1,))], owner, set())
-    expected, coefficients = apply_clips(flat, ["a", "b", "c"], sizes, calls)
-    clipped, lazy_coefficients = clip_ops(grads, ["a", "b", "c"], calls)
-    assert coefficients[0] is None and lazy_coefficients[0] is None
-    assert lazy_coefficients[1:] == pytest.approx(coefficients[1:], rel=1e-6)
+    original = {n: g.clone() for n, g in grads.items() if g is not None}
+    clipped, coefficients = clip_ops(grads, ["a", "b", "c"], calls)
+    assert coefficients[0] is None
+    assert coefficients[1:] == pytest.approx([min(1.0, 0.8 / (total + 1e-6)),
+                                              min(1.0, 0.1 / (last + 1e-6))], rel=1e-5)
     assert coefficients[1] < 1 and coefficients[2] < 1
-    got = torch.cat([clipped["a"], clipped["b"], torch.zeros(4)])
-    assert clipped["c"] is None and torch.allclose(got, expected, rtol=1e-6, atol=1e-7)
-    assert torch.equal(grads["a"], flat[:3])   # the reference itself is never clipped in place
+    assert clipped["c"] is None
+    for name in ("a", "b"):
+        assert torch.allclose(clipped[name], params[name].grad, rtol=1e-5, atol=1e-7), name
+    # the reference itself is never clipped in place (the value clip did bite), and its
+    # unclipped norm over a call's parameters counts each parameter once
+    assert all(torch.equal(grads[n], original[n]) for n in original)
+    assert float(grads["b"].abs().max()) > 0.5
+    flat = torch.cat([grads["a"], grads["b"]])
     assert norm_of(grads, ["a", "b", "c"], norm_type) == pytest.approx(
+        float(torch.linalg.vector_norm(flat, norm_type)), rel=1e-6)
+    repeated = dataclasses.replace(calls[1], names=("a", "b", "a", "c"))
+    assert reference_norm(grads, repeated) == pytest.approx(
         float(torch.linalg.vector_norm(flat, norm_type)), rel=1e-6)

@@ -119,50 +119,6 @@ def _norm(parts: list[torch.Tensor], norm_type: float) -> float:
     return total ** (1.0 / norm_type)
 
 
-def apply_clips(vector: torch.Tensor, names: list[str], sizes: dict[str, int],
-                calls: list[ClipCall]) -> tuple[torch.Tensor, list[float | None]]:
-    """The reference gradient (flattened over `names`) clipped the way the loop meant; also each
-    call's coefficient (None for a value clip)."""
-    if not calls:
-        return vector, []
-    out = vector.clone()
-    slices: dict[str, slice] = {}
-    offset = 0
-    for name in names:
-        slices[name] = slice(offset, offset + sizes[name])
-        offset += sizes[name]
-    coefficients: list[float | None] = []
-    for call in calls:
-        parts = [slices[n] for n in call.names if n in slices]
-        if not parts:
-            coefficients.append(None)
-            continue
-        if call.kind == "value":
-            for sl in parts:
-                out[sl].clamp_(-call.intended, call.intended)
-            coefficients.append(None)
-            continue
-        norm = _norm([out[sl] for sl in parts], call.norm_type)
-        coef = min(1.0, call.intended / (norm + CLIP_EPSILON))
-        if coef != 1.0:
-            for sl in parts:
-                out[sl].mul_(coef)
-        coefficients.append(coef)
-    return out, coefficients
-
-
-def reference_norm(vector: torch.Tensor, names: list[str], sizes: dict[str, int],
-                   call: ClipCall) -> float:
-    """The reference's unclipped norm over the parameters one clip call covered."""
-    offset, parts = 0, []
-    covered = set(call.names)
-    for name in names:
-        if name in covered:
-            parts.append(vector[offset:offset + sizes[name]])
-        offset += sizes[name]
-    return _norm(parts, call.norm_type)
-
-
 #: One clip's effect on one parameter's reference gradient: ("mul", coefficient) or
 #: ("clamp", value).
 ClipOp = tuple[str, float]
@@ -199,7 +155,7 @@ class ClippedReference(Mapping):
 def norm_of(reference: Mapping[str, torch.Tensor | None], names, norm_type: float,
             ops: dict[str, list[ClipOp]] | None = None) -> float:
     """The norm of the reference over `names` (a missing or None gradient is zeros), with the
-    clip ops applied when given: the same number as `_norm` over the flattened vector."""
+    clip ops applied when given (`_norm` over the parts: no flattened copy)."""
     parts = []
     for name in names:
         tensor = reference.get(name)
@@ -210,9 +166,9 @@ def norm_of(reference: Mapping[str, torch.Tensor | None], names, norm_type: floa
 
 def clip_ops(reference: Mapping[str, torch.Tensor | None], names: list[str],
              calls: list[ClipCall]) -> tuple[ClippedReference, list[float | None]]:
-    """`apply_clips` on a dict of gradients, parameter by parameter: the reference over `names`
-    clipped the way the loop meant, and each call's coefficient (None for a value clip). The
-    calls apply in order, each norm measured on what the calls before it left."""
+    """The reference over `names` clipped the way the loop meant, parameter by parameter, and
+    each call's coefficient (None for a value clip). The calls apply in order, each norm
+    measured on what the calls before it left."""
     ops: dict[str, list[ClipOp]] = {name: [] for name in names}
     coefficients: list[float | None] = []
     for call in calls:
@@ -233,4 +189,9 @@ def clip_ops(reference: Mapping[str, torch.Tensor | None], names: list[str],
         coefficients.append(coef)
     view = {name: reference.get(name) for name in names}
     return ClippedReference(view, ops), coefficients
+
+
+def reference_norm(reference: Mapping[str, torch.Tensor | None], call: ClipCall) -> float:
+    """The reference's unclipped norm over the parameters one clip call covered (each once)."""
+    return norm_of(reference, list(dict.fromkeys(call.names)), call.norm_type)
 

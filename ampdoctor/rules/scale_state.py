@@ -46,7 +46,7 @@ def _judged_group(session: Session, trace: Trace, window: int):
 def _reference_norm(session: Session, trace: Trace, window: int, names: list[str] | None = None):
     done = _judged_group(session, trace, window)
     if done is not None:   # the judge kept each parameter's squared norm, not the weights
-        return math.sqrt(sum(done.ref_squares.get(n, 0.0) for n in names or session.param_order))
+        return done.reference_norm(names or session.param_order)
     found = _state_for_window(session, trace, window)
     if found is None:
         return None
@@ -197,8 +197,7 @@ def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
     done = judge.groups.get(step.group) if judge is not None and snap is None else None
     if done is not None and step.seq in done.grad_squares:
         # judged as it happened: each parameter's squared norm was kept, not the tensors
-        user = math.sqrt(sum(done.grad_squares[step.seq].get(n, 0.0) for n in names))
-        ref = math.sqrt(sum(done.ref_squares.get(n, 0.0) for n in names))
+        user, ref = done.gradient_norm(step.seq, names), done.reference_norm(names)
         ratio = user / ref if ref > 0 else (1.0 if user == 0 else math.inf)
         return ratio if math.isfinite(ratio) else None
     if snap is None:

@@ -24,9 +24,7 @@ def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, cal
                          reference: dict[str, torch.Tensor | None], tolerance: float) -> Finding:
     """The update differs and a clip ran on gradients still multiplied by the loss scale, at a
     threshold the loop means in true space: the threshold met S x the true norm."""
-    every = session.param_order
-    sizes = {n: math.prod(session.param_shapes[n]) for n in every}
-    true_norm = reference_norm(flat(session, reference, every), every, sizes, call)
+    true_norm = reference_norm(reference, call)
     seen = call.total_norm
     m = judged.metrics
     evidence: dict[str, Any] = {
