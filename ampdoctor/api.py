@@ -191,6 +191,8 @@ def diagnose(spec: SpecLike, *, out: str | os.PathLike | None = None, save: bool
                                   "it could be judged", cause=exc)
     if exception is not None:
         data = error_record(resolved, exception)
+    from .record import exit_code
+    data["exit_code"] = exit_code(data)
     path = None
     if save:
         from .record import save as save_record

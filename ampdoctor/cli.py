@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import traceback
@@ -55,6 +56,8 @@ def _fail(exc: AmpdoctorError, debug: bool) -> int:
     if debug and exc.cause is not None:
         traceback.print_exception(type(exc.cause), exc.cause, exc.cause.__traceback__,
                                   file=sys.stderr)
+    elif debug and getattr(exc, "remote_traceback", None):   # raised in the run's process
+        sys.stderr.write(exc.remote_traceback)
     label = ("DDP launch error" if isinstance(exc, LaunchError) else
              {2: "spec error" if isinstance(exc, SpecError) else "usage error",
               3: "user code error"}.get(exc.exit_code, "error"))
@@ -116,6 +119,7 @@ def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
     launched = launch.launched_rank()
     if launched is None:
         return _diagnose_here(spec, json_out, debug, out)
+    # torchrun supervises its own processes; the ranks share a store with this one
     # Under torchrun: rank 0 runs the ladder and reports; the others serve the ddp-sync rung.
     try:
         group = launch.TorchrunGroup(*launched, connect_timeout_s=(
@@ -127,7 +131,7 @@ def _diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
     launch.GROUP = group
     code = INTERNAL_ERROR
     try:
-        code = _diagnose_here(spec, json_out, debug, out)
+        code = _diagnose_here(spec, json_out, debug, out, isolate=False)
     finally:
         launch.GROUP = None
         group.finish(code)
@@ -173,47 +177,114 @@ class _Progress:
             self.err.print(f"  {text}", highlight=False, markup=False)
 
 
-def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None) -> int:
+def _isolated() -> bool:
+    """Run the loop in a child process (the default). `AMPDOCTOR_IN_PROCESS=1` runs it in this
+    process instead: for a debugger (`breakpoint()` in the loop needs the terminal), with no
+    watchdog beyond the loop's own SIGALRM stop."""
+    return os.environ.get("AMPDOCTOR_IN_PROCESS", "").strip().lower() not in ("1", "true", "yes")
+
+
+def _writable_out(out: Path | None) -> Path:
+    """The records folder as an absolute path (a loop that changes the working directory
+    cannot move it), checked before any rung runs: UsageError when it cannot be written."""
     from . import record as records
-    from .api import diagnose as run
-    from .runner import error_record
+    folder = Path(os.path.abspath(out if out is not None else records.DEFAULT_DIR))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        import tempfile
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=records.TMP_PREFIX, suffix=".check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"--out {out or records.DEFAULT_DIR}: the records folder cannot be "
+                         f"written ({reason}): give a folder you can write to.",
+                         cause=exc) from exc
+    return folder
+
+
+def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None,
+                   isolate: bool = True) -> int:
     from .report.terminal import render
+    from .runner import error_record
+    from .supervise import ChildCrashed
 
     err = _stderr()
-    done: list = []
     try:
-        with _Progress(err, quiet=json_out) as progress, \
-                contextlib.redirect_stdout(sys.stderr), _signals_interrupt():
-            result = run(spec, save=False, on_done=done.append, on_progress=progress)
+        out = _writable_out(out)
+    except UsageError as exc:
+        return _fail(exc, debug)
+    done: list[dict] = []
+    try:
+        with _Progress(err, quiet=json_out) as progress, _signals_interrupt():
+            if isolate and _isolated():
+                record, exception = _run_isolated(spec, progress, done, err)
+            else:
+                from .api import diagnose as run
+                with contextlib.redirect_stdout(sys.stderr):
+                    result = run(spec, save=False, on_done=lambda r: done.append(r.to_dict()),
+                                 on_progress=progress)
+                record, exception = result.data, result.exception
     except (KeyboardInterrupt, Interrupted) as exc:
-        # Like a finished run: the terminal restored (the status spinner has exited), torch
-        # restored (run_diagnose's finally), and a record saying where it stopped.
+        # Like a finished run: the terminal restored (the status spinner has exited), the
+        # run stopped (its process killed, or torch restored in this one), and a record
+        # saying where it stopped.
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         name = signal.Signals(signum).name
         error = UserCodeError(f"interrupted by {name} after {len(done)} rung(s); the record "
                               "holds the rungs that finished", cause=exc)
         record = error_record(spec, error)
-        record["rungs"] = [r.to_dict() for r in done]
-        err.print(f"ampdoctor: interrupted by {name}; torch was restored.", markup=False)
-        _save_and_show(record, out, json_out, render, err)
+        record["rungs"] = done
+        err.print(f"ampdoctor: interrupted by {name}; the run was stopped.", markup=False)
+        _save_and_show(record, out, json_out, render, err, 128 + int(signum))
         return 128 + int(signum)
     except (SpecError, LaunchError) as exc:
         return _fail(exc, debug)
+    except ChildCrashed as exc:     # a bug in ampdoctor, in the process that ran the loop
+        if debug and exc.remote_traceback:
+            sys.stderr.write(exc.remote_traceback)
+        return _internal(exc, False)
     except Exception as exc:  # a bug in ampdoctor itself
         return _internal(exc, debug)
-    record = result.data
+    if record is None:            # stopped by an error before there was anything to record
+        return _fail(exception, debug)
+    from . import record as records
     code = records.exit_code(record)
-    if result.exception is not None:
-        code = _fail(result.exception, debug)
+    if exception is not None:
+        code = _fail(exception, debug)
     elif debug:
         for finding in record.get("findings", []):
             if finding.get("traceback"):
                 err.print(f"traceback of the {finding.get('kind')} in rung "
                           f"{finding.get('rung')}:", markup=False, highlight=False)
                 sys.stderr.write(finding["traceback"])
-    if not _save_and_show(record, out, json_out, render, err):
+    if not _save_and_show(record, out, json_out, render, err, code):
         return UsageError.exit_code
     return code
+
+
+def _run_isolated(spec, progress, done: list[dict], err: Console):
+    """The diagnose in a child process (`supervise.run`): its events drive the progress line,
+    its output goes to stderr."""
+    from . import supervise
+    from .spec import to_wire
+
+    def on_event(event: dict) -> None:
+        kind = event.pop("event", None)
+        if kind == "progress":
+            progress(event)
+        elif kind == "done":
+            done.append(event.get("rung") or {})
+
+    def on_output(text: str) -> None:
+        if progress.status is not None:
+            err.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+        else:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    outcome = supervise.run(spec, to_wire(spec), on_event, on_output)
+    return outcome.record, outcome.error
 
 
 class Interrupted(AmpdoctorInterrupt):
@@ -252,13 +323,16 @@ def _stdout_console() -> Console:
     return Console(width=100_000, no_color=True)
 
 
-def _save_and_show(record, out, json_out, render, err) -> bool:
-    """Save the record, then show it; False (and a clear line) when it could not be saved."""
+def _save_and_show(record, out, json_out, render, err, code: int) -> bool:
+    """Save the record (its `exit_code` the process's), then show it; False (and a clear
+    line) when it could not be saved (exit 2, which the record shown says)."""
     from . import record as records
+    record["exit_code"] = code
     try:
         path = records.save(record, out)
         saved = True
     except OSError as exc:
+        record["exit_code"] = UsageError.exit_code
         saved = False
         problem = f"ampdoctor: usage error: could not save the record under {out or records.DEFAULT_DIR}: {exc}"
     if json_out:

@@ -95,6 +95,7 @@ class RecordModel(_Open):
     spec: str | None = None
     device: str = "unknown"
     verdict: Literal["healthy", "failed", "error"]
+    exit_code: int | None = None
     failed_rung: str | None = None
     accumulation_steps: int | str | None = None
     rungs: list[RungModel] = Field(default_factory=list)

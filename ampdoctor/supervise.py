@@ -1,0 +1,459 @@
+"""The CLI's watchdog: a diagnose runs in a child process (`worker.py`) that this process
+watches, so no loop can hang the command, outlive its report, or take over its terminal.
+
+- Each phase (loading the spec's code, each rung, the record after the last rung) has a hard
+  bound: the spec's `timeout_s` (a ddp-sync rung: `ddp.timeout_s`) plus a grace period. The
+  child stops a rung at `timeout_s` on its own (SIGALRM, a finding saying where the loop was);
+  a loop that ignores or replaces SIGALRM, swallows the stop with a bare `except:`, or never
+  returns from C code is killed here at the hard bound, after its Python stacks were dumped
+  (SIGUSR2, faulthandler), and the record says the rung's loop did not stop (exit 3).
+- The child's stdout and stderr (the loop's prints, `os.write(1, ...)`) are shown on this
+  process's stderr: stdout carries only ampdoctor's report (with `--json`, one JSON document).
+- A child that dies (a segfault, `os.kill(os.getpid(), 9)`) or ends without a record gives a
+  record saying so, with the rungs that finished.
+- The child leaves with `os._exit` once its record is sent: a non-daemon thread the loop
+  started cannot keep the command alive.
+
+Torch is never imported here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import AmpdoctorError, LaunchError, SpecError, UsageError, UserCodeError
+
+#: Extra seconds past `timeout_s` before a phase that did not end is killed: the child's own
+#: stop (at `timeout_s`) needs time to unwind the loop and write its finding. At most this,
+#: at least MIN_GRACE_S, else `timeout_s` itself.
+GRACE_S = 10.0
+MIN_GRACE_S = 3.0
+#: ampdoctor's own start in the child (the interpreter, torch's import), before any user code.
+STARTUP_S = 300.0
+#: A ddp-sync rung bounds its own rank processes at `ddp.timeout_s` and then stops them.
+DDP_GRACE_S = 30.0
+#: How long the child is given to write its stacks after SIGUSR2.
+DUMP_WAIT_S = 1.5
+
+_ERRORS = {cls.__name__: cls for cls in (SpecError, UsageError, UserCodeError, LaunchError)}
+
+
+class ChildCrashed(Exception):
+    """A bug in ampdoctor inside the child (its traceback is `remote_traceback`)."""
+
+    def __init__(self, message: str, remote_traceback: str | None) -> None:
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+
+
+def rebuild_error(fields: dict[str, Any]) -> AmpdoctorError:
+    """The child's AmpdoctorError as the same class here (message, exit code, location), with
+    its traceback text kept for `--debug`."""
+    cls = _ERRORS.get(str(fields.get("type")), UserCodeError)
+    exc = cls(str(fields.get("message") or ""))
+    if fields.get("exit_code") in (2, 3) and exc.exit_code != fields["exit_code"]:
+        exc.exit_code = int(fields["exit_code"])
+    exc.remote_traceback = fields.get("traceback")     # type: ignore[attr-defined]
+    return exc
+
+
+@dataclass
+class Outcome:
+    """What the child gave: the record (or None), the error that stopped it, the rung results
+    seen so far (dicts, as in the record)."""
+
+    record: dict[str, Any] | None = None
+    error: AmpdoctorError | None = None
+    done: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _child_command() -> list[str]:
+    """`python -c` with ampdoctor's own folder first on sys.path, never the current directory
+    (a user's `torch.py` or `ampdoctor/` in it must not shadow the real ones; the console
+    script does not put the working directory on sys.path either)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    return [sys.executable, "-c",
+            f"import sys; sys.path[0] = {root!r}; from ampdoctor.worker import main; main()"]
+
+
+class _Watch:
+    """One child run: reading its three pipes, enforcing each phase's bound."""
+
+    def __init__(self, spec: Any, wire: str, on_event: Callable[[dict[str, Any]], None],
+                 on_output: Callable[[str], None]) -> None:
+        self.spec = spec
+        self.on_event = on_event
+        self.on_output = on_output
+        self.outcome = Outcome()
+        self.phase = "starting"     # "starting", "loading", a rung id, or "finishing"
+        self.phase_started = time.monotonic()
+        self.last_progress: dict[str, Any] | None = None
+        self.main_thread: int | None = None
+        self.result_seen = False
+        self.dump = tempfile.NamedTemporaryFile(prefix="ampdoctor-stacks-", suffix=".txt",
+                                                delete=False)
+        self.dump.close()
+        read_fd, write_fd = os.pipe()
+        job = {"spec": wire, "channel_fd": write_fd, "dump_path": self.dump.name}
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("PYTHONSTARTUP", None)
+        try:
+            self.proc = subprocess.Popen(
+                _child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True, env=env)
+        except OSError as exc:
+            os.close(read_fd)
+            os.close(write_fd)
+            os.unlink(self.dump.name)
+            raise LaunchError(f"could not start the process that runs the loop: {exc}",
+                              cause=exc) from exc
+        os.close(write_fd)
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(job).encode())
+            self.proc.stdin.close()
+        except OSError:
+            pass                         # it died at once: seen below as an exit without a result
+        self.buffers: dict[int, bytes] = {}
+        self.sel = selectors.DefaultSelector()
+        self.channel = os.fdopen(read_fd, "rb", buffering=0)
+        for stream in (self.channel, self.proc.stdout, self.proc.stderr):
+            assert stream is not None
+            os.set_blocking(stream.fileno(), False)
+            self.sel.register(stream, selectors.EVENT_READ)
+            self.buffers[stream.fileno()] = b""
+
+    # ------------------------------------------------------------------------ reading
+    def _bound(self) -> float:
+        if self.phase == "starting":
+            return STARTUP_S
+        if self.phase == "ddp-sync" and getattr(self.spec, "ddp", None) is not None:
+            return float(self.spec.ddp.timeout_s) + DDP_GRACE_S
+        timeout = float(self.spec.timeout_s)
+        return timeout + max(MIN_GRACE_S, min(GRACE_S, timeout))
+
+    def _pump(self, wait: float) -> bool:
+        """Read what is there (waiting up to `wait` s); False once every pipe is closed."""
+        if not self.sel.get_map():
+            time.sleep(wait)
+            return False
+        for key, _ in self.sel.select(timeout=wait):
+            stream = key.fileobj
+            fd = key.fd
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.sel.unregister(stream)
+                self._flush(fd, final=True)
+                continue
+            self.buffers[fd] += chunk
+            self._flush(fd)
+        return bool(self.sel.get_map())
+
+    def _flush(self, fd: int, final: bool = False) -> None:
+        data = self.buffers[fd]
+        if fd == self.channel.fileno():
+            *lines, rest = data.split(b"\n")
+            self.buffers[fd] = b"" if final else rest
+            for line in lines + ([rest] if final and rest else []):
+                if line.strip():
+                    self._event(line)
+            return
+        self.buffers[fd] = b""
+        if data:
+            self.on_output(data.decode("utf-8", errors="replace"))
+
+    def _event(self, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return                       # not ours: a stray write on the channel
+        kind = event.pop("event", None)
+        now = time.monotonic()
+        if kind == "hello":
+            self.main_thread = event.get("main_thread")
+            self.phase, self.phase_started = "loading", now
+        elif kind == "rung":
+            self.phase, self.phase_started, self.last_progress = event.get("id"), now, None
+        elif kind == "progress":
+            self.last_progress = event
+        elif kind == "done":
+            self.outcome.done.append(event.get("rung") or {})
+            self.phase, self.phase_started = "finishing", now
+        elif kind == "result":
+            self.result_seen = True
+            self.outcome.record = event.get("record")
+            if event.get("error"):
+                self.outcome.error = rebuild_error(event["error"])
+        elif kind == "internal":
+            self.result_seen = True
+            raise ChildCrashed(f"{event.get('type')}: {event.get('message')}",
+                               event.get("traceback"))
+        self.on_event({"event": kind, **event})
+
+    # ------------------------------------------------------------------------ stopping
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stacks(self) -> str:
+        """Ask the child for its Python stacks (SIGUSR2) and read what it wrote."""
+        try:
+            os.kill(self.proc.pid, signal.SIGUSR2)
+        except (ProcessLookupError, PermissionError):
+            return ""
+        deadline = time.monotonic() + DUMP_WAIT_S
+        size = -1
+        while time.monotonic() < deadline:
+            self._pump(0.1)
+            current = os.path.getsize(self.dump.name)
+            if current and current == size:
+                break
+            size = current
+        try:
+            return Path(self.dump.name).read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        for stream in (self.channel, self.proc.stdout, self.proc.stderr):
+            try:
+                if stream is not None:
+                    stream.close()
+            except OSError:
+                pass
+        self.sel.close()
+        try:
+            os.unlink(self.dump.name)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------------ the run
+    def run(self) -> Outcome:
+        while True:
+            open_pipes = self._pump(0.2)
+            if self.proc.poll() is not None:
+                # gone: read what is left, briefly (a grandchild may hold a pipe open)
+                end = time.monotonic() + 2.0
+                while self._pump(0.05) and time.monotonic() < end:
+                    pass
+                break
+            if not open_pipes and self.result_seen:
+                self.proc.wait()
+                break
+            elapsed = time.monotonic() - self.phase_started
+            if elapsed > self._bound():
+                stacks = self.stacks()
+                self.kill()
+                self.outcome.record = hung_record(self, elapsed, stacks)
+                self.outcome.error = None
+                return self.outcome
+        if not self.result_seen:
+            self.outcome.record = died_record(self)
+        return self.outcome
+
+
+def run(spec: Any, wire: str, on_event: Callable[[dict[str, Any]], None],
+        on_output: Callable[[str], None]) -> Outcome:
+    """Run the diagnose of `spec` (sent as `wire`, `spec.to_wire`) in a child process.
+
+    Raises ChildCrashed for a bug in ampdoctor inside the child; KeyboardInterrupt (and the
+    CLI's SIGTERM/SIGHUP interrupt) kill the child and propagate, with `.outcome` set on the
+    exception so the caller can record the rungs that finished."""
+    watch = _Watch(spec, wire, on_event, on_output)
+    try:
+        return watch.run()
+    except BaseException as exc:
+        watch.kill()
+        exc.outcome = watch.outcome   # type: ignore[attr-defined]
+        raise
+    finally:
+        watch.close()
+
+
+# ---------------------------------------------------------------------------- records
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
+_THREAD = re.compile(r"^(?:Current thread|Thread) (?P<ident>0x[0-9a-fA-F]+)")
+
+
+def _stacks_by_thread(text: str) -> dict[int, list[tuple[str, int, str]]]:
+    """faulthandler's dump: thread ident -> frames, most recent first."""
+    threads: dict[int, list[tuple[str, int, str]]] = {}
+    current: list[tuple[str, int, str]] | None = None
+    for line in text.splitlines():
+        head = _THREAD.match(line)
+        if head:
+            current = threads.setdefault(int(head.group("ident"), 16), [])
+            continue
+        frame = _FRAME.match(line)
+        if frame and current is not None:
+            current.append((frame.group("file"), int(frame.group("line")),
+                            frame.group("func").strip()))
+    return threads
+
+
+def _is_users(file: str, roots: list[Path]) -> bool:
+    path = os.path.abspath(file)
+    parts = Path(path).parts
+    if "site-packages" in parts or "dist-packages" in parts:
+        return False
+    package = str(Path(__file__).resolve().parent)
+    if path.startswith(package + os.sep):
+        return False
+    return any(path.startswith(str(root) + os.sep) for root in roots)
+
+
+def user_frame(stacks: str, main_thread: int | None,
+               roots: list[Path]) -> tuple[str, int, str] | None:
+    """The innermost frame of the user's code in the dumped stacks: the main thread's first
+    (where the loop runs), then any other thread's."""
+    threads = _stacks_by_thread(stacks)
+    order = sorted(threads, key=lambda ident: ident != main_thread)
+    for ident in order:
+        for file, line, func in threads[ident]:
+            if _is_users(file, roots):
+                return file, line, func
+    return None
+
+
+def _roots(spec: Any) -> list[Path]:
+    roots = []
+    for attr in ("root", "spec_dir"):
+        value = getattr(spec, attr, None)
+        if value is not None:
+            roots.append(Path(os.path.abspath(value)))
+    return roots
+
+
+def _base_record(watch: _Watch) -> dict[str, Any]:
+    from .runner import new_record
+    record = new_record(watch.spec, str(getattr(watch.spec, "device", "unknown")))
+    record["rungs"] = list(watch.outcome.done)
+    record["findings"] = [f for r in watch.outcome.done for f in r.get("findings", [])
+                          if isinstance(f, dict)]
+    for rung in record["rungs"]:
+        rung.pop("findings", None)
+    return record
+
+
+def _close_ladder(record: dict[str, Any], rung: str, summary: str,
+                  finding: dict[str, Any]) -> None:
+    """The stopped rung as a failure, the rungs after it not run."""
+    from .findings import RUNG_IDS
+    record["rungs"].append({"id": rung, "status": "fail", "seconds": finding["evidence"].get(
+        "measured", 0.0), "summary": summary})
+    record["findings"].append(finding)
+    seen = {r.get("id") for r in record["rungs"]}
+    for rung_id in RUNG_IDS:
+        if rung_id not in seen and rung_id in RUNG_IDS[RUNG_IDS.index(rung) + 1:]:
+            record["rungs"].append({"id": rung_id, "status": "not-run", "seconds": 0.0,
+                                    "summary": "an earlier rung failed"})
+    record["failed_rung"] = rung
+    record["verdict"] = "error"
+
+
+def hung_record(watch: _Watch, elapsed: float, stacks: str) -> dict[str, Any]:
+    """The record of a run killed at its hard bound: the rungs that finished, the stopped one
+    as a loop-error saying the loop did not stop, where it was, and the rest not run."""
+    record = _base_record(watch)
+    spec = watch.spec
+    if watch.phase == "starting":
+        timeout, key = STARTUP_S, "ampdoctor's start bound"
+    elif watch.phase == "ddp-sync" and spec.ddp:
+        timeout, key = float(spec.ddp.timeout_s), "ddp.timeout_s"
+    else:
+        timeout, key = float(spec.timeout_s), "timeout_s"
+    site = user_frame(stacks, watch.main_thread, _roots(spec))
+    where = f" It was at {site[0]}:{site[1]} ({site[2]})." if site else ""
+    progress = watch.last_progress or {}
+    seen = ""
+    if progress.get("precision"):
+        steps = f"/{progress['steps']}" if progress.get("steps") else ""
+        seen = (f" Its last progress was the {progress['precision']} run at optimizer step "
+                f"{progress.get('step', 0)}{steps}.")
+    evidence: dict[str, Any] = {key: timeout, "measured": round(elapsed, 1), "expected": None,
+                                "killed_after_s": round(elapsed, 1)}
+    if progress:
+        evidence.update(last_precision=progress.get("precision"),
+                        last_step=progress.get("step"))
+    location = {"file": site[0], "line": site[1]} if site else None
+    if watch.phase in ("starting", "loading", "finishing"):
+        what = {"starting": "ampdoctor's start (the interpreter, importing torch)",
+                "loading": "loading the spec's code (importing it, the data factory)",
+                "finishing": "the end of the run"}[watch.phase]
+        message = (f"{what[0].upper()}{what[1:]} did not finish within {key} = {timeout:g} s and "
+                   f"did not stop when asked, so the process running it was killed after "
+                   f"{elapsed:.0f} s.{where}")
+        record["error"] = {"type": "UserCodeError", "message": message, "exit_code": 3}
+        if location:
+            record["error"]["location"] = location
+        record["verdict"] = "error"
+        return record
+    message = (f"The {watch.phase} rung did not finish within {key} = {timeout:g} s, and the "
+               f"loop did not stop when ampdoctor stopped it (a bare `except:` that swallows "
+               f"the stop, a SIGALRM handler or `signal.alarm` of its own, or a call that "
+               f"never returns), so the process running it was killed after {elapsed:.0f} s."
+               f"{where}{seen} A loop that never ends or a very slow one: raise `{key}` in "
+               f"the spec if it is only slow.")
+    finding = {"rung": watch.phase, "kind": "loop-error", "severity": "error",
+               "title": "The loop did not stop", "message": message,
+               "fix": "Let the loop end: no bare `except:` around the training step, no "
+                      "signal handlers of its own during the triage; raise the timeout if it "
+                      "is only slow.",
+               "location": location, "evidence": evidence}
+    _close_ladder(record, watch.phase, f"the loop did not stop; killed after {elapsed:.0f} s",
+                  finding)
+    return record
+
+
+def died_record(watch: _Watch) -> dict[str, Any]:
+    """The record of a child that ended without sending one (killed by a signal, a crash in
+    native code, an exit the loop forced)."""
+    record = _base_record(watch)
+    code = watch.proc.returncode
+    how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+           and -code in {s.value for s in signal.Signals} else f"exited with status {code}")
+    phase = watch.phase
+    where = {"starting": "while starting (before any user code ran)",
+             "loading": "while loading the spec's code",
+             "finishing": "after the last rung"}.get(phase, f"during the {phase} rung")
+    message = (f"The process running the loop {how} {where}, before ampdoctor could write "
+               "its record (a crash in native code, running out of memory, or the loop "
+               "killing its own process); the record holds the rungs that finished.")
+    if phase in ("starting", "loading", "finishing"):
+        record["error"] = {"type": "UserCodeError", "message": message, "exit_code": 3}
+        return record
+    finding = {"rung": phase, "kind": "loop-error", "severity": "error",
+               "title": "The process running the loop died", "message": message,
+               "fix": "Run the loop alone to see the crash (a segfault in an extension, the "
+                      "out-of-memory killer in the system log).",
+               "location": None, "evidence": {"measured": None, "expected": None,
+                                              "exit_status": code}}
+    _close_ladder(record, phase, f"the process {how}", finding)
+    return record

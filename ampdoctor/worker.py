@@ -1,0 +1,131 @@
+"""The child process a CLI diagnose runs in (`supervise.py` is the parent).
+
+The user's loop runs here, never in the process that owns the terminal: whatever it does to
+process-wide state (threads it never joins, signal handlers, `sys.stdout` closed, `os.chdir`,
+framework singletons), it ends with this process. The parent sends the job on stdin; this
+process reports on the event channel (a pipe the parent passed), one JSON message per line:
+
+    {"event": "hello", "pid": ..., "main_thread": ...}     once, before anything is imported
+    {"event": "rung", "id": ...}                          a rung starts
+    {"event": "progress", ...}                            an optimizer step of a run
+    {"event": "done", "rung": {...}}                      a rung's result (as in the record)
+    {"event": "result", "record": {...}, "error": {...}}  the run record; `error` when the
+                                                          run stopped on an ampdoctor error
+    {"event": "internal", "type", "message", "traceback"} a bug in ampdoctor itself
+
+then leaves with `os._exit`, so a thread the loop left running cannot keep it alive. stdout and
+stderr (the loop's prints, fd 1 and fd 2) are pipes the parent shows on its stderr; stdin is
+/dev/null. On SIGUSR2 the Python stacks of every thread are written to the dump file (the
+parent asks for it before it kills a run that did not stop).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from typing import Any, TextIO
+
+#: The real `os._exit`, taken before any user code could replace it.
+_EXIT = os._exit
+
+
+class Channel:
+    """The event pipe: one compact JSON document per line (NaN and inf as null)."""
+
+    def __init__(self, fd: int) -> None:
+        self.stream: TextIO = os.fdopen(fd, "w", encoding="utf-8", closefd=True)
+        self.lock = threading.Lock()
+
+    def send(self, event: str, **fields: Any) -> None:
+        from .record import _finite
+        line = json.dumps({"event": event, **_finite(fields)}, default=str, allow_nan=False,
+                          separators=(",", ":"))
+        with self.lock:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the parent dies (a killed CLI leaves no run)."""
+    try:
+        import ctypes
+        import signal
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _error_fields(exc: BaseException) -> dict[str, Any]:
+    from .errors import format_traceback
+    fields: dict[str, Any] = {"type": type(exc).__name__,
+                              "message": getattr(exc, "message", str(exc)),
+                              "exit_code": getattr(exc, "exit_code", 4)}
+    cause = getattr(exc, "cause", None)
+    fields["traceback"] = format_traceback(cause if cause is not None else exc)
+    return fields
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.read())
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    _die_with_parent()
+    channel = Channel(int(job["channel_fd"]))
+    if job.get("dump_path"):
+        import faulthandler
+        import signal
+        dump = open(job["dump_path"], "w", encoding="utf-8")  # noqa: SIM115 - lives as long as us
+        faulthandler.register(signal.SIGUSR2, file=dump, all_threads=True)
+    code = 0
+    try:
+        # ampdoctor's own start (torch's import can take seconds on a loaded machine) is done
+        # before "hello": the parent's bound on loading the user's code starts there
+        import torch  # noqa: F401
+        from . import api, ladder, runner, session  # noqa: F401
+        channel.send("hello", pid=os.getpid(), main_thread=threading.main_thread().ident)
+        _run(job, channel)
+    except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
+        import traceback
+        code = 4
+        try:
+            channel.send("internal", type=type(exc).__name__, message=str(exc),
+                         traceback="".join(traceback.format_exception(type(exc), exc,
+                                                                      exc.__traceback__)))
+        except Exception:  # noqa: BLE001 - the parent sees a run that ended without a result
+            pass
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - the loop may have closed them
+            pass
+        _EXIT(code)
+
+
+def _run(job: dict[str, Any], channel: Channel) -> None:
+    from .api import diagnose
+    from .errors import AmpdoctorError
+    from .spec import from_wire
+
+    spec = from_wire(job["spec"])
+
+    def done(result) -> None:
+        channel.send("done", rung=result.to_dict())
+
+    try:
+        result = diagnose(spec, save=False, on_start=lambda rung: channel.send("rung", id=rung),
+                          on_done=done, on_progress=lambda event: channel.send("progress",
+                                                                               **event))
+    except AmpdoctorError as exc:     # a spec or launch error found once the run had begun
+        channel.send("result", record=None, error=_error_fields(exc))
+        return
+    error = _error_fields(result.exception) if result.exception is not None else None
+    channel.send("result", record=result.data, error=error)
+
+
+if __name__ == "__main__":
+    main()
