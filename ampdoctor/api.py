@@ -22,7 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import AmpdoctorError, AmpdoctorInterrupt, SpecError, UserCodeError
+from .errors import (
+    AmpdoctorError,
+    AmpdoctorInterrupt,
+    InputError,
+    SpecError,
+    UserCodeError,
+)
+from .safetext import MESSAGE_LIMIT, exc_text, inert, safe_repr
 from .spec import Spec, load_spec
 
 if TYPE_CHECKING:
@@ -143,7 +150,8 @@ def summary_text(data: dict[str, Any]) -> str:
             lines.append(f"    fix: {f['fix']}")
     if data.get("path"):
         lines.append(f"  record: {data['path']}")
-    return "\n".join(lines)
+    # every field came from the user's world: shown inert, one line each, bounded
+    return "\n".join(inert(line, limit=MESSAGE_LIMIT, multiline=False) for line in lines)
 
 
 def _short(value: Any) -> str:
@@ -176,7 +184,7 @@ def diagnose(spec: SpecLike, *, out: str | os.PathLike | None = None, save: bool
     try:
         data = run_diagnose(resolved, on_start=on_start, on_done=on_done,
                             on_progress=on_progress)
-    except UserCodeError as exc:
+    except (UserCodeError, InputError) as exc:
         exception = exc
     except Exception:
         raise          # SpecError, LaunchError, or a bug in ampdoctor itself
@@ -185,8 +193,8 @@ def diagnose(spec: SpecLike, *, out: str | os.PathLike | None = None, save: bool
             raise
         # Only the user's code raises a BaseException that is not Ctrl-C from inside a diagnose
         # (sys.exit in a factory or a loss, GeneratorExit, its own subclass): not healthy.
-        what = (f"called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
-                else f"raised {type(exc).__name__}: {exc}")
+        what = (f"called sys.exit({safe_repr(exc.code)})" if isinstance(exc, SystemExit)
+                else f"raised {exc_text(exc)}")
         exception = UserCodeError(f"the user's code {what} during the diagnose; nothing after "
                                   "it could be judged", cause=exc)
     if exception is not None:

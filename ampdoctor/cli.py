@@ -11,7 +11,6 @@ import json
 import os
 import signal
 import sys
-import traceback
 from pathlib import Path
 from typing import Optional
 
@@ -19,8 +18,9 @@ import typer
 from rich.console import Console
 
 from . import __version__
+from .safetext import FIELD_LIMIT, MESSAGE_LIMIT, TRACEBACK_LIMIT, exc_text, inert
 from .errors import (AmpdoctorError, AmpdoctorInterrupt, LaunchError, SpecError, UsageError,
-                     UserCodeError)
+                     UserCodeError, format_traceback)
 
 app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   help="Triage PyTorch training that combines gradient accumulation with mixed "
@@ -54,24 +54,24 @@ def _stderr() -> Console:
 def _fail(exc: AmpdoctorError, debug: bool) -> int:
     err = _stderr()
     if debug and exc.cause is not None:
-        traceback.print_exception(type(exc.cause), exc.cause, exc.cause.__traceback__,
-                                  file=sys.stderr)
+        sys.stderr.write(inert(format_traceback(exc.cause) or "", limit=TRACEBACK_LIMIT))
     elif debug and getattr(exc, "remote_traceback", None):   # raised in the run's process
-        sys.stderr.write(exc.remote_traceback)
+        sys.stderr.write(inert(exc.remote_traceback))
     label = ("DDP launch error" if isinstance(exc, LaunchError) else
              {2: "spec error" if isinstance(exc, SpecError) else "usage error",
               3: "user code error"}.get(exc.exit_code, "error"))
     err.print(f"[bold red]ampdoctor: {label}:[/] ", end="", highlight=False)
-    err.print(exc.message, markup=False, highlight=False)
+    # (a spec error lists up to 20 problems; a user exception quoted in it is already cut)
+    err.print(inert(exc.message, limit=4 * MESSAGE_LIMIT), markup=False, highlight=False)
     return exc.exit_code
 
 
 def _internal(exc: BaseException, debug: bool) -> int:
     if debug:
-        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        sys.stderr.write(inert(format_traceback(exc) or "", limit=TRACEBACK_LIMIT))
     err = _stderr()
     err.print("[bold red]ampdoctor: internal error:[/] ", end="", highlight=False)
-    err.print(f"{type(exc).__name__}: {exc} (run again with --debug for the traceback)",
+    err.print(f"{inert(exc_text(exc))} (run again with --debug for the traceback)",
               markup=False, highlight=False)
     return INTERNAL_ERROR
 
@@ -242,7 +242,7 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None,
         return _fail(exc, debug)
     except ChildCrashed as exc:     # a bug in ampdoctor, in the process that ran the loop
         if debug and exc.remote_traceback:
-            sys.stderr.write(exc.remote_traceback)
+            sys.stderr.write(inert(exc.remote_traceback))
         return _internal(exc, False)
     except Exception as exc:  # a bug in ampdoctor itself
         return _internal(exc, debug)
@@ -255,9 +255,9 @@ def _diagnose_here(spec, json_out: bool, debug: bool, out: Path | None,
     elif debug:
         for finding in record.get("findings", []):
             if finding.get("traceback"):
-                err.print(f"traceback of the {finding.get('kind')} in rung "
-                          f"{finding.get('rung')}:", markup=False, highlight=False)
-                sys.stderr.write(finding["traceback"])
+                err.print(inert(f"traceback of the {finding.get('kind')} in rung "
+                                f"{finding.get('rung')}:"), markup=False, highlight=False)
+                sys.stderr.write(inert(finding["traceback"]))
     if not _save_and_show(record, out, json_out, render, err, code):
         return UsageError.exit_code
     return code
@@ -340,9 +340,10 @@ def _save_and_show(record, out, json_out, render, err, code: int) -> bool:
     else:
         render(record, _stdout_console())
     if saved:
-        err.print(f"record saved to {path}", highlight=False, markup=False, style="dim")
+        err.print(inert(f"record saved to {path}"), highlight=False, markup=False,
+                  style="dim")
     else:
-        err.print(problem, highlight=False, markup=False, style="bold red")
+        err.print(inert(problem), highlight=False, markup=False, style="bold red")
     return saved
 
 
@@ -374,16 +375,17 @@ def report(
         path = record if record is not None else records.latest(out)
         data = records.load(path)
         if int(data.get("record_version") or 1) > records.RECORD_VERSION:
-            _stderr().print(f"note: {path} was written by a newer ampdoctor (record version "
-                            f"{data['record_version']}, ampdoctor "
-                            f"{data.get('ampdoctor_version') or '?'}); shown with what "
-                            f"ampdoctor {__version__} knows of it.",
+            _stderr().print(inert(f"note: {path} was written by a newer ampdoctor (record "
+                                  f"version {data['record_version']}, ampdoctor "
+                                  f"{data.get('ampdoctor_version') or '?'}); shown with what "
+                                  f"ampdoctor {__version__} knows of it.", limit=FIELD_LIMIT),
                             highlight=False, markup=False)
         if html:
             from .report.html import write_html
             target = output or Path(path).with_suffix(".html")
             write_html(data, target)
-            _stderr().print(f"HTML report written to {target}", highlight=False, markup=False)
+            _stderr().print(inert(f"HTML report written to {target}"), highlight=False,
+                            markup=False)
         elif json_out:
             sys.stdout.write(records.dumps(data))
         else:
@@ -483,14 +485,15 @@ def init(
     except UsageError as exc:
         raise typer.Exit(_fail(exc, False))
     err = _stderr()
-    err.print(f"wrote {target}", markup=False, highlight=False)
+    err.print(inert(f"wrote {target}"), markup=False, highlight=False)
     if found is not None:
         missing = [k for k in ("train_loop", "model", "data") if getattr(found, k) is None]
         if missing:
-            err.print(f"fill in: {', '.join(missing)} (marked TODO); then run "
-                      f"`ampdoctor diagnose {target}`", markup=False, highlight=False)
+            err.print(inert(f"fill in: {', '.join(missing)} (marked TODO); then run "
+                            f"`ampdoctor diagnose {target}`"), markup=False, highlight=False)
         else:
-            err.print(f"next: ampdoctor diagnose {target}", markup=False, highlight=False)
+            err.print(inert(f"next: ampdoctor diagnose {target}"), markup=False,
+                      highlight=False)
 
 
 def main() -> None:

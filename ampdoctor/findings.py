@@ -176,7 +176,8 @@ _KINDS = [
         "half-open-amp",
         "Mixed precision is only half switched on (or off)",
         "The precision the run asks for and what the code does disagree: a GradScaler left enabled "
-        "in bf16, autocast never entered, autocast with another dtype, or fp16 without a scaler.",
+        "in bf16, autocast never entered, autocast with another dtype, fp16 without a scaler, or "
+        "a loop that casts the model's weights to fp16/bf16 (no fp32 master weights).",
         "Branch on the precision in one place: `scaler = torch.amp.GradScaler(device_type, "
         "enabled=(precision == 'fp16'))` and `torch.autocast(device_type, dtype=amp_dtype, "
         "enabled=amp_dtype is not None)` with `amp_dtype` float16 for fp16, bfloat16 for bf16, "
@@ -401,7 +402,8 @@ RULES: dict[str, Rule] = {r.kind: r for r in [
     Rule("missing-no-sync", "syncs per window (bytes), the backward that synced, rank drift",
          "ladder/ddp_sync.py _judge"),
     Rule("half-open-amp", "autocast entered/enabled (dtype)",
-         "ladder/amp.py half_open_findings; ladder/fp32_accum.py _autocast_in_fp32"),
+         "ladder/amp.py half_open_findings; ladder/fp32_accum.py _autocast_in_fp32; "
+         "ladder/casts.py weight_cast_finding"),
     Rule("clip-before-unscale", "norm the clip saw / true norm (the loss scale S)",
          "rules/shapes.py clip_in_scaled_space; reference/clips.py clip_calls"),
     Rule("missing-unscale", "consumed / reference gradient norm (S); steps on non-finite grads",

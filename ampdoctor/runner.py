@@ -5,12 +5,19 @@ modules forgotten on every exit path."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from . import __version__
-from .errors import AmpdoctorError, UserCodeError, format_traceback
+from .errors import (
+    AmpdoctorError,
+    InputError,
+    UsageError,
+    UserCodeError,
+    format_traceback,
+)
 from .findings import RungResult
 from .spec import Spec
 
@@ -59,7 +66,27 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
     """Run the ladder on a validated spec and return the run record (a dict).
 
     `on_progress` is called at each optimizer step of the loop's runs with
-    {"rung", "precision", "step", "steps"}."""
+    {"rung", "precision", "step", "steps"}. The process is left as it was found
+    (`process_state`), whatever the loop did; a second diagnose started in another thread while
+    one runs raises UsageError at once."""
+    if not _ONE_AT_A_TIME.acquire(blocking=False):
+        raise UsageError("another ampdoctor diagnose is running in this process: ampdoctor "
+                         "patches torch process-wide while it runs, so one diagnose runs at a "
+                         "time. Wait for the other to return, or run this one in its own "
+                         "process (the `ampdoctor diagnose` command does).")
+    try:
+        return _run_diagnose(spec, on_start, on_done, on_progress)
+    finally:
+        _ONE_AT_A_TIME.release()
+
+
+#: One diagnose at a time in a process (the probe patches torch for everyone).
+_ONE_AT_A_TIME = threading.Lock()
+
+
+def _run_diagnose(spec: Spec, on_start: Callable[[str], None] | None,
+                  on_done: Callable[[RungResult], None] | None,
+                  on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
     import torch
 
     from . import progress
@@ -67,8 +94,10 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
     from .loading import UserCode, check_finite, cut_micro_batches, resolve_device
     from .probe import patches, recorder, wrappers
     from .probe.callsite import CallSiteFinder
+    from .process_state import ProcessState
     from .session import Session
 
+    before = ProcessState.take()
     started = time.perf_counter()
     device = resolve_device(spec.device, spec)
     finder = CallSiteFinder([spec.root, spec.spec_dir])
@@ -89,7 +118,7 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
             check_finite(micro_batches)
             session = Session(spec, code, device, finder, micro_batches)
             results = run_ladder(session, started_rung, on_done)
-            record["notes"] = sorted(session.notes)
+            record["notes"] = sorted(session.notes | _left_behind_notes(code))
             record["runs"] = session.charts
         finally:
             recorder.activate(None)
@@ -97,10 +126,18 @@ def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
             if code is not None:
                 code.forget()
             torch.set_rng_state(rng_state)
+            before.restore()
     fill_record(record, results)
     record["seconds"] = round(time.perf_counter() - started, 3)
     record["reference_mode"] = "loss" if spec.loss else "loop"
     return record
+
+
+def _left_behind_notes(code) -> set[str]:
+    from .process_state import DESCRIBED
+    return {f"your loop left {DESCRIBED.get(name, name)} changed when it returned; ampdoctor "
+            "restored it after each run, so no later run or reference inherited it"
+            for name in code.left_behind}
 
 
 def environment(spec: Spec | None) -> dict[str, Any]:
@@ -211,10 +248,11 @@ def error_record(spec: Spec | None, exc: AmpdoctorError, device: str = "unknown"
     record["verdict"] = "error"
     record["error"] = {"type": type(exc).__name__, "message": exc.message,
                        "exit_code": exc.exit_code}
-    if isinstance(exc, UserCodeError) and exc.location:
+    location = getattr(exc, "location", None)
+    if location:
         from .source_snippet import attach
-        record["error"]["location"] = {"file": exc.location[0], "line": exc.location[1]}
+        record["error"]["location"] = {"file": location[0], "line": location[1]}
         attach(record["error"])
-    if isinstance(exc, UserCodeError) and exc.cause is not None:
+    if isinstance(exc, (UserCodeError, InputError)) and exc.cause is not None:
         record["error"]["traceback"] = format_traceback(exc.cause)
     return record

@@ -4,7 +4,9 @@ and the windows each step consumed. The reference gradients come from `reference
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -12,9 +14,9 @@ from typing import Any, Callable
 import torch
 
 from . import compare, memory, rng
-from .errors import AmpdoctorInterrupt, EnoughSteps, UserCodeError
+from .errors import AmpdoctorInterrupt, EnoughSteps, UserCodeError, exc_text
 from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
-                      run_train_loop, to_device)
+                      factory_name, run_train_loop, to_device, unusable)
 from .probe import recorder, spill
 from .probe.callsite import CallSiteFinder, Site
 from .reference import ReferenceBuilder
@@ -24,6 +26,74 @@ from .spec import Spec
 #: Judge each step of the runs the rungs judge as it happens (`judge.StepJudge`); False: copy
 #: every step's gradients and weights and judge after the run (the tests compare the two).
 JUDGE_AS_IT_RUNS = True
+
+
+@dataclass(frozen=True)
+class WeightCast:
+    """The loop cast the model's weights to reduced precision (`model.half()`, `.bfloat16()`,
+    `.to(torch.float16)`, `p.data = p.data.half()`): they were so when the loop returned."""
+
+    dtypes: tuple[str, ...]          # the reduced-precision dtypes found, e.g. ("torch.float16",)
+    names: tuple[str, ...]           # the parameters cast, in the model's order
+    parameters: int                  # the model's trainable parameter tensors
+    site: Site | None                # the call that cast them (a Module method), when seen
+
+
+def _reduced(t: torch.Tensor) -> bool:
+    """fp16, bf16, float8: the floating dtypes narrower than fp32."""
+    return t.is_floating_point() and t.dtype.itemsize < 4
+
+
+class WeightsCast(UserCodeError):
+    """An fp32 run that ampdoctor needed as its reference cast the model's weights to reduced
+    precision (`trace.cast`): no fp32 reference comes from it. The reproducibility rung hands
+    the finding to fp32-accum (`half-open-amp`); anywhere else it ends the run (exit 3) with
+    this message."""
+
+    def __init__(self, trace: Trace):
+        cast = trace.cast
+        assert cast is not None
+        site = cast.site
+        at = f" at {site.file}:{site.line}" if site else ""
+        dtype = cast.dtypes[0].removeprefix("torch.")
+        raised = f"; it then raised {exc_text(trace.error, 300)}" if trace.error else ""
+        super().__init__(
+            f"the reference run (your train_loop in fp32) cast the model's weights to {dtype}"
+            f"{at} ({len(cast.names)} of {cast.parameters} parameter tensors){raised}: no fp32 "
+            "reference can come from it. Keep the model in fp32 in the loop and let autocast "
+            "make the low-precision compute.",
+            cause=trace.error, location=(site.file, site.line) if site else None)
+        self.trace = trace
+
+
+@contextlib.contextmanager
+def _watching_casts(model: torch.nn.Module, finder: CallSiteFinder, seen: list[Site | None]):
+    """Record where the loop casts `model`'s parameters to reduced precision through a Module
+    method (`half`, `bfloat16`, `to`, `type` all go through `Module._apply`): the user's line
+    of the last call that left a parameter narrower than fp32. torch's `_apply` is restored on
+    any exit."""
+    original = torch.nn.Module._apply
+    params = [p for p in model.parameters() if p.requires_grad]
+    depth = 0
+
+    def _apply(module, *args, **kwargs):
+        nonlocal depth
+        if depth:   # the children of the module the loop called it on
+            return original(module, *args, **kwargs)
+        before = [p.dtype for p in params]
+        depth += 1
+        try:
+            return original(module, *args, **kwargs)
+        finally:
+            depth -= 1
+            if any(p.dtype != d and _reduced(p) for p, d in zip(params, before)):
+                seen.append(finder.here())
+
+    torch.nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original
 
 
 @dataclass
@@ -40,6 +110,7 @@ class Trace:
     optimizer_count: int = 1
     microbatches: int = 0
     stopped: bool = False               # ended early on purpose (`errors.EnoughSteps`)
+    cast: WeightCast | None = None      # the loop left the weights in fp16/bf16
 
     @property
     def events(self) -> list[recorder.Event]:
@@ -126,10 +197,8 @@ class Session(ReferenceBuilder):
         self.N = spec.optimizer_steps
         self._ref_model: torch.nn.Module | None = None
         self.module_sites: dict[str, Site] = {}
+        # (build_model refuses a model the triage cannot use: exit 2, naming the reason)
         self._template = self._build_template()
-        if not any(p.requires_grad for p in self._template.parameters()):
-            raise UserCodeError(f"the model factory '{spec.model}' built a model with no "
-                                "trainable parameters: there is nothing to optimize.")
         self.param_shapes = {n: p.shape for n, p in self._template.named_parameters()}
         self.param_order = [n for n, _ in self._template.named_parameters()]
         # The template is never trained: its own tensors are the initial state (no copy).
@@ -247,8 +316,11 @@ class Session(ReferenceBuilder):
         previous = recorder.activate(probe)
         recorder.START_SCALE = self.fp16_start_scale if precision == "fp16" else None
         default_dtype = torch.get_default_dtype()
+        cast_sites: list[Site | None] = []
         try:
-            if run_train_loop(self.code, handed, loop_optimizer, feed, settings):
+            with _watching_casts(model, self.finder, cast_sites):
+                generator = run_train_loop(self.code, handed, loop_optimizer, feed, settings)
+            if generator:
                 self.notes.add("train_loop is a generator function: ampdoctor runs it by "
                                "iterating it to the end")
         except BaseException as exc:
@@ -270,6 +342,11 @@ class Session(ReferenceBuilder):
             aligner.detach()
             changed = torch.get_default_dtype()
             torch.set_default_dtype(default_dtype)   # never left changed for the next run
+        trace.cast = _weight_cast(model, cast_sites)
+        if trace.error is not None and precision == "fp32" and trace.cast is None:
+            site = trace.error_site
+            self._refuse_data_dtype(trace.error, (site.file, site.line) if site else None,
+                                    "the fp32 run of your loop")
         # a DDP rank compares its final parameters with the other ranks'
         self._drop_training_state(trace, parameters=distributed is None)
         memory.trim()
@@ -280,6 +357,30 @@ class Session(ReferenceBuilder):
                 "the reference would build their tensors in another dtype. Set the dtype on the "
                 "model or the tensors instead; ampdoctor restored it.")
         return trace
+
+    def _refuse_data_dtype(self, exc: BaseException, at: tuple[str, int] | None,
+                           what: str) -> None:
+        """The data factory returned a field in a dtype the user's code cannot take (integers
+        where a float is needed, float64 for a float32 model), and an fp32 run of the user's code
+        raised on it: exit 2 naming the data factory, the field and the line, not a loop error.
+        Integer fields are fine as such (token ids, labels): only the error torch raised, naming
+        that field's dtype, blames one."""
+        culprit = data_dtype_culprit(exc, self.micro_batches)
+        if culprit is None:
+            return
+        field, tensor = culprit
+        where = f" at {at[0]}:{at[1]}" if at else ""
+        advice = ("Integer and bool tensors are fine as token ids, labels and masks, but this "
+                  "one feeds a float computation: return it as a float tensor from the factory "
+                  "(or convert it in the loop)"
+                  if not (tensor.is_floating_point() or tensor.is_complex()) else
+                  "Return it as float32: ampdoctor builds the model in float32, and autocast "
+                  "makes the low-precision compute")
+        raise unusable(self.spec, "data", (
+            f"{factory_name(self.spec, 'data', self.code.data_factory)} returns {field} of each "
+            f"micro-batch as {tensor.dtype} (shape {tuple(tensor.shape)}) and your code cannot "
+            f"compute with it: {what} raised{where}: {exc_text(exc, 500)}. {advice}."),
+            cause=exc)
 
     def index_of(self, mb: Any, default: int) -> int:
         """The session-wide index of a micro-batch ampdoctor handed out (by storage)."""
@@ -382,9 +483,79 @@ class Session(ReferenceBuilder):
         return max(0, min(window, self.N - 1))
 
 def _own_storage(mb: Any) -> Any:
+    """Each tensor of a micro-batch copied into storage of its own, as a leaf: no autograd
+    graph back into the data factory (a slice computed from a tensor that requires grad would
+    have every micro-batch backward through one shared graph), `requires_grad` as given."""
+    def own(t: torch.Tensor) -> torch.Tensor:
+        copy = t.detach().clone()
+        return copy.requires_grad_() if t.requires_grad and copy.is_floating_point() else copy
+
     if isinstance(mb, dict):
-        return {k: v.clone() for k, v in mb.items()}
-    return tuple(t.clone() for t in mb)
+        return {k: own(v) for k, v in mb.items()}
+    return tuple(own(t) for t in mb)
+
+
+def _weight_cast(model: torch.nn.Module, sites: list[Site | None]) -> WeightCast | None:
+    """The trainable weights the loop left narrower than fp32 (build_model hands it fp32
+    weights; a frozen part cast to bf16 to save memory is never updated)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    cast = [(n, p) for n, p in named if _reduced(p)]
+    if not cast:
+        return None
+    return WeightCast(tuple(sorted({str(p.dtype) for _, p in cast})), tuple(n for n, _ in cast),
+                      len(named), sites[-1] if sites else None)
+
+
+#: torch's names for a dtype in its error messages: `Long`, `torch.int64`, `torch.LongTensor`.
+_SCALAR_NAMES = {
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
+    torch.uint8: "Byte", torch.bool: "Bool", torch.float64: "Double", torch.float16: "Half",
+    torch.bfloat16: "BFloat16", torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
+#: The C names torch's older kernels use (`expected m1 and m2 to have the same dtype, but got:
+#: long int != float`).
+_C_NAMES = {torch.int64: "long int", torch.float64: "double", torch.uint8: "unsigned char"}
+#: What an error says it expected, not what it got: "expected scalar type Float", "one of the
+#: following scalar types: Long, Int;" -- a field of that dtype is not the culprit.
+_EXPECTED = re.compile(r"one of the following scalar types:[^;]*;?|"
+                       r"expected (?:scalar type |dtype |type )?[A-Za-z0-9_.]+", re.IGNORECASE)
+#: An error about dtypes (not about shapes or devices).
+_DTYPE_COMPLAINT = re.compile(r"dtype|scalar type|Tensor\b|type \(|not implemented for|"
+                              r"can't be cast|cannot be cast|to have one of the following",
+                              re.IGNORECASE)
+
+
+def _dtype_names(dtype: torch.dtype) -> list[str]:
+    short = str(dtype).removeprefix("torch.")
+    names = [re.escape(f"torch.{short}"), rf"\b{re.escape(short)}\b"]
+    scalar = _SCALAR_NAMES.get(dtype)
+    if scalar is None and dtype.is_floating_point:   # float8 variants: Float8_e4m3fn
+        scalar = short[0].upper() + short[1:]
+    if scalar:
+        names.append(rf"(?<![A-Za-z]){re.escape(scalar)}(?![a-z])")   # Long, LongTensor
+    if dtype in _C_NAMES:
+        names.append(rf"\b{_C_NAMES[dtype]}\b")
+    return names
+
+
+def data_dtype_culprit(exc: BaseException, mbs: list[Any]) -> tuple[str, torch.Tensor] | None:
+    """The field of the micro-batches whose dtype a dtype error names, when one does: a field
+    that is not float32 (the model's dtype) whose dtype the error message names. None when the
+    error is about something else, or names no field's dtype."""
+    text = exc_text(exc, 2000)
+    if not isinstance(exc, (RuntimeError, TypeError, ValueError, NotImplementedError)) \
+            or not _DTYPE_COMPLAINT.search(text) or not mbs:
+        return None
+    got = _EXPECTED.sub(" ", text)
+    first = mbs[0]
+    fields = list(first.items()) if isinstance(first, dict) else list(enumerate(first))
+    for key, t in fields:
+        if not isinstance(t, torch.Tensor) or t.dtype == torch.float32:
+            continue
+        if any(re.search(name, got) for name in _dtype_names(t.dtype)):
+            return (f"field {key!r}" if isinstance(key, str) else f"field {key}"), t
+    return None
 
 
 def flat(session: Session, grads: dict[str, torch.Tensor | None], names: list[str]) -> torch.Tensor:

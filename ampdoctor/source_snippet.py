@@ -13,15 +13,42 @@ MAX_LINE = 200
 MAX_FILE_BYTES = 4 * 2**20
 
 
-def snippet(file: str, line: int, context: int = CONTEXT) -> dict[str, Any] | None:
-    """{"file", "start", "line", "lines"} around `line` of `file`; None when unreadable."""
+def _read_lines(file: str) -> list[str] | None:
+    """The lines of `file` when it is a regular file of at most MAX_FILE_BYTES; None otherwise.
+    Never blocks: a FIFO or a device is refused before opening, and the descriptor is opened
+    non-blocking and checked again (a file swapped for a FIFO in between)."""
+    import os
+    import stat
+
     try:
-        import os
-        if not os.path.isfile(file) or os.path.getsize(file) > MAX_FILE_BYTES:
+        info = os.stat(file)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_FILE_BYTES:
             return None
-        with open(file, encoding="utf-8", errors="replace") as fh:
-            text = fh.read().splitlines()
-    except OSError:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                     | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_BINARY", 0))
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_FILE_BYTES:
+                return None
+            chunks, left = [], MAX_FILE_BYTES + 1
+            while left > 0 and (chunk := os.read(fd, left)):
+                chunks.append(chunk)
+                left -= len(chunk)
+            data = b"".join(chunks)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError):      # ValueError: a NUL in a hand-made path
+        return None
+    if len(data) > MAX_FILE_BYTES:
+        return None
+    return data.decode("utf-8", errors="replace").splitlines()
+
+
+def snippet(file: str, line: int, context: int = CONTEXT) -> dict[str, Any] | None:
+    """{"file", "start", "line", "lines"} around `line` of `file`; None when unreadable.
+    The lines are kept as they are (a record is data); the renderings make them inert."""
+    text = _read_lines(file)
+    if text is None:
         return None
     if not 1 <= line <= len(text):
         return None

@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import AmpdoctorError, LaunchError, SpecError, UsageError, UserCodeError
+from .errors import (
+    AmpdoctorError,
+    InputError,
+    LaunchError,
+    SpecError,
+    UsageError,
+    UserCodeError,
+)
 
 #: Extra seconds past `timeout_s` before a phase that did not end is killed: the child's own
 #: stop (at `timeout_s`) needs time to unwind the loop and write its finding. At most this,
@@ -47,7 +54,8 @@ DDP_GRACE_S = 30.0
 #: How long the child is given to write its stacks after SIGUSR2.
 DUMP_WAIT_S = 1.5
 
-_ERRORS = {cls.__name__: cls for cls in (SpecError, UsageError, UserCodeError, LaunchError)}
+_ERRORS = {cls.__name__: cls for cls in (SpecError, InputError, UsageError, UserCodeError,
+                                         LaunchError)}
 
 
 class ChildCrashed(Exception):

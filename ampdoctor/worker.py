@@ -60,8 +60,9 @@ def _die_with_parent() -> None:
 
 def _error_fields(exc: BaseException) -> dict[str, Any]:
     from .errors import format_traceback
+    from .safetext import exc_text
     fields: dict[str, Any] = {"type": type(exc).__name__,
-                              "message": getattr(exc, "message", str(exc)),
+                              "message": getattr(exc, "message", None) or exc_text(exc),
                               "exit_code": getattr(exc, "exit_code", 4)}
     cause = getattr(exc, "cause", None)
     fields["traceback"] = format_traceback(cause if cause is not None else exc)
@@ -90,9 +91,11 @@ def main() -> None:
         _run(job, channel)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         import traceback
+
+        from .safetext import exc_text
         code = 4
         try:
-            channel.send("internal", type=type(exc).__name__, message=str(exc),
+            channel.send("internal", type=type(exc).__name__, message=exc_text(exc),
                          traceback="".join(traceback.format_exception(type(exc), exc,
                                                                       exc.__traceback__)))
         except Exception:  # noqa: BLE001 - the parent sees a run that ended without a result

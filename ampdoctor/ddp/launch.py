@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import LaunchError
+from ..safetext import exc_text, inert
 
 #: How often supervisors look at their ranks and at the others' results.
 POLL_S = 0.2
@@ -93,7 +94,7 @@ def _child(rank: int, world_size: int, spec_path: str, master: str, port: int,
         run_rank(rank, world_size, spec_path, result)
     except BaseException as exc:  # noqa: BLE001 - reported to the supervisor
         result["error_time"] = time.time()   # the first error is the cause, later ones echoes
-        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["error"] = exc_text(exc)
         result["stage"] = stage
         finder = result.get("_finder")
         site = finder.from_traceback(exc.__traceback__) if finder is not None else None
@@ -332,6 +333,7 @@ class TorchrunGroup:
                     self._run_own_rank(order["port"], float(order["timeout_s"]))
                     ran = True
             except (RuntimeError, OSError) as exc:   # the store went away: rank 0 is gone
-                print(f"ampdoctor: rank {self.rank}: lost rank 0 ({exc})", file=sys.stderr)
+                print(f"ampdoctor: rank {self.rank}: lost rank 0 ({inert(exc_text(exc))})",
+                      file=sys.stderr)
                 return 3
             time.sleep(POLL_S)

@@ -25,6 +25,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..safetext import exc_text
+
 RUNG = "ddp-sync"
 #: Calls per rank kept for the comparison of the ranks' call sequences.
 MAX_CALLS = 20_000
@@ -234,7 +236,7 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
                       step_sites=[_site(s.site) for s in trace.steps])
         if trace.error is not None:
             result["error_time"] = trace.error_time
-            result["error"] = f"{type(trace.error).__name__}: {trace.error}"
+            result["error"] = exc_text(trace.error)
             result["error_site"] = _site(trace.error_site)
             return
         mismatch, judgement = compare_trace(session, trace, RUNG, "fp32")

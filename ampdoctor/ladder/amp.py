@@ -8,49 +8,40 @@ rung also replays the events through the step state machine (article §16).
 
 from __future__ import annotations
 
-import inspect
 import re
 from typing import Any
 
 import torch
 
-from ..findings import Finding, Location, RungResult, conclude
+from ..compare import _round as compare_round
+from ..findings import Finding, RungResult, conclude
 from ..judge import tolerance
 from ..probe.callsite import Site
 from ..probe.events import Event
+from ..rules.scale_state import (
+    SCALE_TRAJECTORY_KINDS,
+    explain_with_calls,
+    runtime_double_scaling,
+    skipped_steps,
+    step_ratio,
+    violation_findings,
+)
+from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
-from ..compare import _round as compare_round
-from ..rules.scale_state import (SCALE_TRAJECTORY_KINDS, explain_with_calls,
-                                 runtime_double_scaling, skipped_steps, step_ratio,
-                                 violation_findings)
+from .analysis import (
+    compare_trace,
+    location,
+    loop_error_finding,
+    scheduler_findings,
+    step_count_finding,
+)
+from .casts import loop_location, weight_cast_finding
 from .series import scaler_series
-from .analysis import (compare_trace, location, loop_error_finding, scheduler_findings,
-                       step_count_finding)
 
 AUTOCAST_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 
 
 AUTOCAST_TEXT = re.compile(r"\bautocast\b")
-
-
-def _loop_location(session: Session, pattern: re.Pattern | None = None) -> Location | None:
-    """The loop's `def` line, or the first line of the loop that matches `pattern` (where the
-    loop sets up what it never used: an autocast it never enters)."""
-    try:
-        fn = inspect.unwrap(session.code.train_loop)
-        file = inspect.getsourcefile(fn)
-        lines, start = inspect.getsourcelines(fn)
-    except (OSError, TypeError):
-        return None
-    if not file:
-        return None
-    name = getattr(fn, "__name__", None)
-    if pattern is not None:
-        for offset, text in enumerate(lines):
-            code = text.split("#", 1)[0]
-            if pattern.search(code):
-                return Location(str(file), start + offset, name, text.strip())
-    return Location(str(file), start, name, None)
 
 
 def _enabled_scalers(trace: Trace) -> list[Event]:
@@ -69,7 +60,7 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     scalers = _enabled_scalers(trace)
     if not enabled:
         where = (location(on_device[0].site) if on_device
-                 else _loop_location(session, AUTOCAST_TEXT))
+                 else loop_location(session, AUTOCAST_TEXT))
         seen = (f"autocast was entered {len(on_device)} time(s) but never enabled"
                 if on_device else "autocast was never entered")
         findings.append(Finding(
@@ -116,7 +107,7 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
 
 def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
     exc = trace.error
-    refused_update = isinstance(exc, AssertionError) and "No inf checks were recorded" in str(exc)
+    refused_update = isinstance(exc, AssertionError) and "No inf checks were recorded" in safe_str(exc)
     direct = [e for e in trace.of_kind("step") if not e.via_scaler]
     if refused_update and direct and not trace.of_kind("scaler_step"):
         # optimizer.step() instead of scaler.step(): nothing recorded an inf check, so torch
@@ -132,7 +123,7 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
                        "inf checks were recorded prior to update').",
                        evidence={"measured": compare_round(ratio) if ratio else None,
                                  "expected": 1.0, "scale": scale,
-                                 "error": f"{type(exc).__name__}: {exc}"},
+                                 "error": exc_text(exc)},
                        location=location(first.site))
     if refused_update:
         updates = [e for e in trace.of_kind("update") if e.error is not None]
@@ -145,7 +136,7 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
                        "scale must be updated once per optimizer step, not per micro-batch.",
                        evidence={"measured": len(early), "expected": 0,
                                  "updates_before_the_windows_step": len(early),
-                                 "error": f"{type(exc).__name__}: {exc}",
+                                 "error": exc_text(exc),
                                  "microbatch": trace.events[-1].microbatch if trace.events else None},
                        location=location(site))
     return loop_error_finding(trace, rung)
@@ -164,7 +155,7 @@ def _backend_cannot(session: Session, trace: Trace) -> bool:
     fp32 = session.traces.get("fp32")
     if fp32 is None or fp32.error is not None:   # it must run in fp32 to blame the dtype
         return False
-    return bool(_BACKEND_LIMITS.search(str(exc)))
+    return bool(_BACKEND_LIMITS.search(safe_str(exc)))
 
 
 def run_precision(session: Session, precision: str, rung: str) -> RungResult:
@@ -175,9 +166,13 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
         series = scaler_series(trace)
         series["scale"] = [v for v in series["scale"] if v is not None]
         details["series"] = series
+    cast = weight_cast_finding(session, trace, rung)
+    if cast is not None:   # explains an error it caused (GradScaler refusing fp16 gradients)
+        return RungResult(rung, "fail", f"the {precision} loop casts the model's weights to "
+                          f"{cast.evidence['measured']} ({cast.kind})", [cast], details=details)
     if trace.error is not None and _backend_cannot(session, trace):
         return RungResult(rung, "skip", f"torch on {session.device.type} cannot run this model in "
-                          f"{precision}: {str(trace.error).splitlines()[0][:160]}",
+                          f"{precision}: {(safe_str(trace.error).splitlines() or [''])[0][:160]}",
                           details=details)
     if trace.error is not None:
         finding = _map_loop_error(session, trace, rung)

@@ -8,6 +8,7 @@ from collections import Counter
 from .. import compare
 from ..findings import Finding, RungResult, conclude
 from ..session import Session
+from .casts import weight_cast_finding
 from .analysis import (compare_trace, location, loop_error_finding, scheduler_findings,
                        step_count_finding)
 
@@ -16,6 +17,10 @@ RUNG = "fp32-accum"
 
 def run(session: Session) -> RungResult:
     trace = session.trace("fp32")
+    cast = weight_cast_finding(session, trace, RUNG)
+    if cast is not None:   # the "fp32" run was not fp32: nothing in it can be compared
+        return RungResult(RUNG, "fail", f"the fp32 loop casts the model's weights to "
+                          f"{cast.evidence['measured']} ({cast.kind})", [cast])
     if trace.error is not None:
         finding = loop_error_finding(trace, RUNG)
         return RungResult(RUNG, "fail", f"the fp32 loop raised ({finding.kind})", [finding])

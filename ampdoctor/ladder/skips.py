@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .. import compare
+from ..safetext import exc_text, safe_str
 from ..findings import Finding, RungResult, conclude
 from ..probe.recorder import Probe
 from ..session import Session, Trace
@@ -210,7 +211,7 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
     """A hand-written overflow guard that `continue`s past step/update/zero_grad: torch refuses
     the next window's unscale_(), and the inf stays in .grad. Named when the injected overflow
     is what sent the loop down that path and the path cleared no gradients either."""
-    if not injector.fired or "unscale_()" not in str(trace.error) or not update_missing(trace):
+    if not injector.fired or "unscale_()" not in safe_str(trace.error) or not update_missing(trace):
         return None
     pair = last_unscale_pair(trace)
     if pair is None:
@@ -226,12 +227,12 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
         f"An inf injected into {injector.param_name}.grad sent the loop down its own skip path, "
         "which left the step without scaler.update() and without zero_grad(): the inf stayed in "
         ".grad and torch refused the next window's unscale_() "
-        f"({type(trace.error).__name__}: {trace.error}). On a skip, clear the gradients and call "
+        f"({exc_text(trace.error)}). On a skip, clear the gradients and call "
         "scaler.update() as after a good step -- or drop the hand-written check and let "
         "scaler.step() skip.",
         evidence={"measured": 0, "expected": 1, "zero_grad_on_skip_path": 0,
                   "update_on_skip_path": 0,
-                  "error": f"{type(trace.error).__name__}: {trace.error}"},
+                  "error": exc_text(trace.error)},
         location=location(site))
 
 

@@ -15,19 +15,30 @@ if TYPE_CHECKING:
     from .recorder import Probe
 
 
+#: At most this many containers are walked in one forward's arguments (a forward handed a
+#: huge list, or a structure that contains itself, costs nothing more).
+MAX_CONTAINERS = 10_000
+
+
 def storages(value: Any) -> Iterator[int]:
-    """The storage addresses of the tensors in a (nested) micro-batch or forward argument."""
-    if isinstance(value, torch.Tensor):
-        try:
-            yield value.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):   # meta / sparse tensors
-            return
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from storages(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from storages(item)
+    """The storage addresses of the tensors in a (nested) micro-batch or forward argument, in
+    order. Iterative: no recursion (a loop may have lowered the recursion limit, and these run
+    inside its forwards), each container walked once (one that holds itself ends)."""
+    stack = [value]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            try:
+                yield item.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):   # meta / sparse / nested tensors
+                continue
+        elif isinstance(item, (dict, list, tuple)):
+            if id(item) in seen or len(seen) >= MAX_CONTAINERS:
+                continue
+            seen.add(id(item))
+            children = list(item.values()) if isinstance(item, dict) else list(item)
+            stack.extend(reversed(children))
 
 
 class MicroBatchIndex:

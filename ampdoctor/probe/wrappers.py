@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..safetext import MESSAGE_LIMIT, cut, safe_str
 from . import randomness, recorder
 from .events import (AutocastEntered, Clip, GetScale, Scale, ScalerInit, ScalerStep,
                      SchedulerStep, Unscale, Update, ZeroGrad)
@@ -164,7 +165,7 @@ def _wrap_unscale(original):
         try:
             result = original(self, optimizer)
         except RuntimeError as exc:
-            probe.complete(event, error=str(exc))
+            probe.complete(event, error=cut(safe_str(exc), MESSAGE_LIMIT))
             raise
         probe.complete(event, norm_after=_grad_norm(params) if self.is_enabled() else None)
         return result
@@ -207,7 +208,7 @@ def _wrap_update(original):
         try:
             result = original(self, new_scale)
         except Exception as exc:
-            probe.complete(event, error=str(exc))
+            probe.complete(event, error=cut(safe_str(exc), MESSAGE_LIMIT))
             raise
         after = _scale_value(self)
         probe.scales_seen[slot] = (getattr(self, "_scale", None), after)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .. import compare, rng
-from ..errors import UserCodeError
+from ..errors import UserCodeError, exc_text
 from ..loading import (build_model, merge_micro_batches, micro_batch_counts,
                        micro_batch_size_of)
 from ..probe import recorder
@@ -163,7 +163,7 @@ class ReferenceBuilder:
         for index, mb in enumerate(mbs):
             if per_mb:
                 model.zero_grad(set_to_none=True)
-            out = self.code.call("the loss function", self.code.loss, model, mb)
+            out = self._user_loss("the loss function", self.code.loss, model, mb)
             if isinstance(out, (tuple, list)) and len(out) == 2:
                 weighted = True
                 loss_sum, weight = out
@@ -181,7 +181,7 @@ class ReferenceBuilder:
                 raise UserCodeError(f"the fp32 reference loss is not finite on micro-batch "
                                     f"{index} ({float(loss.detach())}); the baseline itself "
                                     "diverges, so nothing can be compared.")
-            self.code.call("backward through the loss function", loss.backward)
+            self._user_loss("backward through the loss function", loss.backward)
             if per_mb:
                 per.append(self._grads_of(model))
             counts.append(weight)
@@ -202,19 +202,33 @@ class ReferenceBuilder:
         model.zero_grad(set_to_none=True)
         return WindowReference(full, per if per_mb else None, counts, weighted, "loss")
 
+    def _user_loss(self, what: str, fn, *args: Any) -> Any:
+        """Call the spec's loss (or backward through it): a dtype error that names a field of
+        the data is the data factory's (exit 2, `Session._refuse_data_dtype`), any other error
+        the user's code's (exit 3)."""
+        try:
+            return self.code.call(what, fn, *args)
+        except UserCodeError as err:
+            if err.cause is not None:
+                self._refuse_data_dtype(err.cause, err.location, what)
+            raise
+
     def loop_gradient(self, mbs: list[Any], state, training, K: int = 1) -> dict[str, torch.Tensor | None]:
         """Run the user's loop in fp32 from `state` on `mbs` and return the first step's
         gradients (all optimizers), before clipping."""
         no_clip = math.inf if self.spec.max_grad_norm is not None else None
         trace = self.run_loop("fp32", micro_batches=mbs, K=K, state=state, training=training,
                               max_grad_norm=no_clip)
+        if trace.cast is not None:   # not an fp32 reference (`ladder.casts`)
+            from ..session import WeightsCast
+            raise WeightsCast(trace)
         if trace.error is not None:
             site = trace.error_site
             where = f" at {site.file}:{site.line}" if site else ""
             raise UserCodeError(
                 "the reference run (your train_loop in fp32 with K = 1 on one micro-batch holding "
-                f"the whole step's data) raised{where}: {type(trace.error).__name__}: "
-                f"{trace.error}. Give the spec a `loss` callable to use ampdoctor's own reference.",
+                f"the whole step's data) raised{where}: {exc_text(trace.error)}. Give the spec "
+                "a `loss` callable to use ampdoctor's own reference.",
                 cause=trace.error, location=(site.file, site.line) if site else None)
         if not trace.steps:
             raise UserCodeError(

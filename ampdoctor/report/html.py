@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..record import atomic_write_text
+from ..safetext import FIELD_LIMIT, TRACEBACK_LIMIT, inert
 from jinja2 import Environment, PackageLoader
 from markupsafe import Markup
 
@@ -17,13 +18,36 @@ from markupsafe import Markup
 CSS_CLASSES = {"pass", "fail", "warn", "skip", "not-run", "error", "warning", "healthy", "failed"}
 
 
+def _visible(value: Any) -> Any:
+    """Every `{{ value }}` of the page, before jinja escapes it: the record's text with its
+    control and bidi characters shown as escapes (`safetext.inert`), newlines kept (a
+    traceback, a message in <pre>), cut to `TRACEBACK_LIMIT` characters with a note (a record
+    written before messages were cut). Markup (the charts' SVG, a macro's output) is the
+    page's own; numbers and None print as they are."""
+    if isinstance(value, Markup) or value is None or isinstance(value, (bool, int, float)):
+        return value
+    return inert(value, limit=TRACEBACK_LIMIT)
+
+
+def _oneline(value: Any) -> str:
+    """One line of text (the <title>, the heading): newlines and tabs shown as escapes too."""
+    return inert("" if value is None else value, limit=FIELD_LIMIT, multiline=False)
+
+
+def _css(value: Any) -> str:
+    """Class names come from a fixed set, never from the record's text."""
+    return value if isinstance(value, str) and value in CSS_CLASSES else "unknown"
+
+
 def render_html(record: dict[str, Any]) -> str:
     # Every value from the record is escaped, whatever the template's name: a spec name, a
     # path or an exception message is text, never markup (select_autoescape(["html"]) would
-    # not match `report.html.j2`).
-    env = Environment(loader=PackageLoader("ampdoctor.report", "templates"), autoescape=True)
-    # class names come from a fixed set, never from the record's text
-    env.filters["css"] = lambda value: value if value in CSS_CLASSES else "unknown"
+    # not match `report.html.j2`); and `finalize` makes every value's control characters
+    # visible first (HTML escaping leaves ESC, NUL and U+202E as they are).
+    env = Environment(loader=PackageLoader("ampdoctor.report", "templates"), autoescape=True,
+                      finalize=_visible)
+    env.filters["css"] = _css
+    env.filters["oneline"] = _oneline
     from .charts import run_charts
     runs = record.get("runs") or []
     series = record.get("series") or {}

@@ -1,5 +1,11 @@
 """The terminal rendering of a run record: a table of rungs, then each finding with its
-evidence, the user's file:line and the fix."""
+evidence, the user's file:line and the fix.
+
+Every value from the record is the user's world (a spec name, a path, an exception message, a
+hand-edited record): it is shown as rich `Text` (never parsed as markup) and through
+`safetext.inert` (no ESC, OSC, C1, CR or bidi override reaches the terminal raw), cut to a
+bound with a note (`FIELD_LIMIT` for one-line fields, `MESSAGE_LIMIT` for messages).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +17,27 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from ..safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
+
+
+def _one(value: Any, limit: int = FIELD_LIMIT) -> str:
+    """A one-line field of the record, safe to print."""
+    return inert("" if value is None else value, limit=limit, multiline=False)
+
+
+def _many(value: Any, limit: int = MESSAGE_LIMIT) -> str:
+    """A message of the record (newlines and tabs kept), safe to print."""
+    return inert("" if value is None else value, limit=limit, multiline=True)
+
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "skip": "dim",
                 "not-run": "dim"}
 VERDICT_STYLE = {"healthy": "bold green", "failed": "bold red", "error": "bold magenta"}
 
 
 def display_path(path: str) -> str:
+    """`path` relative to the working directory when that is shorter to read (as it is, not
+    made inert: the callers that print it do that)."""
+    path = "" if path is None else str(path)
     try:
         rel = os.path.relpath(path)
     except ValueError:
@@ -24,22 +45,37 @@ def display_path(path: str) -> str:
     return rel if not rel.startswith(".." + os.sep + "..") else path
 
 
+def _where(loc: Any) -> str:
+    """`file:line` of a record's location, safe to print."""
+    if not isinstance(loc, dict):
+        return _one(loc)
+    return f"{_one(display_path(loc.get('file')))}:{_one(loc.get('line'))}"
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, list):
         return "[" + ", ".join(_fmt(v) for v in value[:8]) + (", ..." if len(value) > 8 else "") + "]"
-    return str(value)
+    return _one(value)
+
+
+def _seconds(value: Any) -> str:
+    try:
+        return f"{float(value or 0):.2f}s"
+    except (TypeError, ValueError):
+        return _one(value)
 
 
 def render(record: dict[str, Any], console: Console) -> None:
     verdict = record.get("verdict", "error")
     head = Text()
     head.append("ampdoctor ", style="bold")
-    head.append(f"{record.get('name', '')}  ")
-    head.append(verdict.upper(), style=VERDICT_STYLE.get(verdict, "bold"))
+    head.append(f"{_one(record.get('name', ''))}  ")
+    head.append(_one(verdict).upper(),
+                style=VERDICT_STYLE.get(verdict, "bold") if isinstance(verdict, str) else "bold")
     device = record.get("device", "unknown")
-    head.append(f"   device: {device}")
+    head.append(f"   device: {_one(device)}")
     if device == "cpu":
         head.append(" (no CUDA: every rung ran on the CPU)", style="dim")
     console.print(head)
@@ -47,8 +83,8 @@ def render(record: dict[str, Any], console: Console) -> None:
     if record.get("error") and not record.get("rungs"):
         err = record["error"]
         loc = err.get("location")
-        where = f"\n  at {display_path(loc['file'])}:{loc['line']}" if loc else ""
-        text = Text.assemble(("error: ", "bold magenta"), f"{err.get('message')}{where}")
+        where = f"\n  at {_where(loc)}" if loc else ""
+        text = Text.assemble(("error: ", "bold magenta"), f"{_many(err.get('message'))}{where}")
         if (err.get("source") or {}).get("lines"):
             text.append("\n")
             _source_lines(text, err["source"])
@@ -63,14 +99,17 @@ def render(record: dict[str, Any], console: Console) -> None:
     for rung in record.get("rungs", []):
         status = rung.get("status", "")
         # every value from the record is text, never rich markup ("[/]" in a message)
-        table.add_row(Text(rung.get("id", "")), Text(status, style=STATUS_STYLE.get(status, "")),
-                      f"{rung.get('seconds', 0):.2f}s", Text(rung.get("summary", "")))
+        table.add_row(Text(_one(rung.get("id", ""))),
+                      Text(_one(status), style=STATUS_STYLE.get(status, "")
+                           if isinstance(status, str) else ""),
+                      _seconds(rung.get("seconds", 0)),
+                      Text(_many(rung.get("summary", ""))))
     console.print(table)
 
     for finding in record.get("findings", []):
         console.print(_finding_panel(finding))
     for note in record.get("notes", []):
-        console.print(Text(f"note: {note}", style="dim"))
+        console.print(Text(f"note: {_many(note)}", style="dim"))
     if verdict == "healthy" and not record.get("findings"):
         console.print("[green]No finding: accumulation and mixed precision match the fp32 "
                       "reference on every rung that ran.[/]")
@@ -80,44 +119,53 @@ def _finding_panel(finding: dict[str, Any]) -> Panel:
     severity = finding.get("severity", "error")
     style = "red" if severity == "error" else "yellow"
     body = Text()
-    body.append(finding.get("message", "") + "\n")
+    body.append(_many(finding.get("message", "")) + "\n")
     loc = finding.get("location")
     if loc:
         body.append("\n  at ", style="dim")
-        body.append(f"{display_path(loc['file'])}:{loc['line']}", style="bold")
+        body.append(_where(loc), style="bold")
         source = finding.get("source") or {}
-        if source.get("lines"):
+        if isinstance(source, dict) and source.get("lines"):
             body.append("\n")
             _source_lines(body, source)
-        elif loc.get("code"):
-            body.append(f"    {loc['code']}", style="cyan")
+        elif isinstance(loc, dict) and loc.get("code"):
+            body.append(f"    {_one(loc['code'])}", style="cyan")
         body.append("\n")
     evidence = finding.get("evidence") or {}
-    if evidence:
+    if isinstance(evidence, dict) and evidence:
         body.append("\n  evidence: ", style="dim")
         keys = ["measured", "expected", "tolerance"] + [k for k in evidence if k not in
                                                         ("measured", "expected", "tolerance")]
-        body.append(", ".join(f"{k}={_fmt(evidence[k])}" for k in keys if k in evidence))
+        body.append(", ".join(f"{_one(k)}={_fmt(evidence[k])}" for k in keys if k in evidence))
         body.append("\n")
     if finding.get("fix"):
         body.append("\n  fix: ", style="bold green")
-        body.append(finding["fix"])
-    title = Text(f"{severity}: {finding.get('kind')} [{finding.get('rung')}] "
-                 f"{finding.get('title', '')}")
+        body.append(_many(finding["fix"]))
+    title = Text(f"{_one(severity)}: {_one(finding.get('kind'))} [{_one(finding.get('rung'))}] "
+                 f"{_one(finding.get('title', ''))}")
     return Panel(body, title=title, title_align="left", border_style=style, expand=False)
 
 
 def error_text(message: str, location: tuple[str, int] | None = None) -> str:
-    where = f"\n  at {display_path(location[0])}:{location[1]}" if location else ""
-    return f"{message}{where}"
+    """An error's message and where, safe to print (as text: not rich markup)."""
+    where = (f"\n  at {_one(display_path(location[0]))}:{_one(location[1])}"
+             if location else "")
+    return f"{_many(message)}{where}"
 
 
 def _source_lines(body: Text, source: dict[str, Any]) -> None:
     """The user's lines around the finding, the offending one marked (text, never markup)."""
-    start, hit = int(source.get("start") or 1), int(source.get("line") or 0)
-    for offset, line in enumerate(source.get("lines") or []):
+    try:
+        start, hit = int(source.get("start") or 1), int(source.get("line") or 0)
+    except (TypeError, ValueError):     # a hand-edited record
+        start, hit = 1, 0
+    lines = source.get("lines") or []
+    if not isinstance(lines, list):
+        lines = [lines]
+    for offset, line in enumerate(lines):
         number = start + offset
         mark = ">" if number == hit else " "
         body.append(f"  {mark}{number:5d} | ", style="dim")
-        body.append(str(line) + ("\n" if offset < len(source["lines"]) - 1 else ""),
+        # tabs stay (indentation); any other control is shown
+        body.append(_many(line, FIELD_LIMIT) + ("\n" if offset < len(lines) - 1 else ""),
                     style="bold cyan" if number == hit else "")

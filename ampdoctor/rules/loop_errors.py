@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 
-from ..errors import format_traceback
+from ..errors import exc_text, format_traceback, safe_repr, safe_str
 from ..findings import Finding, location
 from ..probe.events import Event
 from ..session import Trace
@@ -23,8 +23,10 @@ KNOWN_TORCH_ERRORS = (
 def loop_error_finding(trace: Trace, rung: str) -> Finding:
     exc = trace.error
     assert exc is not None
-    text = f"{type(exc).__name__}: {exc}"
-    if "unscale_()" in str(exc) and update_missing(trace):
+    # the user's exception, quoted: never raising (a __str__ that raises), cut to MESSAGE_LIMIT
+    text = exc_text(exc)
+    whole = safe_str(exc)
+    if "unscale_()" in whole and update_missing(trace):
         steps = trace.of_kind("scaler_step")
         updates = trace.of_kind("update")
         # Point at the update() that exists but was skipped on this path, else at the step.
@@ -39,7 +41,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                                  "measured": len(updates), "expected": len(steps) or 1},
                        location=location(site))
     for fragment, kind in KNOWN_TORCH_ERRORS:
-        if fragment in str(exc):
+        if fragment in whole:
             refused = [e for e in trace.of_kind("unscale") if e.error is not None]
             site = refused[-1].site if refused else trace.error_site
             earlier = [e for e in trace.of_kind("unscale") if e.error is None
@@ -58,7 +60,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                            f"the scale twice.{also}",
                            evidence=evidence, location=location(site))
     if isinstance(exc, SystemExit):
-        text = f"sys.exit({exc.code!r})"
+        text = f"sys.exit({safe_repr(exc.code)})"
         return Finding(rung, "loop-error", "error",
                        f"The loop called {text} in the {trace.precision} run: it must return "
                        "to its caller (ampdoctor runs it several times in one process), so its "

@@ -6,6 +6,11 @@ every loss-scale owner, links the files that run together, and returns a `ScanRe
 findings are `double-scaling` errors (two owners on one training path) or a warning (owners of
 different kinds in separate entry points). See docs/scan.md.
 
+Only regular files are read (symlinks to them included): a FIFO, a socket or a device, given as a
+path or met in a folder, is listed under `skipped` as "not a regular file (FIFO)" (with
+`file_type`) and never opened; a file is opened non-blocking and checked again on its
+descriptor, so that no scan can wait on a pipe.
+
 Nothing in this package imports torch.
 """
 
@@ -17,6 +22,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from ampdoctor.safetext import FIELD_LIMIT, exc_text, safe_str
 from ampdoctor.scan.configs import scan_config, scan_shell
 from ampdoctor.scan.graph import Graph
 from ampdoctor.scan.python_ast import scan_python
@@ -57,7 +63,30 @@ def _file_type(path: str) -> str | None:
     return None
 
 
-def _walk(root: str) -> Iterable[tuple[str, int]]:
+def file_kind(mode: int) -> str:
+    """What a file that is not a regular file is, for the skip note."""
+    if stat.S_ISFIFO(mode):
+        return "FIFO"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode):
+        return "character device"
+    if stat.S_ISBLK(mode):
+        return "block device"
+    if stat.S_ISDIR(mode):
+        return "folder"
+    return "special file"
+
+
+def not_regular(mode: int) -> str:
+    """The skip reason of a path that is not a regular file (a FIFO would block a read)."""
+    return f"not a regular file ({file_kind(mode)})"
+
+
+def _walk(root: str) -> Iterable[tuple[str, int, int]]:
+    """(path, size, mode) of each file of a searched type under `root`, regular or not (a FIFO,
+    a socket, a device: the caller skips it, never opens it). Symlinks are followed for files;
+    symlinked folders are not entered."""
     stack = [root]
     while stack:
         folder = stack.pop()
@@ -75,24 +104,73 @@ def _walk(root: str) -> Iterable[tuple[str, int]]:
                 if entry.is_dir(follow_symlinks=False):
                     if name not in SKIP_DIRS and not name.endswith(".egg-info"):
                         subdirs.append(entry.path)
-                elif name.endswith(_EXTS) and entry.is_file():
-                    yield entry.path, entry.stat().st_size
+                elif name.endswith(_EXTS):
+                    info = entry.stat()          # follows a symlink; never opens the file
+                    if not stat.S_ISDIR(info.st_mode):
+                        yield entry.path, info.st_size, info.st_mode
             except OSError:
                 continue
         stack.extend(sorted(subdirs, reverse=True))
 
 
-def _read(scan: FileScan, size: int | None = None) -> None:
+#: Flags for reading a scanned file: never blocking (a FIFO swapped in after the stat opens at
+#: once instead of waiting for a writer), never becoming the controlling terminal.
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+               | getattr(os, "O_BINARY", 0))
+
+
+class _NotRegular(OSError):
+    def __init__(self, mode: int) -> None:
+        super().__init__(not_regular(mode))
+        self.mode = mode
+
+
+def read_regular(path: str, max_bytes: int) -> bytes | None:
+    """The bytes of `path` when it is a regular file of at most `max_bytes` (None when larger).
+    Raises `OSError` when it cannot be read, or when it is not a regular file (a FIFO, a socket,
+    a device: checked before opening, and again on the open descriptor, which is opened
+    non-blocking, so that a read can never wait)."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise _NotRegular(mode)
+    fd = os.open(path, _OPEN_FLAGS)
     try:
-        if size is None:
-            size = os.stat(scan.path).st_size
-        if size > MAX_BYTES:
-            scan.skipped = f"larger than {MAX_BYTES // (1024 * 1024)} MiB, not read"
-            return
-        with open(scan.path, "rb") as handle:
-            data = handle.read()
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _NotRegular(info.st_mode)
+        if info.st_size > max_bytes:
+            return None
+        chunks = []
+        left = max_bytes + 1
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    return None if len(data) > max_bytes else data
+
+
+def _read(scan: FileScan, size: int | None = None) -> None:
+    if scan.skipped:
+        return
+    if size is not None and size > MAX_BYTES:
+        scan.skipped = f"larger than {MAX_BYTES // (1024 * 1024)} MiB, not read"
+        return
+    try:
+        data = read_regular(scan.path, MAX_BYTES)
+    except _NotRegular as exc:
+        scan.skipped = not_regular(exc.mode)
+        scan.file_type = file_kind(exc.mode)
+        return
     except OSError as exc:
-        scan.skipped = f"cannot be read: {exc.strerror or exc}"
+        scan.skipped = f"cannot be read: {safe_str(exc.strerror or exc)}"
+        return
+    if data is None:
+        scan.skipped = f"larger than {MAX_BYTES // (1024 * 1024)} MiB, not read"
         return
     try:
         if scan.type == "python":
@@ -104,7 +182,7 @@ def _read(scan: FileScan, size: int | None = None) -> None:
     except RecursionError:
         scan.skipped = "nested too deeply to analyse"
     except Exception as exc:  # a file the analysers do not expect must not stop the scan
-        scan.skipped = f"could not be analysed ({type(exc).__name__}: {exc})"
+        scan.skipped = f"could not be analysed ({exc_text(exc, FIELD_LIMIT)})"
 
 
 def _runtime_site(runtime_owner: dict[str, Any]) -> Site:
@@ -180,14 +258,24 @@ def scan_paths(
             raise ScanPathError(f"path does not exist: {raw}") from None
         if stat.S_ISDIR(mode):
             roots.append(path)
-            for file, size in _walk(path):
+            for file, size, fmode in _walk(path):
                 if file not in scans:
                     scans[file] = FileScan(path=file, type=_file_type(file) or "python", root=path)
                     sizes[file] = size
+                    if not stat.S_ISREG(fmode):     # never opened: a FIFO would block the read
+                        scans[file].skipped = not_regular(fmode)
+                        scans[file].file_type = file_kind(fmode)
         else:
             folder = os.path.dirname(path)
             if folder not in roots:
                 roots.append(folder)
+            if not stat.S_ISREG(mode):
+                # a FIFO, a socket, a device: reading it could block forever, or never end
+                if path not in scans:
+                    scans[path] = FileScan(path=path, type=_file_type(path) or "python",
+                                           root=folder, skipped=not_regular(mode),
+                                           file_type=file_kind(mode))
+                continue
             ftype = _file_type(path)
             if ftype is None:
                 report.skipped.append(
@@ -234,7 +322,8 @@ def scan_paths(
     report.groups = decision.groups
     report.findings = decision.findings
     report.skipped.extend(
-        {"file": s.path, "reason": s.skipped} for s in sorted(scans.values(), key=lambda s: s.path)
+        {"file": s.path, "reason": s.skipped, **({"file_type": s.file_type} if s.file_type else {})}
+        for s in sorted(scans.values(), key=lambda s: s.path)
         if s.skipped
     )
     report.seconds = time.perf_counter() - started

@@ -16,13 +16,20 @@ import traceback
 FORMATS = ("text", "json", "sarif")
 
 
+def _say(text: str) -> None:
+    """One line on stderr, its user text (paths, messages) already made inert."""
+    print(text, file=sys.stderr)
+
+
 def _summary_line(report) -> str:
+    from ampdoctor.safetext import inert
     from ampdoctor.scan.sites import display_path
 
     parts = [f"{len(report.owners)} loss-scale owner(s)"]
     for finding in report.findings:
         loc = finding.location
-        where = f"{display_path(loc.file, report.display_base)}:{loc.line}" if loc else ""
+        where = (inert(f"{display_path(loc.file, report.display_base)}:{loc.line}",
+                       multiline=False) if loc else "")
         parts.append(f"{finding.severity} {finding.kind} at {where}")
     return "; ".join(parts)
 
@@ -35,13 +42,14 @@ def run_scan(
     debug: bool = False,
 ) -> int:
     """Scan `paths`, print the report (text, JSON or SARIF), return the exit code."""
+    from ampdoctor.safetext import FIELD_LIMIT, exc_text, inert, safe_str
     from ampdoctor.scan import ScanPathError, scan_paths
     from ampdoctor.scan.render import render_text, to_json, to_sarif
 
     fmt = "json" if as_json else (fmt or "text").lower()
     if fmt not in FORMATS:
-        print(f"ampdoctor scan: unknown format {fmt!r} (use one of {', '.join(FORMATS)})",
-              file=sys.stderr)
+        _say(f"ampdoctor scan: unknown format {inert(repr(fmt), limit=FIELD_LIMIT)} "
+             f"(use one of {', '.join(FORMATS)})")
         return 2
     if not paths:
         print("ampdoctor scan: give at least one PATH (a file or a folder)", file=sys.stderr)
@@ -49,13 +57,13 @@ def run_scan(
     try:
         report = scan_paths(paths, display_base=os.getcwd())
     except ScanPathError as exc:
-        print(f"ampdoctor scan: {exc}", file=sys.stderr)
+        _say(f"ampdoctor scan: {inert(safe_str(exc), limit=FIELD_LIMIT, multiline=False)}")
         return 2
     except Exception as exc:  # a bug in the scan itself, not in the user's code
         if debug:
             traceback.print_exc()
-        print(f"ampdoctor scan: internal error: {type(exc).__name__}: {exc} "
-              "(run with --debug for the traceback)", file=sys.stderr)
+        _say(f"ampdoctor scan: internal error: {inert(exc_text(exc), multiline=False)} "
+             "(run with --debug for the traceback)")
         return 2
     if debug:
         print(f"ampdoctor scan: {report.files_scanned} files in {report.seconds:.3f} s, "
@@ -69,9 +77,10 @@ def run_scan(
                 else:
                     handle.write(to_json(report) if fmt == "json" else to_sarif(report))
         except OSError as exc:
-            print(f"ampdoctor scan: cannot write {output}: {exc.strerror or exc}", file=sys.stderr)
+            _say(f"ampdoctor scan: cannot write {inert(output, multiline=False)}: "
+                 f"{inert(safe_str(exc.strerror or exc), multiline=False)}")
             return 2
-        print(f"ampdoctor scan: {_summary_line(report)}; wrote {output}", file=sys.stderr)
+        _say(f"ampdoctor scan: {_summary_line(report)}; wrote {inert(output, multiline=False)}")
     elif fmt == "text":
         render_text(report)
     else:

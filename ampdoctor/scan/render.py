@@ -1,4 +1,13 @@
-"""Renderings of a `ScanReport`: rich terminal text, JSON, SARIF 2.1.0."""
+"""Renderings of a `ScanReport`: rich terminal text, JSON, SARIF 2.1.0.
+
+Scanned file names, config keys and the messages quoting them are the user's world: in the
+terminal every one goes through `safetext.inert` (no ESC, OSC, C1, CR or bidi override reaches
+it raw) and `rich.markup.escape`. JSON and SARIF are written with `ensure_ascii` (no raw
+control or non-ASCII byte at all) and their text fields (messages, details, reasons) are made
+inert too, for the viewers that show them; a JSON `file` (and `paths`, `entry`, `entries`)
+stays the exact path, for the tools that open it; a SARIF `uri` is percent-encoded
+(RFC 3986: a space, `#`, `%`, `?`, a control or non-ASCII character never appears raw).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +15,39 @@ import json
 import os
 from pathlib import Path
 from typing import IO, Any
+from urllib.parse import quote_from_bytes
 
 from ampdoctor.findings import CATALOGUE
+from ampdoctor.safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
 from ampdoctor.scan.sites import ScanReport, Site, display_path
+
+#: JSON fields that hold a path (kept exact, JSON-escaped); every other string is made inert.
+PATH_KEYS = frozenset({"file", "paths", "entry", "entries", "scan_paths"})
+
+
+def _one(value: Any) -> str:
+    """One line of user text for the terminal (then markup-escaped by the caller)."""
+    return inert(value, limit=FIELD_LIMIT, multiline=False)
+
+
+def _inert_json(value: Any, key: str | None = None) -> Any:
+    """The report's dict with its text made inert, its paths (`PATH_KEYS`) exact."""
+    if key in PATH_KEYS:
+        return value
+    if isinstance(value, str):
+        return inert(value, limit=MESSAGE_LIMIT)
+    if isinstance(value, dict):
+        return {k: _inert_json(v, k if isinstance(k, str) else None) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_inert_json(v) for v in value]
+    return value
 
 SARIF_SCHEMA = "https://json.schemastore.org/sarif-2.1.0.json"
 INFORMATION_URI = "https://github.com/ampdoctor/ampdoctor/blob/main/docs/scan.md"
 
 
 def to_json(report: ScanReport) -> str:
-    return json.dumps(report.to_dict(), indent=2, default=str) + "\n"
+    return json.dumps(_inert_json(report.to_dict()), indent=2, default=str) + "\n"
 
 
 def render_text(report: ScanReport, file: IO[str] | None = None, color: bool | None = None) -> None:
@@ -34,8 +66,9 @@ def render_text(report: ScanReport, file: IO[str] | None = None, color: bool | N
     def row(site: Site) -> str:
         runtime = " [bold](used by the fp16 run)[/]" if site.runtime else ""
         return (
-            f"  [bold]{escape(site.kind)}[/] at [cyan]{escape(site.where(base))}[/]{runtime}\n"
-            f"      {escape(site.detail)}"
+            f"  [bold]{escape(_one(site.kind))}[/] at [cyan]{escape(_one(site.where(base)))}[/]"
+            f"{runtime}\n"
+            f"      {escape(_one(site.detail))}"
         )
 
     skipped = len(report.skipped)
@@ -56,19 +89,20 @@ def render_text(report: ScanReport, file: IO[str] | None = None, color: bool | N
     if report.skipped:
         console.print("\n[bold]Skipped[/]")
         for item in report.skipped[:20]:
-            console.print(f"  {escape(display_path(item['file'], base))}: {escape(item['reason'])}")
+            console.print(f"  {escape(_one(display_path(item['file'], base)))}: "
+                          f"{escape(_one(item['reason']))}")
         if skipped > 20:
             console.print(f"  ... and {skipped - 20} more (see --json)")
     for finding in report.findings:
         colour = "red" if finding.severity == "error" else "yellow"
         loc = finding.location
-        where = f" at {display_path(loc.file, base)}:{loc.line}" if loc else ""
+        where = f" at {_one(display_path(loc.file, base))}:{_one(loc.line)}" if loc else ""
         console.print(
-            f"\n[bold {colour}]{finding.severity.upper()} {finding.kind}[/]{escape(where)}: "
-            f"{escape(finding.title)}"
+            f"\n[bold {colour}]{escape(_one(finding.severity.upper()))} "
+            f"{escape(_one(finding.kind))}[/]{escape(where)}: {escape(_one(finding.title))}"
         )
-        console.print(f"  {escape(finding.message)}")
-        console.print(f"  [bold]fix[/]: {escape(finding.fix)}")
+        console.print(f"  {escape(inert(finding.message, limit=MESSAGE_LIMIT))}")
+        console.print(f"  [bold]fix[/]: {escape(inert(finding.fix, limit=MESSAGE_LIMIT))}")
     if report.findings:
         verdict = "[red]double scaling[/]" if report.status == "fail" else "[yellow]check the owners[/]"
     elif report.owners:
@@ -79,18 +113,34 @@ def render_text(report: ScanReport, file: IO[str] | None = None, color: bool | N
 
 
 def _uri(path: str, base: str) -> tuple[str, bool]:
+    """A valid URI for `path` (RFC 3986, as SARIF requires): relative to `base` (a relative
+    reference, resolved against `%SRCROOT%`) when under it, else a `file:` URI. Every byte
+    outside the unreserved set and `/` is percent-encoded (space, `#`, `%`, `?`, `:`, controls,
+    non-ASCII as UTF-8; a file name that is not UTF-8 as its own bytes)."""
     rel = display_path(path, base)
     if os.path.isabs(rel):
-        return Path(rel).as_uri(), False
-    return rel.replace(os.sep, "/"), True
+        try:
+            return Path(rel).as_uri(), False
+        except ValueError:   # pragma: no cover - an absolute path as_uri refuses
+            pass
+    return quote_from_bytes(os.fsencode(rel.replace(os.sep, "/")), safe="/"), True
 
 
-def _physical(path: str, line: int | None, base: str) -> dict[str, Any]:
+def _artifact(path: str, base: str) -> dict[str, Any]:
     uri, relative = _uri(path, base)
     artifact: dict[str, Any] = {"uri": uri}
     if relative:
         artifact["uriBaseId"] = "%SRCROOT%"
-    return {"artifactLocation": artifact, "region": {"startLine": int(line or 1)}}
+    return artifact
+
+
+def _physical(path: str, line: int | None, base: str) -> dict[str, Any]:
+    return {"artifactLocation": _artifact(path, base), "region": {"startLine": int(line or 1)}}
+
+
+def _text(value: Any) -> dict[str, str]:
+    """A SARIF message: the text made inert (viewers show it as it is)."""
+    return {"text": inert(value, limit=MESSAGE_LIMIT)}
 
 
 def to_sarif(report: ScanReport) -> str:
@@ -110,7 +160,7 @@ def to_sarif(report: ScanReport) -> str:
                 {
                     "id": index,
                     "physicalLocation": _physical(owner["file"], owner.get("line"), base),
-                    "message": {"text": f"loss-scale owner: {owner['kind']}{key}"},
+                    "message": _text(f"loss-scale owner: {owner['kind']}{key}"),
                 }
             )
         results.append(
@@ -118,7 +168,7 @@ def to_sarif(report: ScanReport) -> str:
                 "ruleId": "double-scaling",
                 "ruleIndex": 0,
                 "level": "error" if finding.severity == "error" else "warning",
-                "message": {"text": finding.message},
+                "message": _text(finding.message),
                 "locations": [
                     {"physicalLocation": _physical(loc.file if loc else owners[0]["file"],
                                                    loc.line if loc else owners[0].get("line"), base)}
@@ -134,8 +184,8 @@ def to_sarif(report: ScanReport) -> str:
     notifications = [
         {
             "level": "note",
-            "message": {"text": f"skipped: {item['reason']}"},
-            "locations": [{"physicalLocation": {"artifactLocation": {"uri": _uri(item["file"], base)[0]}}}],
+            "message": _text(f"skipped: {item['reason']}"),
+            "locations": [{"physicalLocation": {"artifactLocation": _artifact(item["file"], base)}}],
         }
         for item in report.skipped
     ]

@@ -103,6 +103,7 @@ class FileScan:
     consumes: set[str] = field(default_factory=set)
     config_types: set[str] = field(default_factory=set)
     skipped: str | None = None
+    file_type: str | None = None  # "FIFO", "socket"...: skipped as not a regular file
 
 
 @dataclass
