@@ -8,6 +8,7 @@ No torch here: validation must be fast and usable without it.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -307,7 +308,7 @@ def _nested_keys(key: str) -> list[str]:
     return []
 
 
-def load_spec(path: str | Path) -> Spec:
+def load_spec(path: str | os.PathLike[str]) -> Spec:
     """Read and validate a spec file; raise SpecError with a readable paragraph."""
     path = Path(path)
     data, text = read_spec_yaml(path)
@@ -390,7 +391,6 @@ def to_wire(spec: Spec) -> str:
 def from_wire(text: str) -> Spec:
     """The spec `to_wire` sent (a plain path also works: a YAML spec file)."""
     import json
-    import os
 
     if not text.lstrip().startswith("{"):
         return load_spec(text)
