@@ -38,6 +38,8 @@ class AmpdoctorError(Exception):
     """Base class: `message` is what the CLI prints; `exit_code` what it returns."""
 
     exit_code = 1
+    #: the traceback text of an error raised in the process that ran the loop (`--debug`)
+    remote_traceback: str | None = None
 
     def __init__(self, message: str, *, cause: BaseException | None = None):
         message = cut(safe_str(message), ERROR_LIMIT)

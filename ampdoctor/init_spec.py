@@ -56,6 +56,7 @@ def _constant(node: ast.AST | None) -> float | None:
 
 
 def inspect_file(path: Path) -> Found:
+    """What the file's AST offers for each spec key (the file is parsed, never run)."""
     try:
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     except (OSError, UnicodeDecodeError) as exc:
@@ -64,8 +65,17 @@ def inspect_file(path: Path) -> Found:
         raise UsageError(f"{path}:{exc.lineno}: not valid Python ({exc.msg}); init reads the "
                          "file's functions without running it.") from exc
     found = Found(module=path.stem)
+    _find_functions(found, tree)
+    if found.model is None:
+        _find_model_class(found, tree)
+    for node in ast.walk(tree):
+        _find_setting(found, node)
+    return found
+
+
+def _find_functions(found: Found, tree: ast.Module) -> None:
+    """The loop, model, data, loss and optimizer functions, by their parameters and names."""
     functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
     for fn in functions:
         params, name = _params(fn), fn.name.lower()
         if found.train_loop is None and len(params) >= 4 and _required(fn) <= 4 and (
@@ -81,42 +91,52 @@ def inspect_file(path: Path) -> Found:
             found.loss = fn.name
         elif found.optimizer is None and _required(fn) == 1 and "optim" in name:
             found.optimizer = fn.name
-    if found.model is None:
-        for cls in classes:
-            init = next((n for n in cls.body if isinstance(n, ast.FunctionDef)
-                         and n.name == "__init__"), None)
-            if _is_module_class(cls) and (init is None or _required(init) <= 1):
-                found.model = cls.name
-                break
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            value = _constant(node.value)
-            for target in targets:
-                name = getattr(target, "id", None) or getattr(target, "attr", None)
-                if value is None or name is None:
-                    continue
-                name = name.lower()
-                if name in K_NAMES and found.accumulation_steps is None and value >= 1 \
-                        and float(value).is_integer():
-                    found.accumulation_steps = int(value)
-                if name in CLIP_NAMES and found.max_grad_norm is None and value > 0:
-                    found.max_grad_norm = float(value)
-        elif isinstance(node, ast.Call):
-            callee = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
-            if callee == "clip_grad_norm_" and found.max_grad_norm is None:
-                value = _constant(node.args[1] if len(node.args) > 1 else next(
-                    (k.value for k in node.keywords if k.arg == "max_norm"), None))
-                if value is not None and value > 0:
-                    found.max_grad_norm = float(value)
-        elif isinstance(node, ast.Attribute) and node.attr in ("float16", "half"):
-            found.uses_fp16 = True
-        elif isinstance(node, ast.Attribute) and node.attr == "bfloat16":
-            found.uses_bf16 = True
-        if isinstance(node, ast.Name) and node.id == "GradScaler" or \
-                isinstance(node, ast.Attribute) and node.attr == "GradScaler":
-            found.uses_fp16 = True
-    return found
+
+
+def _find_model_class(found: Found, tree: ast.Module) -> None:
+    """An nn.Module class built with no arguments, as the model factory."""
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        init = next((n for n in cls.body if isinstance(n, ast.FunctionDef)
+                     and n.name == "__init__"), None)
+        if _is_module_class(cls) and (init is None or _required(init) <= 1):
+            found.model = cls.name
+            break
+
+
+def _find_setting(found: Found, node: ast.AST) -> None:
+    """K and the clip threshold from an assignment or a clip call; the precisions named."""
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        _find_assigned(found, node)
+    elif isinstance(node, ast.Call):
+        callee = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
+        if callee == "clip_grad_norm_" and found.max_grad_norm is None:
+            value = _constant(node.args[1] if len(node.args) > 1 else next(
+                (k.value for k in node.keywords if k.arg == "max_norm"), None))
+            if value is not None and value > 0:
+                found.max_grad_norm = float(value)
+    elif isinstance(node, ast.Attribute) and node.attr in ("float16", "half"):
+        found.uses_fp16 = True
+    elif isinstance(node, ast.Attribute) and node.attr == "bfloat16":
+        found.uses_bf16 = True
+    if isinstance(node, ast.Name) and node.id == "GradScaler" or \
+            isinstance(node, ast.Attribute) and node.attr == "GradScaler":
+        found.uses_fp16 = True
+
+
+def _find_assigned(found: Found, node: ast.Assign | ast.AnnAssign) -> None:
+    """`accumulation_steps = 8`, `max_grad_norm = 1.0` and their usual other names."""
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    value = _constant(node.value)
+    for target in targets:
+        named = getattr(target, "id", None) or getattr(target, "attr", None)
+        if value is None or named is None:
+            continue
+        name = named.lower()
+        if name in K_NAMES and found.accumulation_steps is None and value >= 1 \
+                and float(value).is_integer():
+            found.accumulation_steps = int(value)
+        if name in CLIP_NAMES and found.max_grad_norm is None and value > 0:
+            found.max_grad_norm = float(value)
 
 
 def starter_spec(found: Found | None, project_root: str) -> str:
@@ -131,18 +151,21 @@ def starter_spec(found: Found | None, project_root: str) -> str:
 
     f = found
     k = f.accumulation_steps if f and f.accumulation_steps else 4
+    model, data, loop = (f.model, f.data, f.train_loop) if f else (None, None, None)
     lines = [
         "# ampdoctor spec: what to run, and how much of it.",
-        "# Check it with `ampdoctor diagnose THIS_FILE`; every key: docs/spec.md in ampdoctor's repo.",
+        "# Check it with `ampdoctor diagnose THIS_FILE`; every key: docs/spec.md in "
+        "ampdoctor's repo.",
         "# Completion in editors: `ampdoctor schema > ampdoctor.schema.json`, then keep this line:",
         "# yaml-language-server: $schema=ampdoctor.schema.json",
         f"name: {f.module if f else 'my-run'}",
-        f"project_root: {project_root}          # put first on sys.path; paths are relative to this file",
-        f"model: {ref(f and f.model, 'models:make_model')}{todo(f and f.model)}"
+        f"project_root: {project_root}          # put first on sys.path; paths are relative to "
+        "this file",
+        f"model: {ref(model, 'models:make_model')}{todo(model)}"
         "   # () -> nn.Module; ampdoctor seeds before each call",
-        f"data: {ref(f and f.data, 'data:triage_slice')}{todo(f and f.data)}"
+        f"data: {ref(data, 'data:triage_slice')}{todo(data)}"
         "   # () -> (x, y) tensors cut into micro-batches, or a list of micro-batches",
-        f"train_loop: {ref(f and f.train_loop, 'train:train_loop')}{todo(f and f.train_loop)}"
+        f"train_loop: {ref(loop, 'train:train_loop')}{todo(loop)}"
         "   # (model, optimizer, micro_batches, run): your loop, switched by run.precision",
     ]
     if f and f.loss:
@@ -164,7 +187,8 @@ def starter_spec(found: Found | None, project_root: str) -> str:
         "optimizer_steps: 3   # optimizer steps per run",
     ]
     if f and f.max_grad_norm:
-        lines.append(f"max_grad_norm: {f.max_grad_norm}   # handed to the loop as run.max_grad_norm")
+        lines.append(f"max_grad_norm: {f.max_grad_norm}   # handed to the loop as "
+                     "run.max_grad_norm")
     else:
         lines.append("# max_grad_norm: 1.0   # handed to the loop as run.max_grad_norm")
     # all three unless the file only ever names bf16 (a bf16 pipeline has no fp16 rungs)

@@ -16,13 +16,15 @@ limit, the working directory, signal handlers, warning filters, `sys.stdout`/`sy
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 #: The autocast device types whose state is kept (those this torch knows).
 AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
@@ -75,6 +77,60 @@ def _set_autocast(torch: Any, state: dict[str, Any]) -> None:
             torch.clear_autocast_cache()
 
 
+def _take_interpreter(values: dict[str, Any], want: Callable[[str], bool]) -> None:
+    """The interpreter's settings a run can change, into `values`."""
+    if want("sys_path"):
+        values["sys_path"] = list(sys.path)
+    if want("recursion_limit"):
+        values["recursion_limit"] = sys.getrecursionlimit()
+    if want("cwd"):
+        with contextlib.suppress(OSError):   # a working directory deleted under the process
+            values["cwd"] = os.getcwd()
+    if want("signals") and threading.current_thread() is threading.main_thread():
+        values["signals"] = {s: signal.getsignal(s) for s in SIGNALS}
+    if want("warnings"):
+        values["warnings"] = list(warnings.filters)
+    if want("streams"):
+        values["streams"] = (sys.stdout, sys.stderr, sys.stdin)
+    if want("python_rng"):
+        import random
+        values["python_rng"] = random.getstate()
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            values["numpy_rng"] = numpy.random.get_state()
+
+
+def _take_torch(values: dict[str, Any], want: Callable[[str], bool], torch: Any) -> None:
+    """Torch's process-wide settings a run can change, into `values`."""
+    if want("grad_mode"):
+        values["grad_mode"] = torch.is_grad_enabled()
+    if want("autocast"):
+        values["autocast"] = _autocast_state(torch)
+    if want("anomaly"):
+        values["anomaly"] = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
+    if want("deterministic"):
+        values["deterministic"] = (torch.are_deterministic_algorithms_enabled(),
+                                   torch.is_deterministic_algorithms_warn_only_enabled())
+    if want("threads"):
+        values["threads"] = torch.get_num_threads()
+    if want("default_dtype"):
+        values["default_dtype"] = torch.get_default_dtype()
+    if want("matmul_precision"):
+        values["matmul_precision"] = torch.get_float32_matmul_precision()
+    if want("cudnn"):
+        values["cudnn"] = (torch.backends.cudnn.benchmark,
+                           torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled)
+    if want("module_hooks"):
+        from torch.nn.modules import module
+        values["module_hooks"] = {name: dict(getattr(module, name)) for name in
+                                  MODULE_HOOKS if isinstance(getattr(module, name, None),
+                                                             dict)}
+    if want("torch_rng"):
+        values["torch_rng"] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            values["cuda_rng"] = torch.cuda.get_rng_state_all()
+
+
 @dataclass
 class ProcessState:
     values: dict[str, Any] = field(default_factory=dict)
@@ -88,57 +144,11 @@ class ProcessState:
         def want(name: str) -> bool:
             return scope is None or name in scope
 
-        if want("sys_path"):
-            values["sys_path"] = list(sys.path)
-        if want("recursion_limit"):
-            values["recursion_limit"] = sys.getrecursionlimit()
-        if want("cwd"):
-            try:
-                values["cwd"] = os.getcwd()
-            except OSError:
-                pass
-        if want("signals") and threading.current_thread() is threading.main_thread():
-            values["signals"] = {s: signal.getsignal(s) for s in SIGNALS}
-        if want("warnings"):
-            values["warnings"] = list(warnings.filters)
-        if want("streams"):
-            values["streams"] = (sys.stdout, sys.stderr, sys.stdin)
-        if want("python_rng"):
-            import random
-            values["python_rng"] = random.getstate()
-            numpy = sys.modules.get("numpy")
-            if numpy is not None:
-                values["numpy_rng"] = numpy.random.get_state()
+        _take_interpreter(values, want)
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "is_grad_enabled"):
             return cls(values)
-        if want("grad_mode"):
-            values["grad_mode"] = torch.is_grad_enabled()
-        if want("autocast"):
-            values["autocast"] = _autocast_state(torch)
-        if want("anomaly"):
-            values["anomaly"] = (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled())
-        if want("deterministic"):
-            values["deterministic"] = (torch.are_deterministic_algorithms_enabled(),
-                                       torch.is_deterministic_algorithms_warn_only_enabled())
-        if want("threads"):
-            values["threads"] = torch.get_num_threads()
-        if want("default_dtype"):
-            values["default_dtype"] = torch.get_default_dtype()
-        if want("matmul_precision"):
-            values["matmul_precision"] = torch.get_float32_matmul_precision()
-        if want("cudnn"):
-            values["cudnn"] = (torch.backends.cudnn.benchmark,
-                               torch.backends.cudnn.deterministic, torch.backends.cudnn.enabled)
-        if want("module_hooks"):
-            from torch.nn.modules import module
-            values["module_hooks"] = {name: dict(getattr(module, name)) for name in
-                                      MODULE_HOOKS if isinstance(getattr(module, name, None),
-                                                                 dict)}
-        if want("torch_rng"):
-            values["torch_rng"] = torch.get_rng_state()
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                values["cuda_rng"] = torch.cuda.get_rng_state_all()
+        _take_torch(values, want, torch)
         return cls(values)
 
     def restore(self) -> list[str]:
@@ -159,7 +169,7 @@ def _same(a: Any, b: Any) -> bool:
     if torch is not None and isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
     if isinstance(a, list) and a and torch is not None and isinstance(a[0], torch.Tensor):
-        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, tuple) and len(a) == 5 and a and a[0] == "MT19937":   # numpy's RNG
         return a[0] == b[0] and bool((a[1] == b[1]).all()) and a[2:] == b[2:]
     if isinstance(a, dict) and isinstance(b, dict):
@@ -191,6 +201,11 @@ def _set_hooks(hooks: dict[str, dict]) -> None:
         current.update(saved)
 
 
+def _set_warning_filters(filters: list[Any]) -> None:
+    # a list at run time (typeshed declares it a Sequence)
+    cast("list[Any]", warnings.filters)[:] = filters
+
+
 def _set_streams(streams: tuple) -> None:
     sys.stdout, sys.stderr, sys.stdin = streams
 
@@ -218,7 +233,7 @@ _RESTORE: dict[str, Any] = {
     "recursion_limit": sys.setrecursionlimit,
     "cwd": os.chdir,
     "signals": _set_signals,
-    "warnings": lambda v: warnings.filters.__setitem__(slice(None), v),
+    "warnings": _set_warning_filters,
     "streams": _set_streams,
     "python_rng": _set_python_rng,
     "numpy_rng": _set_numpy_rng,

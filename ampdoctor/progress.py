@@ -4,6 +4,7 @@ optimizer step of the run in progress. The probe reports each optimizer step it 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -50,7 +51,5 @@ def _emit(**fields: Any) -> None:
         return
     event = {"rung": _state.get("rung"), **fields,
              "elapsed_s": round(time.monotonic() - _state.get("started", time.monotonic()), 1)}
-    try:
+    with contextlib.suppress(Exception):   # a broken progress display never stops a diagnose
         _listener(event)
-    except Exception:  # noqa: BLE001 - a broken progress display never stops a diagnose
-        pass

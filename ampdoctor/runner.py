@@ -243,7 +243,7 @@ def error_record(spec: Spec | None, exc: AmpdoctorError, device: str = "unknown"
     """A record for a run that could not start (bad spec is not recorded; user code is)."""
     if device == "unknown" and spec is not None:
         device = spec.device
-    record = new_record(spec, device) if spec is not None else {
+    record: dict[str, Any] = new_record(spec, device) if spec is not None else {
         "record_version": 1, "ampdoctor_version": __version__, "verdict": "error"}
     record["verdict"] = "error"
     record["error"] = {"type": type(exc).__name__, "message": exc.message,

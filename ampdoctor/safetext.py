@@ -85,8 +85,10 @@ def safe_str(obj: Any) -> str:
     if type(obj) is str:
         return obj
     try:
-        # what str() calls, so that a non-str result is named rather than a TypeError
-        text = type(obj).__str__(obj)
+        # what str() calls, so that a non-str result is named rather than a TypeError (the
+        # class's function, unbound: typed Any, as mypy reads `type(obj).__str__` as bound)
+        to_str: Any = type(obj).__str__
+        text = to_str(obj)
     except BaseException as exc:  # anything the user's __str__ does
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise

@@ -8,21 +8,29 @@ No torch here: validation must be fast and usable without it.
 from __future__ import annotations
 
 import difflib
-import functools
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from . import limits
 from .errors import SpecError
+from .spec_yaml import read_spec_yaml, top_level_lines
 
 CALLABLE_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 PRECISIONS = ("fp32", "bf16", "fp16")
+Precision = Literal["fp32", "bf16", "fp16"]
 
 
 class CodeRef(str):
@@ -50,6 +58,10 @@ def _check_callable(value: str) -> str:
             "(for example 'train:train_loop')"
         )
     return value
+
+
+def _every_precision() -> list[Precision]:
+    return ["fp32", "bf16", "fp16"]
 
 
 class _Strict(BaseModel):
@@ -95,14 +107,13 @@ class Spec(_Strict):
     #: torch.manual_seed takes any 64-bit value; 2**32 - 1 keeps numpy's seeding valid too
     seed: StrictInt = Field(default=0, ge=0, le=2**32 - 1)
     scan: ScanSettings | None = None
-    tolerances: dict[Literal["fp32", "bf16", "fp16"], Tolerance] = Field(default_factory=dict)
+    tolerances: dict[Precision, Tolerance] = Field(default_factory=dict)
     ddp: DDPSettings | None = None
     #: align: every forward of micro-batch i runs under the same RNG state in every run of the
     #: loop and in the reference, so dropout masks match; off: functional dropout runs at p = 0.
     dropout: Literal["align", "off"] = "align"
     #: the precisions the user's training uses; rungs of the others are skipped
-    precisions: list[Literal["fp32", "bf16", "fp16"]] = Field(
-        default_factory=lambda: ["fp32", "bf16", "fp16"], min_length=1)
+    precisions: list[Precision] = Field(default_factory=_every_precision, min_length=1)
     #: the longest one rung may run the loop before ampdoctor stops it (exit 3 naming the rung
     #: and where the loop was); the ddp-sync rung is bounded by ddp.timeout_s instead
     timeout_s: float = Field(default=600.0, gt=0, le=7 * 86400)
@@ -150,7 +161,7 @@ class Spec(_Strict):
         """The object given in code for `key`, or None when the key is a reference string."""
         return self._callables.get(key)
 
-    def with_overrides(self, **overrides: Any) -> "Spec":
+    def with_overrides(self, **overrides: Any) -> Spec:
         """This spec with some keys replaced (the CLI's --steps, --device, ...), validated
         again; SpecError naming the key when a value is not valid."""
         if not overrides:
@@ -223,32 +234,12 @@ class Spec(_Strict):
         return [self.root]
 
 
-# --- YAML with line numbers --------------------------------------------------------------
-
-@functools.lru_cache(maxsize=8)
-def _top_level_lines(text: str) -> dict[str, int]:
-    """Map each top-level key (and `key.sub` for one level of nesting) to its 1-based line
-    (cached: a spec's text is read for its lines several times; callers do not mutate it)."""
-    lines: dict[str, int] = {}
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-    except yaml.YAMLError:
-        return lines
-    if not isinstance(node, yaml.MappingNode):
-        return lines
-    for key_node, value_node in node.value:
-        key = str(key_node.value)
-        lines[key] = key_node.start_mark.line + 1
-        if isinstance(value_node, yaml.MappingNode):
-            for sub_key, _ in value_node.value:
-                lines[f"{key}.{sub_key.value}"] = sub_key.start_mark.line + 1
-    return lines
-
-
 def _describe_location(loc: tuple[Any, ...], lines: dict[str, int]) -> tuple[str, int | None]:
     parts = [str(p) for p in loc if not isinstance(p, int)]
     # pydantic puts the union branch name ('str', 'OptimizerMapping') in the location.
-    parts = [p for p in parts if p not in {"str", "OptimizerMapping", "function-after[_optimizer(), union[str,OptimizerMapping]]"}
+    parts = [p for p in parts
+             if p not in {"str", "OptimizerMapping",
+                          "function-after[_optimizer(), union[str,OptimizerMapping]]"}
              and not p.startswith("function-")]
     key = ".".join(parts) if parts else "(spec)"
     line = None
@@ -264,40 +255,10 @@ def _paragraph(path: Path, key: str, line: int | None, what: str) -> str:
     return f"{where}: spec key '{key}': {what}"
 
 
-#: A spec is a few hundred bytes; this bounds what a file can make ampdoctor read.
-MAX_SPEC_BYTES = 1024 * 1024
-#: Values (after YAML aliases are expanded) a spec may hold: an alias bomb stops here.
-MAX_SPEC_VALUES = limits.MAX_VALUES
 #: Top-level keys beyond this are not worth a "did you mean" each.
 MAX_SPEC_KEYS = 200
 #: Problems listed in a spec error; the rest are counted.
 MAX_SPEC_ERRORS = 20
-
-
-class SpecLoader(yaml.SafeLoader):
-    """YAML's safe loader, except that a key given twice is an error (the last value would
-    otherwise win in silence)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, Any] = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                first = seen.setdefault(key, key_node)
-            except TypeError:   # an unhashable key: SafeLoader reports it itself
-                continue
-            if first is not key_node:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} is given twice (first on line "
-                    f"{first.start_mark.line + 1})", key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _bounded(data: Any, path: Path) -> None:
-    if limits.exceeds(data, MAX_SPEC_VALUES):
-        raise SpecError(f"{path}: the spec expands to more than {MAX_SPEC_VALUES:,} values "
-                        "(YAML aliases nested in aliases?); a spec names code and a few "
-                        "settings.")
 
 
 def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int]) -> list[str]:
@@ -339,7 +300,7 @@ def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int])
 
 def _nested_keys(key: str) -> list[str]:
     head = key.split(".")[0]
-    nested = {"scan": ScanSettings, "ddp": DDPSettings}
+    nested: dict[str, type[BaseModel]] = {"scan": ScanSettings, "ddp": DDPSettings}
     if head in nested:
         return [k for k in nested[head].model_fields]
     if head == "tolerances":
@@ -347,33 +308,10 @@ def _nested_keys(key: str) -> list[str]:
     return []
 
 
-def load_spec(path: str | Path) -> Spec:
+def load_spec(path: str | os.PathLike[str]) -> Spec:
     """Read and validate a spec file; raise SpecError with a readable paragraph."""
     path = Path(path)
-    if not path.exists():
-        raise SpecError(f"{path}: the spec file does not exist.")
-    if path.is_dir():
-        raise SpecError(f"{path}: is a folder; give the path of a YAML spec file.")
-    if not path.is_file():
-        raise SpecError(f"{path}: is not a regular file (a device or a pipe); give the path of "
-                        "a YAML spec file.")
-    try:
-        with path.open("rb") as fh:
-            raw = fh.read(MAX_SPEC_BYTES + 1)
-        if len(raw) > MAX_SPEC_BYTES:
-            raise SpecError(f"{path}: the spec is over {MAX_SPEC_BYTES // 1024} KiB; a spec "
-                            "names code and a few settings.")
-        text = raw.decode("utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read the spec: {exc}", cause=exc) from exc
-    try:
-        data = yaml.load(text, Loader=SpecLoader)  # noqa: S506 - a SafeLoader
-        _bounded(data, path)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(f"{where}: the spec is not valid YAML: {problem}.", cause=exc) from exc
+    data, text = read_spec_yaml(path)
     if data is None:
         raise SpecError(f"{path}: the spec is empty; it needs at least model, data, train_loop "
                         "and accumulation_steps.")
@@ -383,7 +321,7 @@ def load_spec(path: str | Path) -> Spec:
     if len(data) > MAX_SPEC_KEYS:
         raise SpecError(f"{path}: the spec has {len(data):,} top-level keys; it knows "
                         f"{len(Spec.model_fields) - 1}.")
-    lines = _top_level_lines(text)
+    lines = top_level_lines(text)
     non_string = [k for k in data if not isinstance(k, str)]
     if non_string:
         raise SpecError(f"{path}: spec keys must be names, got {non_string[0]!r}.")
@@ -415,7 +353,7 @@ def spec_line(spec: Spec, key: str) -> int | None:
     if spec.spec_path is None:
         return None
     try:
-        return _top_level_lines(spec.spec_path.read_text(encoding="utf-8")).get(key)
+        return top_level_lines(spec.spec_path.read_text(encoding="utf-8")).get(key)
     except OSError:
         return None
 
@@ -453,7 +391,6 @@ def to_wire(spec: Spec) -> str:
 def from_wire(text: str) -> Spec:
     """The spec `to_wire` sent (a plain path also works: a YAML spec file)."""
     import json
-    import os
 
     if not text.lstrip().startswith("{"):
         return load_spec(text)

@@ -19,9 +19,9 @@ Torch is never imported here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import re
 import selectors
 import signal
 import subprocess
@@ -41,6 +41,7 @@ from .errors import (
     UsageError,
     UserCodeError,
 )
+from .supervise_records import died_record, hung_record
 
 #: Extra seconds past `timeout_s` before a phase that did not end is killed: the child's own
 #: stop (at `timeout_s`) needs time to unwind the loop and write its finding. At most this,
@@ -73,7 +74,7 @@ def rebuild_error(fields: dict[str, Any]) -> AmpdoctorError:
     exc = cls(str(fields.get("message") or ""))
     if fields.get("exit_code") in (2, 3) and exc.exit_code != fields["exit_code"]:
         exc.exit_code = int(fields["exit_code"])
-    exc.remote_traceback = fields.get("traceback")     # type: ignore[attr-defined]
+    exc.remote_traceback = fields.get("traceback")
     return exc
 
 
@@ -96,7 +97,7 @@ def _child_command() -> list[str]:
             f"import sys; sys.path[0] = {root!r}; from ampdoctor.worker import main; main()"]
 
 
-class _Watch:
+class Watch:
     """One child run: reading its three pipes, enforcing each phase's bound."""
 
     def __init__(self, spec: Any, wire: str, on_event: Callable[[dict[str, Any]], None],
@@ -110,11 +111,11 @@ class _Watch:
         self.last_progress: dict[str, Any] | None = None
         self.main_thread: int | None = None
         self.result_seen = False
-        self.dump = tempfile.NamedTemporaryFile(prefix="ampdoctor-stacks-", suffix=".txt",
-                                                delete=False)
-        self.dump.close()
+        # where the child's faulthandler writes its stacks on SIGUSR2
+        fd, self.dump_path = tempfile.mkstemp(prefix="ampdoctor-stacks-", suffix=".txt")
+        os.close(fd)
         read_fd, write_fd = os.pipe()
-        job = {"spec": wire, "channel_fd": write_fd, "dump_path": self.dump.name}
+        job = {"spec": wire, "channel_fd": write_fd, "dump_path": self.dump_path}
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("PYTHONSTARTUP", None)
         try:
@@ -124,7 +125,7 @@ class _Watch:
         except OSError as exc:
             os.close(read_fd)
             os.close(write_fd)
-            os.unlink(self.dump.name)
+            os.unlink(self.dump_path)
             raise LaunchError(f"could not start the process that runs the loop: {exc}",
                               cause=exc) from exc
         os.close(write_fd)
@@ -144,6 +145,14 @@ class _Watch:
             self.buffers[stream.fileno()] = b""
 
     # ------------------------------------------------------------------------ reading
+    def limit(self) -> tuple[float, str]:
+        """The bound the phase in progress was given, before the grace, and what gives it."""
+        if self.phase == "starting":
+            return STARTUP_S, "ampdoctor's start bound"
+        if self.phase == "ddp-sync" and self.spec.ddp:
+            return float(self.spec.ddp.timeout_s), "ddp.timeout_s"
+        return float(self.spec.timeout_s), "timeout_s"
+
     def _bound(self) -> float:
         if self.phase == "starting":
             return STARTUP_S
@@ -217,18 +226,12 @@ class _Watch:
 
     # ------------------------------------------------------------------------ stopping
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
+        with contextlib.suppress(OSError):
             self.proc.kill()
-        except OSError:
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
     def stacks(self) -> str:
         """Ask the child for its Python stacks (SIGUSR2) and read what it wrote."""
@@ -240,12 +243,12 @@ class _Watch:
         size = -1
         while time.monotonic() < deadline:
             self._pump(0.1)
-            current = os.path.getsize(self.dump.name)
+            current = os.path.getsize(self.dump_path)
             if current and current == size:
                 break
             size = current
         try:
-            return Path(self.dump.name).read_text(encoding="utf-8", errors="replace")
+            return Path(self.dump_path).read_text(encoding="utf-8", errors="replace")
         except OSError:
             return ""
 
@@ -257,10 +260,8 @@ class _Watch:
             except OSError:
                 pass
         self.sel.close()
-        try:
-            os.unlink(self.dump.name)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            os.unlink(self.dump_path)
 
     # ------------------------------------------------------------------------ the run
     def run(self) -> Outcome:
@@ -294,174 +295,12 @@ def run(spec: Any, wire: str, on_event: Callable[[dict[str, Any]], None],
     Raises ChildCrashed for a bug in ampdoctor inside the child; KeyboardInterrupt (and the
     CLI's SIGTERM/SIGHUP interrupt) kill the child and propagate, with `.outcome` set on the
     exception so the caller can record the rungs that finished."""
-    watch = _Watch(spec, wire, on_event, on_output)
+    watch = Watch(spec, wire, on_event, on_output)
     try:
         return watch.run()
     except BaseException as exc:
         watch.kill()
-        exc.outcome = watch.outcome   # type: ignore[attr-defined]
+        exc.outcome = watch.outcome   # type: ignore[attr-defined]  # any exception carries it
         raise
     finally:
         watch.close()
-
-
-# ---------------------------------------------------------------------------- records
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
-_THREAD = re.compile(r"^(?:Current thread|Thread) (?P<ident>0x[0-9a-fA-F]+)")
-
-
-def _stacks_by_thread(text: str) -> dict[int, list[tuple[str, int, str]]]:
-    """faulthandler's dump: thread ident -> frames, most recent first."""
-    threads: dict[int, list[tuple[str, int, str]]] = {}
-    current: list[tuple[str, int, str]] | None = None
-    for line in text.splitlines():
-        head = _THREAD.match(line)
-        if head:
-            current = threads.setdefault(int(head.group("ident"), 16), [])
-            continue
-        frame = _FRAME.match(line)
-        if frame and current is not None:
-            current.append((frame.group("file"), int(frame.group("line")),
-                            frame.group("func").strip()))
-    return threads
-
-
-def _is_users(file: str, roots: list[Path]) -> bool:
-    path = os.path.abspath(file)
-    parts = Path(path).parts
-    if "site-packages" in parts or "dist-packages" in parts:
-        return False
-    package = str(Path(__file__).resolve().parent)
-    if path.startswith(package + os.sep):
-        return False
-    return any(path.startswith(str(root) + os.sep) for root in roots)
-
-
-def user_frame(stacks: str, main_thread: int | None,
-               roots: list[Path]) -> tuple[str, int, str] | None:
-    """The innermost frame of the user's code in the dumped stacks: the main thread's first
-    (where the loop runs), then any other thread's."""
-    threads = _stacks_by_thread(stacks)
-    order = sorted(threads, key=lambda ident: ident != main_thread)
-    for ident in order:
-        for file, line, func in threads[ident]:
-            if _is_users(file, roots):
-                return file, line, func
-    return None
-
-
-def _roots(spec: Any) -> list[Path]:
-    roots = []
-    for attr in ("root", "spec_dir"):
-        value = getattr(spec, attr, None)
-        if value is not None:
-            roots.append(Path(os.path.abspath(value)))
-    return roots
-
-
-def _base_record(watch: _Watch) -> dict[str, Any]:
-    from .runner import new_record
-    record = new_record(watch.spec, str(getattr(watch.spec, "device", "unknown")))
-    record["rungs"] = list(watch.outcome.done)
-    record["findings"] = [f for r in watch.outcome.done for f in r.get("findings", [])
-                          if isinstance(f, dict)]
-    for rung in record["rungs"]:
-        rung.pop("findings", None)
-    return record
-
-
-def _close_ladder(record: dict[str, Any], rung: str, summary: str,
-                  finding: dict[str, Any]) -> None:
-    """The stopped rung as a failure, the rungs after it not run."""
-    from .findings import RUNG_IDS
-    record["rungs"].append({"id": rung, "status": "fail", "seconds": finding["evidence"].get(
-        "measured", 0.0), "summary": summary})
-    record["findings"].append(finding)
-    seen = {r.get("id") for r in record["rungs"]}
-    for rung_id in RUNG_IDS:
-        if rung_id not in seen and rung_id in RUNG_IDS[RUNG_IDS.index(rung) + 1:]:
-            record["rungs"].append({"id": rung_id, "status": "not-run", "seconds": 0.0,
-                                    "summary": "an earlier rung failed"})
-    record["failed_rung"] = rung
-    record["verdict"] = "error"
-
-
-def hung_record(watch: _Watch, elapsed: float, stacks: str) -> dict[str, Any]:
-    """The record of a run killed at its hard bound: the rungs that finished, the stopped one
-    as a loop-error saying the loop did not stop, where it was, and the rest not run."""
-    record = _base_record(watch)
-    spec = watch.spec
-    if watch.phase == "starting":
-        timeout, key = STARTUP_S, "ampdoctor's start bound"
-    elif watch.phase == "ddp-sync" and spec.ddp:
-        timeout, key = float(spec.ddp.timeout_s), "ddp.timeout_s"
-    else:
-        timeout, key = float(spec.timeout_s), "timeout_s"
-    site = user_frame(stacks, watch.main_thread, _roots(spec))
-    where = f" It was at {site[0]}:{site[1]} ({site[2]})." if site else ""
-    progress = watch.last_progress or {}
-    seen = ""
-    if progress.get("precision"):
-        steps = f"/{progress['steps']}" if progress.get("steps") else ""
-        seen = (f" Its last progress was the {progress['precision']} run at optimizer step "
-                f"{progress.get('step', 0)}{steps}.")
-    evidence: dict[str, Any] = {key: timeout, "measured": round(elapsed, 1), "expected": None,
-                                "killed_after_s": round(elapsed, 1)}
-    if progress:
-        evidence.update(last_precision=progress.get("precision"),
-                        last_step=progress.get("step"))
-    location = {"file": site[0], "line": site[1]} if site else None
-    if watch.phase in ("starting", "loading", "finishing"):
-        what = {"starting": "ampdoctor's start (the interpreter, importing torch)",
-                "loading": "loading the spec's code (importing it, the data factory)",
-                "finishing": "the end of the run"}[watch.phase]
-        message = (f"{what[0].upper()}{what[1:]} did not finish within {key} = {timeout:g} s and "
-                   f"did not stop when asked, so the process running it was killed after "
-                   f"{elapsed:.0f} s.{where}")
-        record["error"] = {"type": "UserCodeError", "message": message, "exit_code": 3}
-        if location:
-            record["error"]["location"] = location
-        record["verdict"] = "error"
-        return record
-    message = (f"The {watch.phase} rung did not finish within {key} = {timeout:g} s, and the "
-               f"loop did not stop when ampdoctor stopped it (a bare `except:` that swallows "
-               f"the stop, a SIGALRM handler or `signal.alarm` of its own, or a call that "
-               f"never returns), so the process running it was killed after {elapsed:.0f} s."
-               f"{where}{seen} A loop that never ends or a very slow one: raise `{key}` in "
-               f"the spec if it is only slow.")
-    finding = {"rung": watch.phase, "kind": "loop-error", "severity": "error",
-               "title": "The loop did not stop", "message": message,
-               "fix": "Let the loop end: no bare `except:` around the training step, no "
-                      "signal handlers of its own during the triage; raise the timeout if it "
-                      "is only slow.",
-               "location": location, "evidence": evidence}
-    _close_ladder(record, watch.phase, f"the loop did not stop; killed after {elapsed:.0f} s",
-                  finding)
-    return record
-
-
-def died_record(watch: _Watch) -> dict[str, Any]:
-    """The record of a child that ended without sending one (killed by a signal, a crash in
-    native code, an exit the loop forced)."""
-    record = _base_record(watch)
-    code = watch.proc.returncode
-    how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
-           and -code in {s.value for s in signal.Signals} else f"exited with status {code}")
-    phase = watch.phase
-    where = {"starting": "while starting (before any user code ran)",
-             "loading": "while loading the spec's code",
-             "finishing": "after the last rung"}.get(phase, f"during the {phase} rung")
-    message = (f"The process running the loop {how} {where}, before ampdoctor could write "
-               "its record (a crash in native code, running out of memory, or the loop "
-               "killing its own process); the record holds the rungs that finished.")
-    if phase in ("starting", "loading", "finishing"):
-        record["error"] = {"type": "UserCodeError", "message": message, "exit_code": 3}
-        return record
-    finding = {"rung": phase, "kind": "loop-error", "severity": "error",
-               "title": "The process running the loop died", "message": message,
-               "fix": "Run the loop alone to see the crash (a segfault in an extension, the "
-                      "out-of-memory killer in the system log).",
-               "location": None, "evidence": {"measured": None, "expected": None,
-                                              "exit_status": code}}
-    _close_ladder(record, phase, f"the process {how}", finding)
-    return record

@@ -21,6 +21,7 @@ parent asks for it before it kills a run that did not stop).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -86,6 +87,7 @@ def main() -> None:
         # ampdoctor's own start (torch's import can take seconds on a loaded machine) is done
         # before "hello": the parent's bound on loading the user's code starts there
         import torch  # noqa: F401
+
         from . import api, ladder, runner, session  # noqa: F401
         channel.send("hello", pid=os.getpid(), main_thread=threading.main_thread().ident)
         _run(job, channel)
@@ -94,12 +96,11 @@ def main() -> None:
 
         from .safetext import exc_text
         code = 4
-        try:
+        # a send that fails: the parent sees a run that ended without a result
+        with contextlib.suppress(Exception):
             channel.send("internal", type=type(exc).__name__, message=exc_text(exc),
                          traceback="".join(traceback.format_exception(type(exc), exc,
                                                                       exc.__traceback__)))
-        except Exception:  # noqa: BLE001 - the parent sees a run that ended without a result
-            pass
     finally:
         try:
             sys.stdout.flush()

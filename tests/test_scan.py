@@ -381,14 +381,14 @@ def test_scan_never_executes_user_code():
     assert not marker.exists()
 
 
-# -- the real CLI (`ampdoctor scan`), once cli.py has the command -------------------------------
+# -- the real CLI (`ampdoctor scan`), once the CLI has the command --------------------------------
 
 def _cli_has_scan() -> bool:
-    cli = REPO / "ampdoctor" / "cli.py"
+    cli = REPO / "ampdoctor" / "cli" / "scan.py"
     return cli.exists() and "def scan(" in cli.read_text() and (REPO / "ampdoctor" / "__main__.py").exists()
 
 
-needs_cli = pytest.mark.skipif(not _cli_has_scan(), reason="ampdoctor/cli.py has no scan command yet")
+needs_cli = pytest.mark.skipif(not _cli_has_scan(), reason="ampdoctor/cli/ has no scan command yet")
 
 
 def _cli(*args: str, cwd: Path = REPO):

@@ -17,15 +17,17 @@ join) is ended within a second or two; the whole run is bounded by `ddp.timeout_
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import LaunchError
 from ..safetext import exc_text, inert
@@ -44,7 +46,7 @@ EXIT_GRACE_S = 2.0
 
 
 #: The launch this process joined (`TorchrunGroup`), or None: the rung spawns its own ranks.
-GROUP: "TorchrunGroup | None" = None
+GROUP: TorchrunGroup | None = None
 
 
 def free_port() -> int:
@@ -144,10 +146,8 @@ def _where_stuck(processes: dict[int, Any], paths: dict[int, str]) -> dict[int, 
 
     alive = {r: p for r, p in processes.items() if p.is_alive()}
     for process in alive.values():
-        try:
+        with contextlib.suppress(OSError):
             os.kill(process.pid, signal.SIGUSR1)
-        except OSError:
-            pass
     time.sleep(1.0)
     stuck = {}
     for rank in alive:

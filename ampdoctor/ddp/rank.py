@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -114,7 +115,9 @@ class ShardObserver(SyncObserver):
         import torch.distributed as dist
 
         observer = self
-        original = model.set_requires_gradient_sync
+        # fully_shard swapped the module's class for an FSDPModule subclass at run time
+        sharded: Any = model
+        original = sharded.set_requires_gradient_sync
 
         def set_requires_gradient_sync(requires_gradient_sync: bool, *args, **kwargs):
             if observer.recording:
@@ -123,7 +126,7 @@ class ShardObserver(SyncObserver):
                                          probe.backward_count])
             return original(requires_gradient_sync, *args, **kwargs)
 
-        model.set_requires_gradient_sync = set_requires_gradient_sync
+        sharded.set_requires_gradient_sync = set_requires_gradient_sync
         # FSDP2 calls torch.distributed's reduce-scatter by attribute at each sync
         name = next(n for n in ("reduce_scatter_single", "reduce_scatter_tensor")
                     if hasattr(dist, n))
@@ -163,7 +166,7 @@ def _agreement(session, judgement, model: torch.nn.Module) -> dict[str, Any]:
     from ..probe.recorder import full_tensor
     from ..session import flat
 
-    counts = [None] * dist.get_world_size()
+    counts: list[Any] = [None] * dist.get_world_size()   # each rank's step count, gathered
     dist.all_gather_object(counts, len(judgement.steps))
     steps = judgement.steps[:min(counts)]
     grads = [flat(session, s.step.grads, s.names).to(session.device) for s in steps]
@@ -251,4 +254,6 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
             result["first_bad_unclipped_ratio"] = _unclipped_ratio(session, trace, bad)
         result["findings"] = [f.to_dict() for f in mismatch]
         result["tolerance"] = judgement.tolerance.rtol
-        result.update(_agreement(session, judgement, trace.probe.model))
+        model = trace.probe.model
+        assert model is not None     # the probe of a run of the loop holds the run's model
+        result.update(_agreement(session, judgement, model))

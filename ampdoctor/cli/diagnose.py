@@ -1,0 +1,260 @@
+"""`ampdoctor diagnose SPEC`: run the triage ladder, show the record, exit with its code.
+
+The loop runs in a child process the command watches (`supervise.run`); under torchrun, rank 0
+runs the ladder and the other ranks serve the ddp-sync rung. Torch is imported only once a
+diagnose starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from ..errors import AmpdoctorInterrupt, LaunchError, SpecError, UsageError, UserCodeError
+from ..safetext import inert
+from .common import INTERNAL_ERROR, fail, internal, stderr_console, stdout_console
+from .progress_line import ProgressLine
+
+
+def _csv(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
+
+
+def diagnose(
+    spec: Path = typer.Argument(..., help="The YAML spec of the run to triage."),
+    json_out: bool = typer.Option(False, "--json", help="Print the run record as JSON on stdout."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks (the user's code's "
+                               "full traceback too; the record keeps it either way)."),
+    out: Path | None = typer.Option(None, "--out", help="Folder for run records "
+                                    "(default .ampdoctor/runs)."),
+    device: str | None = typer.Option(None, "--device", help="Override the spec's device: "
+                                      "auto, cpu, cuda or cuda:N."),
+    precisions: str | None = typer.Option(None, "--precisions", help="Override the spec's "
+                                          "precisions, comma-separated (fp32 always runs), "
+                                          "e.g. fp32,bf16."),
+    rungs: str | None = typer.Option(None, "--rungs", help="Run only these rungs, "
+                                     "comma-separated, e.g. fp32-accum,fp16-scaler; the "
+                                     "others are reported as skipped."),
+    steps: int | None = typer.Option(None, "--steps", help="Override optimizer_steps (the "
+                                     "slice must hold steps x K x b samples)."),
+) -> None:
+    """Run the triage ladder on SPEC and report what is wrong, with numbers and file:line."""
+    overrides = {"device": device, "precisions": _csv(precisions), "rungs": _csv(rungs),
+                 "optimizer_steps": steps}
+    raise typer.Exit(run_diagnose(spec, json_out, debug, out,
+                                  {k: v for k, v in overrides.items() if v is not None}))
+
+
+def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
+                 overrides: dict[str, Any] | None = None) -> int:
+    """Load the spec (with the command line's overrides) and diagnose it; the exit code."""
+    from ..api import load
+    try:
+        spec = load(spec_path, **(overrides or {}))
+    except SpecError as exc:
+        return fail(exc, debug)
+
+    from ..ddp import launch
+
+    launched = launch.launched_rank()
+    if launched is None:
+        return diagnose_here(spec, json_out, debug, out)
+    # torchrun supervises its own processes; the ranks share a store with this one
+    # Under torchrun: rank 0 runs the ladder and reports; the others serve the ddp-sync rung.
+    try:
+        group = launch.TorchrunGroup(*launched, connect_timeout_s=(
+            spec.ddp.timeout_s if spec.ddp is not None else launch.DEFAULT_TIMEOUT_S))
+    except LaunchError as exc:
+        return fail(exc, debug)
+    if launched[0] != 0:
+        return group.serve(spec)
+    launch.GROUP = group
+    code = INTERNAL_ERROR
+    try:
+        code = diagnose_here(spec, json_out, debug, out, isolate=False)
+    finally:
+        launch.GROUP = None
+        group.finish(code)
+    return code
+
+
+def _isolated() -> bool:
+    """Run the loop in a child process (the default). `AMPDOCTOR_IN_PROCESS=1` runs it in this
+    process instead: for a debugger (`breakpoint()` in the loop needs the terminal), with no
+    watchdog beyond the loop's own SIGALRM stop."""
+    return os.environ.get("AMPDOCTOR_IN_PROCESS", "").strip().lower() not in ("1", "true", "yes")
+
+
+def writable_out(out: Path | None) -> Path:
+    """The records folder as an absolute path (a loop that changes the working directory
+    cannot move it), checked before any rung runs: UsageError when it cannot be written."""
+    from .. import record as records
+    folder = Path(os.path.abspath(out if out is not None else records.DEFAULT_DIR))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        import tempfile
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=records.TMP_PREFIX, suffix=".check")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise UsageError(f"--out {out or records.DEFAULT_DIR}: the records folder cannot be "
+                         f"written ({reason}): give a folder you can write to.",
+                         cause=exc) from exc
+    return folder
+
+
+def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
+                  isolate: bool = True) -> int:
+    """Diagnose `spec` from this process (the loop in a child unless `isolate` is False or
+    AMPDOCTOR_IN_PROCESS is set), save and show the record; the exit code."""
+    from ..report.terminal import render
+    from ..runner import error_record
+    from ..supervise import ChildCrashed
+
+    err = stderr_console()
+    try:
+        folder = writable_out(out)
+    except UsageError as exc:
+        return fail(exc, debug)
+    done: list[dict[str, Any]] = []
+    try:
+        with ProgressLine(err, quiet=json_out) as progress, _signals_interrupt():
+            if isolate and _isolated():
+                record, exception = _run_isolated(spec, progress, done, err)
+            else:
+                from ..api import diagnose as run
+                with contextlib.redirect_stdout(sys.stderr):
+                    result = run(spec, save=False, on_done=lambda r: done.append(r.to_dict()),
+                                 on_progress=progress)
+                record, exception = result.data, result.exception
+    except (KeyboardInterrupt, Interrupted) as exc:
+        # Like a finished run: the terminal restored (the status spinner has exited), the
+        # run stopped (its process killed, or torch restored in this one), and a record
+        # saying where it stopped.
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        name = signal.Signals(signum).name
+        error = UserCodeError(f"interrupted by {name} after {len(done)} rung(s); the record "
+                              "holds the rungs that finished", cause=exc)
+        interrupted = error_record(spec, error)
+        interrupted["rungs"] = done
+        err.print(f"ampdoctor: interrupted by {name}; the run was stopped.", markup=False)
+        save_and_show(interrupted, folder, json_out, render, err, 128 + int(signum))
+        return 128 + int(signum)
+    except (SpecError, LaunchError) as exc:
+        return fail(exc, debug)
+    except ChildCrashed as exc:     # a bug in ampdoctor, in the process that ran the loop
+        if debug and exc.remote_traceback:
+            sys.stderr.write(inert(exc.remote_traceback))
+        return internal(exc, False)
+    except Exception as exc:  # a bug in ampdoctor itself
+        return internal(exc, debug)
+    if record is None:            # stopped by an error before there was anything to record
+        assert exception is not None
+        return fail(exception, debug)
+    from .. import record as records
+    code = records.exit_code(record)
+    if exception is not None:
+        code = fail(exception, debug)
+    elif debug:
+        _show_tracebacks(record, err)
+    if not save_and_show(record, folder, json_out, render, err, code):
+        return UsageError.exit_code
+    return code
+
+
+def _show_tracebacks(record: dict[str, Any], err: Console) -> None:
+    """--debug: the traceback each finding kept (the user's code raising in a rung)."""
+    for finding in record.get("findings", []):
+        if finding.get("traceback"):
+            err.print(inert(f"traceback of the {finding.get('kind')} in rung "
+                            f"{finding.get('rung')}:"), markup=False, highlight=False)
+            sys.stderr.write(inert(finding["traceback"]))
+
+
+def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
+                  err: Console) -> tuple[dict[str, Any] | None, Any]:
+    """The diagnose in a child process (`supervise.run`): its events drive the progress line,
+    its output goes to stderr."""
+    from .. import supervise
+    from ..spec import to_wire
+
+    def on_event(event: dict[str, Any]) -> None:
+        kind = event.pop("event", None)
+        if kind == "progress":
+            progress(event)
+        elif kind == "done":
+            done.append(event.get("rung") or {})
+
+    def on_output(text: str) -> None:
+        if progress.status is not None:
+            err.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+        else:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+
+    outcome = supervise.run(spec, to_wire(spec), on_event, on_output)
+    return outcome.record, outcome.error
+
+
+class Interrupted(AmpdoctorInterrupt):
+    """SIGTERM or SIGHUP during a diagnose: handled like Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise Interrupted in the main thread while a diagnose runs."""
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    previous: dict[int, Any] = {}
+    for sig in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)):
+        if sig is not None:
+            # ValueError: not the main thread
+            with contextlib.suppress(ValueError):
+                previous[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def save_and_show(record: dict[str, Any], out: Path, json_out: bool,
+                  render: Callable[[dict[str, Any], Console], None], err: Console,
+                  code: int) -> bool:
+    """Save the record (its `exit_code` the process's), then show it; False (and a clear
+    line) when it could not be saved (exit 2, which the record shown says)."""
+    from .. import record as records
+    record["exit_code"] = code
+    try:
+        path = records.save(record, out)
+        saved = True
+    except OSError as exc:
+        record["exit_code"] = UsageError.exit_code
+        saved = False
+        problem = (f"ampdoctor: usage error: could not save the record under "
+                   f"{out or records.DEFAULT_DIR}: {exc}")
+    if json_out:
+        sys.stdout.write(records.dumps(record))
+    else:
+        render(record, stdout_console())
+    if saved:
+        err.print(inert(f"record saved to {path}"), highlight=False, markup=False,
+                  style="dim")
+    else:
+        err.print(inert(problem), highlight=False, markup=False, style="bold red")
+    return saved
+

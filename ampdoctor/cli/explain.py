@@ -1,0 +1,67 @@
+"""`ampdoctor explain [KIND]`: what a diagnosis kind is, why it matters, how to fix it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import typer
+from rich.console import Console
+
+from ..errors import UsageError
+from .common import fail
+
+
+def explain(
+    kind: str | None = typer.Argument(None, help="A diagnosis kind, e.g. clip-before-unscale "
+                                      "(none: list every kind)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the explanation as JSON."),
+) -> None:
+    """Explain a diagnosis kind: what it is, why it matters, how to fix it."""
+    from rich.text import Text
+
+    known = explanations()
+    console = Console()
+    if kind is None:
+        if json_out:
+            sys.stdout.write(json.dumps({k: e["title"] for k, e in known.items()}, indent=2)
+                             + "\n")
+            return
+        for name, entry in known.items():
+            console.print(Text.assemble((f"{name:32}", "bold"), entry["title"]))
+        return
+    found = known.get(kind)
+    if found is None:
+        import difflib
+        close = difflib.get_close_matches(kind, list(known), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise typer.Exit(fail(UsageError(f"unknown kind {kind!r}.{hint} Kinds: "
+                                         f"{', '.join(known)}"), False))
+    if json_out:
+        sys.stdout.write(json.dumps(found, indent=2) + "\n")
+        return
+    # headings are ampdoctor's markup; the texts are printed literally
+    sections = [(f"{found['kind']}", found["title"]), ("Why is this bad?", found["why"]),
+                ("Example", found["example"]), ("Fix", found["fix"])]
+    if found["decided_in"] is not None:    # a rule decides the kind
+        sections += [("Measured", found["measured"]), ("Decided in", found["decided_in"])]
+    for heading, body in sections:
+        if body:
+            console.print(Text(heading, style="bold"))
+            console.print(Text(body + "\n"))
+
+
+def explanations() -> dict[str, dict[str, Any]]:
+    """Every diagnosis kind, in the catalogue's order, as `explain KIND --json` prints it: the
+    catalogue's texts and, when a rule decides the kind, what it measures and the file that
+    decides it. The one place the command reads the kind registry (`findings`)."""
+    from ..findings import CATALOGUE, RULES
+    known: dict[str, dict[str, Any]] = {}
+    for name, entry in CATALOGUE.items():
+        rule = RULES.get(name)
+        known[name] = {"kind": entry.name, "title": entry.title, "why": entry.why,
+                       "example": entry.example, "fix": entry.fix,
+                       "measured": rule.measured if rule else None,
+                       "decided_in": f"ampdoctor/{rule.decided_in}" if rule else None}
+    return known

@@ -1,0 +1,36 @@
+"""`ampdoctor init [PY_FILE]`: write a commented starter spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ..errors import UsageError
+from ..safetext import inert
+from .common import fail, stderr_console
+
+
+def init(
+    py_file: Path | None = typer.Argument(None, help="Your training script: its loop, model "
+                                          "and data functions fill the spec in (read, "
+                                          "never run)."),
+    output: Path = typer.Option(Path("triage.yaml"), "-o", "--output",
+                                help="The spec to write (never overwritten)."),
+) -> None:
+    """Write a commented starter spec, filled in from PY_FILE when given."""
+    from ..init_spec import write_starter
+    try:
+        target, found = write_starter(output, py_file)
+    except UsageError as exc:
+        raise typer.Exit(fail(exc, False)) from exc
+    err = stderr_console()
+    err.print(inert(f"wrote {target}"), markup=False, highlight=False)
+    if found is not None:
+        missing = [k for k in ("train_loop", "model", "data") if getattr(found, k) is None]
+        if missing:
+            err.print(inert(f"fill in: {', '.join(missing)} (marked TODO); then run "
+                            f"`ampdoctor diagnose {target}`"), markup=False, highlight=False)
+        else:
+            err.print(inert(f"next: ampdoctor diagnose {target}"), markup=False,
+                      highlight=False)

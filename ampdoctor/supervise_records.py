@@ -1,0 +1,168 @@
+"""The record of a run the watchdog stopped (`supervise`): a child killed at its hard bound
+(where the user's code was, from its dumped stacks), or a child that died without sending its
+record. Both keep the rungs that finished."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .supervise import Watch
+
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
+_THREAD = re.compile(r"^(?:Current thread|Thread) (?P<ident>0x[0-9a-fA-F]+)")
+
+
+def _stacks_by_thread(text: str) -> dict[int, list[tuple[str, int, str]]]:
+    """faulthandler's dump: thread ident -> frames, most recent first."""
+    threads: dict[int, list[tuple[str, int, str]]] = {}
+    current: list[tuple[str, int, str]] | None = None
+    for line in text.splitlines():
+        head = _THREAD.match(line)
+        if head:
+            current = threads.setdefault(int(head.group("ident"), 16), [])
+            continue
+        frame = _FRAME.match(line)
+        if frame and current is not None:
+            current.append((frame.group("file"), int(frame.group("line")),
+                            frame.group("func").strip()))
+    return threads
+
+
+def _is_users(file: str, roots: list[Path]) -> bool:
+    path = os.path.abspath(file)
+    parts = Path(path).parts
+    if "site-packages" in parts or "dist-packages" in parts:
+        return False
+    package = str(Path(__file__).resolve().parent)
+    if path.startswith(package + os.sep):
+        return False
+    return any(path.startswith(str(root) + os.sep) for root in roots)
+
+
+def user_frame(stacks: str, main_thread: int | None,
+               roots: list[Path]) -> tuple[str, int, str] | None:
+    """The innermost frame of the user's code in the dumped stacks: the main thread's first
+    (where the loop runs), then any other thread's."""
+    threads = _stacks_by_thread(stacks)
+    order = sorted(threads, key=lambda ident: ident != main_thread)
+    for ident in order:
+        for file, line, func in threads[ident]:
+            if _is_users(file, roots):
+                return file, line, func
+    return None
+
+
+def _roots(spec: Any) -> list[Path]:
+    roots = []
+    for attr in ("root", "spec_dir"):
+        value = getattr(spec, attr, None)
+        if value is not None:
+            roots.append(Path(os.path.abspath(value)))
+    return roots
+
+
+def _base_record(watch: Watch) -> dict[str, Any]:
+    from .runner import new_record
+    record = new_record(watch.spec, str(getattr(watch.spec, "device", "unknown")))
+    record["rungs"] = list(watch.outcome.done)
+    record["findings"] = [f for r in watch.outcome.done for f in r.get("findings", [])
+                          if isinstance(f, dict)]
+    for rung in record["rungs"]:
+        rung.pop("findings", None)
+    return record
+
+
+def _close_ladder(record: dict[str, Any], rung: str, summary: str,
+                  finding: dict[str, Any]) -> None:
+    """The stopped rung as a failure, the rungs after it not run."""
+    from .findings import RUNG_IDS
+    record["rungs"].append({"id": rung, "status": "fail", "seconds": finding["evidence"].get(
+        "measured", 0.0), "summary": summary})
+    record["findings"].append(finding)
+    seen = {r.get("id") for r in record["rungs"]}
+    for rung_id in RUNG_IDS:
+        if rung_id not in seen and rung_id in RUNG_IDS[RUNG_IDS.index(rung) + 1:]:
+            record["rungs"].append({"id": rung_id, "status": "not-run", "seconds": 0.0,
+                                    "summary": "an earlier rung failed"})
+    record["failed_rung"] = rung
+    record["verdict"] = "error"
+
+
+def hung_record(watch: Watch, elapsed: float, stacks: str) -> dict[str, Any]:
+    """The record of a run killed at its hard bound: the rungs that finished, the stopped one
+    as a loop-error saying the loop did not stop, where it was, and the rest not run."""
+    record = _base_record(watch)
+    timeout, key = watch.limit()
+    site = user_frame(stacks, watch.main_thread, _roots(watch.spec))
+    where = f" It was at {site[0]}:{site[1]} ({site[2]})." if site else ""
+    progress = watch.last_progress or {}
+    seen = ""
+    if progress.get("precision"):
+        steps = f"/{progress['steps']}" if progress.get("steps") else ""
+        seen = (f" Its last progress was the {progress['precision']} run at optimizer step "
+                f"{progress.get('step', 0)}{steps}.")
+    evidence: dict[str, Any] = {key: timeout, "measured": round(elapsed, 1), "expected": None,
+                                "killed_after_s": round(elapsed, 1)}
+    if progress:
+        evidence.update(last_precision=progress.get("precision"),
+                        last_step=progress.get("step"))
+    location = {"file": site[0], "line": site[1]} if site else None
+    if watch.phase in ("starting", "loading", "finishing"):
+        what = {"starting": "ampdoctor's start (the interpreter, importing torch)",
+                "loading": "loading the spec's code (importing it, the data factory)",
+                "finishing": "the end of the run"}[watch.phase]
+        message = (f"{what[0].upper()}{what[1:]} did not finish within {key} = {timeout:g} s and "
+                   f"did not stop when asked, so the process running it was killed after "
+                   f"{elapsed:.0f} s.{where}")
+        record["error"] = {"type": "UserCodeError", "message": message, "exit_code": 3}
+        if location:
+            record["error"]["location"] = location
+        record["verdict"] = "error"
+        return record
+    message = (f"The {watch.phase} rung did not finish within {key} = {timeout:g} s, and the "
+               f"loop did not stop when ampdoctor stopped it (a bare `except:` that swallows "
+               f"the stop, a SIGALRM handler or `signal.alarm` of its own, or a call that "
+               f"never returns), so the process running it was killed after {elapsed:.0f} s."
+               f"{where}{seen} A loop that never ends or a very slow one: raise `{key}` in "
+               f"the spec if it is only slow.")
+    finding = {"rung": watch.phase, "kind": "loop-error", "severity": "error",
+               "title": "The loop did not stop", "message": message,
+               "fix": "Let the loop end: no bare `except:` around the training step, no "
+                      "signal handlers of its own during the triage; raise the timeout if it "
+                      "is only slow.",
+               "location": location, "evidence": evidence}
+    _close_ladder(record, watch.phase, f"the loop did not stop; killed after {elapsed:.0f} s",
+                  finding)
+    return record
+
+
+def died_record(watch: Watch) -> dict[str, Any]:
+    """The record of a child that ended without sending one (killed by a signal, a crash in
+    native code, an exit the loop forced)."""
+    record = _base_record(watch)
+    code = watch.proc.returncode
+    how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
+           and -code in {s.value for s in signal.Signals} else f"exited with status {code}")
+    phase = watch.phase
+    where = {"starting": "while starting (before any user code ran)",
+             "loading": "while loading the spec's code",
+             "finishing": "after the last rung"}.get(phase, f"during the {phase} rung")
+    message = (f"The process running the loop {how} {where}, before ampdoctor could write "
+               "its record (a crash in native code, running out of memory, or the loop "
+               "killing its own process); the record holds the rungs that finished.")
+    if phase in ("starting", "loading", "finishing"):
+        record["error"] = {"type": "UserCodeError", "message": message, "exit_code": 3}
+        return record
+    finding = {"rung": phase, "kind": "loop-error", "severity": "error",
+               "title": "The process running the loop died", "message": message,
+               "fix": "Run the loop alone to see the crash (a segfault in an extension, the "
+                      "out-of-memory killer in the system log).",
+               "location": None, "evidence": {"measured": None, "expected": None,
+                                              "exit_status": code}}
+    _close_ladder(record, phase, f"the process {how}", finding)
+    return record
