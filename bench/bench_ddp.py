@@ -46,8 +46,15 @@ def _plain_rank(rank: int, world_size: int, spec_path: str, port: int) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from ampdoctor.ddp.rank import shard
-    from ampdoctor.loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model,
-                                   build_optimizers, cut_micro_batches, resolve_device)
+    from ampdoctor.loading import (
+        AUTOCAST_DTYPES,
+        RunSettings,
+        UserCode,
+        build_model,
+        build_optimizers,
+        cut_micro_batches,
+        resolve_device,
+    )
     from ampdoctor.probe.callsite import CallSiteFinder
     from ampdoctor.spec import load_spec
 
@@ -95,7 +102,8 @@ def main() -> None:
     r, p = statistics.median(rung), statistics.median(plain)
     print(f"config: {args.config.name}  world_size: {world_size}  repeats: {args.repeats}")
     print(f"ddp-sync rung (record's seconds): median {r:.2f} s  runs {[round(x, 2) for x in rung]}")
-    print(f"plain {world_size}-process DDP run:  median {p:.2f} s  runs {[round(x, 2) for x in plain]}")
+    print(f"plain {world_size}-process DDP run:  median {p:.2f} s  "
+          f"runs {[round(x, 2) for x in plain]}")
     print(f"ratio: {r / p:.2f}x")
 
 

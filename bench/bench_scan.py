@@ -53,7 +53,10 @@ class Block{i}(nn.Module):
 
 def make_stack_{i}(depth: int = 4, dim: int = 256):
     return nn.Sequential(*[Block{i}(dim) for _ in range(depth)])
-''' + "\n".join(f"\n\ndef helper_{{i}}_{k}(x):\n    y = x * {k} + 1\n    return y / (1 + abs(y))" for k in range(12)) + "\n"
+''' + "\n".join(
+    f"\n\ndef helper_{{i}}_{k}(x):\n    y = x * {k} + 1\n    return y / (1 + abs(y))"
+    for k in range(12)
+) + "\n"
 
 UTILS = '''import torch.nn as nn
 
@@ -119,11 +122,13 @@ DS_CONFIG = {
     "zero_optimization": {"stage": 2},
 }
 DS_BF16 = {"train_batch_size": 32, "bf16": {"enabled": True}, "zero_optimization": {"stage": 1}}
-ACCEL = "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_processes: 2\n"
+ACCEL = ("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: bf16\n"
+         "num_processes: 2\n")
 LIGHTNING = "trainer:\n  max_epochs: 3\n  precision: bf16-mixed\nmodel:\n  lr: 0.001\n"
 #: files one synthetic package writes (its code, its configs, launcher, CI file, a broken file)
 PER_PACKAGE = 168
-CI = "name: ci\non: [push]\njobs:\n  test:\n    runs-on: ubuntu-latest\n    steps:\n      - run: pytest -q\n"
+CI = ("name: ci\non: [push]\njobs:\n  test:\n    runs-on: ubuntu-latest\n    steps:\n"
+      "      - run: pytest -q\n")
 
 
 def build_tree(root: Path, n_files: int, seed: int = 0) -> dict[str, int]:
@@ -154,13 +159,15 @@ def build_tree(root: Path, n_files: int, seed: int = 0) -> dict[str, int]:
             (cfg_dir / f"ds_bf16_{j}.json").write_text(json.dumps(DS_BF16, indent=2))
             (cfg_dir / f"accelerate_{j}.yaml").write_text(ACCEL)
             (cfg_dir / f"lightning_{j}.yaml").write_text(LIGHTNING)
-            (cfg_dir / f"data_{j}.json").write_text(json.dumps({"rows": [rng.random() for _ in range(200)]}))
+            rows = [rng.random() for _ in range(200)]
+            (cfg_dir / f"data_{j}.json").write_text(json.dumps({"rows": rows}))
             written += 4
         (cfg_dir / "ds_fp16.json").write_text(json.dumps(DS_CONFIG, indent=2))
         (d / "launch_ds.py").write_text(
             DS_LAUNCH.format(pkg=pkg, j=0, cfg=f"configs/{pkg}/ds_fp16.json"))
         (root / "scripts").mkdir(exist_ok=True)
-        (root / "scripts" / f"run_{pkg}.sh").write_text(f"#!/bin/sh\npython -m {pkg}.train_1 \"$@\"\n")
+        (root / "scripts" / f"run_{pkg}.sh").write_text(
+            f"#!/bin/sh\npython -m {pkg}.train_1 \"$@\"\n")
         (root / "ci").mkdir(exist_ok=True)
         (root / "ci" / f"ci_{pkg}.yml").write_text(CI)
         (d / "broken.py").write_text("def broken(:\n    backward\n")
@@ -209,8 +216,8 @@ def main() -> int:
         root = Path(args.keep or tmp) / "tree"
         root.mkdir(parents=True, exist_ok=False)
         counts = build_tree(root, args.files)
-        print(f"tree: {counts['files']} files ({counts['python']} .py, {counts['config']} json/yaml, "
-              f"{counts['shell']} .sh) under {root}")
+        print(f"tree: {counts['files']} files ({counts['python']} .py, "
+              f"{counts['config']} json/yaml, {counts['shell']} .sh) under {root}")
 
         times = []
         report = None

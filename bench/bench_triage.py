@@ -12,9 +12,9 @@ Each repeat runs `ampdoctor diagnose SPEC --json` (with AMPDOCTOR_COUNT_PASSES=1
 reports its forward passes), `bench/handwritten_triage.py SPEC` (no probe, no CLI: the fp32
 reference twice, the loop in fp32, bf16, fp16 and fp16 again) and `handwritten_triage.py SPEC
 --bare` (the loop alone, once per precision: the memory target's denominator) as whole
-processes, alternated, each under /usr/bin/time -v for its peak RSS. Prints medians, the ratio, peak CUDA memory (on a
-GPU) and the passes per rung. `--also TREE` alternates a third process: ampdoctor from another
-checkout (PYTHONPATH=TREE), for a before/after in the same run.
+processes, alternated, each under /usr/bin/time -v for its peak RSS. Prints medians, the ratio,
+peak CUDA memory (on a GPU) and the passes per rung. `--also TREE` alternates a third process:
+ampdoctor from another checkout (PYTHONPATH=TREE), for a before/after in the same run.
 """
 
 from __future__ import annotations
@@ -145,7 +145,8 @@ def main() -> None:
     for name, values in runs.items():
         wall = statistics.median(w for w, _ in values)
         rss = median_rss(values)
-        pairwise = statistics.median(w / h for (w, _), (h, _) in zip(values, runs["hand-written"]))
+        pairs = zip(values, runs["hand-written"], strict=True)
+        pairwise = statistics.median(w / h for (w, _), (h, _) in pairs)
         print(f"{name:28} {wall:8.2f} {wall / base:6.2f} {pairwise:8.2f} "
               f"{(rss or 0) / 2**20:12.0f} {(rss / base_rss if rss and base_rss else 0):9.2f} "
               f"{(rss / bare_rss if rss and bare_rss else 0):15.2f}")

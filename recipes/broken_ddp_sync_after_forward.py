@@ -18,7 +18,7 @@ def train_loop(model, optimizer, micro_batches, run):
     scaler = torch.amp.GradScaler(run.device_type, enabled=(run.precision == "fp16"))
     batches = iter(micro_batches)
     model.train()
-    for step in range(run.optimizer_steps):
+    for _step in range(run.optimizer_steps):
         optimizer.zero_grad()
         for micro_step in range(grad_accum_steps):
             x, y = next(batches)

@@ -18,7 +18,7 @@ def train_loop(model, optimizer, micro_batches, run):
     batch = next(it)
     model.train()
     while batch is not None:
-        for micro_step in range(gradient_accumulation_steps):
+        for _micro_step in range(gradient_accumulation_steps):
             with ctx:
                 logits = model(batch["input_ids"])
             logits = logits.float()

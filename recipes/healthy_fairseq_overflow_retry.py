@@ -24,7 +24,7 @@ def multiply_grads(optimizer, c):
 def train_step(model, optimizer, scaler, samples, run):
     """Forward and backward over the window's samples; returns the window's sample_size."""
     sample_size = 0
-    for i, sample in enumerate(samples):
+    for sample in samples:
         src, target = sample
         with torch.autocast(device_type=run.device_type, dtype=run.autocast_dtype,
                             enabled=run.autocast_dtype is not None):
@@ -51,7 +51,7 @@ def train_loop(model, optimizer, micro_batches, run):
         if len(samples) < update_freq:
             continue
 
-        for attempt in range(MAX_ATTEMPTS):
+        for _attempt in range(MAX_ATTEMPTS):
             sample_size = train_step(model, optimizer, scaler, samples, run)
             scaler.unscale_(optimizer)
             multiply_grads(optimizer, 1.0 / (sample_size or 1.0))

@@ -19,7 +19,7 @@ def train_loop(model, optimizer, micro_batches, run):
     scaler = torch.amp.GradScaler(run.device_type, enabled=(run.precision == "fp16"))
     batches = iter(micro_batches)
     X, Y = next(batches)
-    for iter_num in range(run.optimizer_steps):
+    for _iter_num in range(run.optimizer_steps):
         for micro_step in range(gradient_accumulation_steps):
             if ddp:
                 model.require_backward_grad_sync = (micro_step == gradient_accumulation_steps - 1)

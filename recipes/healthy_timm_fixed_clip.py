@@ -28,7 +28,7 @@ def dispatch_clip_grad(parameters, value: float, mode: str = 'norm', norm_type: 
     elif mode == 'value':
         torch.nn.utils.clip_grad_value_(parameters, value)
     else:
-        assert False, f"Unknown clip mode ({mode})."
+        raise AssertionError(f"Unknown clip mode ({mode}).")
 
 
 class NativeScaler:
@@ -91,7 +91,7 @@ def train_loop(model, optimizer, micro_batches, run):
         if batch_idx >= last_batch_idx_to_accum:
             accum_steps = last_accum_steps
 
-        def _forward():
+        def _forward(input=input, target=target, accum_steps=accum_steps):
             with amp_autocast():
                 output = model(input)
                 loss = loss_fn(output.float(), target)
@@ -99,7 +99,7 @@ def train_loop(model, optimizer, micro_batches, run):
                 loss /= accum_steps
             return loss
 
-        def _backward(_loss):
+        def _backward(_loss, need_update=need_update):
             if loss_scaler is not None:
                 loss_scaler(
                     _loss,

@@ -65,6 +65,6 @@ def train_loop(model, optimizer, micro_batches, run):
             scaler.update()
             optimizer.zero_grad()
             with torch.no_grad():
-                for e, p in zip(ema.parameters(), model.parameters()):
+                for e, p in zip(ema.parameters(), model.parameters(), strict=True):
                     e.mul_(0.999).add_(p, alpha=0.001)
             last_opt_step = ni

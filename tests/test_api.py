@@ -15,7 +15,8 @@ from conftest import CONFIGS, ROOT, marked_line
 from user_code import FACTORIES, loop
 
 USER_MODULE = (FACTORIES + loop("healthy_loop")
-               + loop("unaveraged_loop", divide=False, marker="# BUG: missing-accumulation-average"))
+               + loop("unaveraged_loop", divide=False,
+                      marker="# BUG: missing-accumulation-average"))
 
 SCRIPT = textwrap.dedent('''\
     import json, sys
@@ -60,7 +61,8 @@ def test_api_from_a_script_with_a_spec_built_in_code(user_project: Path, tmp_pat
     assert broken["kind"] == "missing-accumulation-average"
     assert broken["measured"] == pytest.approx(4.0, rel=0.02)     # K = 4 times too large
     assert Path(broken["file"]).name == "userloop.py"
-    assert broken["line"] == marked_line(user_project / "userloop.py", "missing-accumulation-average")
+    assert broken["line"] == marked_line(user_project / "userloop.py",
+                                         "missing-accumulation-average")
     assert broken["finding_type"] == "FindingModel"
     saved = json.loads(Path(broken["path"]).read_text())
     assert saved["verdict"] == "failed"
@@ -80,7 +82,8 @@ def test_diagnose_a_yaml_path_with_overrides(tmp_path: Path) -> None:
     assert record.data["optimizer_steps"] == 2
     finding = record.errors[0]
     assert (finding.kind, finding.rung) == ("missing-accumulation-average", "fp32-accum")
-    assert finding.location.line == marked_line(ROOT / "recipes" / "broken_missing_average.py", "missing-accumulation-average")
+    assert finding.location.line == marked_line(ROOT / "recipes" / "broken_missing_average.py",
+                                                "missing-accumulation-average")
     assert "missing-accumulation-average" in record.summary()
     assert f"broken_missing_average.py:{finding.location.line}" in record.summary()
 
@@ -135,7 +138,9 @@ def test_assert_healthy_passes_a_healthy_loop_and_fails_with_the_diagnosis() -> 
     text = str(info.value)
     assert "FAILED at rung fp32-accum" in text
     assert "missing-accumulation-average [fp32-accum]" in text
-    assert f"broken_missing_average.py:{marked_line(ROOT / 'recipes' / 'broken_missing_average.py', 'missing-accumulation-average')}" in text
+    line = marked_line(ROOT / "recipes" / "broken_missing_average.py",
+                       "missing-accumulation-average")
+    assert f"broken_missing_average.py:{line}" in text
     assert "fix: " in text and "measured=4" in text
     assert isinstance(info.value, ampdoctor.Unhealthy)
     assert info.value.record.failed_rung == "fp32-accum"

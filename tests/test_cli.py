@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from conftest import CONFIGS, RECIPES, marked_line, run_cli, run_cli_process
 from ampdoctor import __version__
 from ampdoctor.findings import CATALOGUE, RUNG_IDS
+from conftest import CONFIGS, RECIPES, marked_line, run_cli, run_cli_process
 
 
 def _modules_after(*args: str) -> set[str]:

@@ -27,7 +27,7 @@ def _classify(user, per_mb, counts=None, weighted=False, scale=None, K=3):
     counts = counts or [4.0] * len(per_mb)
     if weighted:
         total = sum(counts)
-        ref = sum(g * n for g, n in zip(per_mb, counts)) / total
+        ref = sum(g * n for g, n in zip(per_mb, counts, strict=True)) / total
     else:
         ref = torch.stack(per_mb).mean(0)
     hyps = compare.window_hypotheses(per_mb, counts, weighted, ref, K)

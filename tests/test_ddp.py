@@ -238,7 +238,8 @@ def test_the_stack_dump_of_a_hung_rank_names_the_users_frame(tmp_path):
     user = tmp_path / "train.py"
     user.write_text("x = 1\n")
     dump = ('Current thread 0x00007f (most recent call first):\n'
-            '  File "/usr/lib/python3/site-packages/torch/autograd/__init__.py", line 353 in backward\n'
+            '  File "/usr/lib/python3/site-packages/torch/autograd/__init__.py", '
+            'line 353 in backward\n'
             f'  File "{user}", line 29 in train_loop\n'
             '  File "/usr/lib/python3/site-packages/ampdoctor/session.py", line 200 in run_loop\n')
     site = CallSiteFinder([tmp_path]).from_stack_dump(dump)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, RECIPES, run_cli, run_cli_process
 from ampdoctor import record as records
 from ampdoctor.report.html import render_html
+from conftest import CONFIGS, RECIPES, run_cli, run_cli_process
 
 HOSTILE = [
     "<script>alert(1)</script>",
@@ -179,7 +179,9 @@ def test_a_failed_import_leaves_sys_path_and_modules_as_they_were(tmp_path):
 
     project = tmp_path / "proj"
     project.mkdir()
-    (project / "mymodel.py").write_text("import torch\ndef make():\n    return torch.nn.Linear(2, 1)\n")
+    (project / "mymodel.py").write_text(
+        "import torch\ndef make():\n    return torch.nn.Linear(2, 1)\n"
+    )
     (project / "myloop.py").write_text("raise ImportError('broken on purpose')\n")
     (project / "spec.yaml").write_text(
         "project_root: .\nmodel: mymodel:make\ndata: mymodel:make\n"
@@ -206,8 +208,8 @@ BASE_SPEC = "model: m:m\ndata: m:d\ntrain_loop: m:l\naccumulation_steps: 2\n"
 
 
 @pytest.mark.parametrize("name, text, message", [
-    ("alias bomb", BASE_SPEC + "extra:\n" + "".join("  " + l + "\n"
-                                                    for l in _alias_bomb().splitlines()),
+    ("alias bomb", BASE_SPEC + "extra:\n" + "".join("  " + line + "\n"
+                                                    for line in _alias_bomb().splitlines()),
      "expands to more than 100,000 values"),
     ("duplicate key", BASE_SPEC + "accumulation_steps: 4\n",
      "key 'accumulation_steps' is given twice (first on line 4)"),
@@ -558,8 +560,8 @@ def test_user_mistakes_are_named_where_they_are(tmp_path, extra, code, fragments
 def test_the_default_dtype_is_restored_after_a_loop_changed_it(tmp_path):
     import torch
 
-    from ampdoctor.runner import run_diagnose
     from ampdoctor.errors import UserCodeError
+    from ampdoctor.runner import run_diagnose
     from ampdoctor.spec import load_spec
 
     (tmp_path / "u.py").write_text(UNCLEAR)

@@ -100,10 +100,12 @@ many_runs = pytest.mark.slow
 @given(data=st.data())
 def test_a_mangled_spec_is_accepted_or_refused_clearly(tmp_path_factory, data):
     spec = _mutate(VALID_SPEC, data)
-    text = yaml.safe_dump(spec, allow_unicode=True) if data.draw(st.booleans()) else json.dumps(spec)
+    as_yaml = data.draw(st.booleans())
+    text = yaml.safe_dump(spec, allow_unicode=True) if as_yaml else json.dumps(spec)
     if data.draw(st.booleans()):   # a raw edit of the text: a stray character somewhere
         at = data.draw(st.integers(0, len(text)))
-        text = text[:at] + data.draw(st.sampled_from([":", "-", "'", "\t", "[", "&a", "*a", "\x00"])) + text[at:]
+        stray = data.draw(st.sampled_from([":", "-", "'", "\t", "[", "&a", "*a", "\x00"]))
+        text = text[:at] + stray + text[at:]
     path = tmp_path_factory.mktemp("spec") / "spec.yaml"
     path.write_text(text)
     COUNTS["specs"] += 1
@@ -177,8 +179,8 @@ def _user_modules(root: Path) -> set[str]:
 @pytest.mark.parametrize("loop, outcome", [("ctrl_c", KeyboardInterrupt),
                                            ("exits", UserCodeError), ("hangs", "error")])
 def test_every_exit_path_leaves_torch_and_the_interpreter_as_they_were(tmp_path, loop, outcome):
-    from ampdoctor.runner import run_diagnose
     from ampdoctor.probe import recorder
+    from ampdoctor.runner import run_diagnose
 
     (tmp_path / "leaving_mod.py").write_text(LEAVING)
     path = tmp_path / "spec.yaml"

@@ -18,14 +18,21 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from rich.console import Console
 
-from conftest import run_cli
-from test_hostile import _hostile_record
 from ampdoctor import safetext
 from ampdoctor.errors import ERROR_LIMIT, UserCodeError, format_traceback
 from ampdoctor.report.html import render_html
 from ampdoctor.report.terminal import render
-from ampdoctor.safetext import (MESSAGE_LIMIT, TRACEBACK_LIMIT, cut, exc_text, inert,
-                                safe_repr, safe_str)
+from ampdoctor.safetext import (
+    MESSAGE_LIMIT,
+    TRACEBACK_LIMIT,
+    cut,
+    exc_text,
+    inert,
+    safe_repr,
+    safe_str,
+)
+from conftest import run_cli
+from test_hostile import _hostile_record
 
 #: (name, hostile text, an escape that must be visible once the text is rendered)
 HOSTILE = [

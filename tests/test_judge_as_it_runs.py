@@ -145,12 +145,12 @@ def test_what_torch_and_ampdoctor_import_during_a_run_is_never_forgotten():
     """A project root that holds its virtual environment holds torch: a second diagnose in the
     same process must not re-import what torch loaded lazily in the first (torch refuses to
     register its operator libraries twice)."""
+    import os
+    import sys
+
     import torch
 
     from ampdoctor.loading import usercode as loading
-
-    import os
-    import sys
 
     kept = loading._installed_prefixes()
     assert os.path.realpath(torch.__file__).startswith(kept)

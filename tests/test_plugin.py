@@ -6,6 +6,7 @@ from __future__ import annotations
 import textwrap
 
 import pytest
+
 from user_code import FACTORIES, loop
 
 pytest_plugins = ["pytester"]

@@ -45,6 +45,6 @@ def test_aligned_dropout_masks_repeat_per_micro_batch_and_leave_the_outer_stream
     second = [model(x) for x, _ in reversed(mbs)][::-1]
     after_second = torch.rand(1)
     aligner.detach()
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     # the RNG stream outside the forward is the caller's own
     assert not torch.equal(after_first, after_second)

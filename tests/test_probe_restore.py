@@ -7,9 +7,9 @@ import hashlib
 import pytest
 import torch
 
-from ampdoctor.runner import run_diagnose
 from ampdoctor.errors import UserCodeError
 from ampdoctor.probe import patches, recorder, wrappers
+from ampdoctor.runner import run_diagnose
 from ampdoctor.spec import load_spec
 from conftest import CONFIGS, RECIPES
 

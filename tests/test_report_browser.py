@@ -43,7 +43,7 @@ class _Dom(HTMLParser):
                 break
 
     def handle_data(self, data):
-        for tag, cls in self.stack:
+        for _tag, cls in self.stack:
             for name in cls.split():
                 self.text_in.setdefault(name, []).append(data)
         if any(tag == "svg" for tag, _ in self.stack) and data.strip():

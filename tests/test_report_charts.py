@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CONFIGS, RECIPES, marked_line, run_cli
-
 from ampdoctor.report.html import render_html
+from conftest import CONFIGS, RECIPES, marked_line, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +35,8 @@ def test_every_judged_run_has_its_series(healthy_record: dict) -> None:
     fp16 = runs[("fp16-scaler", "fp16 run")]
     assert fp16["scale"] == [65536.0] * 3
     # before unscale_ the norm is S times the true one
-    for before, after in zip(fp16["grad_norm_before_unscale"], fp16["grad_norm_after_unscale"]):
+    for before, after in zip(fp16["grad_norm_before_unscale"], fp16["grad_norm_after_unscale"],
+                             strict=True):
         assert before / after == pytest.approx(65536, rel=1e-3)
     injected = next(r for r in healthy_record["runs"] if r["rung"] == "skips")
     assert injected["label"] == "fp16 run, overflow injected in window 1"

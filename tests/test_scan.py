@@ -37,8 +37,8 @@ DOUBLE_SCALED = {
         "error",
         [
             owner("GradScaler", "deepspeed_plus_gradscaler", "train.py", "MARK-GRADSCALER"),
-            owner("DeepSpeed fp16", "deepspeed_plus_gradscaler", "ds_config.json", '"enabled": true',
-                  "fp16.enabled"),
+            owner("DeepSpeed fp16", "deepspeed_plus_gradscaler", "ds_config.json",
+                  '"enabled": true', "fp16.enabled"),
         ],
     ),
     "trainer_fp16_plus_gradscaler": (
@@ -67,7 +67,8 @@ DOUBLE_SCALED = {
     "lightning_cli_yaml_plus_gradscaler": (
         "error",
         [
-            owner("GradScaler", "lightning_cli_yaml_plus_gradscaler", "model.py", "MARK-GRADSCALER"),
+            owner("GradScaler", "lightning_cli_yaml_plus_gradscaler", "model.py",
+                  "MARK-GRADSCALER"),
             owner("Lightning 16-mixed", "lightning_cli_yaml_plus_gradscaler", "config.yaml",
                   "precision: 16-mixed", "trainer.precision"),
         ],
@@ -76,7 +77,8 @@ DOUBLE_SCALED = {
         "error",
         [
             owner("GradScaler", "static_loss_scale_plus_gradscaler", "train.py", "MARK-GRADSCALER"),
-            owner("static loss scale", "static_loss_scale_plus_gradscaler", "train.py", "MARK-STATIC"),
+            owner("static loss scale", "static_loss_scale_plus_gradscaler", "train.py",
+                  "MARK-STATIC"),
         ],
     ),
     "separate_entry_points": (
@@ -135,7 +137,7 @@ def test_double_scaled_recipe_names_both_owners(case):
     target = min(owners, key=lambda o: (rank.get(o["kind"], 2), owners.index(o)))
     assert (finding.location.file, finding.location.line) == (target["file"], target["line"])
     assert finding.location.file.endswith(".py")
-    for kind, file, line, key in expected:
+    for _kind, file, line, key in expected:
         assert f"{Path(file).name}:{line}" in finding.message
         if key:
             assert f"({key})" in finding.message
@@ -174,7 +176,7 @@ def test_rung_reports_the_same_owners(case):
     assert result.status == ("fail" if severity == "error" else "warn")
     assert _owner_tuples(result.details["owners"]) == sorted(expected)
     assert result.details["files_scanned"] >= 1 and result.details["skipped"] == []
-    for kind, file, line, key in expected:
+    for kind, file, line, _key in expected:
         assert f"{kind} at {Path(file).name}:{line}" in result.summary
     assert [f.kind for f in result.findings] == ["double-scaling"]
 
@@ -210,7 +212,9 @@ def test_rung_clean_with_runtime_owner_says_which_one_ran():
     line = line_of(case / "train.py", "MARK-GRADSCALER")
     result = evaluate([case], {"kind": "GradScaler", "file": str(case / "train.py"), "line": line})
     assert result.status == "pass"
-    assert result.summary == f"one loss-scale owner: GradScaler at train.py:{line} (the one the fp16 run used)"
+    assert result.summary == (
+        f"one loss-scale owner: GradScaler at train.py:{line} (the one the fp16 run used)"
+    )
 
 
 def test_rung_runtime_owner_outside_the_scan_is_still_an_owner(tmp_path):
@@ -227,7 +231,8 @@ def test_rung_runtime_owner_outside_the_scan_is_still_an_owner(tmp_path):
 def test_rung_with_missing_scan_path_skips_it():
     result = evaluate([RECIPES / "clean_gradscaler_only", RECIPES / "no-such-folder"], None)
     assert result.status == "pass"
-    assert {"file": str(RECIPES / "no-such-folder"), "reason": "does not exist"} in result.details["skipped"]
+    missing = {"file": str(RECIPES / "no-such-folder"), "reason": "does not exist"}
+    assert missing in result.details["skipped"]
 
 
 # -- the command -------------------------------------------------------------------------------
@@ -241,7 +246,8 @@ def test_run_scan_exit_codes(capsys):
     out = capsys.readouterr().out
     case = RECIPES / "deepspeed_plus_gradscaler"
     assert f"train.py:{line_of(case / 'train.py', 'MARK-GRADSCALER')}" in out
-    assert f"ds_config.json:{line_of(case / 'ds_config.json', chr(34) + 'enabled' + chr(34) + ': true')}" in out
+    ds_line = line_of(case / "ds_config.json", chr(34) + "enabled" + chr(34) + ": true")
+    assert f"ds_config.json:{ds_line}" in out
     assert "double-scaling" in out
     assert run_scan([str(RECIPES / "separate_entry_points")], as_json=False) == 1
     capsys.readouterr()
@@ -300,7 +306,8 @@ def test_sarif_output(capsys, monkeypatch):
                 r["physicalLocation"]["region"]["startLine"]) for r in result["relatedLocations"]}
     assert related == {
         ("train.py", line_of(case / "train.py", "MARK-GRADSCALER")),
-        ("accelerate_config.yaml", line_of(case / "accelerate_config.yaml", "mixed_precision: fp16")),
+        ("accelerate_config.yaml",
+         line_of(case / "accelerate_config.yaml", "mixed_precision: fp16")),
     }
     assert run["originalUriBaseIds"]["%SRCROOT%"]["uri"] == REPO.as_uri() + "/"
 
@@ -351,7 +358,8 @@ def test_module_entry_point_never_imports_torch():
 
 def test_python_dash_m_scan_command(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "ampdoctor.scan.command", str(RECIPES / "clean_trainer_fp16"), "--json"],
+        [sys.executable, "-m", "ampdoctor.scan.command", str(RECIPES / "clean_trainer_fp16"),
+         "--json"],
         capture_output=True, text=True, cwd=REPO, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -381,14 +389,8 @@ def test_scan_never_executes_user_code():
     assert not marker.exists()
 
 
-# -- the real CLI (`ampdoctor scan`), once the CLI has the command --------------------------------
+# -- the real CLI (`ampdoctor scan`) ------------------------------------------------------------
 
-def _cli_has_scan() -> bool:
-    cli = REPO / "ampdoctor" / "cli" / "scan.py"
-    return cli.exists() and "def scan(" in cli.read_text() and (REPO / "ampdoctor" / "__main__.py").exists()
-
-
-needs_cli = pytest.mark.skipif(not _cli_has_scan(), reason="ampdoctor/cli/ has no scan command yet")
 
 
 def _cli(*args: str, cwd: Path = REPO):
@@ -398,16 +400,14 @@ def _cli(*args: str, cwd: Path = REPO):
     return run_cli("scan", *args, cwd=cwd)
 
 
-@needs_cli
 @pytest.mark.parametrize("case", sorted(DOUBLE_SCALED))
 def test_cli_scan_finds_double_scaling(case):
     proc = _cli(str(RECIPES / case))
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    for kind, file, line, key in DOUBLE_SCALED[case][1]:
+    for _kind, file, line, _key in DOUBLE_SCALED[case][1]:
         assert f"{Path(file).name}:{line}" in proc.stdout
 
 
-@needs_cli
 @pytest.mark.parametrize("case", sorted(CLEAN))
 def test_cli_scan_clean(case):
     proc = _cli(str(RECIPES / case), "--json")
@@ -415,7 +415,6 @@ def test_cli_scan_clean(case):
     assert json.loads(proc.stdout)["findings"] == []
 
 
-@needs_cli
 def test_cli_scan_missing_path_and_sarif():
     proc = _cli(str(RECIPES / "nope"))
     assert proc.returncode == 2 and proc.stdout == ""
@@ -425,7 +424,6 @@ def test_cli_scan_missing_path_and_sarif():
     assert sarif["runs"][0]["results"][0]["ruleId"] == "double-scaling"
 
 
-@needs_cli
 def test_cli_scan_does_not_import_torch():
     env = dict(os.environ, NO_COLOR="1")
     proc = subprocess.run(
@@ -442,7 +440,8 @@ def test_scanning_all_recipes_at_once_keeps_them_apart():
     """Each recipe is its own project: no import, string or config links across folders."""
     report = scan_paths([RECIPES])
     errors = [f for f in report.findings if f.severity == "error"]
-    expected = {case: sorted(owners) for case, (sev, owners) in DOUBLE_SCALED.items() if sev == "error"}
+    expected = {case: sorted(owners)
+                for case, (sev, owners) in DOUBLE_SCALED.items() if sev == "error"}
     found = {}
     for finding in errors:
         cases = {Path(o["file"]).relative_to(RECIPES).parts[0] for o in finding.evidence["owners"]}

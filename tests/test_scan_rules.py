@@ -1,4 +1,5 @@
-"""The owner rules and the "same training path" rules of the double-scaling search, on small trees."""
+"""The owner rules and the "same training path" rules of the double-scaling search, on small
+trees."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def train(model, opt, loader):
         ("from transformers import TrainingArguments\na = TrainingArguments('o', fp16=True)\n",
          ["Trainer fp16"]),
         ("from transformers import TrainingArguments\na = TrainingArguments('o', bf16=True)\n", []),
-        ("from transformers import TrainingArguments\na = TrainingArguments('o', fp16=False)\n", []),
+        ("from transformers import TrainingArguments\n"
+         "a = TrainingArguments('o', fp16=False)\n", []),
         ("from trl import SFTConfig\nc = SFTConfig(output_dir='o', fp16=True)\n", ["Trainer fp16"]),
         ("from accelerate import Accelerator\na = Accelerator(mixed_precision='fp16')\n",
          ["accelerate fp16"]),
@@ -170,7 +172,8 @@ def test_deepspeed_auto_with_trainer_fp16_is_one_owner(tmp_path):
             from transformers import TrainingArguments
             args = TrainingArguments("out", fp16=True, deepspeed="ds.json")  # TA
         """,
-        "ds.json": '{\n  "fp16": {\n    "enabled": "auto"\n  },\n  "zero_optimization": {"stage": 2}\n}\n',
+        "ds.json": '{\n  "fp16": {\n    "enabled": "auto"\n  },\n'
+                   '  "zero_optimization": {"stage": 2}\n}\n',
     })
     report = scan_paths([tmp_path])
     assert report.findings == []
@@ -179,7 +182,8 @@ def test_deepspeed_auto_with_trainer_fp16_is_one_owner(tmp_path):
         ("Trainer fp16", "train.py", line_of(tmp_path / "train.py", "TA"), None),
     ]
     assert report.groups[0]["measured"] == 1
-    assert "filled in as fp16 by Trainer fp16" in [s for s in report.owners if "auto" in s.kind][0].detail
+    auto = [s for s in report.owners if "auto" in s.kind][0]
+    assert "filled in as fp16 by Trainer fp16" in auto.detail
 
 
 def test_deepspeed_auto_alone_is_information(tmp_path):
@@ -269,7 +273,8 @@ def test_inline_deepspeed_dict(tmp_path):
 def test_literal_config_path_outside_the_scan_is_followed(tmp_path):
     tree(tmp_path, {
         "configs/ds.json": '{"fp16": {"enabled": true}}',
-        "src/train.py": LOOP + '\nimport deepspeed\nengine = deepspeed.initialize(model=m, config="../configs/ds.json")\n',
+        "src/train.py": LOOP + '\nimport deepspeed\n'
+                        'engine = deepspeed.initialize(model=m, config="../configs/ds.json")\n',
     })
     report = scan_paths([tmp_path / "src"])
     assert owners(report) == [("DeepSpeed fp16", "ds.json", 1, "fp16.enabled"),
@@ -281,7 +286,8 @@ def test_literal_config_path_outside_the_scan_is_followed(tmp_path):
 
 def test_hf_args_json_read_by_hfargumentparser(tmp_path):
     tree(tmp_path, {
-        "args.json": '{\n  "output_dir": "out",\n  "per_device_train_batch_size": 8,\n  "fp16": true\n}\n',
+        "args.json": '{\n  "output_dir": "out",\n  "per_device_train_batch_size": 8,\n'
+                     '  "fp16": true\n}\n',
         "run.py": """
             from transformers import HfArgumentParser, TrainingArguments
             from loop import train
@@ -290,7 +296,8 @@ def test_hf_args_json_read_by_hfargumentparser(tmp_path):
         "loop.py": LOOP,
     })
     report = scan_paths([tmp_path])
-    assert owners(report) == [("GradScaler", "loop.py", 4, None), ("Trainer fp16", "args.json", 4, "fp16")]
+    assert owners(report) == [("GradScaler", "loop.py", 4, None),
+                              ("Trainer fp16", "args.json", 4, "fp16")]
     assert severities(report) == ["error"]
     assert report.findings[0].evidence["entry"] == str(tmp_path / "run.py")
 
@@ -324,7 +331,8 @@ def test_accelerate_config_found_without_a_launcher(tmp_path):
 def test_unreferenced_config_of_another_project_is_not_linked(tmp_path):
     tree(tmp_path, {
         "a/train.py": "from accelerate import Accelerator\nacc = Accelerator()\n" + LOOP,
-        "b/accelerate.yaml": "distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 2\n",
+        "b/accelerate.yaml": "distributed_type: MULTI_GPU\nmixed_precision: fp16\n"
+                             "num_processes: 2\n",
     })
     report = scan_paths([tmp_path])
     # not on one path: a warning (different kinds in separate entry points), not an error
@@ -337,7 +345,8 @@ def test_accelerate_launch_flag_in_a_shell_script(tmp_path):
         "run.sh": "#!/bin/sh\naccelerate launch \\\n  --mixed_precision fp16 \\\n  train.py\n",
     })
     report = scan_paths([tmp_path])
-    assert owners(report) == [("GradScaler", "train.py", 4, None), ("accelerate fp16", "run.sh", 3, None)]
+    assert owners(report) == [("GradScaler", "train.py", 4, None),
+                              ("accelerate fp16", "run.sh", 3, None)]
     assert severities(report) == ["error"]
 
 
@@ -354,7 +363,8 @@ def test_deepspeed_legacy_amp_and_static_loss_scale(tmp_path):
     })
     report = scan_paths([tmp_path])
     assert sorted(s.kind for s in report.owners) == ["DeepSpeed amp", "DeepSpeed fp16"]
-    assert "static loss scale 128" in [s for s in report.owners if s.kind == "DeepSpeed fp16"][0].detail
+    fp16 = [s for s in report.owners if s.kind == "DeepSpeed fp16"][0]
+    assert "static loss scale 128" in fp16.detail
     assert report.findings == []  # two alternative configs nobody links: one framework
 
 
@@ -398,7 +408,8 @@ def test_a_launcher_naming_the_script_joins_the_path(tmp_path):
     tree(tmp_path, {
         "train.py": LOOP,
         "ds.json": '{"fp16": {"enabled": true}}',
-        "launch.py": 'import subprocess\nsubprocess.run(["deepspeed", "train.py", "--deepspeed", "ds.json"])\n',
+        "launch.py": 'import subprocess\n'
+                     'subprocess.run(["deepspeed", "train.py", "--deepspeed", "ds.json"])\n',
     })
     report = scan_paths([tmp_path])
     assert severities(report) == ["error"]
@@ -408,7 +419,8 @@ def test_a_launcher_naming_the_script_joins_the_path(tmp_path):
 def test_import_cycle_is_one_path(tmp_path):
     tree(tmp_path, {
         "a.py": "import b\n" + LOOP,
-        "b.py": "import a\nfrom transformers import TrainingArguments\nx = TrainingArguments('o', fp16=True)\n",
+        "b.py": "import a\nfrom transformers import TrainingArguments\n"
+                "x = TrainingArguments('o', fp16=True)\n",
     })
     assert severities(scan_paths([tmp_path])) == ["error"]
 
@@ -457,9 +469,11 @@ def test_single_files_can_be_scanned(tmp_path):
 def test_file_without_keywords_is_not_parsed_but_still_links(tmp_path):
     # main.py mentions none of the keywords: it is read by regex only, yet joins the path
     tree(tmp_path, {
-        "main.py": "from loop import train\nfrom hf import args\n\nif __name__ == '__main__':\n    train()\n",
+        "main.py": "from loop import train\nfrom hf import args\n\n"
+                   "if __name__ == '__main__':\n    train()\n",
         "loop.py": LOOP,
-        "hf.py": "from transformers import TrainingArguments\nargs = TrainingArguments('o', fp16=True)\n",
+        "hf.py": "from transformers import TrainingArguments\n"
+                 "args = TrainingArguments('o', fp16=True)\n",
     })
     report = scan_paths([tmp_path])
     assert severities(report) == ["error"]
@@ -482,7 +496,8 @@ def test_if_else_alternatives_alone_pass(tmp_path):
 def test_non_utf8_and_null_bytes_are_skipped(tmp_path):
     (tmp_path / "nul.py").write_bytes(b"import torch\x00\nscaler = torch.amp.GradScaler()\n")
     (tmp_path / "latin.py").write_bytes(
-        "# -*- coding: latin-1 -*-\n# caf\xe9\nimport torch\ns = torch.amp.GradScaler()\n".encode("latin-1"))
+        "# -*- coding: latin-1 -*-\n# caf\xe9\nimport torch\ns = torch.amp.GradScaler()\n"
+        .encode("latin-1"))
     (tmp_path / "bin.json").write_bytes(b'{"fp16": "\xff\xfe"}')
     report = scan_paths([tmp_path])
     assert [Path(s.file).name for s in report.owners] == ["latin.py"]

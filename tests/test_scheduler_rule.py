@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ampdoctor.rules import scheduler_findings
 from ampdoctor.probe.events import make_event
+from ampdoctor.rules import scheduler_findings
 
 
 def _trace(events):

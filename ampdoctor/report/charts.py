@@ -12,7 +12,10 @@ from __future__ import annotations
 import io
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
 
 #: one style for every chart
 BLUE, RED, GREY, GREEN = "#2563eb", "#b91c1c", "#6b7280", "#15803d"
@@ -26,7 +29,7 @@ def _finite(values: list[Any]) -> list[tuple[int, float]]:
 #: matplotlib settings for the charts, applied only while a chart is drawn and saved
 #: (`rc_context`): a notebook that renders a page keeps its own rcParams. `svg.hashsalt` makes
 #: the SVG ids the same from one render to the next (a page is deterministic, diffable).
-RC = {"svg.fonttype": "none", "svg.hashsalt": "ampdoctor", "font.size": 9}
+RC: dict[RcKeyType, Any] = {"svg.fonttype": "none", "svg.hashsalt": "ampdoctor", "font.size": 9}
 
 
 def _agg() -> None:
@@ -85,14 +88,15 @@ def ratio_chart(run: dict[str, Any]) -> str | None:
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     ax.plot(xs, ys, marker="o", color=BLUE, linewidth=1.4, label="consumed / reference")
     preclip = run.get("preclip") or []
-    clipped = [(x, y) for (i, y), x in zip(_finite(ratios), xs)
+    clipped = [(x, y) for (i, y), x in zip(_finite(ratios), xs, strict=True)
                if i < len(preclip) and preclip[i] is True]
     if clipped:
         ax.scatter([p[0] for p in clipped], [p[1] for p in clipped], marker="o", s=110,
                    facecolors="none", edgecolors=GREY, zorder=3,
                    label="norm a clip saw, before clipping")
     bad = run.get("bad") or []
-    flagged = [(x, y) for (i, y), x in zip(_finite(ratios), xs) if i < len(bad) and bad[i]]
+    flagged = [(x, y) for (i, y), x in zip(_finite(ratios), xs, strict=True)
+               if i < len(bad) and bad[i]]
     if flagged:
         ax.scatter([p[0] for p in flagged], [p[1] for p in flagged], marker="x", color=RED,
                    s=60, zorder=3, label="judged bad")

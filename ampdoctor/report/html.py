@@ -8,11 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..record import atomic_write_text
-from ..safetext import FIELD_LIMIT, TRACEBACK_LIMIT, inert
 from jinja2 import Environment, PackageLoader
 from markupsafe import Markup
 
+from ..record import atomic_write_text
+from ..safetext import FIELD_LIMIT, TRACEBACK_LIMIT, inert
 
 #: The statuses, severities and verdicts the stylesheet knows.
 CSS_CLASSES = {"pass", "fail", "warn", "skip", "not-run", "error", "warning", "healthy", "failed"}

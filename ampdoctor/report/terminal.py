@@ -34,7 +34,7 @@ STATUS_STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "skip": "
 VERDICT_STYLE = {"healthy": "bold green", "failed": "bold red", "error": "bold magenta"}
 
 
-def display_path(path: str) -> str:
+def display_path(path: Any) -> str:
     """`path` relative to the working directory when that is shorter to read (as it is, not
     made inert: the callers that print it do that)."""
     path = "" if path is None else str(path)
@@ -56,7 +56,8 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, list):
-        return "[" + ", ".join(_fmt(v) for v in value[:8]) + (", ..." if len(value) > 8 else "") + "]"
+        more = ", ..." if len(value) > 8 else ""
+        return "[" + ", ".join(_fmt(v) for v in value[:8]) + more + "]"
     return _one(value)
 
 

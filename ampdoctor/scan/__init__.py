@@ -38,8 +38,8 @@ from ampdoctor.scan.sites import (
 )
 from ampdoctor.scan.verdict import decide
 
-__all__ = ["ScanPathError", "ScanReport", "Site", "describe", "display_path", "scan_paths", "SKIP_DIRS",
-           "MAX_BYTES"]
+__all__ = ["ScanPathError", "ScanReport", "Site", "describe", "display_path", "scan_paths",
+           "SKIP_DIRS", "MAX_BYTES"]
 
 #: Folders never searched when walking a tree (a path given explicitly is always read).
 SKIP_DIRS = frozenset({
@@ -244,6 +244,36 @@ def scan_paths(
     given = [os.fspath(p) for p in paths]
     report = ScanReport(paths=given, runtime_owner=dict(runtime_owner) if runtime_owner else None,
                         display_base=display_base)
+    scans, roots, sizes = _collect(given, report, missing_ok)
+
+    for path, scan in scans.items():
+        _read(scan, sizes.get(path))
+    report.files_scanned = sum(1 for s in scans.values() if not s.skipped)
+
+    graph = _follow_config_refs(scans, roots, report)
+    if runtime_owner:
+        _merge_runtime(scans, runtime_owner)
+        graph = Graph(scans, roots)
+    graph.build()
+    decision = decide(scans, graph, display_base)
+    report.owners = decision.owners
+    report.infos = decision.infos
+    report.groups = decision.groups
+    report.findings = decision.findings
+    report.skipped.extend(
+        {"file": s.path, "reason": s.skipped, **({"file_type": s.file_type} if s.file_type else {})}
+        for s in sorted(scans.values(), key=lambda s: s.path)
+        if s.skipped
+    )
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _collect(
+    given: list[str], report: ScanReport, missing_ok: bool
+) -> tuple[dict[str, FileScan], list[str], dict[str, int | None]]:
+    """The files under the given paths (nothing read yet), the roots they were found under and
+    the sizes the walk saw; a path that cannot be scanned goes to `report.skipped`."""
     scans: dict[str, FileScan] = {}
     roots: list[str] = []
     sizes: dict[str, int | None] = {}
@@ -284,13 +314,15 @@ def scan_paths(
                 continue
             scans.setdefault(path, FileScan(path=path, type=ftype, root=folder))
             sizes.setdefault(path, None)
+    return scans, roots, sizes
 
-    for path, scan in scans.items():
-        _read(scan, sizes.get(path))
-    report.files_scanned = sum(1 for s in scans.values() if not s.skipped)
 
+def _follow_config_refs(
+    scans: dict[str, FileScan], roots: list[str], report: ScanReport
+) -> Graph:
+    """Read the literal config paths that lie outside the scanned folders (adding them to
+    `scans`), until no new one turns up; returns the graph over all of them."""
     graph = Graph(scans, roots)
-    # follow literal config paths that lie outside the scanned folders
     pending = [s for s in scans.values() if not s.skipped]
     while pending:
         extra: list[FileScan] = []
@@ -302,7 +334,8 @@ def scan_paths(
                     if candidate in scans or _file_type(candidate) != "config":
                         continue
                     if os.path.isfile(candidate):
-                        new = FileScan(path=candidate, type="config", root=os.path.dirname(candidate))
+                        new = FileScan(path=candidate, type="config",
+                                       root=os.path.dirname(candidate))
                         _read(new)
                         scans[candidate] = new
                         extra.append(new)
@@ -311,23 +344,7 @@ def scan_paths(
         if extra:
             graph = Graph(scans, roots)
         pending = [s for s in extra if not s.skipped]
-
-    if runtime_owner:
-        _merge_runtime(scans, runtime_owner)
-        graph = Graph(scans, roots)
-    graph.build()
-    decision = decide(scans, graph, display_base)
-    report.owners = decision.owners
-    report.infos = decision.infos
-    report.groups = decision.groups
-    report.findings = decision.findings
-    report.skipped.extend(
-        {"file": s.path, "reason": s.skipped, **({"file_type": s.file_type} if s.file_type else {})}
-        for s in sorted(scans.values(), key=lambda s: s.path)
-        if s.skipped
-    )
-    report.seconds = time.perf_counter() - started
-    return report
+    return graph
 
 
 def describe(site: Site, base: str | None = None) -> str:

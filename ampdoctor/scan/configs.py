@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import yaml
 
@@ -111,7 +112,8 @@ def deepspeed_sites(
         notes = []
         loss_scale = fp16.get("loss_scale", MISSING)
         if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool):
-            notes.append("dynamic loss scale" if loss_scale == 0 else f"static loss scale {loss_scale:g}")
+            notes.append("dynamic loss scale" if loss_scale == 0
+                         else f"static loss scale {loss_scale:g}")
         elif loss_scale is not MISSING:
             notes.append(f"loss_scale={loss_scale!r}")
         power = fp16.get("initial_scale_power", MISSING)
@@ -127,13 +129,15 @@ def deepspeed_sites(
         elif isinstance(enabled, NonLiteral):
             sites.append(
                 Site("DeepSpeed fp16", file, locate(key), _dotted(key),
-                     f"enabled={enabled.source} (decided at run time)" + extra, "owner", "deepspeed")
+                     f"enabled={enabled.source} (decided at run time)" + extra, "owner",
+                     "deepspeed")
             )
         elif _is_auto(enabled):
             sites.append(
                 Site("DeepSpeed fp16 (auto)", file, locate(key), _dotted(key),
-                     '"auto": the Trainer/accelerate launcher decides; an owner only where the same '
-                     "entry point enables fp16" + extra, "possible", "deepspeed")
+                     '"auto": the Trainer/accelerate launcher decides; '
+                     "an owner only where the same entry point enables fp16" + extra, "possible",
+                     "deepspeed")
             )
         elif enabled is MISSING:
             key = _key(prefix, "fp16")
@@ -149,16 +153,20 @@ def deepspeed_sites(
                 key = _key(prefix, name, "enabled")
                 sites.append(
                     Site("DeepSpeed bf16", file, locate(key), _dotted(key),
-                         f"bf16 {'auto' if _is_auto(enabled) else 'on'}: mixed precision without loss scaling",
+                         f"bf16 {'auto' if _is_auto(enabled) else 'on'}: "
+                         "mixed precision without loss scaling",
                          "info", "")
                 )
     amp = data.get("amp", MISSING)
-    if isinstance(amp, dict) and (_truthy(amp.get("enabled")) or isinstance(amp.get("enabled"), NonLiteral)):
+    if isinstance(amp, dict) and (
+        _truthy(amp.get("enabled")) or isinstance(amp.get("enabled"), NonLiteral)
+    ):
         key = _key(prefix, "amp", "enabled")
         level = amp.get("opt_level", "O1")
         sites.append(
             Site("DeepSpeed amp", file, locate(key), _dotted(key),
-                 f"apex AMP inside DeepSpeed (opt_level {level}) scales the loss", "owner", "deepspeed")
+                 f"apex AMP inside DeepSpeed (opt_level {level}) scales the loss", "owner",
+                 "deepspeed")
         )
     return sites
 
@@ -192,8 +200,8 @@ def analyze_mapping(data: dict, file: str, locate: Locate, scan: FileScan) -> No
             detail = "TrainingArguments fp16: the Trainer's AMP GradScaler"
             if delegates:
                 detail = "TrainingArguments fp16 handed to DeepSpeed (`deepspeed` is set)"
-            sites = Site("Trainer fp16", file, locate(("fp16",)), "fp16", detail, "owner", "trainer",
-                         delegates=delegates)
+            sites = Site("Trainer fp16", file, locate(("fp16",)), "fp16", detail, "owner",
+                         "trainer", delegates=delegates)
             scan.sites.append(sites)
         if _truthy(data.get("bf16")):
             scan.sites.append(
@@ -226,7 +234,8 @@ def analyze_mapping(data: dict, file: str, locate: Locate, scan: FileScan) -> No
 
 def accelerate_site(value: Any, file: str, line: int | None, key_path: str | None,
                     delegates: bool) -> Site | None:
-    how = "handed to DeepSpeed (distributed_type DEEPSPEED)" if delegates else "accelerate's GradScaler"
+    how = ("handed to DeepSpeed (distributed_type DEEPSPEED)" if delegates
+           else "accelerate's GradScaler")
     if isinstance(value, NonLiteral):
         return Site("accelerate fp16", file, line, key_path,
                     f"mixed_precision={value.source} (decided at run time; fp16 means {how})",

@@ -78,7 +78,9 @@ class Graph:
         self._bases[key] = out
         return out
 
-    def resolve_import(self, scan: FileScan, module: str, names: tuple[str, ...], level: int) -> list[str]:
+    def resolve_import(
+        self, scan: FileScan, module: str, names: tuple[str, ...], level: int
+    ) -> list[str]:
         if level:
             base = os.path.dirname(scan.path)
             for _ in range(level - 1):
@@ -88,28 +90,10 @@ class Graph:
             bases = self.bases(scan)
         parts = [p for p in module.split(".") if p] if module else []
         for base in bases:
-            hits: list[str] = []
-            folder = base
-            found = True
-            for index, part in enumerate(parts):
-                pkg_init = os.path.join(folder, part, "__init__.py")
-                if index == len(parts) - 1:
-                    mod = os.path.join(folder, part + ".py")
-                    if mod in self.scans:
-                        hits.append(mod)
-                    elif pkg_init in self.scans:
-                        hits.append(pkg_init)
-                    elif os.path.join(folder, part) not in self.dirs:
-                        found = False
-                elif pkg_init in self.scans:
-                    hits.append(pkg_init)
-                elif os.path.join(folder, part) not in self.dirs:
-                    found = False
-                if not found:
-                    break
-                folder = os.path.join(folder, part)
-            if not found:
+            walked = self._module_path(base, parts)
+            if walked is None:
                 continue
+            hits, folder = walked
             for name in names:
                 sub = os.path.join(folder, name + ".py")
                 sub_pkg = os.path.join(folder, name, "__init__.py")
@@ -120,6 +104,29 @@ class Graph:
             if hits:
                 return hits
         return []
+
+    def _module_path(self, base: str, parts: list[str]) -> tuple[list[str], str] | None:
+        """The scanned files met on the way down the dotted module `parts` from `base` (each
+        package's `__init__.py`, then the module file or package), and the folder reached;
+        None where a part is neither a scanned file nor a folder under `base`."""
+        hits: list[str] = []
+        folder = base
+        for index, part in enumerate(parts):
+            pkg_init = os.path.join(folder, part, "__init__.py")
+            if index == len(parts) - 1:
+                mod = os.path.join(folder, part + ".py")
+                if mod in self.scans:
+                    hits.append(mod)
+                elif pkg_init in self.scans:
+                    hits.append(pkg_init)
+                elif os.path.join(folder, part) not in self.dirs:
+                    return None
+            elif pkg_init in self.scans:
+                hits.append(pkg_init)
+            elif os.path.join(folder, part) not in self.dirs:
+                return None
+            folder = os.path.join(folder, part)
+        return hits, folder
 
     def resolve_ref(self, scan: FileScan, text: str) -> str | None:
         text = text.strip()

@@ -21,13 +21,13 @@ from __future__ import annotations
 import ast
 import re
 import warnings
-from typing import Any
+from collections.abc import Sequence
 
-from ampdoctor.scan.configs import MISSING, PATH_LIKE, NonLiteral
-from ampdoctor.scan.python_literals import const, number, source_text
+from ampdoctor.scan.configs import PATH_LIKE
+from ampdoctor.scan.python_literals import number
 from ampdoctor.scan.python_owners import OwnerCalls
 from ampdoctor.scan.python_scale import LossScale
-from ampdoctor.scan.sites import FileScan, Site
+from ampdoctor.scan.sites import FileScan
 
 #: Without one of these words a file holds no owner: it is only searched for links (regex).
 PY_KEYWORDS = re.compile(
@@ -35,7 +35,8 @@ PY_KEYWORDS = re.compile(
     rb"|HfArgumentParser|apex|backward|\.scale\(|precision|SFTConfig|DPOConfig|GRPOConfig"
 )
 _IMPORT_RE = re.compile(
-    r"^[ \t]*(?:from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#;]+)|import[ \t]+([^\n#;]+))",
+    r"^[ \t]*(?:from[ \t]+(\.*)([\w.]*)[ \t]+import[ \t]+(\([^)]*\)|[^\n#;]+)"
+    r"|import[ \t]+([^\n#;]+))",
     re.M,
 )
 _PATH_STR_RE = re.compile(r"[\"']([^\"'\n\r]{1,255}?\.(?:json|ya?ml|py|sh|bash))[\"']")
@@ -93,25 +94,6 @@ class _Visitor(OwnerCalls, LossScale):
     """One pass over the tree collects imports, literals and calls (with the `if` arms and the
     function they stand in); the calls are then read once every import alias is known."""
 
-    def __init__(self, path: str, scan: FileScan) -> None:
-        self.path = path
-        self.scan = scan
-        self.aliases: dict[str, str] = {}
-        self.dicts: dict[str, ast.Dict] = {}
-        self.numbers: dict[str, float] = {}
-        self.branch: list[tuple[tuple[int, int], int]] = []
-        self.scope: ast.AST | None = None
-        self.scopes: list[ast.AST] = []
-        self.calls: list[tuple[ast.Call, tuple, ast.AST]] = []
-        self._assigns: dict[int, dict[str, list[tuple[int, ast.AST, ast.AST | None]]]] = {}
-        self.handed: dict[int, str] = {}
-        self.seen: set[tuple[str, int, int]] = set()
-        self.ds_strategy = False
-        self.lightning: list[Site] = []
-        self.backward_line = 0
-        self.inlined: set[int] = set()
-        self.local_classes: set[str] = set()
-
     # -- driver -----------------------------------------------------------------------------
     def run(self, tree: ast.Module) -> None:
         self.scope = tree
@@ -120,7 +102,7 @@ class _Visitor(OwnerCalls, LossScale):
         self._visit(tree)
         for call, branch, scope in self.calls:
             self.branch = list(branch)
-            self.scopes = [scope]
+            self.scopes = [scope if scope is not None else tree]
             self._call(call)
         if self.ds_strategy:
             for site in self.lightning:
@@ -131,35 +113,37 @@ class _Visitor(OwnerCalls, LossScale):
         kind = type(node)
         if kind is ast.Name or kind is ast.Load or kind is ast.Store:
             return
-        if kind is ast.Constant:
+        if isinstance(node, ast.Constant):
             text = node.value
-            if type(text) is str and len(text) < 300 and text.endswith(_PATH_ENDINGS) and PATH_LIKE.match(text):
+            if (type(text) is str and len(text) < 300 and text.endswith(_PATH_ENDINGS)
+                    and PATH_LIKE.match(text)):
                 self.scan.refs.append((text, False))
             return
-        if kind is ast.Call:
+        if isinstance(node, ast.Call):
             self.calls.append((node, tuple(self.branch), self.scope))
-        elif kind is ast.Import:
+        elif isinstance(node, ast.Import):
             self._import(node)
             return
-        elif kind is ast.ImportFrom:
+        elif isinstance(node, ast.ImportFrom):
             self._import_from(node)
             return
-        elif kind is ast.Assign:
+        elif isinstance(node, ast.Assign):
             self._assign(node)
-        elif kind is ast.If or kind is ast.IfExp:
-            body = node.body if kind is ast.If else [node.body]
-            orelse = node.orelse if kind is ast.If else [node.orelse]
-            self._arms(node, [body, orelse], [node.test])
+        elif isinstance(node, ast.If):
+            self._arms(node, [node.body, node.orelse], [node.test])
             return
-        elif kind in _TRY_TYPES:
+        elif isinstance(node, ast.IfExp):
+            self._arms(node, [[node.body], [node.orelse]], [node.test])
+            return
+        elif isinstance(node, _TRY_TYPES):
             self._arms(node, [node.body + node.orelse] + [[h] for h in node.handlers])
             for item in node.finalbody:
                 self._visit(item)
             return
-        elif kind is ast.Match:
+        elif isinstance(node, ast.Match):
             self._arms(node, [[c] for c in node.cases], [node.subject])
             return
-        elif kind is ast.FunctionDef or kind is ast.AsyncFunctionDef:
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             outer = self.scope
             self.scope = node
             self._children(node)
@@ -177,7 +161,12 @@ class _Visitor(OwnerCalls, LossScale):
             elif isinstance(value, ast.AST):
                 self._visit(value)
 
-    def _arms(self, node: ast.AST, arms: list[list[ast.AST]], pre: list[ast.AST] = ()) -> None:
+    def _arms(
+        self,
+        node: ast.stmt | ast.expr,
+        arms: Sequence[Sequence[ast.AST]],
+        pre: Sequence[ast.AST] = (),
+    ) -> None:
         for item in pre:
             self._visit(item)
         bid = (node.lineno, node.col_offset)
@@ -208,64 +197,15 @@ class _Visitor(OwnerCalls, LossScale):
                 self.aliases[local] = f"{module}.{alias.name}" if module else alias.name
 
     def _assign(self, node: ast.Assign) -> None:
-        if len(node.targets) != 1 or type(node.targets[0]) is not ast.Name:
+        target = node.targets[0]
+        if len(node.targets) != 1 or not isinstance(target, ast.Name):
             return
-        name = node.targets[0].id
-        if type(node.value) is ast.Dict:
-            self.dicts[name] = node.value
+        if isinstance(node.value, ast.Dict):
+            self.dicts[target.id] = node.value
         else:
             value = number(node.value)
             if value is not None:
-                self.numbers[name] = value
-
-    # -- helpers ----------------------------------------------------------------------------
-    def qual(self, node: ast.AST) -> str | None:
-        if isinstance(node, ast.Name):
-            return self.aliases.get(node.id, node.id)
-        if isinstance(node, ast.Attribute):
-            base = self.qual(node.value)
-            return f"{base}.{node.attr}" if base else None
-        return None
-
-    def _add(self, site: Site, node: ast.AST | None = None) -> Site:
-        if node is not None:
-            site.end_line = getattr(node, "end_lineno", None)
-        site.branch = tuple(self.branch)
-        self.scan.sites.append(site)
-        return site
-
-    def _value(self, node: ast.AST) -> Any:
-        value = const(node)
-        return NonLiteral(source_text(node, 60)) if value is MISSING else value
-
-    def _scope_assigns(self) -> dict[str, list[tuple[int, ast.AST, ast.AST | None]]]:
-        scope = self.scopes[-1]
-        cached = self._assigns.get(id(scope))
-        if cached is not None:
-            return cached
-        table: dict[str, list[tuple[int, ast.AST, ast.AST | None]]] = {}
-        for node in ast.walk(scope):
-            if isinstance(node, ast.Assign):
-                for target in node.targets:
-                    if isinstance(target, ast.Name):
-                        table.setdefault(target.id, []).append((node.lineno, node.value, None))
-            elif isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name):
-                table.setdefault(node.target.id, []).append((node.lineno, node.value, node.op))
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
-                table.setdefault(node.target.id, []).append((node.lineno, node.value, None))
-        for entries in table.values():
-            entries.sort(key=lambda e: e[0])
-        self._assigns[id(scope)] = table
-        return table
-
-    def _last_assign(self, name: str, before: int) -> tuple[int, ast.AST, ast.AST | None] | None:
-        found = None
-        for entry in self._scope_assigns().get(name, ()):
-            if entry[0] < before:
-                found = entry
-            else:
-                break
-        return found
+                self.numbers[target.id] = value
 
     # -- calls --------------------------------------------------------------------------------
     def _call(self, node: ast.Call) -> None:
@@ -276,7 +216,16 @@ class _Visitor(OwnerCalls, LossScale):
         scaler_kw = kw.get("scaler")
         if isinstance(scaler_kw, ast.Call):
             self.handed[id(scaler_kw)] = qual or "a framework"
+        self._owner_call(node, qual, last, kw)
+        if isinstance(func, ast.Attribute):
+            if func.attr in _BACKWARD_ATTRS:
+                self._backward(node)
+            elif func.attr == "scale" and len(node.args) == 1 and not node.keywords:
+                self._scale_use(node, inside_backward=False)
 
+    def _owner_call(self, node: ast.Call, qual: str, last: str, kw: dict[str, ast.expr]) -> None:
+        """A call that may build a loss-scale owner, by the name called (`last` is its last
+        dotted part)."""
         if last in ("GradScaler", "ShardedGradScaler"):
             self._gradscaler(node, qual, kw)
         elif last == "initialize" and qual.split(".")[0] == "deepspeed":
@@ -301,12 +250,6 @@ class _Visitor(OwnerCalls, LossScale):
         elif last == "add_config_arguments" and "deepspeed" in qual:
             self.scan.consumes.add("deepspeed")
 
-        if isinstance(func, ast.Attribute):
-            if func.attr in _BACKWARD_ATTRS:
-                self._backward(node)
-            elif func.attr == "scale" and len(node.args) == 1 and not node.keywords:
-                self._scale_use(node, inside_backward=False)
-
     def _from_framework(self, qual: str, package: str) -> bool:
         """Is the called name bound to `package`'s class? A name imported from another module
         (a project-local wrapper named like the framework's) or defined in this file is not."""
@@ -314,7 +257,7 @@ class _Visitor(OwnerCalls, LossScale):
             return qual.split(".")[0] == package
         return qual not in self.local_classes
 
-    def _is_lightning(self, qual: str, kw: dict[str, ast.AST]) -> bool:
+    def _is_lightning(self, qual: str, kw: dict[str, ast.expr]) -> bool:
         head = qual.split(".")[0]
         if head in ("lightning", "pytorch_lightning", "lightning_fabric"):
             return True

@@ -7,6 +7,7 @@ from typing import Any
 
 from ampdoctor.scan.configs import MISSING
 
+
 def source_text(node: ast.AST, limit: int = 100) -> str:
     try:
         text = ast.unparse(node)

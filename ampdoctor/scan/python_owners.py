@@ -7,16 +7,22 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from ampdoctor.scan.configs import (MISSING, NonLiteral, accelerate_site, deepspeed_sites,
-                                    lightning_site)
+from ampdoctor.scan.configs import (
+    MISSING,
+    NonLiteral,
+    accelerate_site,
+    deepspeed_sites,
+    lightning_site,
+)
 from ampdoctor.scan.python_literals import const, source_text
+from ampdoctor.scan.python_state import VisitorState
 from ampdoctor.scan.sites import Site
 
 
-class OwnerCalls:
+class OwnerCalls(VisitorState):
     """Handlers for the calls that construct a loss-scale owner."""
 
-    def _gradscaler(self, node: ast.Call, qual: str, kw: dict[str, ast.AST]) -> None:
+    def _gradscaler(self, node: ast.Call, qual: str, kw: dict[str, ast.expr]) -> None:
         enabled = kw.get("enabled")
         if enabled is None:
             if "cuda.amp" in qual or "cpu.amp" in qual:
@@ -35,10 +41,10 @@ class OwnerCalls:
         if value is False or (type(value) is int and value == 0):
             self._add(Site("GradScaler (disabled)", self.path, node.lineno, None,
                            f"{src}: enabled=False, scales nothing", "info", "gradscaler"), node)
-        elif value is MISSING:
+        elif value is MISSING and enabled is not None:  # MISSING: read from an argument
             self._add(Site("GradScaler", self.path, node.lineno, None,
-                           f"{src}: on whenever {source_text(enabled, 60)} is true{suffix}", "owner",
-                           "gradscaler"), node)
+                           f"{src}: on whenever {source_text(enabled, 60)} is true{suffix}",
+                           "owner", "gradscaler"), node)
         else:
             self._add(Site("GradScaler", self.path, node.lineno, None, src + suffix, "owner",
                            "gradscaler"), node)
@@ -51,15 +57,16 @@ class OwnerCalls:
         if isinstance(cfg, ast.Constant) and isinstance(cfg.value, str):
             self.scan.refs.append((cfg.value, True))
             return f"config {cfg.value!r}"
-        dnode = cfg if isinstance(cfg, ast.Dict) else None
+        if isinstance(cfg, ast.Dict):
+            self._inline_deepspeed(cfg)
+            return "config from the inline dict"
         if isinstance(cfg, ast.Name) and cfg.id in self.dicts:
             dnode = self.dicts[cfg.id]
-        if dnode is not None:
             self._inline_deepspeed(dnode)
-            where = "inline dict" if dnode is cfg else f"dict {cfg.id!r} (line {dnode.lineno})"
-            return f"config from the {where}"
+            return f"config from the dict {cfg.id!r} (line {dnode.lineno})"
         self.scan.consumes.add("deepspeed")
-        return f"config={source_text(cfg, 60)} (not a literal: the owner is whatever config it holds)"
+        return (f"config={source_text(cfg, 60)} "
+                "(not a literal: the owner is whatever config it holds)")
 
     def _inline_deepspeed(self, dnode: ast.Dict) -> None:
         if id(dnode) in self.inlined:
@@ -74,7 +81,7 @@ class OwnerCalls:
 
     def _literal_dict(self, node: ast.Dict, prefix: tuple[str, ...], lines: dict) -> dict:
         out: dict[str, Any] = {}
-        for key, value in zip(node.keys, node.values):
+        for key, value in zip(node.keys, node.values, strict=True):
             if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
                 continue
             path = prefix + (key.value,)
@@ -92,13 +99,13 @@ class OwnerCalls:
                     out[key.value] = NonLiteral(source_text(value, 60))
         return out
 
-    def _deepspeed_initialize(self, node: ast.Call, kw: dict[str, ast.AST]) -> None:
+    def _deepspeed_initialize(self, node: ast.Call, kw: dict[str, ast.expr]) -> None:
         cfg = kw.get("config", kw.get("config_params"))
         how = self._ds_config_arg(cfg, node)
         self._add(Site("DeepSpeed engine", self.path, node.lineno, None,
                        f"deepspeed.initialize: {how}", "info", ""), node)
 
-    def _apex(self, node: ast.Call, kw: dict[str, ast.AST]) -> None:
+    def _apex(self, node: ast.Call, kw: dict[str, ast.expr]) -> None:
         level = const(kw.get("opt_level")) if "opt_level" in kw else "O1"
         enabled = const(kw.get("enabled")) if "enabled" in kw else True
         detail = f"apex amp.initialize(opt_level={level if level is not MISSING else '?'})"
@@ -110,7 +117,7 @@ class OwnerCalls:
         else:
             self._add(Site("apex amp", self.path, node.lineno, None, detail, "owner", "apex"), node)
 
-    def _training_args(self, node: ast.Call, name: str, kw: dict[str, ast.AST]) -> None:
+    def _training_args(self, node: ast.Call, name: str, kw: dict[str, ast.expr]) -> None:
         ds = kw.get("deepspeed")
         ds_value = const(ds) if ds is not None else None
         delegates = ds is not None and ds_value not in (None, "", False)
@@ -119,17 +126,20 @@ class OwnerCalls:
         fp16 = kw.get("fp16")
         if fp16 is not None:
             value = const(fp16)
-            how = "handed to DeepSpeed (deepspeed= is set)" if delegates else "the Trainer's AMP GradScaler"
-            backend = const(kw.get("half_precision_backend")) if "half_precision_backend" in kw else None
+            how = ("handed to DeepSpeed (deepspeed= is set)" if delegates
+                   else "the Trainer's AMP GradScaler")
+            backend = (const(kw.get("half_precision_backend"))
+                       if "half_precision_backend" in kw else None)
             if backend == "apex":
                 how += ", apex backend"
             if value is True:
                 self._add(Site("Trainer fp16", self.path, node.lineno, None,
-                               f"{name}(fp16=True): {how}", "owner", "trainer", delegates=delegates),
-                          node)
+                               f"{name}(fp16=True): {how}", "owner", "trainer",
+                               delegates=delegates), node)
             elif value is MISSING:
                 self._add(Site("Trainer fp16", self.path, node.lineno, None,
-                               f"{name}(fp16={source_text(fp16, 50)}): decided at run time; {how}",
+                               f"{name}(fp16={source_text(fp16, 50)}): "
+                               f"decided at run time; {how}",
                                "owner", "trainer", delegates=delegates), node)
         bf16 = kw.get("bf16")
         if bf16 is not None and const(bf16) is True:
@@ -137,7 +147,7 @@ class OwnerCalls:
                            f"{name}(bf16=True): mixed precision without loss scaling", "info", ""),
                       node)
 
-    def _accelerator(self, node: ast.Call, kw: dict[str, ast.AST]) -> None:
+    def _accelerator(self, node: ast.Call, kw: dict[str, ast.expr]) -> None:
         delegates = "deepspeed_plugin" in kw
         if delegates:
             self.scan.consumes.add("deepspeed")
@@ -147,26 +157,27 @@ class OwnerCalls:
             return
         site = accelerate_site(self._value(mp), self.path, node.lineno, None, delegates)
         if site is not None:
-            site.detail = f"Accelerator(mixed_precision={source_text(mp, 40)}): " + site.detail.split(": ", 1)[-1]
+            site.detail = (f"Accelerator(mixed_precision={source_text(mp, 40)}): "
+                           + site.detail.split(": ", 1)[-1])
             self._add(site, node)
 
-    def _lightning(self, node: ast.Call, name: str, kw: dict[str, ast.AST]) -> None:
+    def _lightning(self, node: ast.Call, name: str, kw: dict[str, ast.expr]) -> None:
         strategy = kw.get("strategy")
         delegates = False
         if strategy is not None:
             value = const(strategy)
-            if isinstance(value, str) and "deepspeed" in value.lower():
-                delegates = True
-            elif isinstance(strategy, ast.Call) and (self.qual(strategy.func) or "").endswith(
+            named = isinstance(value, str) and "deepspeed" in value.lower()
+            built = isinstance(strategy, ast.Call) and (self.qual(strategy.func) or "").endswith(
                 "DeepSpeedStrategy"
-            ):
-                delegates = True
+            )
+            delegates = named or built
         precision = kw.get("precision")
         if precision is None:
             return
         site = lightning_site(self._value(precision), self.path, node.lineno, None, delegates)
         if site is not None:
-            site.detail = f"{name}(precision={source_text(precision, 30)}): " + site.detail.split(": ", 1)[-1]
+            site.detail = (f"{name}(precision={source_text(precision, 30)}): "
+                           + site.detail.split(": ", 1)[-1])
             self._add(site, node)
             if site.framework:
                 self.lightning.append(site)

@@ -8,13 +8,13 @@ import ast
 import re
 
 from ampdoctor.scan.python_literals import number, power_of_two, source_text
+from ampdoctor.scan.python_state import VisitorState
 from ampdoctor.scan.sites import Site
-
 
 _SCALE_NAME = re.compile(r"scale", re.I)
 
 
-class LossScale:
+class LossScale(VisitorState):
     """Handlers for the loss on its way to backward."""
 
     # -- the loss on its way to backward ------------------------------------------------------
@@ -112,5 +112,6 @@ class LossScale:
             return
         self.seen.add(key)
         self._add(Site("static loss scale", self.path, lineno, None,
-                       f"the loss is multiplied by {factor} before backward (line {self.backward_line})",
+                       f"the loss is multiplied by {factor} before backward "
+                       f"(line {self.backward_line})",
                        "owner", "static"))

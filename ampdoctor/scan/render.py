@@ -73,7 +73,8 @@ def render_text(report: ScanReport, file: IO[str] | None = None, color: bool | N
 
     skipped = len(report.skipped)
     console.print(
-        f"[bold]ampdoctor scan[/]: {report.files_scanned} file(s) searched in {report.seconds:.2f} s"
+        f"[bold]ampdoctor scan[/]: {report.files_scanned} file(s) searched in "
+        f"{report.seconds:.2f} s"
         + (f", {skipped} skipped" if skipped else "")
     )
     if report.owners:
@@ -104,7 +105,8 @@ def render_text(report: ScanReport, file: IO[str] | None = None, color: bool | N
         console.print(f"  {escape(inert(finding.message, limit=MESSAGE_LIMIT))}")
         console.print(f"  [bold]fix[/]: {escape(inert(finding.fix, limit=MESSAGE_LIMIT))}")
     if report.findings:
-        verdict = "[red]double scaling[/]" if report.status == "fail" else "[yellow]check the owners[/]"
+        verdict = ("[red]double scaling[/]" if report.status == "fail"
+                   else "[yellow]check the owners[/]")
     elif report.owners:
         verdict = "[green]one loss-scale owner per training path[/]"
     else:
@@ -170,8 +172,11 @@ def to_sarif(report: ScanReport) -> str:
                 "level": "error" if finding.severity == "error" else "warning",
                 "message": _text(finding.message),
                 "locations": [
-                    {"physicalLocation": _physical(loc.file if loc else owners[0]["file"],
-                                                   loc.line if loc else owners[0].get("line"), base)}
+                    {"physicalLocation": _physical(
+                        loc.file if loc else owners[0]["file"],
+                        loc.line if loc else owners[0].get("line"),
+                        base,
+                    )}
                 ],
                 "relatedLocations": related,
                 "properties": {
@@ -185,7 +190,9 @@ def to_sarif(report: ScanReport) -> str:
         {
             "level": "note",
             "message": _text(f"skipped: {item['reason']}"),
-            "locations": [{"physicalLocation": {"artifactLocation": _artifact(item["file"], base)}}],
+            "locations": [
+                {"physicalLocation": {"artifactLocation": _artifact(item["file"], base)}}
+            ],
         }
         for item in report.skipped
     ]

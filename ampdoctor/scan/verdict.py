@@ -25,6 +25,7 @@ Rules (docs/scan.md says the same for users):
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from ampdoctor.findings import Finding, Location
@@ -110,11 +111,37 @@ def decide(scans: dict[str, FileScan], graph: Graph, base: str | None) -> Decisi
     sites = [s for scan in scans.values() if not scan.skipped for s in scan.sites]
     for uid, site in enumerate(sites):
         site.uid = uid
+    kept = _training_paths(sites, graph)
+    _promote_uses(sites, kept)
+    activated = _activate_auto(sites, kept, base)
+
+    def is_owner(site: Site) -> bool:
+        return site.role == "owner" or (site.role == "possible" and site.uid in activated)
+
+    decision = Decision()
+    decision.owners = sorted((s for s in sites if is_owner(s)), key=Site.sort_key)
+    decision.infos = sorted(
+        (s for s in sites if not is_owner(s) and s.role in ("info", "possible")), key=Site.sort_key
+    )
+    all_machines, entries_of = _same_path_findings(decision, kept, is_owner, base)
+    if not decision.findings and all_machines:
+        _separate_paths_warning(decision, all_machines, entries_of, base)
+    return decision
+
+
+#: A training path: its entry point, the sites on it, and their uids.
+_Path = tuple[str, list[Site], frozenset[int]]
+
+
+def _training_paths(sites: list[Site], graph: Graph) -> list[_Path]:
+    """The training paths that hold a relevant site, with their sites; a path whose sites all
+    stand on a larger path is dropped (it says nothing new)."""
     by_file: dict[str, list[Site]] = defaultdict(list)
     for site in sites:
         by_file[site.file].append(site)
     relevant = {
-        s.file for s in sites if s.role in ("owner", "possible", "use") or s.framework == "gradscaler"
+        s.file for s in sites
+        if s.role in ("owner", "possible", "use") or s.framework == "gradscaler"
     }
     raw_paths = graph.paths(relevant)
     path_sites: list[tuple[str, list[Site]]] = []
@@ -124,14 +151,19 @@ def decide(scans: dict[str, FileScan], graph: Graph, base: str | None) -> Decisi
             path_sites.append((entry, found))
     # keep the largest site sets only (a path inside another path says nothing new)
     path_sites.sort(key=lambda p: (-len(p[1]), p[0]))
-    kept: list[tuple[str, list[Site], frozenset[int]]] = []
+    kept: list[_Path] = []
     for entry, found in path_sites:
         ids = frozenset(s.uid for s in found)
         if any(ids <= other for _, _, other in kept):
             continue
         kept.append((entry, found, ids))
+    return kept
 
-    # rule 2: uses of a GradScaler built on the same path are that GradScaler
+
+def _promote_uses(sites: list[Site], kept: list[_Path]) -> None:
+    """Rule 2: uses of a GradScaler built on the same path are that GradScaler; a use whose
+    GradScaler is built nowhere in the scanned files becomes an owner (once per file and
+    receiver)."""
     covered: set[int] = set()
     for _, found, _ in kept:
         if any(s.framework == "gradscaler" and s.role in ("owner", "info") for s in found):
@@ -148,7 +180,10 @@ def decide(scans: dict[str, FileScan], graph: Graph, base: str | None) -> Decisi
         site.role = "owner"
         site.detail += "; the GradScaler itself is built outside the scanned files"
 
-    # rule 3: "auto" becomes an owner where a framework fp16 owner shares the path
+
+def _activate_auto(sites: list[Site], kept: list[_Path], base: str | None) -> dict[int, Site]:
+    """Rule 3: "auto" becomes an owner where a framework fp16 owner shares the path; returns
+    the uid of each such site with the owner that fills it in."""
     activated: dict[int, Site] = {}
     for _, found, _ in kept:
         enabler = next(
@@ -162,16 +197,18 @@ def decide(scans: dict[str, FileScan], graph: Graph, base: str | None) -> Decisi
     for uid, enabler in activated.items():
         site = sites[uid]
         site.detail += f"; filled in as fp16 by {enabler.kind} at {enabler.where(base)}"
+    return activated
 
-    def is_owner(site: Site) -> bool:
-        return site.role == "owner" or (site.role == "possible" and site.uid in activated)
 
-    decision = Decision()
-    decision.owners = sorted((s for s in sites if is_owner(s)), key=Site.sort_key)
-    decision.infos = sorted(
-        (s for s in sites if not is_owner(s) and s.role in ("info", "possible")), key=Site.sort_key
-    )
-
+def _same_path_findings(
+    decision: Decision,
+    kept: list[_Path],
+    is_owner: Callable[[Site], bool],
+    base: str | None,
+) -> tuple[dict[int, list[Site]], dict[int, list[str]]]:
+    """Rule 5, one path: the groups of each path, and an error for each distinct set of two or
+    more state machines on one path. Returns every state machine met (by its first site's
+    uid) and the entry points each stands on."""
     errors_seen: set[frozenset[int]] = set()
     all_machines: dict[int, list[Site]] = {}
     entries_of: dict[int, list[str]] = defaultdict(list)
@@ -219,38 +256,47 @@ def decide(scans: dict[str, FileScan], graph: Graph, base: str | None) -> Decisi
                 location=Location(file=first.file, line=first.line or 1),
             )
         )
+    return all_machines, entries_of
 
-    if not decision.findings and all_machines:
-        groups = sorted(all_machines.values(), key=lambda g: g[0].sort_key())
-        frameworks = {g[0].framework for g in groups}
-        if len(frameworks) > 1:
-            first = _to_remove(groups)
-            names = "; ".join(
-                f"{_describe(g, base)} (entry point "
-                f"{', '.join(_short(e, base) for e in entries_of[g[0].uid])})"
-                for g in groups
-            )
-            decision.findings.append(
-                Finding(
-                    rung=RUNG,
-                    kind="double-scaling",
-                    severity="warning",
-                    message=(
-                        f"{len(groups)} loss-scale owners of different kinds in separate entry "
-                        f"points: {names}. No scanned file runs them together; check that no "
-                        "launcher, command line or config combines them on one loss."
-                    ),
-                    evidence={
-                        "owners": [machine_dict(g) for g in groups],
-                        "measured": len(groups),
-                        "expected": 1,
-                        "scope": "separate-entry-points",
-                        "entries": sorted({e for g in groups for e in entries_of[g[0].uid]}),
-                    },
-                    location=Location(file=first.file, line=first.line or 1),
-                )
-            )
-    return decision
+
+def _separate_paths_warning(
+    decision: Decision,
+    all_machines: dict[int, list[Site]],
+    entries_of: dict[int, list[str]],
+    base: str | None,
+) -> None:
+    """Rule 5, separate paths: owners of different frameworks on separate training paths give
+    one warning naming them all."""
+    groups = sorted(all_machines.values(), key=lambda g: g[0].sort_key())
+    frameworks = {g[0].framework for g in groups}
+    if len(frameworks) <= 1:
+        return
+    first = _to_remove(groups)
+    names = "; ".join(
+        f"{_describe(g, base)} (entry point "
+        f"{', '.join(_short(e, base) for e in entries_of[g[0].uid])})"
+        for g in groups
+    )
+    decision.findings.append(
+        Finding(
+            rung=RUNG,
+            kind="double-scaling",
+            severity="warning",
+            message=(
+                f"{len(groups)} loss-scale owners of different kinds in separate entry "
+                f"points: {names}. No scanned file runs them together; check that no "
+                "launcher, command line or config combines them on one loss."
+            ),
+            evidence={
+                "owners": [machine_dict(g) for g in groups],
+                "measured": len(groups),
+                "expected": 1,
+                "scope": "separate-entry-points",
+                "entries": sorted({e for g in groups for e in entries_of[g[0].uid]}),
+            },
+            location=Location(file=first.file, line=first.line or 1),
+        )
+    )
 
 
 def _short(path: str, base: str | None) -> str:
