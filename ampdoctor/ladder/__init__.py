@@ -38,7 +38,10 @@ RUNG_PRECISION = {"bf16-no-scaler": "bf16", "fp16-scaler": "fp16", "clip-space":
 def run_ladder(session, on_start: Callable[[str], None] | None = None,
                on_done: Callable[[RungResult], None] | None = None) -> list[RungResult]:
     rungs = _rungs()
+    from ..judge import StepJudge
     from ..probe.feed import FORWARDS
+    # the runs a rung judges are judged step by step as they happen (where they can be)
+    session.judge_steps = StepJudge
     results: list[RungResult] = []
     failed = False
     for rung_id in RUNG_IDS:

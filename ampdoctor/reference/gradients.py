@@ -25,6 +25,7 @@ from ..errors import UserCodeError, exc_text
 from ..loading import (build_model, merge_micro_batches, micro_batch_counts,
                        micro_batch_size_of)
 from ..probe import recorder
+from ..probe.trace import WeightsCast
 
 RANDOM_MODULE_TYPES = (
     "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
@@ -220,7 +221,6 @@ class ReferenceBuilder:
         trace = self.run_loop("fp32", micro_batches=mbs, K=K, state=state, training=training,
                               max_grad_norm=no_clip)
         if trace.cast is not None:   # not an fp32 reference (`ladder.casts`)
-            from ..session import WeightsCast
             raise WeightsCast(trace)
         if trace.error is not None:
             site = trace.error_site
