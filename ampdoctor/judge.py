@@ -19,10 +19,12 @@ import torch
 
 from . import compare
 from .errors import AmpdoctorInterrupt
-from .probe import recorder, spill
-from .probe.recorder import Event, StepRecord
-from .reference import ClipCall, clip_calls, clip_ops, reference_norm
 from .loading import micro_batch_counts
+from .probe import recorder, spill
+from .probe.observer import StepKeep
+from .probe.recorder import Event, StepRecord
+from .reference import ClipCall, WindowReference, clip_calls, clip_ops, reference_norm
+from .reference.gradients import SESSION_WEIGHTING
 from .session import Session, Trace, flat
 from .thresholds import PRECLIP_BAND_BF16, PRECLIP_BAND_FP32
 
@@ -50,6 +52,9 @@ class Judgement:
     precision: str
     tolerance: compare.Tolerance
     steps: tuple[StepJudgement, ...]
+    #: micro-batches of different shapes and no `loss`: the count the loop weighs them by, found
+    #: while judging (`weighting_of`); the rung driver gives it to the session
+    weighting: str | None = None
 
     @property
     def first_bad(self) -> StepJudgement | None:
@@ -113,11 +118,8 @@ class _Context:
     @classmethod
     def of(cls, session: Session, trace: Trace, precision: str,
            known: set[float] | None = None) -> _Context:
-        model = trace.probe.model
-        names_of = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        owner = {id(p): slot for slot, opt in enumerate(trace.probe.optimizers)
-                 for group in opt.param_groups for p in group["params"]}
-        return cls(session, trace, precision, tolerance(session, precision), names_of, owner,
+        return cls(session, trace, precision, tolerance(session, precision),
+                   trace.parameter_names(), trace.parameter_owners(),
                    known_thresholds(session, trace) if known is None else known)
 
 
@@ -152,13 +154,23 @@ def _judge_step(ctx: _Context, ordinal: int, window: int, step: StepRecord,
     return StepJudgement(ordinal, window, step, m, tuple(calls), preclip, tuple(events), bad)
 
 
+def judged_live(trace: Trace) -> StepJudge | None:
+    """The judge that judged `trace`'s steps as they happened, if one did."""
+    observer = trace.step_observer
+    return observer if isinstance(observer, StepJudge) else None
+
+
 def judge(session: Session, trace: Trace, precision: str) -> Judgement:
+    """Every optimizer step of `trace` against the reference, in order; the steps judged as
+    they happened are taken as they were judged. Never changes the session: a weighting of
+    the micro-batches found on the way is in the judgement (`Judgement.weighting`)."""
     ctx = _Context.of(session, trace, precision)
-    eager: StepJudge | None = trace.probe.step_judge
+    eager = judged_live(trace)
     if eager is not None and eager.precision != precision:
         raise RuntimeError(f"a {eager.precision} run judged as it ran cannot be judged in "
                            f"{precision}")
     judged: list[StepJudgement] = []
+    weighting: str | None = None
     previous_seq = -1
     for ordinal, group in enumerate(step_groups(trace)):
         steps = [s for s in trace.steps if s.group == group]
@@ -169,27 +181,41 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
             judged.extend(done.steps)
             previous_seq = max(s.seq for s in steps)
             continue
-        snapshot = trace.probe.snapshots.get(group)
+        snapshot = trace.snapshots.get(group)
         if snapshot is None:
             continue
         if judged and judged[-1].bad and not _finite_state(snapshot.state):
             break   # the run diverged after a bad step: nothing later can be compared
         window = session.window_of(steps[0], ordinal, trace)
-        ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False)
+        weighted = _weighting_arg(weighting)
+        ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False,
+                                weighting=weighted)
+        # the equal weighting of micro-batches that cannot form one batch is a guess: asked
+        # (in fp32) at the first step of this reference that does not match
+        ask = ref.guessed_weighting and precision == "fp32"
         for step in steps:
             events = _step_events(trace, step, previous_seq)
             verdict = _judge_step(ctx, ordinal, window, step, ref.full, events)
-            if not verdict.metrics.ok and session.weighting_open and precision == "fp32":
+            if not verdict.metrics.ok and ask:
+                ask = False
                 names = [n for n in step.grads if n in session.param_shapes]
-                if adopt_weighting(session, window, ref, names,
-                                   flat(session, step.grads, names), ctx.tol):
+                found = weighting_of(session, window, ref, names,
+                                     flat(session, step.grads, names), ctx.tol)
+                if found is not None:
+                    weighting = found
                     ref = session.reference(window, snapshot.state, snapshot.training,
-                                            per_mb=False)
+                                            per_mb=False, weighting=weighting)
                     verdict = _judge_step(ctx, ordinal, window, step, ref.full, events)
             judged.append(verdict)
         previous_seq = max(s.seq for s in steps)
     spill.forget_cache()   # the last step's copy read back from disk is not needed any more
-    return Judgement(precision, ctx.tol, tuple(judged))
+    return Judgement(precision, ctx.tol, tuple(judged), weighting)
+
+
+def _weighting_arg(found: str | None) -> str | None:
+    """The `weighting` a reference is asked with: the one this judgement found, else the
+    session's."""
+    return SESSION_WEIGHTING if found is None else found
 
 
 @dataclass
@@ -220,17 +246,9 @@ def _squares(grads) -> dict[str, float]:
     return {n: 0.0 if g is None else compare.sum_of_squares(g) for n, g in grads.items()}
 
 
-@dataclass
-class Keep:
-    """What of a step judged as it happened the probe keeps for the rules: the group's weights
-    (`state`), and its gradients unless `names` (what the step record holds instead) is set."""
-
-    state: bool
-    names: JudgedGradients | None = None
-
-
 class StepJudge:
-    """Judge each optimizer step of a run while it happens (observe -> judge in one pass).
+    """Judge each optimizer step of a run while it happens (observe -> judge in one pass): the
+    `probe.observer.StepObserver` the rung driver gives the session for the runs it judges.
 
     At the first step of a group, in the optimizer's pre-hook, the reference is computed at the
     live weights (outside the loop's autocast, grad mode and RNG stream, with the probe off) and
@@ -275,7 +293,7 @@ class StepJudge:
         if self.stopped:
             self.groups[group] = JudgedGroup(-1, -1, {}, stop=True)
             return True
-        if self.failed or not consumed or len(self.trace.probe.optimizers) > 1:
+        if self.failed or not consumed or len(self.trace.optimizers) > 1:
             # judged after the run from here on (the stop after a diverged bad step depends
             # on every step before it; a second optimizer the loop built itself steps on the
             # group's gradients from weights the first one changed: its group keeps them)
@@ -295,22 +313,17 @@ class StepJudge:
         except (KeyboardInterrupt, AmpdoctorInterrupt):
             raise
         except Exception:
-            self.failed = True
-            if session._ref_model is not None:
-                # a reference that failed half-way (out of memory) keeps no gradients (set
-                # directly: zero_grad() here would be recorded as the loop's)
-                for param in session._ref_model.parameters():
-                    param.grad = None
+            self.failed = True   # (a reference that failed half-way keeps no gradients)
             return False
         self.groups[group] = JudgedGroup(ordinal, window, squares)
         self._reference = (group, ref.full)
         return True
 
-    def judging(self, group: int) -> bool:
+    def observes(self, group: int) -> bool:
         """Are this group's steps judged here (the probe then hands over live gradients)?"""
         return group in self.groups
 
-    def judge_step(self, step: StepRecord) -> Keep:
+    def on_step(self, step: StepRecord) -> StepKeep:
         """Judge `step` (its `grads` the live gradients); say what the probe must copy. Never
         raises into the loop: on any error the step is left to the judge after the run."""
         try:
@@ -323,14 +336,14 @@ class StepJudge:
             if done is not None and done.steps:
                 # an earlier step of the group was judged here and the group's weights are gone:
                 # this step stays unjudged (its gradients kept), the group stays as judged
-                return Keep(False)
+                return StepKeep(False)
             # judged after the run instead: it needs the group's weights and this gradient
             self.groups.pop(step.group, None)
-            return Keep(True)
+            return StepKeep(True)
 
-    def _judge_one(self, step: StepRecord) -> Keep:
+    def _judge_one(self, step: StepRecord) -> StepKeep:
         done = self.groups[step.group]
-        dropped = Keep(False, JudgedGradients(step.grads, step.seq))
+        dropped = StepKeep(False, JudgedGradients(step.grads, step.seq))
         if done.stop:
             return dropped
         if self._reference is None or self._reference[0] != step.group:
@@ -354,7 +367,7 @@ class StepJudge:
             # its weights are the group's only at the group's first step (else the rules
             # explain it with the numbers alone)
             self._bad_seen = True
-            return Keep(len(done.steps) == 1)
+            return StepKeep(len(done.steps) == 1)
         # the same optimizer's previous copy is not needed any more (but the fp32 run's first
         # group: the repeat run compares with it)
         previous = self._kept.get(step.optimizer)
@@ -362,9 +375,9 @@ class StepJudge:
         if previous is not None and not (self.precision == "fp32"
                                          and previous.group == first_group):
             previous.grads = JudgedGradients(previous.grads, previous.seq)
-        return Keep(False)
+        return StepKeep(False)
 
-    def kept(self, step: StepRecord) -> None:
+    def copied(self, step: StepRecord) -> None:
         """The probe copied `step`'s gradients."""
         self._kept[step.optimizer] = step
 
@@ -448,16 +461,15 @@ def _preclip_ratio(reference, calls: list[ClipCall]) -> float | None:
     return seen / ref_norm
 
 
-def adopt_weighting(session: Session, window: int, ref, names: list[str],
-                     user: torch.Tensor, tol: compare.Tolerance) -> bool:
+def weighting_of(session: Session, window: int, ref: WindowReference, names: list[str],
+                 user: torch.Tensor, tol: compare.Tolerance) -> str | None:
     """Micro-batches of different shapes and no `loss`: the equal-weight reference is a guess.
     If the loop's gradient points exactly along the mean weighted by a count the micro-batches
     carry (their tokens, their non-ignored labels) and not along the equal-weight mean, the loop
-    weighs micro-batches as one batch of the whole window would: adopt that weighting for every
-    reference from now on (a wrong size is still judged against it). Asked once, in fp32."""
-    session.weighting_open = False
+    weighs micro-batches as one batch of the whole window would: that count, to weigh every
+    reference by from now on (a wrong size is still judged against it); else None."""
     if not ref.per_mb:
-        return False
+        return None
     mbs = session.window(window)
     per = torch.stack([flat(session, g, names).double() for g in ref.per_mb])
     counts = [micro_batch_counts(mb) for mb in mbs]
@@ -465,7 +477,7 @@ def adopt_weighting(session: Session, window: int, ref, names: list[str],
     u = user.double()
     u_norm = float(torch.linalg.vector_norm(u))
     if u_norm == 0 or not math.isfinite(u_norm):
-        return False
+        return None
 
     def residual(what: str | None) -> float:
         weights = torch.tensor(session.fallback_weights(mbs, what), dtype=torch.float64)
@@ -480,6 +492,5 @@ def adopt_weighting(session: Session, window: int, ref, names: list[str],
     best_resid, _, best = scored[0]
     equal_resid = next(r for r, _, w in scored if w is None)
     if best is None or best_resid > max(3 * tol.rtol, 2e-3) or best_resid > 0.1 * equal_resid:
-        return False
-    session.adopt_weighting(best)
-    return True
+        return None
+    return best

@@ -5,19 +5,30 @@ and the windows each step consumed. The reference gradients come from `reference
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from . import compare, memory, rng
+from .dtype_errors import data_dtype_culprit
 from .errors import AmpdoctorInterrupt, EnoughSteps, UserCodeError, exc_text
-from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
-                      factory_name, run_train_loop, to_device, unusable)
+from .loading import (
+    AUTOCAST_DTYPES,
+    RunSettings,
+    UserCode,
+    build_model,
+    build_optimizers,
+    factory_name,
+    run_train_loop,
+    to_device,
+    unusable,
+)
 from .probe import recorder, spill
 from .probe.callsite import CallSiteFinder, Site
+from .probe.observer import ProbeSettings, StepObserver
 from .probe.trace import Trace, WeightCast, WeightsCast, watching_casts, weight_cast
 from .reference import ReferenceBuilder
 from .spec import Spec
@@ -29,6 +40,22 @@ JUDGE_AS_IT_RUNS = True
 
 __all__ = ["Session", "Distributed", "Trace", "WeightCast", "WeightsCast", "JUDGE_AS_IT_RUNS",
            "data_dtype_culprit", "flat"]
+
+
+@dataclass
+class _Run:
+    """What one run of the loop is made of (`Session._prepare`)."""
+
+    model: torch.nn.Module
+    handed: Any                         # what the loop is handed (the model, or its DDP wrap)
+    loop_optimizer: Any                 # what the loop is handed as its optimizer
+    optimizers: list[torch.optim.Optimizer]
+    feed: recorder.MicroBatchFeed
+    aligner: recorder.ForwardAligner
+    settings: RunSettings
+    probe: recorder.Probe
+    trace: Trace
+    cast_sites: list[Site | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -57,7 +84,9 @@ class Session(ReferenceBuilder):
         self.batch_index = recorder.MicroBatchIndex(self.micro_batches)
         #: dropout: align -- the RNG seed of every micro-batch forward; off -- None
         self.align_seed: int | None = spec.seed if spec.dropout == "align" else None
-        recorder.DROPOUT_OFF = spec.dropout == "off"
+        #: dropout: off -- every functional dropout at p = 0 in the loop's runs and the
+        #: reference's forwards (`probe_settings`)
+        self.dropout_off = spec.dropout == "off"
         self.K = spec.accumulation_steps
         self.N = spec.optimizer_steps
         self._ref_model: torch.nn.Module | None = None
@@ -74,16 +103,15 @@ class Session(ReferenceBuilder):
         #: Caveats about how the reference was built, shown in the record.
         self.notes: set[str] = set()
         #: Micro-batches of different shapes without a `loss`: how the loop weighs them, a key
-        #: of `micro_batch_counts` (None: equally), and whether the fp32 run has been asked.
+        #: of `micro_batch_counts` (None: equally, a guess until the judge finds otherwise).
         self.loop_weighting: str | None = None
-        self.weighting_open = False
         #: The loss scale every fp16 run starts from when the loop's own init_scale overflowed
         #: every step of the slice (`_past_scale_search`), else None: the loop's own.
         self.fp16_start_scale: float | None = None
-        #: Makes the judge of a run judged as it happens, (session, trace, precision) -> the
-        #: observer the probe hands each step; set by the rung driver (`ladder.run_ladder`).
-        #: None: every run is judged after it ended.
-        self.judge_steps: Callable[[Session, Trace, str], Any] | None = None
+        #: Makes the observer that judges a run's steps as they happen, from (session, trace,
+        #: precision); set by the rung driver (`ladder.run_ladder`). None: every run is
+        #: judged after it ended.
+        self.step_observer_for: Callable[[Session, Trace, str], StepObserver] | None = None
         #: The fp16 run with an injected overflow (`ladder.skips.InjectedRun`), once run:
         #: clip-space may run it (with clipping forced) for skips.
         self.injected: Any = None
@@ -99,11 +127,12 @@ class Session(ReferenceBuilder):
             original(module, *args, **kwargs)
             created.append((module, finder.here()))
 
-        torch.nn.Module.__init__ = __init__
+        torch.nn.Module.__init__ = __init__  # type: ignore[method-assign]
         try:
-            model = build_model(self.code, self.device, self.spec.seed)
+            with recorder.observing(self.probe_settings()):
+                model = build_model(self.code, self.device, self.spec.seed)
         finally:
-            torch.nn.Module.__init__ = original
+            torch.nn.Module.__init__ = original  # type: ignore[method-assign]
         sites = {id(m): site for m, site in created}
         for name, module in model.named_modules():
             site = sites.get(id(module))
@@ -122,12 +151,19 @@ class Session(ReferenceBuilder):
             rank=0, world_size=1, micro_batch_size=self.spec.micro_batch_size,
             optimizer_steps=steps or self.N)
 
+    def probe_settings(self, precision: str | None = None) -> ProbeSettings:
+        """The settings the probe's patches follow in a run of `precision` (None: a reference)."""
+        return ProbeSettings(dropout_off=self.dropout_off,
+                             start_scale=self.fp16_start_scale if precision == "fp16" else None)
+
     def run_loop(self, precision: str, *, micro_batches: list[Any] | None = None,
                  K: int | None = None, state: dict[str, torch.Tensor] | None = None,
                  training: bool = True, max_grad_norm: float | None | str = "spec",
                  rng_seed: int | None = None, capture: bool = True,
-                 before_backward=None, distributed: Distributed | None = None,
-                 step_sink=None, judge_as_it_runs: str | None = None) -> Trace:
+                 before_backward: Callable[[recorder.Probe, torch.Tensor], None] | None = None,
+                 distributed: Distributed | None = None,
+                 step_sink: Callable[[recorder.StepRecord], Any] | None = None,
+                 judge_as_it_runs: str | None = None) -> Trace:
         """One run of the user's loop under the probe.
 
         `distributed`: a DDP rank's run -- the micro-batches are this rank's shards (in the
@@ -135,21 +171,57 @@ class Session(ReferenceBuilder):
         the model is handed to the loop through `distributed.wrap`, and `run` says the rank.
 
         `judge_as_it_runs`: the precision this run will be judged at; each step is then judged
-        as it happens (`judge.StepJudge`) where it can be, instead of copied for after the run.
+        as it happens (the observer `step_observer_for` makes) where it can be, instead of
+        copied for after the run.
         """
+        with recorder.observing(self.probe_settings(precision)):
+            run = self._prepare(precision, micro_batches, K, state, training, max_grad_norm,
+                                distributed)
+            probe, trace = run.probe, run.trace
+            probe.capture_grads = capture
+            probe.before_backward = before_backward
+            probe.step_sink = step_sink
+            # (a reduced-precision run is judged with the fp32 run's clip thresholds: as it
+            # runs only once that run exists, as with the whole ladder)
+            if (judge_as_it_runs is not None and JUDGE_AS_IT_RUNS
+                    and self.step_observer_for is not None and self.code.loss is not None
+                    and distributed is None and state is None and micro_batches is None
+                    and K is None and capture and step_sink is None and len(run.optimizers) == 1
+                    and (judge_as_it_runs == "fp32" or "fp32" in self.traces)):
+                probe.step_observer = self.step_observer_for(self, trace, judge_as_it_runs)
+            if rng_seed is not None:
+                rng.manual_seed(rng_seed)
+            default_dtype, changed = self._execute(run)
+        trace.cast = weight_cast(run.model, run.cast_sites)
+        if trace.error is not None and precision == "fp32" and trace.cast is None:
+            site = trace.error_site
+            self._refuse_data_dtype(trace.error, (site.file, site.line) if site else None,
+                                    "the fp32 run of your loop")
+        # a DDP rank compares its final parameters with the other ranks'
+        self._drop_training_state(trace, parameters=distributed is None)
+        memory.trim()
+        if changed != default_dtype and trace.error is None:
+            raise UserCodeError(
+                f"the loop changed torch's default dtype from {default_dtype} to {changed} "
+                "(torch.set_default_dtype) in its " + precision + " run: every later run and "
+                "the reference would build their tensors in another dtype. Set the dtype on the "
+                "model or the tensors instead; ampdoctor restored it.")
+        return trace
+
+    def _prepare(self, precision: str, micro_batches: list[Any] | None, K: int | None,
+                 state: dict[str, torch.Tensor] | None, training: bool,
+                 max_grad_norm: float | None | str, distributed: Distributed | None) -> _Run:
+        """The model, optimizers, feed and probe of one run, and its (still empty) trace."""
         model = build_model(self.code, self.device, self.spec.seed)
         if state is not None:
             model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
             model.train(training)
         if distributed is not None and distributed.shard is not None:
             distributed.shard(model)   # FSDP: the optimizer must see the sharded parameters
-        loop_optimizer, flat = build_optimizers(self.code, model)
+        loop_optimizer, optimizers = build_optimizers(self.code, model)
         mbs = self.micro_batches if micro_batches is None else micro_batches
         settings = self.settings(precision, K, max_grad_norm, steps=len(mbs) // (K or self.K) or 1)
-        probe = recorder.Probe(self.finder, model, flat)
-        probe.capture_grads = capture
-        probe.before_backward = before_backward
-        probe.step_sink = step_sink
+        probe = recorder.Probe(self.finder, model, optimizers)
         if state is None and distributed is None:
             probe.initial_state = self.initial_state
         batch_index = self.batch_index
@@ -171,24 +243,21 @@ class Session(ReferenceBuilder):
         aligner.attach(model)
         probe.aligner = aligner
         trace = Trace(precision, settings.accumulation_steps, probe, settings,
-                      optimizer_count=len(flat), microbatches=len(mbs))
-        # (a reduced-precision run is judged with the fp32 run's clip thresholds: as it runs
-        # only once that run exists, as with the whole ladder)
-        if (judge_as_it_runs is not None and JUDGE_AS_IT_RUNS and self.code.loss is not None
-                and distributed is None and state is None and micro_batches is None
-                and K is None and capture and step_sink is None and len(flat) == 1
-                and (judge_as_it_runs == "fp32" or "fp32" in self.traces)
-                and self.judge_steps is not None):
-            probe.step_judge = self.judge_steps(self, trace, judge_as_it_runs)
-        if rng_seed is not None:
-            rng.manual_seed(rng_seed)
+                      optimizer_count=len(optimizers), microbatches=len(mbs))
+        return _Run(model, handed, loop_optimizer, optimizers, feed, aligner, settings, probe,
+                    trace)
+
+    def _execute(self, run: _Run) -> tuple[torch.dtype, torch.dtype]:
+        """Run the loop with its probe recording; whatever it raises is recorded on the trace
+        (Ctrl-C and ampdoctor's own interruptions go past). The default dtype before the run
+        and as the loop left it (restored)."""
+        trace, probe = run.trace, run.probe
         previous = recorder.activate(probe)
-        recorder.START_SCALE = self.fp16_start_scale if precision == "fp16" else None
         default_dtype = torch.get_default_dtype()
-        cast_sites: list[Site | None] = []
         try:
-            with watching_casts(model, self.finder, cast_sites):
-                generator = run_train_loop(self.code, handed, loop_optimizer, feed, settings)
+            with watching_casts(run.model, self.finder, run.cast_sites):
+                generator = run_train_loop(self.code, run.handed, run.loop_optimizer, run.feed,
+                                           run.settings)
             if generator:
                 self.notes.add("train_loop is a generator function: ampdoctor runs it by "
                                "iterating it to the end")
@@ -205,27 +274,12 @@ class Session(ReferenceBuilder):
                 trace.error_site = self.finder.from_traceback(exc.__traceback__)
         finally:
             recorder.activate(previous)
-            recorder.START_SCALE = None
-            if probe.step_judge is not None:
-                probe.step_judge.finish()
-            aligner.detach()
+            if probe.step_observer is not None:
+                probe.step_observer.finish()
+            run.aligner.detach()
             changed = torch.get_default_dtype()
             torch.set_default_dtype(default_dtype)   # never left changed for the next run
-        trace.cast = weight_cast(model, cast_sites)
-        if trace.error is not None and precision == "fp32" and trace.cast is None:
-            site = trace.error_site
-            self._refuse_data_dtype(trace.error, (site.file, site.line) if site else None,
-                                    "the fp32 run of your loop")
-        # a DDP rank compares its final parameters with the other ranks'
-        self._drop_training_state(trace, parameters=distributed is None)
-        memory.trim()
-        if changed != default_dtype and trace.error is None:
-            raise UserCodeError(
-                f"the loop changed torch's default dtype from {default_dtype} to {changed} "
-                "(torch.set_default_dtype) in its " + precision + " run: every later run and "
-                "the reference would build their tensors in another dtype. Set the dtype on the "
-                "model or the tensors instead; ampdoctor restored it.")
-        return trace
+        return default_dtype, changed
 
     def _refuse_data_dtype(self, exc: BaseException, at: tuple[str, int] | None,
                            what: str) -> None:
@@ -276,10 +330,10 @@ class Session(ReferenceBuilder):
         own copies); with `parameters`, their storage too (the judge reads only their names
         and identities: the tensors stay). Storage the template, the initial state or the
         reference model also use is never freed."""
-        model = trace.probe.model
+        model = trace.model
         if model is None or model is self._template or model is self._ref_model:
             return
-        for opt in trace.probe.optimizers:
+        for opt in trace.optimizers:
             opt.state.clear()
         for p in model.parameters():
             p.grad = None
@@ -362,58 +416,6 @@ def _own_storage(mb: Any) -> Any:
     if isinstance(mb, dict):
         return {k: own(v) for k, v in mb.items()}
     return tuple(own(t) for t in mb)
-
-
-#: torch's names for a dtype in its error messages: `Long`, `torch.int64`, `torch.LongTensor`.
-_SCALAR_NAMES = {
-    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
-    torch.uint8: "Byte", torch.bool: "Bool", torch.float64: "Double", torch.float16: "Half",
-    torch.bfloat16: "BFloat16", torch.complex64: "ComplexFloat",
-    torch.complex128: "ComplexDouble",
-}
-#: The C names torch's older kernels use (`expected m1 and m2 to have the same dtype, but got:
-#: long int != float`).
-_C_NAMES = {torch.int64: "long int", torch.float64: "double", torch.uint8: "unsigned char"}
-#: What an error says it expected, not what it got: "expected scalar type Float", "one of the
-#: following scalar types: Long, Int;" -- a field of that dtype is not the culprit.
-_EXPECTED = re.compile(r"one of the following scalar types:[^;]*;?|"
-                       r"expected (?:scalar type |dtype |type )?[A-Za-z0-9_.]+", re.IGNORECASE)
-#: An error about dtypes (not about shapes or devices).
-_DTYPE_COMPLAINT = re.compile(r"dtype|scalar type|Tensor\b|type \(|not implemented for|"
-                              r"can't be cast|cannot be cast|to have one of the following",
-                              re.IGNORECASE)
-
-
-def _dtype_names(dtype: torch.dtype) -> list[str]:
-    short = str(dtype).removeprefix("torch.")
-    names = [re.escape(f"torch.{short}"), rf"\b{re.escape(short)}\b"]
-    scalar = _SCALAR_NAMES.get(dtype)
-    if scalar is None and dtype.is_floating_point:   # float8 variants: Float8_e4m3fn
-        scalar = short[0].upper() + short[1:]
-    if scalar:
-        names.append(rf"(?<![A-Za-z]){re.escape(scalar)}(?![a-z])")   # Long, LongTensor
-    if dtype in _C_NAMES:
-        names.append(rf"\b{_C_NAMES[dtype]}\b")
-    return names
-
-
-def data_dtype_culprit(exc: BaseException, mbs: list[Any]) -> tuple[str, torch.Tensor] | None:
-    """The field of the micro-batches whose dtype a dtype error names, when one does: a field
-    that is not float32 (the model's dtype) whose dtype the error message names. None when the
-    error is about something else, or names no field's dtype."""
-    text = exc_text(exc, 2000)
-    if not isinstance(exc, (RuntimeError, TypeError, ValueError, NotImplementedError)) \
-            or not _DTYPE_COMPLAINT.search(text) or not mbs:
-        return None
-    got = _EXPECTED.sub(" ", text)
-    first = mbs[0]
-    fields = list(first.items()) if isinstance(first, dict) else list(enumerate(first))
-    for key, t in fields:
-        if not isinstance(t, torch.Tensor) or t.dtype == torch.float32:
-            continue
-        if any(re.search(name, got) for name in _dtype_names(t.dtype)):
-            return (f"field {key!r}" if isinstance(key, str) else f"field {key}"), t
-    return None
 
 
 def flat(session: Session, grads: dict[str, torch.Tensor | None], names: list[str]) -> torch.Tensor:

@@ -34,8 +34,8 @@ def _diagnose(monkeypatch, spec, as_it_runs: bool):
 
     def run_loop(self, precision, **kwargs):
         trace = original(self, precision, **kwargs)
-        if trace.probe.step_judge is not None:
-            judged.append(len(trace.probe.step_judge.groups))
+        if trace.step_observer is not None:
+            judged.append(len(trace.step_observer.groups))
         return trace
 
     monkeypatch.setattr(session_module.Session, "run_loop", run_loop)
@@ -174,7 +174,7 @@ def test_the_rules_read_the_same_norms_from_the_scalars_a_step_judged_as_it_ran_
 
     def spy(session, trace, rung):
         seen[session_module.JUDGE_AS_IT_RUNS] = (
-            trace.probe.step_judge is not None and not trace.probe.snapshots,
+            trace.step_observer is not None and not trace.probe.snapshots,
             [scale_state._reference_norm(session, trace, w) for w in range(session.N)],
             [scale_state.step_ratio(session, trace, e) for e in trace.of_kind("step")])
         return original(session, trace, rung)

@@ -181,7 +181,7 @@ def _unclipped_ratio(session, trace, judged) -> float | None:
     from ..session import flat
 
     step = judged.step
-    snapshot = trace.probe.snapshots.get(step.group)
+    snapshot = trace.snapshots.get(step.group)
     if snapshot is None:
         return None
     names = [n for n in step.grads if n in session.param_shapes]
@@ -195,7 +195,7 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
     """The rank's whole job, inside an initialised default process group. Fills `result`."""
     from ..ladder.analysis import compare_trace
     from ..loading import UserCode, cut_micro_batches, resolve_device
-    from ..probe import patches, recorder, wrappers
+    from ..probe import patches, wrappers
     from ..probe.callsite import CallSiteFinder
     from ..session import Distributed, Session
     from ..spec import from_wire
@@ -211,7 +211,7 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
         data = code.call("the data factory", code.data_factory)
         session = Session(spec, code, device, finder, cut_micro_batches(data, spec))
         session.align_seed = None          # dropout off: see the module docstring
-        recorder.DROPOUT_OFF = True
+        session.dropout_off = True
         observer = (ShardObserver if spec.ddp and spec.ddp.wrapper == "fsdp"
                     else SyncObserver)(finder, device)
         distributed = Distributed(
@@ -251,4 +251,4 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
             result["first_bad_unclipped_ratio"] = _unclipped_ratio(session, trace, bad)
         result["findings"] = [f.to_dict() for f in mismatch]
         result["tolerance"] = judgement.tolerance.rtol
-        result.update(_agreement(session, judgement, trace.probe.model))
+        result.update(_agreement(session, judgement, trace.model))

@@ -41,7 +41,7 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
     from ..judge import StepJudge
     from ..probe.feed import FORWARDS
     # the runs a rung judges are judged step by step as they happen (where they can be)
-    session.judge_steps = StepJudge
+    session.step_observer_for = StepJudge
     results: list[RungResult] = []
     failed = False
     for rung_id in RUNG_IDS:

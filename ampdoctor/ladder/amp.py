@@ -186,7 +186,7 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
         # (the consequence this rung judges besides the gradient).
         violations = violation_findings(session, trace, rung)
         trajectory = [v for v in violations if v.kind in SCALE_TRAJECTORY_KINDS]
-        double = runtime_double_scaling(session, trace, rung)
+        double = runtime_double_scaling(session.trace("fp32"), trace, rung)
         if double is not None:
             trajectory.append(double)
         if trajectory:

@@ -67,7 +67,7 @@ def _shared_with_skips(session: Session, plain, threshold: float | None):
     scaler = skips.scaler_of(plain)
     if ((chosen is not None and skips.RUNG not in chosen) or scaler is None
             or not scaler.is_enabled() or session.N < MIN_SHARED_WINDOWS + 1
-            or not (plain.probe.forward_matched or plain.lazy_feed)):
+            or not (plain.forward_matched or plain.lazy_feed)):
         return None
     shared = skips.injected_run(session, "spec" if threshold is None else threshold,
                                 capture=True)

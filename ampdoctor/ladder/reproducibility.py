@@ -102,7 +102,7 @@ def run(session: Session) -> RungResult:
     if len(first_group) != len(steps_b) or (worst is not None and not worst.ok):
         m = worst or compare.metrics(compare.torch.zeros(1), compare.torch.ones(1),
                                      REPEAT_TOLERANCE)
-        site = run_a.probe.random_site or run_b.probe.random_site
+        site = run_a.random_site or run_b.random_site
         finding = _nondeterministic(session, "Two fp32 runs of the loop from the same weights", m,
                                     site)
         return RungResult(RUNG, "fail", "two fp32 runs of the loop disagree", [finding])

@@ -101,7 +101,7 @@ class OverflowInjector:
 
 
 def scaler_of(trace: Trace):
-    return trace.probe.scalers[0] if trace.probe.scalers else None
+    return trace.scalers[0] if trace.scalers else None
 
 
 def _windows(trace: Trace, K: int) -> dict[int, dict[str, list]]:
@@ -124,7 +124,7 @@ def applied_windows(session: Session, trace: Trace, optimizer: int | None) -> se
 
 
 def _owner_slot(trace: Trace, param_id: int | None) -> int | None:
-    for slot, opt in enumerate(trace.probe.optimizers):
+    for slot, opt in enumerate(trace.optimizers):
         if any(id(p) == param_id for group in opt.param_groups for p in group["params"]):
             return slot
     return None
@@ -256,7 +256,7 @@ def injected_run(session: Session, max_grad_norm: float | None | str = "spec",
     plain = session.trace("fp16")
     K, N = session.K, session.N
     window = 1 if N >= 2 else 0
-    per_window = max(1, round(plain.probe.backward_count / max(N, 1)))
+    per_window = max(1, round(plain.backward_count / max(N, 1)))
     injector = OverflowInjector(window, K, per_window)
     trace = session.run_loop("fp16", rng_seed=session.spec.seed + 1, before_backward=injector,
                              capture=capture, max_grad_norm=max_grad_norm,

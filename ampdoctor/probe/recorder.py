@@ -9,37 +9,57 @@ probe also records the gradients the step is about to consume and the parameters
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
 
+from .. import progress
 from ..compare import all_finite, same_tensors
 from ..errors import EnoughSteps
-
-from .. import progress
 from . import spill
 from .callsite import CallSiteFinder, Site
-from .events import (Backward, Event, Forward, MicroBatchFetched, OptimizerStep, Snapshot,
-                     StepRecord)
+from .events import (
+    Backward,
+    Event,
+    Forward,
+    MicroBatchFetched,
+    OptimizerStep,
+    Snapshot,
+    StepRecord,
+)
 from .feed import ForwardAligner, MicroBatchFeed, MicroBatchIndex, storages
+from .observer import ProbeSettings, StepObserver
 
 E = TypeVar("E", bound=Event)
 
 #: The probe currently recording, if any. Wrappers are inert while it is None.
 ACTIVE: Probe | None = None
 
-#: `dropout: off`: every functional dropout (which nn.Dropout, nn.MultiheadAttention and the
-#: Transformer layers call) runs with p = 0 while this is set, whatever `model.train()` says.
-DROPOUT_OFF = False
+#: The settings of the run or reference in progress (`observing`); the defaults otherwise.
+_SETTINGS = ProbeSettings()
 
-#: When set, every enabled GradScaler built during a run starts from this scale instead of its
-#: init_scale (the session sets it after the loop's own init_scale overflowed every step of the
-#: slice: the scaler's start-up search, which a short slice never gets past).
-START_SCALE: float | None = None
+
+@contextlib.contextmanager
+def observing(settings: ProbeSettings) -> Iterator[ProbeSettings]:
+    """Run ampdoctor's computation (a run of the loop, a reference) under `settings`; the
+    previous ones are back on any exit."""
+    global _SETTINGS
+    previous, _SETTINGS = _SETTINGS, settings
+    try:
+        yield settings
+    finally:
+        _SETTINGS = previous
+
+
+def current_settings() -> ProbeSettings:
+    """The settings the patched torch functions follow now."""
+    return _SETTINGS
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -93,8 +113,9 @@ class Probe:
         #: Called with each StepRecord (gradients filled) as the step happens; the record then
         #: keeps no gradients and the probe no snapshots (a streamed comparison).
         self.step_sink: Callable[[StepRecord], None] | None = None
-        #: Judges each step as it happens (`judge.StepJudge`), or None: judged after the run
-        self.step_judge: Any = None
+        #: Sees each step as it happens (`observer.StepObserver`, set by the rung driver), or
+        #: None: the probe copies what every step consumed
+        self.step_observer: StepObserver | None = None
         #: the weights the run started from, when they are the session's initial state: a
         #: first snapshot equal to them is kept as that same dict, not copied
         self.initial_state: dict[str, torch.Tensor] | None = None
@@ -200,12 +221,13 @@ class Probe:
             self._group_consumed = tuple(sorted(set(self._consumed)))
             self._consumed = []
             if self.model is not None and self.capture_grads and self.step_sink is None:
-                judge = self.step_judge
-                if judge is None or not judge.begin_group(
+                observer = self.step_observer
+                if observer is None or not observer.begin_group(
                         self._group, self._group_consumed, self.model.state_dict(),
                         self.model.training):
                     self._snapshot()
-        live = self.step_judge is not None and self.step_judge.judging(self._group)
+        observer = self.step_observer
+        live = observer is not None and observer.observes(self._group)
         grads: dict[str, torch.Tensor | None] = {}
         finite = True
         for index, param in enumerate(optimizer_params(optimizer)):
@@ -213,7 +235,7 @@ class Probe:
                 if self.capture_grads:
                     grads[self.param_name(param, slot, index)] = None
                 continue
-            if live:   # judged as it happens: copied only if the judge asks
+            if live:   # seen as it happens: copied only if the observer asks
                 grads[self.param_name(param, slot, index)] = param.grad.detach()
             elif self.capture_grads:
                 grads[self.param_name(param, slot, index)] = _host_copy(param.grad)
@@ -231,8 +253,8 @@ class Probe:
         if self.step_sink is not None:
             enough = bool(self.step_sink(record))   # true: the run has given what it was for
             record.grads = {}
-        elif live:
-            keep = self.step_judge.judge_step(record)
+        elif live and observer is not None:
+            keep = observer.on_step(record)
             if keep.state:
                 self._snapshot()
             if keep.names is not None:
@@ -240,7 +262,7 @@ class Probe:
             else:
                 record.grads = spill.maybe_spill({n: None if g is None else _host_copy(g)
                                                   for n, g in grads.items()})
-                self.step_judge.kept(record)
+                observer.copied(record)
         elif self.capture_grads:
             record.grads = spill.maybe_spill(grads)
         self.steps.append(record)
@@ -258,7 +280,7 @@ def _host_copy(grad: torch.Tensor) -> torch.Tensor:
     return full_tensor(grad.detach()).to("cpu", torch.float32, copy=True)
 
 
-def _caller(depth: int):
+def _caller(depth: int) -> FrameType:
     return sys._getframe(depth)
 
 
@@ -274,5 +296,5 @@ def finite(value: float | None) -> bool:
 
 
 __all__ = ["Event", "StepRecord", "Snapshot", "Probe", "MicroBatchFeed", "MicroBatchIndex",
-           "ForwardAligner", "storages", "activate", "finite", "ACTIVE", "DROPOUT_OFF",
-           "START_SCALE"]
+           "ForwardAligner", "storages", "activate", "finite", "ACTIVE", "ProbeSettings",
+           "StepObserver", "observing", "current_settings"]

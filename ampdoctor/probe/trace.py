@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import UserCodeError, exc_text
 from . import recorder
 from .callsite import CallSiteFinder, Site
+from .events import Snapshot
+from .observer import StepObserver
 
 if TYPE_CHECKING:
     from ..loading import RunSettings
@@ -103,6 +105,59 @@ class Trace:
     @property
     def steps(self) -> list[recorder.StepRecord]:
         return self.probe.steps
+
+    # --- what the probe saw, for the judge and the rules ----------------------------------
+    @property
+    def snapshots(self) -> dict[int, Snapshot]:
+        """Per step group, the weights its steps saw (when the probe kept them)."""
+        return self.probe.snapshots
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The run's optimizers, in slot order (the spec's, then any the loop built)."""
+        return self.probe.optimizers
+
+    @property
+    def scalers(self) -> list[Any]:
+        """The GradScalers the run used, in slot order."""
+        return self.probe.scalers
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self.probe.model
+
+    @property
+    def step_observer(self) -> StepObserver | None:
+        """What saw the run's steps as they happened (the judge), if anything did."""
+        return self.probe.step_observer
+
+    @property
+    def finder(self) -> CallSiteFinder:
+        return self.probe.finder
+
+    @property
+    def random_site(self) -> Site | None:
+        """Where the loop first drew random numbers outside the model's forward."""
+        return self.probe.random_site
+
+    @property
+    def forward_matched(self) -> bool:
+        """Was a forward matched to the micro-batch it read?"""
+        return self.probe.forward_matched
+
+    @property
+    def backward_count(self) -> int:
+        return self.probe.backward_count
+
+    def parameter_names(self) -> dict[int, str]:
+        """id(parameter) -> its name in the model, as the model is now."""
+        model = self.probe.model
+        return {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+
+    def parameter_owners(self) -> dict[int, int]:
+        """id(parameter) -> the slot of the optimizer that holds it."""
+        return {id(p): slot for slot, opt in enumerate(self.probe.optimizers)
+                for group in opt.param_groups for p in group["params"]}
 
     def release_tensors(self) -> None:
         """Drop the per-step gradients and parameter snapshots (the bulk of a trace's memory,

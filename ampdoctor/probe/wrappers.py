@@ -111,8 +111,9 @@ def _wrap_scaler_init(original):
         slot = probe.scaler_slot(self)
         enabled = bool(self.is_enabled())
         settings: dict[str, Any] = {}
-        if enabled and recorder.START_SCALE is not None and self._scale is None:
-            self._init_scale = recorder.START_SCALE   # read lazily at the first scale()
+        start_scale = recorder.current_settings().start_scale
+        if enabled and start_scale is not None and self._scale is None:
+            self._init_scale = start_scale   # read lazily at the first scale()
         if enabled:  # a disabled GradScaler does not even keep its settings
             settings = dict(init_scale=_scale_value(self),
                             growth_interval=self.get_growth_interval(),

@@ -42,10 +42,20 @@ class WindowReference:
     counts: list[float] | None
     weighted: bool
     mode: str                                   # "loss" or "loop"
+    #: the loop-as-reference of micro-batches that cannot form one batch, weighted equally for
+    #: want of a known weighting: a guess the judge may correct (`judge.weighting_of`)
+    guessed_weighting: bool = False
+
+
+#: `weighting` of a reference: as the session knows it (`loop_weighting`).
+SESSION_WEIGHTING = "loop"
 
 
 class ReferenceBuilder:
     """The reference computations of a `Session` (see the module docstring)."""
+
+    #: The last reference computed at the initial weights, with its key (`_cache_key`).
+    _ref_cache: tuple[tuple[Any, ...], WindowReference] | None = None
 
     def random_modules(self) -> list[str]:
         found = []
@@ -89,33 +99,52 @@ class ReferenceBuilder:
 
     def reference(self, window: int, state: dict[str, torch.Tensor] | None = None,
                   training: bool = True, rng_seed: int | None = None,
-                  per_mb: bool = True) -> WindowReference:
+                  per_mb: bool = True, weighting: str | None = SESSION_WEIGHTING
+                  ) -> WindowReference:
         return self.reference_for(self.window(window), state, training, rng_seed, per_mb,
-                                  label=f"window {window}")
+                                  label=f"window {window}", weighting=weighting)
 
     def reference_for(self, mbs: list[Any], state: dict[str, torch.Tensor] | None = None,
                       training: bool = True, rng_seed: int | None = None, per_mb: bool = True,
-                      label: str = "window") -> WindowReference:
-        """The fp32 reference gradient of one optimizer step over `mbs` at `state`."""
+                      label: str = "window", weighting: str | None = SESSION_WEIGHTING
+                      ) -> WindowReference:
+        """The fp32 reference gradient of one optimizer step over `mbs` at `state`.
+
+        `weighting`: how the loop weighs micro-batches that cannot form one batch (a key of
+        `micro_batch_counts`, None: equally), SESSION_WEIGHTING: as the session knows it."""
         state = self.initial_state if state is None else state
-        key = self._cache_key(mbs, state, training, rng_seed, per_mb)
-        cached = getattr(self, "_ref_cache", None)
+        if weighting == SESSION_WEIGHTING:
+            weighting = self.loop_weighting
+        key = self._cache_key(mbs, state, training, rng_seed, per_mb, weighting)
+        cached = self._ref_cache
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
         previous = recorder.activate(None)
         try:
-            if rng_seed is not None:
-                rng.manual_seed(rng_seed)
-            if self.code.loss is not None:
-                ref = self._reference_from_loss(mbs, state, training, per_mb)
-            else:
-                ref = self._reference_from_loop(mbs, state, training, per_mb)
-            ref = self._check_finite(ref, label)
-            if key is not None:
-                self._ref_cache = (key, ref)
-            return ref
+            with recorder.observing(self.probe_settings()):
+                if rng_seed is not None:
+                    rng.manual_seed(rng_seed)
+                if self.code.loss is not None:
+                    ref = self._reference_from_loss(mbs, state, training, per_mb)
+                else:
+                    ref = self._reference_from_loop(mbs, state, training, per_mb, weighting)
+        except Exception:
+            self._drop_reference_gradients()
+            raise
         finally:
             recorder.activate(previous)
+        ref = self._check_finite(ref, label)
+        if key is not None:
+            self._ref_cache = (key, ref)
+        return ref
+
+    def _drop_reference_gradients(self) -> None:
+        """A reference that failed half-way (out of memory) keeps no gradients on the reference
+        model (set directly: a zero_grad() inside the loop's step would be recorded as the
+        loop's)."""
+        if self._ref_model is not None:
+            for param in self._ref_model.parameters():
+                param.grad = None
 
     #: Set once the reproducibility rung found two fp32 references at the same weights equal:
     #: from then on a reference at weights already seen is reused instead of recomputed.
@@ -124,12 +153,14 @@ class ReferenceBuilder:
     def remember_reference(self, window: int, ref: WindowReference, training: bool = True) -> None:
         """Keep `ref`, computed at the initial weights on `window`, as the cached reference
         (the reproducibility rung's, once it proved the reference repeatable to the bit)."""
-        key = self._cache_key(self.window(window), self.initial_state, training, None, False)
+        key = self._cache_key(self.window(window), self.initial_state, training, None, False,
+                              self.loop_weighting)
         if key is not None and ref.per_mb is None:
             self._ref_cache = (key, ref)
 
-    def _cache_key(self, mbs: list[Any], state, training: bool, rng_seed: int | None,
-                   per_mb: bool):
+    def _cache_key(self, mbs: list[Any], state: dict[str, torch.Tensor], training: bool,
+                   rng_seed: int | None, per_mb: bool, weighting: str | None
+                   ) -> tuple[Any, ...] | None:
         """A key for the reference of a window at the initial weights (the first step of every
         run sees them), or None when this reference is not to be cached. Only one is kept."""
         if not self.reference_repeatable or rng_seed is not None or per_mb:
@@ -140,7 +171,7 @@ class ReferenceBuilder:
             return None
         if state is not self.initial_state and not compare.same_tensors(state, self.initial_state):
             return None
-        return (ids, training, self.loop_weighting)
+        return (ids, training, weighting)
 
     def _check_finite(self, ref: WindowReference, window: str) -> WindowReference:
         bad = [n for n, g in ref.full.items() if g is not None and not compare.all_finite(g)]
@@ -242,12 +273,15 @@ class ReferenceBuilder:
                 grads.update(step.grads)
         return {n: grads.get(n) for n in self.param_order}
 
-    def _reference_from_loop(self, mbs, state, training, per_mb: bool) -> WindowReference:
+    def _reference_from_loop(self, mbs: list[Any], state: dict[str, torch.Tensor],
+                             training: bool, per_mb: bool, weighting: str | None
+                             ) -> WindowReference:
         batch_stats = self.has_batch_statistics()
         # Aligned dropout draws its masks per micro-batch: one batch of the whole window would
         # draw others, so the reference combines per-micro-batch runs, as for BatchNorm.
         aligned = self.align_seed is not None and bool(self.random_modules())
         per = None
+        guessed = False
         if per_mb or batch_stats or aligned:
             per = [self.loop_gradient([mb], state, training) for mb in mbs]
         if batch_stats or aligned:
@@ -274,16 +308,16 @@ class ReferenceBuilder:
                 # back to the equal-weight mean of per-micro-batch gradients (a token-weighted
                 # mismatch then needs a `loss` in the spec to be seen).
                 per = per or [self.loop_gradient([mb], state, training) for mb in mbs]
-                full = _combine(per, self.fallback_weights(mbs))
-                if self.loop_weighting is None:
-                    self.weighting_open = True
+                full = _combine(per, self.fallback_weights(mbs, weighting))
+                guessed = weighting is None
+                if guessed:
                     self.notes.add("micro-batches differ in shape: the loop-as-reference is the "
                                    "equal-weight mean of per-micro-batch gradients (give the "
                                    "spec a `loss` to state the weighting)")
             else:
                 full = self.loop_gradient([merged], state, training)
         counts = [float(micro_batch_size_of(mb)) for mb in mbs]
-        return WindowReference(full, per, counts, False, "loop")
+        return WindowReference(full, per, counts, False, "loop", guessed)
 
     def fallback_weights(self, mbs: list[Any], what: str | None = "loop") -> list[float]:
         """Per-micro-batch weights (summing to 1) of the loop-as-reference for micro-batches
@@ -296,8 +330,9 @@ class ReferenceBuilder:
         return [c / total for c in counts] if total > 0 else [1.0 / len(mbs)] * len(mbs)
 
     def adopt_weighting(self, what: str) -> None:
+        """The loop weighs micro-batches by their count of `what` (the judge found it): every
+        reference from now on is weighted so."""
         self.loop_weighting = what
-        self.weighting_open = False
         self.notes = {n for n in self.notes if not n.startswith("micro-batches differ in shape")}
         self.notes.add(f"micro-batches differ in shape and the loop weighs each by its count of {what} "
                        "(as one batch of the whole window would): the loop-as-reference is the "

@@ -15,9 +15,8 @@ from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..probe.events import Event
 from ..session import Session, Trace, flat
-from .shapes import Rerun
 from ..thresholds import HYPOTHESIS_RTOL_FLOOR
-from .shapes import (SIZE_FACTOR_KINDS, carried_over, clip_in_scaled_space, disambiguate,
+from .shapes import (SIZE_FACTOR_KINDS, Resplit, carried_over, clip_in_scaled_space, disambiguate,
                      summed_count, varying_divisor)
 from .sites import NORM_OR_CLIP, grad_division_between, line_between, second_unscale_site
 
@@ -38,14 +37,14 @@ def unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, fl
 
 
 def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,
-                  judged: StepJudgement, rerun: Rerun | None = None) -> Finding:
-    """Explain the judge's first bad step. `rerun(micro_batches, K, snapshot)` is the rung
-    driver's extra fp32 pass (the consumed gradients of the first step, or None)."""
+                  judged: StepJudgement, rerun: Resplit | None = None) -> Finding:
+    """Explain the judge's first bad step. `rerun` is the rung driver's extra fp32 pass
+    (`shapes.Resplit`)."""
     K = session.K
     precision, tol = judgement.precision, judgement.tolerance
     ordinal, window, step, m = judged.ordinal, judged.window, judged.step, judged.metrics
     window_events = list(judged.events)
-    snapshot = trace.probe.snapshots.get(step.group)
+    snapshot = trace.snapshots.get(step.group)
     if snapshot is None:
         # judged as it happened in a group whose weights were gone by then (a second step of
         # the same optimizer without a backward between): the numbers, no explanation

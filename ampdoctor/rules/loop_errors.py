@@ -67,7 +67,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                        "run could not be judged.",
                        evidence={"error": text, "precision": trace.precision},
                        location=location(trace.error_site))
-    finder = getattr(trace.probe, "finder", None)
+    finder = trace.finder
     frames = finder.user_sites(exc.__traceback__) if finder is not None else []
     evidence = {"error": text, "precision": trace.precision}
     called_from = ""

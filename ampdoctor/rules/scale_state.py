@@ -15,13 +15,14 @@ from ..findings import Finding, location
 from ..probe.callsite import Site
 from ..probe.events import Event
 from ..probe.statemachine import StepStateMachine
+from ..judge import judged_live
 from ..session import Session, Trace, flat
 
 
 def _state_for_window(session: Session, trace: Trace, window: int):
     for ordinal, step in enumerate(trace.steps):
         if session.window_of(step, ordinal, trace) == window:
-            snap = trace.probe.snapshots.get(step.group)
+            snap = trace.snapshots.get(step.group)
             if snap is not None:
                 return snap.state, snap.training
     if window == 0:
@@ -31,13 +32,13 @@ def _state_for_window(session: Session, trace: Trace, window: int):
 
 def _judged_group(session: Session, trace: Trace, window: int):
     """The step group of `window` judged as it happened whose weights were not kept, if any."""
-    judge = trace.probe.step_judge
+    judge = judged_live(trace)
     if judge is None:
         return None
     for ordinal, step in enumerate(trace.steps):
         if session.window_of(step, ordinal, trace) == window:
             done = judge.groups.get(step.group)
-            if done is not None and not done.stop and step.group not in trace.probe.snapshots:
+            if done is not None and not done.stop and step.group not in trace.snapshots:
                 return done
             return None
     return None
@@ -61,9 +62,7 @@ def _last_scale_before(trace: Trace, seq: int) -> float | None:
 
 
 def violation_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
-    owner = {id(p): slot for slot, opt in enumerate(trace.probe.optimizers)
-             for group in opt.param_groups for p in group["params"]}
-    machine = StepStateMachine(owner)
+    machine = StepStateMachine(trace.parameter_owners())
     violations = machine.feed_all(trace.events)
     findings: list[Finding] = []
     seen: set[str] = set()
@@ -100,12 +99,12 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             else:
                 message = "clip_grad_norm_ ran before scaler.unscale_ on scaled gradients."
             slot = v.data.get("optimizer")
-            if len(trace.probe.optimizers) > 1 and slot is not None:
+            if len(trace.optimizers) > 1 and slot is not None:
                 evidence["optimizer"] = slot
                 unscaled = sorted({e.optimizer for e in trace.events
                                    if e.kind == "unscale" and e.seq < event.seq
                                    and e.optimizer is not None and e.optimizer != slot})
-                message += (f" Optimizer {slot} (of {len(trace.probe.optimizers)}) had not been "
+                message += (f" Optimizer {slot} (of {len(trace.optimizers)}) had not been "
                             "unscaled" + (f" although optimizer(s) {unscaled} had: the clip "
                                           "mixed scaled and true gradients" if unscaled else "")
                             + f"; call scaler.unscale_() on optimizer {slot} before clipping.")
@@ -191,9 +190,9 @@ def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
     step = next((s for s in trace.steps if s.seq == event.seq), None)
     if step is None:
         return None
-    snap = trace.probe.snapshots.get(step.group)
+    snap = trace.snapshots.get(step.group)
     names = [n for n in step.grads if n in session.param_shapes]
-    judge = trace.probe.step_judge
+    judge = judged_live(trace)
     done = judge.groups.get(step.group) if judge is not None and snap is None else None
     if done is not None and step.seq in done.grad_squares:
         # judged as it happened: each parameter's squared norm was kept, not the tensors
@@ -210,13 +209,13 @@ def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
     return m.ratio if math.isfinite(m.ratio) else None
 
 
-def runtime_double_scaling(session: Session, trace: Trace, rung: str) -> Finding | None:
+def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | None:
     """The loss reaching backward is S x (fp32 loss) x c with c far from 1: a second scale.
 
-    The first backward of both runs happens at identical weights on identical data, so the fp32
-    run's value is the unscaled loss the fp16 run should have multiplied by S only.
+    The first backward of both runs (the fp32 run `fp32` and this one) happens at identical
+    weights on identical data, so the fp32 run's value is the unscaled loss the fp16 run should
+    have multiplied by S only.
     """
-    fp32 = session.trace("fp32")
     b32 = [e for e in fp32.of_kind("backward") if e.value is not None]
     b16 = [e for e in trace.of_kind("backward") if e.value is not None and e.scaled_by]
     if not b32 or not b16:
