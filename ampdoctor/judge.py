@@ -21,6 +21,7 @@ from . import compare
 from .errors import AmpdoctorInterrupt
 from .loading import micro_batch_counts
 from .probe import recorder, spill
+from .probe.events import Clip, ScalerStep
 from .probe.observer import StepKeep
 from .probe.recorder import Event, StepRecord
 from .reference import ClipCall, WindowReference, clip_calls, clip_ops, reference_norm
@@ -98,7 +99,7 @@ def known_thresholds(session: Session, trace: Trace) -> set[float]:
     known = {trace.settings.max_grad_norm} - {None}
     fp32 = session.traces.get("fp32")
     if fp32 is not None:
-        known |= {e.max_norm for e in fp32.of_kind("clip")
+        known |= {e.max_norm for e in fp32.events_of(Clip)
                   if e.max_norm is not None}
     return {float(t) for t in known if math.isfinite(t)}
 
@@ -127,7 +128,7 @@ def _step_events(trace: Trace, step: StepRecord, previous_seq: int) -> list[Even
     """The events that produced `step`: those since the previous step group's last step, or
     since the last skipped scaler.step before it (a skipped window consumed nothing: its clips
     and unscales are not this step's, the skip threw its gradients away)."""
-    skips = [e.seq for e in trace.events if e.kind == "scaler_step" and e.skipped
+    skips = [e.seq for e in trace.events_of(ScalerStep) if e.skipped
              and e.seq < step.seq]
     start = max([previous_seq] + skips)
     return [e for e in trace.events if start < e.seq < step.seq]
@@ -351,7 +352,7 @@ class StepJudge:
         known = known_thresholds(self.session, self.trace)
         if self.precision == "fp32" and "fp32" not in self.session.traces:
             # judged after the run, the fp32 run's own clips are known thresholds
-            known |= {float(e.max_norm) for e in self.trace.of_kind("clip")
+            known |= {float(e.max_norm) for e in self.trace.events_of(Clip)
                       if e.max_norm is not None and math.isfinite(e.max_norm)}
         ctx = _Context.of(self.session, self.trace, self.precision, known)
         verdict = _judge_step(ctx, done.ordinal, done.window, step, self._reference[1],

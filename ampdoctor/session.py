@@ -28,11 +28,11 @@ from .loading import (
 )
 from .probe import recorder, spill
 from .probe.callsite import CallSiteFinder, Site
+from .probe.events import ScalerInit, ScalerStep, Update
 from .probe.observer import ProbeSettings, StepObserver
 from .probe.trace import Trace, WeightCast, WeightsCast, watching_casts, weight_cast
 from .reference import ReferenceBuilder
 from .spec import Spec
-
 
 #: Judge each step of the runs the rungs judge as it happens (`judge.StepJudge`); False: copy
 #: every step's gradients and weights and judge after the run (the tests compare the two).
@@ -372,19 +372,19 @@ class Session(ReferenceBuilder):
         """
         first = trace
         for _ in range(self.SCALE_SEARCH_RUNS):
-            steps = trace.of_kind("scaler_step")
-            scales = [e.scale_after for e in trace.of_kind("update") if e.scale_after]
+            steps = trace.events_of(ScalerStep)
+            scales = [e.scale_after for e in trace.events_of(Update) if e.scale_after]
             if (trace.error is not None or not steps or not all(e.skipped for e in steps)
-                    or not scales or not any(e.enabled for e in trace.of_kind("scaler_init"))):
+                    or not scales or not any(e.enabled for e in trace.events_of(ScalerInit))):
                 break
             self.fp16_start_scale = scales[-1]
             trace = self.run_loop("fp16", rng_seed=self.spec.seed + 1, judge_as_it_runs="fp16")
         if trace is not first:
-            loop_init = next(e.init_scale for e in first.of_kind("scaler_init") if e.enabled)
-            applied = any(not e.skipped for e in trace.of_kind("scaler_step"))
+            loop_init = next(e.init_scale for e in first.events_of(ScalerInit) if e.enabled)
+            applied = any(not e.skipped for e in trace.events_of(ScalerStep))
             self.notes.add(
                 f"the loop's init_scale {loop_init:g} overflowed all "
-                f"{len(first.of_kind('scaler_step'))} steps of the slice (the scaler's start-up "
+                f"{len(first.events_of(ScalerStep))} steps of the slice (the scaler's start-up "
                 f"search): the fp16 runs start from {self.fp16_start_scale:g}"
                 + ("" if applied else ", where every step still overflowed"))
         return trace

@@ -12,6 +12,7 @@ import pytest
 
 import ampdoctor
 from ampdoctor import session as session_module
+from ampdoctor.probe.events import OptimizerStep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -176,7 +177,7 @@ def test_the_rules_read_the_same_norms_from_the_scalars_a_step_judged_as_it_ran_
         seen[session_module.JUDGE_AS_IT_RUNS] = (
             trace.step_observer is not None and not trace.probe.snapshots,
             [scale_state._reference_norm(session, trace, w) for w in range(session.N)],
-            [scale_state.step_ratio(session, trace, e) for e in trace.of_kind("step")])
+            [scale_state.step_ratio(session, trace, e) for e in trace.events_of(OptimizerStep)])
         return original(session, trace, rung)
 
     monkeypatch.setattr(amp, "violation_findings", spy)

@@ -197,6 +197,7 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
     from ..loading import UserCode, cut_micro_batches, resolve_device
     from ..probe import patches, wrappers
     from ..probe.callsite import CallSiteFinder
+    from ..probe.events import Backward, Forward, MicroBatchFetched
     from ..session import Distributed, Session
     from ..spec import from_wire
 
@@ -227,11 +228,11 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
             observer.restore()
         result.update(buckets=observer.buckets, toggles=observer.toggles,
                       no_syncs=observer.no_syncs,
-                      backwards=[_site(e.site) for e in trace.of_kind("backward")],
+                      backwards=[_site(e.site) for e in trace.events_of(Backward)],
                       # the calls the loop made, in order: where ranks part ways, a line differs
                       calls=[[e.kind] + (_site(e.site) or [None, None, None])
                              for e in trace.events
-                             if e.kind not in ("forward", "microbatch")][:MAX_CALLS],
+                             if not isinstance(e, (Forward, MicroBatchFetched))][:MAX_CALLS],
                       steps=[s.backwards for s in trace.steps],
                       step_sites=[_site(s.site) for s in trace.steps])
         if trace.error is not None:

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..findings import RUNG_IDS, RungResult
 from .deadline import RungTimeout, deadline, timeout_result
 
 
 def _rungs() -> dict[str, Callable]:
-    from . import fp32_accum, reproducibility
-    from . import precision_rungs
+    from . import fp32_accum, precision_rungs, reproducibility
     return {
         "reproducibility": reproducibility.run,
         "fp32-accum": fp32_accum.run,

@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..ddp import launch
 from ..errors import LaunchError
 from ..findings import Finding, Location, RungResult, conclude, location
-from ..thresholds import WORLD_SIZE_RATIO_RTOL
-from ..ddp import launch
-from ..spec import to_wire
 from ..probe.callsite import Site
+from ..spec import to_wire
+from ..thresholds import WORLD_SIZE_RATIO_RTOL
 
 RUNG = "ddp-sync"
 

@@ -17,7 +17,6 @@ from ..errors import AmpdoctorInterrupt
 from ..findings import Finding, RungResult, location
 from ..probe import recorder
 
-
 #: Seconds between repeated alarms once the deadline has passed.
 REFIRE_S = 0.5
 

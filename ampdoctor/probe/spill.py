@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 import tempfile
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch

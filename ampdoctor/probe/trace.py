@@ -17,7 +17,7 @@ import torch
 from ..errors import UserCodeError, exc_text
 from . import recorder
 from .callsite import CallSiteFinder, Site
-from .events import Snapshot
+from .events import Backward, E, MicroBatchFetched, Snapshot, of_type
 from .observer import StepObserver
 
 if TYPE_CHECKING:
@@ -80,6 +80,15 @@ def weight_cast(model: torch.nn.Module, sites: list[Site | None]) -> WeightCast 
         return None
     return WeightCast(tuple(sorted({str(p.dtype) for _, p in cast})), tuple(n for n, _ in cast),
                       len(named), sites[-1] if sites else None)
+
+
+def handed_out_lazily(events: list[recorder.Event]) -> bool:
+    """Were some micro-batches handed out after the first backward (the loop takes them as it
+    goes), or is there no backward yet?"""
+    first = next((e for e in events if isinstance(e, Backward)), None)
+    if first is None:
+        return True
+    return any(isinstance(e, MicroBatchFetched) and e.seq > first.seq for e in events)
 
 
 @dataclass
@@ -166,20 +175,20 @@ class Trace:
             step.grads = {}
         self.probe.snapshots.clear()
 
+    def events_of(self, cls: type[E]) -> list[E]:
+        """The run's events of type `cls`, in order."""
+        return of_type(self.probe.events, cls)
+
     @property
     def microbatches_taken(self) -> int:
         """How many distinct micro-batches the loop took from `micro_batches`."""
-        return len({e.index for e in self.probe.events if e.kind == "microbatch"})
+        return len({e.index for e in self.events_of(MicroBatchFetched)})
 
     @property
     def lazy_feed(self) -> bool:
         """Did the loop take micro-batches as it went (some handed out after a backward), rather
         than all up front (`list(micro_batches)`)?"""
-        events = self.probe.events
-        first = next((e for e in events if e.kind == "backward"), None)
-        if first is None:
-            return True
-        return any(e.kind == "microbatch" and e.seq > first.seq for e in events)
+        return handed_out_lazily(self.probe.events)
 
     def window_of_event(self, event: recorder.Event | recorder.StepRecord) -> int | None:
         """The window an event belongs to, or None when the trace cannot tell.
@@ -200,9 +209,6 @@ class Trace:
         if K and backwards == self.microbatches // K:
             return max(event.backwards - 1, 0)
         return None
-
-    def of_kind(self, *kinds: str) -> list[recorder.Event]:
-        return [e for e in self.probe.events if e.kind in kinds]
 
 
 class WeightsCast(UserCodeError):

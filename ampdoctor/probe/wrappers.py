@@ -13,8 +13,18 @@ import torch
 
 from ..safetext import MESSAGE_LIMIT, cut, safe_str
 from . import randomness, recorder
-from .events import (AutocastEntered, Clip, GetScale, Scale, ScalerInit, ScalerStep,
-                     SchedulerStep, Unscale, Update, ZeroGrad)
+from .events import (
+    AutocastEntered,
+    Clip,
+    GetScale,
+    Scale,
+    ScalerInit,
+    ScalerStep,
+    SchedulerStep,
+    Unscale,
+    Update,
+    ZeroGrad,
+)
 from .patches import Patcher
 from .recorder import Probe, optimizer_params
 
@@ -367,10 +377,9 @@ def _step_pre_hook(optimizer, args, kwargs):
 
 def install(patcher: Patcher) -> None:
     """Patch torch so that an active probe sees every event of DESIGN §2."""
-    from torch.amp import grad_scaler
-    from torch.amp import autocast_mode
-    from torch.nn.utils import clip_grad
     import torch.nn.utils as nn_utils
+    from torch.amp import autocast_mode, grad_scaler
+    from torch.nn.utils import clip_grad
     from torch.optim import lr_scheduler
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 

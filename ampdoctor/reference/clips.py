@@ -21,7 +21,7 @@ import torch
 
 from .. import compare
 from ..probe.callsite import Site
-from ..probe.recorder import Event
+from ..probe.events import Backward, Clip, Event, Unscale, Update
 from ..thresholds import CLIP_EPSILON, SCALED_THRESHOLD_RTOL
 
 
@@ -59,7 +59,7 @@ class ClipCall:
 def attempt_events(window_events: list[Event]) -> list[Event]:
     """The events of the attempt that produced a step: those after the last scaler.update()
     (a loop that retries a skipped window recomputes it after the update)."""
-    updates = [i for i, e in enumerate(window_events) if e.kind == "update"]
+    updates = [i for i, e in enumerate(window_events) if isinstance(e, Update)]
     return window_events[updates[-1] + 1:] if updates else window_events
 
 
@@ -74,7 +74,7 @@ def clip_calls(names_of: dict[int, str], window_events: list[Event], owner: dict
     events = attempt_events(window_events)
     calls: list[ClipCall] = []
     for position, event in enumerate(events):
-        if event.kind != "clip" or event.max_norm is None:
+        if not isinstance(event, Clip) or event.max_norm is None:
             continue
         ids = event.param_ids
         names = tuple(names_of[i] for i in ids if i in names_of)
@@ -97,9 +97,9 @@ def _scale_carried(before: list[Event], slots: set[int]) -> float | None:
     attempt: the last scaled backward's scale when no unscale_ of theirs came after it."""
     scale = None
     for e in before:
-        if e.kind == "backward" and e.scaled_by:
+        if isinstance(e, Backward) and e.scaled_by:
             scale = float(e.scaled_by)
-        elif (e.kind == "unscale" and e.enabled and not e.inside_step
+        elif (isinstance(e, Unscale) and e.enabled and not e.inside_step
               and (not slots or e.optimizer in slots)):
             scale = None
     return scale

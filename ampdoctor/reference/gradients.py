@@ -22,8 +22,7 @@ import torch
 
 from .. import compare, rng
 from ..errors import UserCodeError, exc_text
-from ..loading import (build_model, merge_micro_batches, micro_batch_counts,
-                       micro_batch_size_of)
+from ..loading import build_model, merge_micro_batches, micro_batch_counts, micro_batch_size_of
 from ..probe import recorder
 from ..probe.trace import WeightsCast
 

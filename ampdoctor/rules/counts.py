@@ -3,8 +3,6 @@ accumulation condition (steps off the window boundaries)."""
 
 from __future__ import annotations
 
-
-
 from ..findings import Finding, location
 from ..probe.events import StepRecord
 from ..session import Session, Trace

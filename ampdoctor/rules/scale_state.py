@@ -12,10 +12,10 @@ import torch
 
 from .. import compare
 from ..findings import Finding, location
-from ..probe.callsite import Site
-from ..probe.events import Event
-from ..probe.statemachine import StepStateMachine
 from ..judge import judged_live
+from ..probe.callsite import Site
+from ..probe.events import Backward, Event, Scale, ScalerStep, Unscale, Update
+from ..probe.statemachine import StepStateMachine
 from ..session import Session, Trace, flat
 
 
@@ -56,7 +56,7 @@ def _reference_norm(session: Session, trace: Trace, window: int, names: list[str
 
 
 def _last_scale_before(trace: Trace, seq: int) -> float | None:
-    scales = [e.scale for e in trace.events if e.kind == "scale" and e.seq < seq
+    scales = [e.scale for e in trace.events_of(Scale) if e.seq < seq
               and e.scale]
     return scales[-1] if scales else None
 
@@ -102,7 +102,7 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             if len(trace.optimizers) > 1 and slot is not None:
                 evidence["optimizer"] = slot
                 unscaled = sorted({e.optimizer for e in trace.events
-                                   if e.kind == "unscale" and e.seq < event.seq
+                                   if isinstance(e, Unscale) and e.seq < event.seq
                                    and e.optimizer is not None and e.optimizer != slot})
                 message += (f" Optimizer {slot} (of {len(trace.optimizers)}) had not been "
                             "unscaled" + (f" although optimizer(s) {unscaled} had: the clip "
@@ -119,8 +119,8 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                        + " scaler.step() was bypassed, so it was never unscaled nor checked for "
                          "inf.")
         elif v.kind == "update-per-microbatch":
-            updates = len(trace.of_kind("update"))
-            steps = len(trace.of_kind("scaler_step"))
+            updates = len(trace.events_of(Update))
+            steps = len(trace.events_of(ScalerStep))
             evidence.update({"measured": updates, "expected": steps,
                              "updates": updates, "scaler_steps": steps})
             message = (f"scaler.update() ran {updates} times for {steps} scaler.step() calls: "
@@ -182,7 +182,7 @@ def explain_with_calls(mismatch: list[Finding], violations: list[Finding],
 
 
 def skipped_steps(trace: Trace) -> int:
-    return sum(1 for e in trace.of_kind("scaler_step") if e.skipped)
+    return sum(1 for e in trace.events_of(ScalerStep) if e.skipped)
 
 
 def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
@@ -216,8 +216,8 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
     weights on identical data, so the fp32 run's value is the unscaled loss the fp16 run should
     have multiplied by S only.
     """
-    b32 = [e for e in fp32.of_kind("backward") if e.value is not None]
-    b16 = [e for e in trace.of_kind("backward") if e.value is not None and e.scaled_by]
+    b32 = [e for e in fp32.events_of(Backward) if e.value is not None]
+    b16 = [e for e in trace.events_of(Backward) if e.value is not None and e.scaled_by]
     if not b32 or not b16:
         return None
     v32, v16, scale = b32[0].value, b16[0].value, b16[0].scaled_by
@@ -232,10 +232,10 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
         f"(fp32 loss {v32:.6g} x scale {scale:g} = {v32 * scale:.6g}, got {v16:.6g}): a second, "
         f"hand-written loss scale sits on top of the GradScaler. Effective scale "
         f"{abs(extra) * scale:.6g}; {skipped_steps(trace)} of "
-        f"{len(trace.of_kind('scaler_step'))} steps were skipped.",
+        f"{len(trace.events_of(ScalerStep))} steps were skipped.",
         evidence={"measured": compare._round(abs(extra) * scale), "expected": scale,
                   "extra_factor": compare._round(abs(extra)), "skipped_steps": skipped_steps(trace),
-                  "scaler_steps": len(trace.of_kind("scaler_step"))},
+                  "scaler_steps": len(trace.events_of(ScalerStep))},
         location=location(_static_scale_site(b16[0].site) or b16[0].site))
 
 

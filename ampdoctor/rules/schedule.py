@@ -6,10 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-
 from ..findings import Finding, location
 from ..judge import step_groups
-from ..probe.events import Event
+from ..probe.events import Event, OptimizerStep, ScalerStep, SchedulerStep
 from ..session import Session, Trace
 from ..thresholds import LR_RTOL
 
@@ -18,12 +17,12 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     """An LR scheduler stepped more than once between two optimizer steps *and* the learning
     rate the optimizer steps used differs from the schedule's value per optimizer step (a
     constant schedule stepped per micro-batch changes nothing and is fine)."""
-    scheduler_events = trace.of_kind("scheduler")
+    scheduler_events = trace.events_of(SchedulerStep)
     if not scheduler_events:
         return []
     # Window boundaries: every scaler.step (skipped or not) and every direct optimizer.step.
-    boundaries = [e.seq for e in trace.events if e.kind == "scaler_step"
-                  or (e.kind == "step" and not e.via_scaler)]
+    boundaries = [e.seq for e in trace.events if isinstance(e, ScalerStep)
+                  or (isinstance(e, OptimizerStep) and not e.via_scaler)]
     per_scheduler: dict[Any, list[Event]] = {}
     for e in scheduler_events:
         # one trajectory per scheduler object: two schedulers on one optimizer (warmup + decay)
