@@ -198,7 +198,7 @@ def test_an_error_in_the_early_judge_never_reaches_the_loop(monkeypatch, where):
     """Whatever fails in ampdoctor's own work inside the optimizer's pre-hook (the reference,
     the comparison, deciding what to keep), the step falls back to copies judged after the run:
     the same verdict, never a loop error blamed on the user's code."""
-    from ampdoctor import judge as judge_module
+    from ampdoctor import judge_live, judge_step
 
     spec = ROOT / "sample_configs" / "broken_no_zero_grad.yaml"
     expected, _ = _diagnose(monkeypatch, spec, False)
@@ -214,12 +214,11 @@ def test_an_error_in_the_early_judge_never_reaches_the_loop(monkeypatch, where):
         return wrapper
 
     if where == "reference":
-        monkeypatch.setattr(judge_module, "outside_the_loop",
-                            broken(judge_module.outside_the_loop))
+        monkeypatch.setattr(judge_live, "outside_the_loop", broken(judge_live.outside_the_loop))
     elif where == "judge":
-        monkeypatch.setattr(judge_module, "_judge_step", broken(judge_module._judge_step))
+        monkeypatch.setattr(judge_step, "judge_one_step", broken(judge_step.judge_one_step))
     else:
-        monkeypatch.setattr(judge_module, "JudgedGradients", broken(judge_module.JudgedGradients))
+        monkeypatch.setattr(judge_live, "JudgedGradients", broken(judge_live.JudgedGradients))
     seen, groups = _diagnose(monkeypatch, spec, True)
     assert calls["n"] >= fail_at and groups > 0
     assert seen == expected and seen["failed_rung"] == "fp32-accum"
