@@ -140,7 +140,7 @@ def _chunked(user: torch.Tensor, ref: torch.Tensor):
     su = sr = sd = dot = 0.0
     user, ref = user.detach().reshape(-1), ref.detach().reshape(-1)
     ub, rb = _buffers(2, user.numel(), user.device)
-    for u, r in zip(user.split(CHUNK), ref.split(CHUNK)):
+    for u, r in zip(user.split(CHUNK), ref.split(CHUNK), strict=False):
         a, b = ub[:u.numel()].copy_(u), rb[:r.numel()].copy_(r)
         su += float(torch.dot(a, a))
         sr += float(torch.dot(b, b))
@@ -232,7 +232,7 @@ def window_hypotheses(per_mb: list[torch.Tensor], counts: list[float], weighted:
     K = accumulation_steps
     equal = torch.stack(per_mb).mean(0)
     total_count = sum(counts)
-    sums = [g * n for g, n in zip(per_mb, counts)]
+    sums = [g * n for g, n in zip(per_mb, counts, strict=False)]
     summed = torch.stack(sums).sum(0)
     out = [
         Hypothesis("missing-accumulation-average", f"sum of the {K} micro-batch gradients "

@@ -56,11 +56,11 @@ class StepJudge:
     At the first step of a group, in the optimizer's pre-hook, the reference is computed at the
     live weights (outside the loop's autocast, grad mode and RNG stream, with the probe off) and
     each step is judged exactly as `judge` would after the run (`judge_step.judge_one_step`),
-    against the live gradients. Nothing is copied for a step that matched, but for the gradients of the step
-    before it (what a gradient not cleared carries over) and, in fp32, of the run's first step
-    (the reproducibility rung's repeat run compares its own with them); the first bad step
-    keeps its gradients and weights for the rules. So a run keeps two gradient copies at most,
-    not two model copies per step on disk.
+    against the live gradients. Nothing is copied for a step that matched, but for the
+    gradients of the step before it (what a gradient not cleared carries over) and, in fp32, of
+    the run's first step (the reproducibility rung's repeat run compares its own with them);
+    the first bad step keeps its gradients and weights for the rules. So a run keeps two
+    gradient copies at most, not two model copies per step on disk.
 
     Only for a run with one optimizer and a group whose window is known when it starts (the
     micro-batches its forwards consumed); any error here leaves the group to `judge` after the

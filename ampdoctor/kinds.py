@@ -45,7 +45,8 @@ KINDS: tuple[Kind, ...] = (
     Kind(
         "missing-accumulation-average",
         "The loss is not divided by the accumulation steps",
-        "K micro-batch gradients are summed, so the optimizer sees K times the full-batch gradient: "
+        "K micro-batch gradients are summed, so the optimizer sees K times the full-batch "
+        "gradient: "
         "the effective learning rate is K times too large (and Adam hides it, clipping masks it).",
         "Divide each micro-batch loss by `accumulation_steps` before backward: "
         "`loss = criterion(out, y) / accumulation_steps`, then `scaler.scale(loss).backward()`. "
@@ -93,7 +94,8 @@ KINDS: tuple[Kind, ...] = (
     Kind(
         "weighted-average-mismatch",
         "Micro-batches are weighted equally although the loss is token/sample weighted",
-        "Each micro-batch loss is a weighted mean over its own tokens, then the K means are averaged "
+        "Each micro-batch loss is a weighted mean over its own tokens, then the K means are "
+        "averaged "
         "with equal weight. When micro-batches hold different numbers of tokens this is not the "
         "weighted mean over the whole step: short micro-batches count too much.",
         "Count the step's tokens once before the window (`n = sum((mb['labels'] != -100).sum() "
@@ -109,7 +111,8 @@ KINDS: tuple[Kind, ...] = (
         "step-per-microbatch",
         "The optimizer steps on every micro-batch",
         "The optimizer steps K times per window instead of once: each update uses one micro-batch, "
-        "the effective batch is b instead of K*b and the scheduler and scaler run K times too fast.",
+        "the effective batch is b instead of K*b and the scheduler and scaler run K times too "
+        "fast.",
         "Put the whole step under the window condition: `if (i + 1) % accumulation_steps == 0:` "
         "then `scaler.unscale_(opt)`, clip, `scaler.step(opt)`, `scaler.update()`, "
         "`opt.zero_grad()`.",
@@ -123,7 +126,8 @@ KINDS: tuple[Kind, ...] = (
     Kind(
         "zero-grad-inside-accumulation",
         "Gradients are zeroed inside the accumulation window",
-        "`zero_grad` runs before the window is complete, so only the last micro-batch(es) reach the "
+        "`zero_grad` runs before the window is complete, so only the last micro-batch(es) reach "
+        "the "
         "optimizer step; the other K-1 are thrown away.",
         "Call `optimizer.zero_grad(set_to_none=True)` once per window, right after "
         "`scaler.update()` (or before the window's first micro-batch: `if i % K == 0:`), never "
@@ -172,7 +176,8 @@ KINDS: tuple[Kind, ...] = (
     Kind(
         "clip-before-unscale",
         "Gradients are clipped while still scaled",
-        "`clip_grad_norm_` runs before `scaler.unscale_`, so it sees gradients multiplied by the loss "
+        "`clip_grad_norm_` runs before `scaler.unscale_`, so it sees gradients multiplied by the "
+        "loss "
         "scale S: the threshold is effectively max_norm*S in true-gradient space, or the update is "
         "crushed by 1/S.",
         "Call `scaler.unscale_(optimizer)` right before `torch.nn.utils.clip_grad_norm_(model."
@@ -232,8 +237,10 @@ KINDS: tuple[Kind, ...] = (
     Kind(
         "double-scaling",
         "Two loss-scale state machines on one loss",
-        "The loss is scaled twice (two GradScalers, a GradScaler inside DeepSpeed/Trainer/accelerate/"
-        "Lightning AMP, or a constant loss scale on top of a GradScaler): skips, scale and clipping "
+        "The loss is scaled twice (two GradScalers, a GradScaler inside "
+        "DeepSpeed/Trainer/accelerate/"
+        "Lightning AMP, or a constant loss scale on top of a GradScaler): skips, scale and "
+        "clipping "
         "no longer mean anything.",
         "Keep exactly one owner of loss scaling: either the framework's (DeepSpeed `fp16.enabled`, "
         "`TrainingArguments(fp16=True)`, `Accelerator(mixed_precision='fp16')`, Lightning "
@@ -261,7 +268,8 @@ KINDS: tuple[Kind, ...] = (
     Kind(
         "scheduler-steps-on-skip",
         "The LR scheduler steps when the optimizer step was skipped",
-        "GradScaler skipped the update (inf/NaN gradients) but the scheduler still advanced, so the "
+        "GradScaler skipped the update (inf/NaN gradients) but the scheduler still advanced, so "
+        "the "
         "schedule runs ahead of the real number of updates (a warmup gets shorter with each "
         "skip).",
         "Step the scheduler only when the optimizer stepped: `scale = scaler.get_scale()` before "
@@ -276,7 +284,8 @@ KINDS: tuple[Kind, ...] = (
     Kind(
         "no-zero-grad-after-skip",
         "Gradients are not cleared after a skipped step",
-        "After GradScaler skipped a step, the inf/NaN gradients stay in `.grad` and poison the next "
+        "After GradScaler skipped a step, the inf/NaN gradients stay in `.grad` and poison the "
+        "next "
         "window, which is skipped too; a hand-written overflow guard that `continue`s past "
         "`scaler.update()` also makes torch refuse the next `unscale_()`.",
         "Run `scaler.update()` and `optimizer.zero_grad(set_to_none=True)` after every "
@@ -322,7 +331,8 @@ KINDS: tuple[Kind, ...] = (
         "gradient-mismatch",
         "The update differs from the reference in no known shape",
         "The gradient the optimizer consumed differs from the fp32 full-batch reference beyond the "
-        "tolerance, and the difference matches none of the known shapes (a factor K, 1/K, b, S...). "
+        "tolerance, and the difference matches none of the known shapes (a factor K, 1/K, b, "
+        "S...). "
         "Also reported for an off-by-one window condition, a loop that stops early, and DDP ranks "
         "that consume different gradients.",
         "Compare the loop with the correct skeleton: `loss / K` -> `scaler.scale(loss).backward()` "

@@ -142,7 +142,8 @@ class Session(ReferenceBuilder):
 
     # --- running the loop --------------------------------------------------------------
     def settings(self, precision: str, K: int | None = None,
-                 max_grad_norm: float | None | str = "spec", steps: int | None = None) -> RunSettings:
+                 max_grad_norm: float | None | str = "spec",
+                 steps: int | None = None) -> RunSettings:
         return RunSettings(
             precision=precision, device=self.device, device_type=self.device.type,
             autocast_dtype=AUTOCAST_DTYPES[precision],

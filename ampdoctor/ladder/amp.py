@@ -115,7 +115,8 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
 
 def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
     exc = trace.error
-    refused_update = isinstance(exc, AssertionError) and "No inf checks were recorded" in safe_str(exc)
+    refused_update = (isinstance(exc, AssertionError)
+                      and "No inf checks were recorded" in safe_str(exc))
     direct = [e for e in trace.events_of(OptimizerStep) if not e.via_scaler]
     if refused_update and direct and not trace.events_of(ScalerStep):
         # optimizer.step() instead of scaler.step(): nothing recorded an inf check, so torch
@@ -145,7 +146,8 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
                        evidence={"measured": len(early), "expected": 0,
                                  "updates_before_the_windows_step": len(early),
                                  "error": exc_text(exc),
-                                 "microbatch": trace.events[-1].microbatch if trace.events else None},
+                                 "microbatch": (trace.events[-1].microbatch if trace.events
+                                                else None)},
                        location=location(site))
     return loop_error_finding(trace, rung)
 

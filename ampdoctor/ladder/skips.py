@@ -244,6 +244,53 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
         location=location(site))
 
 
+def _backoffs(updates: list[Update], backoff: float,
+              details: dict[str, Any]) -> Finding | None:
+    """How often the scale backed off in the injected window (recorded in `details`): more
+    than once is an update per micro-batch."""
+    if not (updates and updates[0].scale_before):
+        return None
+    before = updates[0].scale_before
+    after = updates[-1].scale_after or before
+    backoffs = round(math.log(after / before) / math.log(backoff)) if after != before else 0
+    details["backoffs_in_injected_window"] = backoffs
+    details["scale_before_after"] = [before, after]
+    if backoffs <= 1:
+        return None
+    return Finding(
+        RUNG, "update-per-microbatch", "error",
+        f"One overflowing micro-batch backed the scale off {backoffs} times "
+        f"({before:g} -> {after:g}, backoff factor {backoff:g}): scaler.update() runs "
+        "more than once per optimizer step.",
+        evidence={"measured": backoffs, "expected": 1, "scale_before": before,
+                  "scale_after": after, "backoff_factor": backoff},
+        location=location(updates[-1].site))
+
+
+def _scheduler_on_skip(trace: Trace, plain: Trace, in_window: list[Event], inject_window: int,
+                       owner: int | None, applied: set[int]) -> Finding | None:
+    """The scheduler stepped in the injected window although its update was skipped (and its
+    learning rate changes at all)."""
+    sched = [e for e in of_type(in_window, SchedulerStep)
+             if owner is None or e.optimizer in (None, owner)]
+    if not (sched and inject_window not in applied and _lr_changes(trace, sched[0])):
+        return None
+    real_steps = len(trace.steps)
+    sched_steps = len(trace.events_of(SchedulerStep))
+    warmup = _lr_rising(plain, sched[0].optimizer)
+    return Finding(
+        RUNG, "scheduler-steps-on-skip", "error" if warmup else "warning",
+        f"The scheduler ({sched[0].scheduler_type}) stepped in window {inject_window} "
+        f"although the optimizer step was skipped: {sched_steps} scheduler steps for "
+        f"{len({s.group for s in trace.steps})} real optimizer steps."
+        + (" The LR is in warmup, so every skip shortens the warmup." if warmup else ""),
+        evidence={"measured": sched_steps,
+                  "expected": len({s.group for s in trace.steps}),
+                  "scheduler_steps": sched_steps, "optimizer_steps": real_steps,
+                  "warmup": warmup},
+        location=location(sched[0].site))
+
+
 @dataclass
 class InjectedRun:
     """The fp16 run with one overflow injected; clip-space may run it with clipping forced
@@ -327,22 +374,9 @@ def run(session: Session) -> RungResult:
                       "steps_on_nonfinite_gradients": len(poisoned)},
             location=location((direct or poisoned)[0].site)))
     # The scale backs off once per window, not once per micro-batch.
-    updates = of_type(in_window, Update)
-    if updates and updates[0].scale_before:
-        before = updates[0].scale_before
-        after = updates[-1].scale_after or before
-        backoffs = round(math.log(after / before) / math.log(backoff)) if after != before else 0
-        details["backoffs_in_injected_window"] = backoffs
-        details["scale_before_after"] = [before, after]
-        if backoffs > 1:
-            findings.append(Finding(
-                RUNG, "update-per-microbatch", "error",
-                f"One overflowing micro-batch backed the scale off {backoffs} times "
-                f"({before:g} -> {after:g}, backoff factor {backoff:g}): scaler.update() runs "
-                "more than once per optimizer step.",
-                evidence={"measured": backoffs, "expected": 1, "scale_before": before,
-                          "scale_after": after, "backoff_factor": backoff},
-                location=location(updates[-1].site)))
+    backed_off = _backoffs(of_type(in_window, Update), backoff, details)
+    if backed_off is not None:
+        findings.append(backed_off)
     # The next window must start clean: no inf carried over, so not skipped again (where the
     # plain run did update).
     in_a_row = 0
@@ -353,7 +387,8 @@ def run(session: Session) -> RungResult:
     details["skipped_in_a_row_after_injection"] = in_a_row
     if in_a_row > 0:
         zero_grads = plain.events_of(ZeroGrad) or trace.events_of(ZeroGrad)
-        site = zero_grads[-1].site if zero_grads else (scaler_steps[-1].site if scaler_steps else None)
+        site = (zero_grads[-1].site if zero_grads
+                else scaler_steps[-1].site if scaler_steps else None)
         findings.append(Finding(
             RUNG, "no-zero-grad-after-skip", "error",
             f"After the injected overflow in window {inject_window} the next {in_a_row} "
@@ -363,23 +398,9 @@ def run(session: Session) -> RungResult:
                       "applied_windows": sorted(applied), "skipped": skipped_flags},
             location=location(site)))
     # The scheduler must not advance for the skipped step.
-    sched = [e for e in of_type(in_window, SchedulerStep)
-             if owner is None or e.optimizer in (None, owner)]
-    if sched and inject_window not in applied and _lr_changes(trace, sched[0]):
-        real_steps = len(trace.steps)
-        sched_steps = len(trace.events_of(SchedulerStep))
-        warmup = _lr_rising(plain, sched[0].optimizer)
-        findings.append(Finding(
-            RUNG, "scheduler-steps-on-skip", "error" if warmup else "warning",
-            f"The scheduler ({sched[0].scheduler_type}) stepped in window {inject_window} "
-            f"although the optimizer step was skipped: {sched_steps} scheduler steps for "
-            f"{len({s.group for s in trace.steps})} real optimizer steps."
-            + (" The LR is in warmup, so every skip shortens the warmup." if warmup else ""),
-            evidence={"measured": sched_steps,
-                      "expected": len({s.group for s in trace.steps}),
-                      "scheduler_steps": sched_steps, "optimizer_steps": real_steps,
-                      "warmup": warmup},
-            location=location(sched[0].site)))
+    stepped = _scheduler_on_skip(trace, plain, in_window, inject_window, owner, applied)
+    if stepped is not None:
+        findings.append(stepped)
     frequent = _frequent_skips(session, plain)
     if frequent is not None:
         findings.append(frequent)

@@ -51,7 +51,7 @@ class MicroBatchIndex:
 
     def __init__(self, micro_batches: list[Any], indices: list[int] | None = None):
         self._by_storage: dict[int, int] = {}
-        for index, mb in zip(indices or range(len(micro_batches)), micro_batches):
+        for index, mb in zip(indices or range(len(micro_batches)), micro_batches, strict=False):
             for ptr in storages(mb):
                 if ptr:
                     self._by_storage.setdefault(ptr, index)

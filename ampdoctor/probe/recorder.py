@@ -210,24 +210,28 @@ class Probe:
                                       for k, v in state.items()})
         self.snapshots[self._group] = Snapshot(self._group, kept, self.model.training)
 
-    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        slot = self.optimizer_slot(optimizer)
-        if self.backward_count != self._backwards_at_group:
-            # First step since new gradients were computed: snapshot the parameters all of
-            # this group's steps were computed at (a second optimizer's pre-hook would
-            # otherwise see the first one's update).
-            self._group += 1
-            self._backwards_at_group = self.backward_count
-            self._group_consumed = tuple(sorted(set(self._consumed)))
-            self._consumed = []
-            if self.model is not None and self.capture_grads and self.step_sink is None:
-                observer = self.step_observer
-                if observer is None or not observer.begin_group(
-                        self._group, self._group_consumed, self.model.state_dict(),
-                        self.model.training):
-                    self._snapshot()
-        observer = self.step_observer
-        live = observer is not None and observer.observes(self._group)
+    def _begin_group_if_new(self) -> None:
+        """At the first step since new gradients were computed, start a step group: snapshot the
+        parameters all of this group's steps were computed at (a second optimizer's pre-hook
+        would otherwise see the first one's update), unless the step observer takes it."""
+        if self.backward_count == self._backwards_at_group:
+            return
+        self._group += 1
+        self._backwards_at_group = self.backward_count
+        self._group_consumed = tuple(sorted(set(self._consumed)))
+        self._consumed = []
+        if self.model is not None and self.capture_grads and self.step_sink is None:
+            observer = self.step_observer
+            if observer is None or not observer.begin_group(
+                    self._group, self._group_consumed, self.model.state_dict(),
+                    self.model.training):
+                self._snapshot()
+
+    def _gradients(self, optimizer: torch.optim.Optimizer, slot: int,
+                   live: bool) -> tuple[dict[str, torch.Tensor | None], bool]:
+        """The gradients a step is about to consume, by parameter name (live tensors for an
+        observed step, host copies when captured, none otherwise), and whether all are
+        finite."""
         grads: dict[str, torch.Tensor | None] = {}
         finite = True
         for index, param in enumerate(optimizer_params(optimizer)):
@@ -243,6 +247,14 @@ class Probe:
                 finite = all_finite(param.grad)
         if self.capture_grads:
             finite = all(g is None or all_finite(g) for g in grads.values())
+        return grads, finite
+
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        slot = self.optimizer_slot(optimizer)
+        self._begin_group_if_new()
+        observer = self.step_observer
+        live = observer is not None and observer.observes(self._group)
+        grads, finite = self._gradients(optimizer, slot, live)
         lrs = tuple(float(g["lr"]) for g in optimizer.param_groups
                     if isinstance(g.get("lr"), (int, float, torch.Tensor)))
         site = self.finder.from_frame(_caller(2))

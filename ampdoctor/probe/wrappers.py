@@ -4,6 +4,7 @@ which restores torch exactly on any exit."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
@@ -140,7 +141,8 @@ def _wrap_scale(original):
         if probe is None:
             return original(self, outputs)
         slot = probe.scaler_slot(self)
-        already = getattr(outputs, "_ampdoctor_scale", None) if isinstance(outputs, torch.Tensor) else None
+        already = (getattr(outputs, "_ampdoctor_scale", None)
+                   if isinstance(outputs, torch.Tensor) else None)
         result = original(self, outputs)
         seen = probe.scales_seen.get(slot)
         current = getattr(self, "_scale", None)   # a disabled scaler has none
@@ -152,10 +154,8 @@ def _wrap_scale(original):
         probe.record(Scale, scaler=slot, scale=value, enabled=bool(self.is_enabled()),
                      input_already_scaled=already)
         if isinstance(result, torch.Tensor) and value is not None:
-            try:
+            with contextlib.suppress(AttributeError, RuntimeError):
                 result._ampdoctor_scale = value * (already or 1.0)
-            except (AttributeError, RuntimeError):
-                pass
         return result
     return scale
 
@@ -294,10 +294,8 @@ def _wrap_scheduler_step(original):
         optimizer = getattr(self, "optimizer", None)
         slot = probe.optimizer_slot(optimizer) if optimizer is not None else None
         lr_before = None
-        try:
+        with contextlib.suppress(AttributeError, IndexError, KeyError, TypeError, ValueError):
             lr_before = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
-            pass
         probe.enter("scheduler")
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -313,10 +311,9 @@ def _wrap_scheduler_step(original):
                 _REPLAYED.add(key)
                 warnings.warn_explicit(w.message, w.category, *where)
         lr = None
-        try:
+        # (ReduceLROnPlateau before its first step, custom schedulers: no last LR)
+        with contextlib.suppress(Exception):
             lr = float(self.get_last_lr()[0])
-        except Exception:  # ReduceLROnPlateau before its first step, custom schedulers
-            pass
         probe.record(SchedulerStep, site=site, optimizer=slot,
                      scheduler_type=type(self).__name__, lr=lr, lr_before=lr_before,
                      scheduler=id(self), last_epoch=getattr(self, "last_epoch", None))
@@ -362,10 +359,8 @@ def _wrap_autocast_init(original):
         probe = _active()
         if probe is not None:
             # where the dtype was chosen: an autocast built once and entered in the loop
-            try:
+            with contextlib.suppress(AttributeError):
                 self._ampdoctor_site = probe.finder.from_frame(_caller(2))
-            except AttributeError:
-                pass
     return __init__
 
 

@@ -62,9 +62,8 @@ class ReferenceBuilder:
             cls = type(module).__name__
             if cls in RANDOM_MODULE_TYPES and module.training:
                 p = getattr(module, "p", getattr(module, "lower", None))
-                if cls.startswith("Dropout") or "Dropout" in cls:
-                    if not p:
-                        continue
+                if "Dropout" in cls and not p:
+                    continue
                 found.append(f"{name or '(model)'} ({cls}{f', p={p}' if p is not None else ''})")
         return found
 
@@ -198,7 +197,8 @@ class ReferenceBuilder:
             if isinstance(out, (tuple, list)) and len(out) == 2:
                 weighted = True
                 loss_sum, weight = out
-                weight = float(weight.detach()) if isinstance(weight, torch.Tensor) else float(weight)
+                weight = (float(weight.detach()) if isinstance(weight, torch.Tensor)
+                          else float(weight))
                 if weight <= 0:
                     raise UserCodeError(f"the loss function returned a weight of {weight} for "
                                         f"micro-batch {index}; weights must be positive.")
@@ -220,7 +220,7 @@ class ReferenceBuilder:
             # per micro-batch: the mean (weighted: loss_sum / weight) of each one
             sums = per
             if weighted:
-                per = [_scale(g, 1.0 / w) for g, w in zip(sums, counts)]
+                per = [_scale(g, 1.0 / w) for g, w in zip(sums, counts, strict=True)]
                 full = _combine(sums, [1.0 / sum(counts)] * len(sums))
             else:
                 full = _combine(per, [1.0 / len(per)] * len(per))
@@ -244,7 +244,8 @@ class ReferenceBuilder:
                 self._refuse_data_dtype(err.cause, err.location, what)
             raise
 
-    def loop_gradient(self, mbs: list[Any], state, training, K: int = 1) -> dict[str, torch.Tensor | None]:
+    def loop_gradient(self, mbs: list[Any], state: dict[str, torch.Tensor], training: bool,
+                      K: int = 1) -> dict[str, torch.Tensor | None]:
         """Run the user's loop in fp32 from `state` on `mbs` and return the first step's
         gradients (all optimizers), before clipping."""
         no_clip = math.inf if self.spec.max_grad_norm is not None else None
@@ -333,7 +334,8 @@ class ReferenceBuilder:
         reference from now on is weighted so."""
         self.loop_weighting = what
         self.notes = {n for n in self.notes if not n.startswith("micro-batches differ in shape")}
-        self.notes.add(f"micro-batches differ in shape and the loop weighs each by its count of {what} "
+        self.notes.add("micro-batches differ in shape and the loop weighs each by its count of "
+                       f"{what} "
                        "(as one batch of the whole window would): the loop-as-reference is the "
                        "mean of per-micro-batch gradients weighted so (give the spec a `loss` "
                        "to state the weighting)")
@@ -352,11 +354,12 @@ def _scale(grads: dict[str, torch.Tensor | None], factor: float) -> dict[str, to
     return {n: None if g is None else g * factor for n, g in grads.items()}
 
 
-def _combine(items: list[dict[str, torch.Tensor | None]], weights: list[float]) -> dict[str, torch.Tensor | None]:
+def _combine(items: list[dict[str, torch.Tensor | None]],
+             weights: list[float]) -> dict[str, torch.Tensor | None]:
     out: dict[str, torch.Tensor | None] = {}
     for name in items[0]:
         acc = None
-        for grads, w in zip(items, weights):
+        for grads, w in zip(items, weights, strict=False):
             g = grads.get(name)
             if g is not None:
                 acc = g * w if acc is None else acc + g * w

@@ -43,7 +43,7 @@ def unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, fl
     return user, total
 
 
-def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,
+def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,  # noqa: C901 - one branch per known shape of a mismatch, tried in order
                   judged: StepJudgement, rerun: Resplit | None = None) -> Finding:
     """Explain the judge's first bad step. `rerun` is the rung driver's extra fp32 pass
     (`shapes.Resplit`)."""
@@ -156,7 +156,8 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                                                    hyp.factor, dict(hyp.extra))
     if found is not None:
         kind = found.kind
-        if kind in ("double-average", "weighted-average-mismatch") and ref.mode == "loop" and per_mb:
+        if (kind in ("double-average", "weighted-average-mismatch") and ref.mode == "loop"
+                and per_mb):
             # Relative to the loop's own K = 1 run a sum reduction divided by K looks like a
             # second average; the full-batch gradient being the *sum* of micro-batch gradients
             # says the loss sums over samples.

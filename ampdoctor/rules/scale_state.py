@@ -261,7 +261,8 @@ def _enclosing_function_start(path: str, line: int) -> int:
     import ast
 
     try:
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read())
     except (OSError, SyntaxError, ValueError):
         return line
     start = 1

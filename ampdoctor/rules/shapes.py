@@ -145,7 +145,7 @@ def disambiguate(session: Session, window: int, snapshot: Snapshot, names: list[
     K2 = max(1, session.K // 2)
     part = session.window(window)[:K2]
     b = micro_batch_size_of(part[0])
-    if K2 == b:
+    if b == K2:
         return None, {}
     passed = rerun(part, K2, snapshot, f"the first {K2} micro-batches of window {window}")
     if passed is None:
