@@ -126,7 +126,7 @@ def conclude(rung: str, findings: list[Finding], summary_ok: str,
     return RungResult(rung, status, summary, findings, details=details or {})
 
 
-def status_from_findings(findings: list[Finding]) -> str:
+def status_from_findings(findings: list[Finding]) -> Status:
     """`fail` on any error, `warn` on warnings only, else `pass`."""
     if any(f.severity == "error" for f in findings):
         return "fail"

@@ -86,7 +86,7 @@ class StepJudge:
         # session behind this judge (earlier runs' freed weights among it) is not the loop's.
         return self
 
-    def begin_group(self, group: int, consumed: tuple[int, ...], state: dict[str, torch.Tensor],
+    def begin_group(self, group: int, consumed: tuple[int, ...], state: Mapping[str, torch.Tensor],
                     training: bool) -> bool:
         """A new group starts at `state` (the live weights): True when it will be judged here,
         so the probe keeps no snapshot of it."""

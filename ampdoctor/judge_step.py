@@ -20,8 +20,6 @@ from .reference import ClipCall, clip_calls, clip_ops, reference_norm
 from .session import Session, Trace
 from .thresholds import PRECLIP_BAND_BF16, PRECLIP_BAND_FP32
 
-Grads = Mapping[str, "torch.Tensor | None"]
-
 
 @dataclass(frozen=True)
 class StepJudgement:
@@ -53,7 +51,8 @@ def tolerance(session: Session, precision: str) -> compare.Tolerance:
 def known_thresholds(session: Session, trace: Trace) -> set[float]:
     """The clip thresholds the loop means: its run's max_grad_norm and whatever its fp32 run
     passed (a loop may clip at its own fixed threshold instead of run.max_grad_norm)."""
-    known = {trace.settings.max_grad_norm} - {None}
+    threshold = trace.settings.max_grad_norm
+    known = {threshold} if threshold is not None else set()
     fp32 = session.traces.get("fp32")
     if fp32 is not None:
         known |= {e.max_norm for e in fp32.events_of(Clip)
@@ -112,7 +111,7 @@ def judge_one_step(ctx: StepContext, ordinal: int, window: int, step: StepRecord
     return StepJudgement(ordinal, window, step, m, tuple(calls), preclip, tuple(events), bad)
 
 
-def finite_state(state: dict[str, torch.Tensor]) -> bool:
+def finite_state(state: Mapping[str, torch.Tensor]) -> bool:
     return all(compare.all_finite(v) for v in state.values() if v.is_floating_point())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,16 +123,16 @@ class Session(ReferenceBuilder):
         original = torch.nn.Module.__init__
         finder = self.finder
 
-        def __init__(module, *args, **kwargs):
+        def __init__(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
             original(module, *args, **kwargs)
             created.append((module, finder.here()))
 
-        torch.nn.Module.__init__ = __init__  # type: ignore[method-assign]
+        setattr(torch.nn.Module, "__init__", __init__)  # noqa: B010 - torch's method, replaced
         try:
             with recorder.observing(self.probe_settings()):
                 model = build_model(self.code, self.device, self.spec.seed)
         finally:
-            torch.nn.Module.__init__ = original  # type: ignore[method-assign]
+            setattr(torch.nn.Module, "__init__", original)  # noqa: B010
         sites = {id(m): site for m, site in created}
         for name, module in model.named_modules():
             site = sites.get(id(module))
@@ -148,7 +148,8 @@ class Session(ReferenceBuilder):
             precision=precision, device=self.device, device_type=self.device.type,
             autocast_dtype=AUTOCAST_DTYPES[precision],
             accumulation_steps=K or self.K,
-            max_grad_norm=self.spec.max_grad_norm if max_grad_norm == "spec" else max_grad_norm,
+            max_grad_norm=(self.spec.max_grad_norm if isinstance(max_grad_norm, str)
+                           else max_grad_norm),   # "spec": the spec's
             rank=0, world_size=1, micro_batch_size=self.spec.micro_batch_size,
             optimizer_steps=steps or self.N)
 
@@ -158,7 +159,7 @@ class Session(ReferenceBuilder):
                              start_scale=self.fp16_start_scale if precision == "fp16" else None)
 
     def run_loop(self, precision: str, *, micro_batches: list[Any] | None = None,
-                 K: int | None = None, state: dict[str, torch.Tensor] | None = None,
+                 K: int | None = None, state: Mapping[str, torch.Tensor] | None = None,
                  training: bool = True, max_grad_norm: float | None | str = "spec",
                  rng_seed: int | None = None, capture: bool = True,
                  before_backward: Callable[[recorder.Probe, torch.Tensor], None] | None = None,
@@ -210,7 +211,7 @@ class Session(ReferenceBuilder):
         return trace
 
     def _prepare(self, precision: str, micro_batches: list[Any] | None, K: int | None,
-                 state: dict[str, torch.Tensor] | None, training: bool,
+                 state: Mapping[str, torch.Tensor] | None, training: bool,
                  max_grad_norm: float | None | str, distributed: Distributed | None) -> _Run:
         """The model, optimizers, feed and probe of one run, and its (still empty) trace."""
         model = build_model(self.code, self.device, self.spec.seed)
@@ -419,5 +420,6 @@ def _own_storage(mb: Any) -> Any:
     return tuple(own(t) for t in mb)
 
 
-def flat(session: Session, grads: dict[str, torch.Tensor | None], names: list[str]) -> torch.Tensor:
+def flat(session: Session, grads: Mapping[str, torch.Tensor | None],
+         names: list[str]) -> torch.Tensor:
     return compare.flatten(grads, names, session.param_shapes)

@@ -19,7 +19,6 @@ from ..judge import tolerance
 from ..probe.callsite import Site
 from ..probe.events import (
     AutocastEntered,
-    Event,
     OptimizerStep,
     Scale,
     ScalerInit,
@@ -52,7 +51,7 @@ AUTOCAST_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 AUTOCAST_TEXT = re.compile(r"\bautocast\b")
 
 
-def _enabled_scalers(trace: Trace) -> list[Event]:
+def _enabled_scalers(trace: Trace) -> list[ScalerInit] | list[Scale]:
     inits = [e for e in trace.events_of(ScalerInit) if e.enabled]
     scaled = [e for e in trace.events_of(Scale) if e.enabled]
     return inits or scaled
@@ -92,15 +91,16 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                 evidence={"measured": e.dtype, "expected": want},
                 location=location(e.site)))
     if precision == "bf16" and scalers:
-        e = scalers[0]
+        scaler = scalers[0]
         findings.append(Finding(
             rung, "half-open-amp", "warning",
             "A GradScaler is enabled in the bf16 run. bf16 has fp32's exponent range and needs no "
             "loss scaling: the scaler only multiplies and divides, and its skipped steps hide real "
             "overflow. Enable it for fp16 only.",
             evidence={"measured": "enabled", "expected": "disabled",
-                      "scale": getattr(e, "init_scale", None) or getattr(e, "scale", None)},
-            location=location(e.site)))
+                      "scale": (getattr(scaler, "init_scale", None)
+                                or getattr(scaler, "scale", None))},
+            location=location(scaler.site)))
     if precision == "fp16" and enabled and not scalers and not findings:
         e = enabled[0]
         inits = trace.events_of(ScalerInit)
@@ -115,6 +115,7 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
 
 def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
     exc = trace.error
+    assert exc is not None   # (the loop raised)
     refused_update = (isinstance(exc, AssertionError)
                       and "No inf checks were recorded" in safe_str(exc))
     direct = [e for e in trace.events_of(OptimizerStep) if not e.via_scaler]

@@ -225,7 +225,8 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                         f"reference gradient of the global batch ({windows} steps, max relative "
                         f"error {worst:.2g})", details)
     rank, r = min(bad_ranks.items()) if bad_ranks else (0, r0)
-    first = next((s for s in r["judged"] if s["bad"]), r["judged"][apart[0]] if apart else None)
+    first: Any = next((s for s in r["judged"] if s["bad"]),
+                      r["judged"][apart[0]] if apart else None)
     evidence = {"rank": rank, "step": r["judged"].index(first) if first else None,
                 "ratio": first and round(first["ratio"], 6),
                 "cosine": first and round(first["cosine"], 6),

@@ -35,7 +35,7 @@ class RungTimeout(AmpdoctorInterrupt):
 def deadline(seconds: float | None) -> Iterator[None]:
     usable = (seconds is not None and hasattr(signal, "setitimer")
               and threading.current_thread() is threading.main_thread())
-    if not usable:
+    if not usable or seconds is None:
         yield
         return
 

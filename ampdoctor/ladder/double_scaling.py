@@ -64,12 +64,12 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
 
     if errors:
         worst = max(errors, key=lambda f: f.evidence.get("measured", 0))
-        listed = [f"{o['kind']} at {_where(o, base)}" for o in worst.evidence["owners"]]
+        named = [f"{o['kind']} at {_where(o, base)}" for o in worst.evidence["owners"]]
         summary = (f"{worst.evidence['measured']} loss-scale owners on one training path: "
-                   + " and ".join(listed) + runtime_note)
+                   + " and ".join(named) + runtime_note)
     elif warnings:
-        listed = [f"{o['kind']} at {_where(o, base)}" for o in warnings[0].evidence["owners"]]
-        summary = ("loss-scale owners in separate entry points: " + " and ".join(listed)
+        named = [f"{o['kind']} at {_where(o, base)}" for o in warnings[0].evidence["owners"]]
+        summary = ("loss-scale owners in separate entry points: " + " and ".join(named)
                    + runtime_note)
     elif len(owners) == 1:
         summary = f"one loss-scale owner: {describe(owners[0], base)}"

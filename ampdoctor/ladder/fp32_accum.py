@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .. import compare
-from ..findings import Finding, RungResult, conclude
+from ..findings import Finding, RungResult, Severity, conclude
 from ..probe.events import AutocastEntered, Backward
 from ..session import Session
 from .analysis import (
@@ -100,6 +100,7 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
     bad = judgement.first_bad
     dtype = first.dtype
     evidence = {"measured": dtype, "expected": "no autocast", "autocast_entered": len(entered)}
+    severity: Severity
     if bad is not None:
         evidence.update({"step": bad.ordinal, "relative_error": compare._round(bad.metrics.rel_err),
                          "ratio": compare._round(bad.metrics.ratio),

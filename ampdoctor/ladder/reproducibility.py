@@ -55,7 +55,9 @@ def run(session: Session) -> RungResult:
         second = session.reference(0, rng_seed=seed + 12, per_mb=False)
     except WeightsCast as exc:
         # the loop-as-reference casts the weights: fp32-accum names the cast (half-open-amp)
-        dtype = exc.trace.cast.dtypes[0].removeprefix("torch.")
+        cast = exc.trace.cast
+        assert cast is not None   # (raised for a cast only)
+        dtype = cast.dtypes[0].removeprefix("torch.")
         return RungResult(RUNG, "skip", f"no fp32 reference from the loop: it casts the "
                           f"model's weights to {dtype} (see fp32-accum)")
     m = compare.metrics_of(second.full, first.full, names, session.param_shapes,

@@ -172,8 +172,7 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     # growth_interval in steady state, so one such skip already says "frequent" when that
     # interval is short (the sawtooth of growth_interval=1).
     grew_into_overflow = any(
-        flag and i > 0 and updates[i].scale_before and updates[i - 1].scale_before
-        and updates[i].scale_before > updates[i - 1].scale_before
+        flag and i > 0 and _grew(updates[i - 1].scale_before, updates[i].scale_before)
         for i, flag in enumerate(flags[:len(updates)]))
     sawtooth = (grew_into_overflow and growth_interval is not None
                 and 1.0 / (growth_interval + 1) > SKIP_RATE_THRESHOLD)
@@ -204,11 +203,16 @@ def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
     return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + 1e-9)
 
 
-def _lr_changes(trace: Trace, event) -> bool:
+def _grew(before: float | None, after: float | None) -> bool:
+    """The scale grew from one update to the next (both known and non-zero)."""
+    return bool(after and before and after > before)
+
+
+def _lr_changes(trace: Trace, event: SchedulerStep) -> bool:
     """Does this scheduler's learning rate ever change in the run? A constant schedule stepped
     on a skipped update changes no learning rate: nothing to report."""
     key = event.scheduler
-    values = set()
+    values: set[float] = set()
     for e in trace.events_of(SchedulerStep):
         if e.scheduler == key:
             values.update(v for v in (e.lr_before, e.lr) if v is not None)
@@ -219,7 +223,9 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
     """A hand-written overflow guard that `continue`s past step/update/zero_grad: torch refuses
     the next window's unscale_(), and the inf stays in .grad. Named when the injected overflow
     is what sent the loop down that path and the path cleared no gradients either."""
-    if not injector.fired or "unscale_()" not in safe_str(trace.error) or not update_missing(trace):
+    error = trace.error
+    if (error is None or not injector.fired or "unscale_()" not in safe_str(error)
+            or not update_missing(trace)):
         return None
     pair = last_unscale_pair(trace)
     if pair is None:
@@ -235,12 +241,12 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
         f"An inf injected into {injector.param_name}.grad sent the loop down its own skip path, "
         "which left the step without scaler.update() and without zero_grad(): the inf stayed in "
         ".grad and torch refused the next window's unscale_() "
-        f"({exc_text(trace.error)}). On a skip, clear the gradients and call "
+        f"({exc_text(error)}). On a skip, clear the gradients and call "
         "scaler.update() as after a good step -- or drop the hand-written check and let "
         "scaler.step() skip.",
         evidence={"measured": 0, "expected": 1, "zero_grad_on_skip_path": 0,
                   "update_on_skip_path": 0,
-                  "error": exc_text(trace.error)},
+                  "error": exc_text(error)},
         location=location(site))
 
 

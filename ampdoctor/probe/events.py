@@ -12,7 +12,7 @@ the probe's list by a completed copy (`Probe.complete`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
@@ -189,7 +189,7 @@ class StepRecord:
     microbatch: int           # the micro-batch last consumed before the step
     backwards: int            # backward calls so far in the run
     group: int                # steps between the same two backward phases share a group
-    grads: dict[str, torch.Tensor | None]
+    grads: Mapping[str, torch.Tensor | None]
     site: Site | None
     via_scaler: int | None    # the scaler slot when called inside scaler.step
     #: micro-batches whose forward ran since the previous step group (matched by storage):
@@ -206,7 +206,7 @@ class Snapshot:
     """Model state at the first step of a group: what the reference is evaluated at."""
 
     group: int
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: Mapping[str, torch.Tensor] = field(default_factory=dict)
     training: bool = True
 
 

@@ -139,7 +139,7 @@ class MicroBatchFeed(Sequence):
     def __len__(self) -> int:
         return len(self._items)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self._items)))]
         if index < 0:

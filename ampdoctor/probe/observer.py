@@ -50,7 +50,7 @@ class StepObserver(Protocol):
     """
 
     def begin_group(self, group: int, consumed: tuple[int, ...],
-                    state: dict[str, torch.Tensor], training: bool) -> bool:
+                    state: Mapping[str, torch.Tensor], training: bool) -> bool:
         """A group starts at `state`: True when the observer takes it (no snapshot kept)."""
         ...
 

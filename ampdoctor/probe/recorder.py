@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from types import FrameType
 from typing import Any, TypeVar
@@ -118,7 +118,7 @@ class Probe:
         self.step_observer: StepObserver | None = None
         #: the weights the run started from, when they are the session's initial state: a
         #: first snapshot equal to them is kept as that same dict, not copied
-        self.initial_state: dict[str, torch.Tensor] | None = None
+        self.initial_state: Mapping[str, torch.Tensor] | None = None
         self._scaled_read = False
         #: each scaler's scale as last read, with the scale tensor it was read from: scale()
         #: runs every micro-batch and the scale only changes in update() (a read is a sync)
@@ -202,13 +202,17 @@ class Probe:
 
     def _snapshot(self) -> None:
         """Keep the weights the current step group starts from (the reference's parameters)."""
-        state = self.model.state_dict()
-        if not self.snapshots and same_tensors(state, self.initial_state):
+        model = self.model
+        assert model is not None   # (a probe without a model keeps no snapshots)
+        state = model.state_dict()
+        kept: Mapping[str, torch.Tensor]
+        if (not self.snapshots and self.initial_state is not None
+                and same_tensors(state, self.initial_state)):
             kept = self.initial_state   # the first step saw the initial weights: no copy
         else:
             kept = spill.maybe_spill({k: full_tensor(v.detach()).to("cpu", copy=True)
                                       for k, v in state.items()})
-        self.snapshots[self._group] = Snapshot(self._group, kept, self.model.training)
+        self.snapshots[self._group] = Snapshot(self._group, kept, model.training)
 
     def _begin_group_if_new(self) -> None:
         """At the first step since new gradients were computed, start a step group: snapshot the

@@ -17,7 +17,7 @@ import contextlib
 import os
 import tempfile
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, KeysView, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -108,7 +108,7 @@ class Spilled(Mapping):
     def __len__(self) -> int:
         return len(self._keys)
 
-    def keys(self):  # type: ignore[override]
+    def keys(self) -> KeysView[str]:
         return dict.fromkeys(self._keys).keys()
 
     def release(self) -> None:

@@ -93,8 +93,8 @@ class StepStateMachine:
     def on_clip(self, event: Clip) -> None:
         if not self.scaled_backward:
             return
-        owners = {self.param_owner.get(pid) for pid in event.param_ids}
-        owners.discard(None)
+        owners = {slot for pid in event.param_ids
+                  if (slot := self.param_owner.get(pid)) is not None}
         for slot in sorted(owners):
             if self._get(slot) == READY:
                 self._violate("clip-before-unscale", event,

@@ -51,7 +51,7 @@ def watching_casts(model: torch.nn.Module, finder: CallSiteFinder,
     params = [p for p in model.parameters() if p.requires_grad]
     depth = 0
 
-    def _apply(module, *args, **kwargs):
+    def _apply(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         nonlocal depth
         if depth:   # the children of the module the loop called it on
             return original(module, *args, **kwargs)
@@ -64,11 +64,11 @@ def watching_casts(model: torch.nn.Module, finder: CallSiteFinder,
             if any(p.dtype != d and _reduced(p) for p, d in zip(params, before, strict=True)):
                 seen.append(finder.here())
 
-    torch.nn.Module._apply = _apply  # type: ignore[method-assign]
+    setattr(torch.nn.Module, "_apply", _apply)  # noqa: B010 - torch's method, replaced
     try:
         yield
     finally:
-        torch.nn.Module._apply = original  # type: ignore[method-assign]
+        setattr(torch.nn.Module, "_apply", original)  # noqa: B010
 
 
 def weight_cast(model: torch.nn.Module, sites: list[Site | None]) -> WeightCast | None:

@@ -48,7 +48,9 @@ class ClipCall:
         """The norm the clip saw, in true-gradient space when it knew it was scaled."""
         if self.total_norm is None or not math.isfinite(self.total_norm):
             return None
-        return self.total_norm / self.scale if self.scaled_threshold else self.total_norm
+        if self.scaled_threshold and self.scale is not None:
+            return self.total_norm / self.scale
+        return self.total_norm
 
     @property
     def bit(self) -> bool:
@@ -78,7 +80,7 @@ def clip_calls(names_of: dict[int, str], window_events: list[Event], owner: dict
             continue
         ids = event.param_ids
         names = tuple(names_of[i] for i in ids if i in names_of)
-        slots = {owner.get(i) for i in ids} - {None}
+        slots = {slot for i in ids if (slot := owner.get(i)) is not None}
         scale = _scale_carried(events[:position], slots)
         threshold = float(event.max_norm)
         intended = threshold

@@ -15,8 +15,9 @@ micro-batches; the reference is cached per window and parameter state by the cal
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +25,13 @@ from .. import compare, rng
 from ..errors import UserCodeError, exc_text
 from ..loading import build_model, merge_micro_batches, micro_batch_counts, micro_batch_size_of
 from ..probe import recorder
-from ..probe.trace import WeightsCast
+from ..probe.trace import Trace, WeightsCast
+
+if TYPE_CHECKING:
+    from ..loading import UserCode
+    from ..probe.feed import MicroBatchIndex
+    from ..probe.observer import ProbeSettings
+    from ..spec import Spec
 
 RANDOM_MODULE_TYPES = (
     "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
@@ -53,6 +60,24 @@ SESSION_WEIGHTING = "loop"
 class ReferenceBuilder:
     """The reference computations of a `Session` (see the module docstring)."""
 
+    # What the session holds (`Session.__init__`) and does, used here.
+    spec: Spec
+    code: UserCode
+    device: torch.device
+    micro_batches: list[Any]
+    batch_index: MicroBatchIndex
+    align_seed: int | None
+    initial_state: Mapping[str, torch.Tensor]
+    param_order: list[str]
+    notes: set[str]
+    loop_weighting: str | None
+    _template: torch.nn.Module
+    _ref_model: torch.nn.Module | None
+    window: Callable[[int], list[Any]]
+    probe_settings: Callable[..., ProbeSettings]
+    run_loop: Callable[..., Trace]
+    _refuse_data_dtype: Callable[[BaseException, tuple[str, int] | None, str], None]
+
     #: The last reference computed at the initial weights, with its key (`_cache_key`).
     _ref_cache: tuple[tuple[Any, ...], WindowReference] | None = None
 
@@ -71,11 +96,11 @@ class ReferenceBuilder:
         return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
                    for m in self._template.modules())
 
-    def _model_at(self, state: dict[str, torch.Tensor], training: bool) -> torch.nn.Module:
-        if self._ref_model is None:
-            self._ref_model = build_model(self.code, self.device, self.spec.seed)
-            recorder.ForwardAligner(self.batch_index, self.align_seed).attach(self._ref_model)
+    def _model_at(self, state: Mapping[str, torch.Tensor], training: bool) -> torch.nn.Module:
         model = self._ref_model
+        if model is None:
+            model = self._ref_model = build_model(self.code, self.device, self.spec.seed)
+            recorder.ForwardAligner(self.batch_index, self.align_seed).attach(model)
         model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
         model.train(training)
         return model
@@ -95,14 +120,14 @@ class ReferenceBuilder:
                 and type(g) is torch.Tensor else g.to("cpu", torch.float32, copy=True)
         return out
 
-    def reference(self, window: int, state: dict[str, torch.Tensor] | None = None,
+    def reference(self, window: int, state: Mapping[str, torch.Tensor] | None = None,
                   training: bool = True, rng_seed: int | None = None,
                   per_mb: bool = True, weighting: str | None = SESSION_WEIGHTING
                   ) -> WindowReference:
         return self.reference_for(self.window(window), state, training, rng_seed, per_mb,
                                   label=f"window {window}", weighting=weighting)
 
-    def reference_for(self, mbs: list[Any], state: dict[str, torch.Tensor] | None = None,
+    def reference_for(self, mbs: list[Any], state: Mapping[str, torch.Tensor] | None = None,
                       training: bool = True, rng_seed: int | None = None, per_mb: bool = True,
                       label: str = "window", weighting: str | None = SESSION_WEIGHTING
                       ) -> WindowReference:
@@ -156,7 +181,7 @@ class ReferenceBuilder:
         if key is not None and ref.per_mb is None:
             self._ref_cache = (key, ref)
 
-    def _cache_key(self, mbs: list[Any], state: dict[str, torch.Tensor], training: bool,
+    def _cache_key(self, mbs: list[Any], state: Mapping[str, torch.Tensor], training: bool,
                    rng_seed: int | None, per_mb: bool, weighting: str | None
                    ) -> tuple[Any, ...] | None:
         """A key for the reference of a window at the initial weights (the first step of every
@@ -244,7 +269,7 @@ class ReferenceBuilder:
                 self._refuse_data_dtype(err.cause, err.location, what)
             raise
 
-    def loop_gradient(self, mbs: list[Any], state: dict[str, torch.Tensor], training: bool,
+    def loop_gradient(self, mbs: list[Any], state: Mapping[str, torch.Tensor], training: bool,
                       K: int = 1) -> dict[str, torch.Tensor | None]:
         """Run the user's loop in fp32 from `state` on `mbs` and return the first step's
         gradients (all optimizers), before clipping."""
@@ -273,18 +298,18 @@ class ReferenceBuilder:
                 grads.update(step.grads)
         return {n: grads.get(n) for n in self.param_order}
 
-    def _reference_from_loop(self, mbs: list[Any], state: dict[str, torch.Tensor],
+    def _reference_from_loop(self, mbs: list[Any], state: Mapping[str, torch.Tensor],
                              training: bool, per_mb: bool, weighting: str | None
                              ) -> WindowReference:
         batch_stats = self.has_batch_statistics()
         # Aligned dropout draws its masks per micro-batch: one batch of the whole window would
         # draw others, so the reference combines per-micro-batch runs, as for BatchNorm.
         aligned = self.align_seed is not None and bool(self.random_modules())
-        per = None
+        per: list[dict[str, torch.Tensor | None]] | None = None
         guessed = False
         if per_mb or batch_stats or aligned:
             per = [self.loop_gradient([mb], state, training) for mb in mbs]
-        if batch_stats or aligned:
+        if per is not None and (batch_stats or aligned):
             # BatchNorm normalises per micro-batch: the full-batch gradient is not what a correct
             # accumulation computes, the mean (or, for a loss that sums over samples, the sum) of
             # the micro-batch gradients is. Which of the two the loss does, the full-batch run

@@ -55,14 +55,14 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
     if snapshot is None:
         # judged as it happened in a group whose weights were gone by then (a second step of
         # the same optimizer without a backward between): the numbers, no explanation
-        evidence = {"measured": compare._round(m.ratio), "expected": 1.0,
-                    "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
-                    "window": window, "accumulation_steps": K, "precision": precision}
+        numbers = {"measured": compare._round(m.ratio), "expected": 1.0,
+                   "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
+                   "window": window, "accumulation_steps": K, "precision": precision}
         return Finding(rung, "gradient-mismatch", "error",
                        f"Step {ordinal}: the optimizer consumed a gradient {m.rel_err:.3g} "
                        f"(relative) from the {precision} reference (norm ratio "
                        f"{m.ratio:.4g}, cosine {m.cosine:.4f}).",
-                       evidence=evidence, location=location(step.site))
+                       evidence=numbers, location=location(step.site))
     names = [n for n in step.grads if n in session.param_shapes]
     user = flat(session, step.grads, names)
     ref = session.reference(window, snapshot.state, snapshot.training, per_mb=True)

@@ -14,7 +14,7 @@ from .. import compare
 from ..findings import Finding, location
 from ..judge import judged_live
 from ..probe.callsite import Site
-from ..probe.events import Backward, Event, Scale, ScalerStep, Unscale, Update
+from ..probe.events import Backward, Clip, Event, Scale, ScalerStep, Unscale, Update
 from ..probe.statemachine import StepStateMachine
 from ..session import Session, Trace, flat
 
@@ -78,7 +78,7 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             seen_norm = v.data.get("total_norm")
             true_norm = _reference_norm(session, trace, window)
             ratio = (seen_norm / true_norm) if seen_norm and true_norm else None
-            by_value = event.clip_kind == "value"
+            by_value = isinstance(event, Clip) and event.clip_kind == "value"
             if by_value:
                 # clip_grad_value_ returns nothing: the threshold is off by the scale itself.
                 ratio = scale
@@ -203,8 +203,8 @@ def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
         return None
     ordinal = [s.group for s in trace.steps].index(step.group)
     window = session.window_of(step, ordinal, trace)
-    ref = session.reference(window, snap.state, snap.training, per_mb=False)
-    m = compare.metrics(flat(session, step.grads, names), flat(session, ref.full, names),
+    reference = session.reference(window, snap.state, snap.training, per_mb=False)
+    m = compare.metrics(flat(session, step.grads, names), flat(session, reference.full, names),
                         compare.DEFAULT_TOLERANCES["fp16"])
     return m.ratio if math.isfinite(m.ratio) else None
 
@@ -221,6 +221,7 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
     if not b32 or not b16:
         return None
     v32, v16, scale = b32[0].value, b16[0].value, b16[0].scaled_by
+    assert v32 is not None and v16 is not None   # (only backwards whose loss was read)
     if not (v32 and math.isfinite(v32) and math.isfinite(v16) and scale):
         return None
     extra = v16 / (v32 * scale)
