@@ -11,12 +11,13 @@ one that matches the user's gradient names the kind. Ratios alone are ambiguous 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-Grads = dict[str, "torch.Tensor | None"]
+#: Gradients (or weights) by parameter name; read only here.
+Grads = Mapping[str, "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,8 @@ def norm2(vector: torch.Tensor) -> float:
     return math.sqrt(sum_of_squares(vector))
 
 
-def same_tensors(a: Grads, b: Grads | None) -> bool:
+def same_tensors(a: Mapping[str, torch.Tensor | None],
+                 b: Mapping[str, torch.Tensor | None] | None) -> bool:
     """The same keys, and under each a plain tensor equal in shape, dtype and every element
     (a state dict against another, e.g. the initial weights)."""
     if b is None or a.keys() != b.keys():
@@ -140,7 +142,7 @@ def _chunked(user: torch.Tensor, ref: torch.Tensor):
     su = sr = sd = dot = 0.0
     user, ref = user.detach().reshape(-1), ref.detach().reshape(-1)
     ub, rb = _buffers(2, user.numel(), user.device)
-    for u, r in zip(user.split(CHUNK), ref.split(CHUNK)):
+    for u, r in zip(user.split(CHUNK), ref.split(CHUNK), strict=False):
         a, b = ub[:u.numel()].copy_(u), rb[:r.numel()].copy_(r)
         su += float(torch.dot(a, a))
         sr += float(torch.dot(b, b))
@@ -162,7 +164,9 @@ def metrics_of(user: Grads, ref: Grads, names: Sequence[str], shapes: dict[str, 
         if u is None and r is None:
             continue
         if u is None or r is None:   # against zeros: the difference is the other one
-            squares = sum_of_squares((u if r is None else r).detach().cpu())
+            present = u if r is None else r
+            assert present is not None
+            squares = sum_of_squares(present.detach().cpu())
             sd += squares
             if r is None:
                 su += squares
@@ -232,7 +236,7 @@ def window_hypotheses(per_mb: list[torch.Tensor], counts: list[float], weighted:
     K = accumulation_steps
     equal = torch.stack(per_mb).mean(0)
     total_count = sum(counts)
-    sums = [g * n for g, n in zip(per_mb, counts)]
+    sums = [g * n for g, n in zip(per_mb, counts, strict=False)]
     summed = torch.stack(sums).sum(0)
     out = [
         Hypothesis("missing-accumulation-average", f"sum of the {K} micro-batch gradients "

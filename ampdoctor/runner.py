@@ -122,7 +122,6 @@ def _run_diagnose(spec: Spec, on_start: Callable[[str], None] | None,
             record["runs"] = session.charts
         finally:
             recorder.activate(None)
-            recorder.DROPOUT_OFF = False
             if code is not None:
                 code.forget()
             torch.set_rng_state(rng_state)

@@ -4,166 +4,58 @@ and the windows each step consumed. The reference gradients come from `reference
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import re
 import time
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from . import compare, memory, rng
+from .dtype_errors import data_dtype_culprit
 from .errors import AmpdoctorInterrupt, EnoughSteps, UserCodeError, exc_text
-from .loading import (AUTOCAST_DTYPES, RunSettings, UserCode, build_model, build_optimizers,
-                      factory_name, run_train_loop, to_device, unusable)
+from .loading import (
+    AUTOCAST_DTYPES,
+    RunSettings,
+    UserCode,
+    build_model,
+    build_optimizers,
+    factory_name,
+    run_train_loop,
+    to_device,
+    unusable,
+)
 from .probe import recorder, spill
 from .probe.callsite import CallSiteFinder, Site
+from .probe.events import ScalerInit, ScalerStep, Update
+from .probe.observer import ProbeSettings, StepObserver
+from .probe.trace import Trace, WeightCast, WeightsCast, watching_casts, weight_cast
 from .reference import ReferenceBuilder
 from .spec import Spec
-
 
 #: Judge each step of the runs the rungs judge as it happens (`judge.StepJudge`); False: copy
 #: every step's gradients and weights and judge after the run (the tests compare the two).
 JUDGE_AS_IT_RUNS = True
 
-
-@dataclass(frozen=True)
-class WeightCast:
-    """The loop cast the model's weights to reduced precision (`model.half()`, `.bfloat16()`,
-    `.to(torch.float16)`, `p.data = p.data.half()`): they were so when the loop returned."""
-
-    dtypes: tuple[str, ...]          # the reduced-precision dtypes found, e.g. ("torch.float16",)
-    names: tuple[str, ...]           # the parameters cast, in the model's order
-    parameters: int                  # the model's trainable parameter tensors
-    site: Site | None                # the call that cast them (a Module method), when seen
-
-
-def _reduced(t: torch.Tensor) -> bool:
-    """fp16, bf16, float8: the floating dtypes narrower than fp32."""
-    return t.is_floating_point() and t.dtype.itemsize < 4
-
-
-class WeightsCast(UserCodeError):
-    """An fp32 run that ampdoctor needed as its reference cast the model's weights to reduced
-    precision (`trace.cast`): no fp32 reference comes from it. The reproducibility rung hands
-    the finding to fp32-accum (`half-open-amp`); anywhere else it ends the run (exit 3) with
-    this message."""
-
-    def __init__(self, trace: Trace):
-        cast = trace.cast
-        assert cast is not None
-        site = cast.site
-        at = f" at {site.file}:{site.line}" if site else ""
-        dtype = cast.dtypes[0].removeprefix("torch.")
-        raised = f"; it then raised {exc_text(trace.error, 300)}" if trace.error else ""
-        super().__init__(
-            f"the reference run (your train_loop in fp32) cast the model's weights to {dtype}"
-            f"{at} ({len(cast.names)} of {cast.parameters} parameter tensors){raised}: no fp32 "
-            "reference can come from it. Keep the model in fp32 in the loop and let autocast "
-            "make the low-precision compute.",
-            cause=trace.error, location=(site.file, site.line) if site else None)
-        self.trace = trace
-
-
-@contextlib.contextmanager
-def _watching_casts(model: torch.nn.Module, finder: CallSiteFinder, seen: list[Site | None]):
-    """Record where the loop casts `model`'s parameters to reduced precision through a Module
-    method (`half`, `bfloat16`, `to`, `type` all go through `Module._apply`): the user's line
-    of the last call that left a parameter narrower than fp32. torch's `_apply` is restored on
-    any exit."""
-    original = torch.nn.Module._apply
-    params = [p for p in model.parameters() if p.requires_grad]
-    depth = 0
-
-    def _apply(module, *args, **kwargs):
-        nonlocal depth
-        if depth:   # the children of the module the loop called it on
-            return original(module, *args, **kwargs)
-        before = [p.dtype for p in params]
-        depth += 1
-        try:
-            return original(module, *args, **kwargs)
-        finally:
-            depth -= 1
-            if any(p.dtype != d and _reduced(p) for p, d in zip(params, before)):
-                seen.append(finder.here())
-
-    torch.nn.Module._apply = _apply
-    try:
-        yield
-    finally:
-        torch.nn.Module._apply = original
+__all__ = ["Session", "Distributed", "Trace", "WeightCast", "WeightsCast", "JUDGE_AS_IT_RUNS",
+           "data_dtype_culprit", "flat"]
 
 
 @dataclass
-class Trace:
-    """What one run of the user's loop did."""
+class _Run:
+    """What one run of the loop is made of (`Session._prepare`)."""
 
-    precision: str
-    accumulation_steps: int
-    probe: recorder.Probe
+    model: torch.nn.Module
+    handed: Any                         # what the loop is handed (the model, or its DDP wrap)
+    loop_optimizer: Any                 # what the loop is handed as its optimizer
+    optimizers: list[torch.optim.Optimizer]
+    feed: recorder.MicroBatchFeed
+    aligner: recorder.ForwardAligner
     settings: RunSettings
-    error: BaseException | None = None
-    error_site: Site | None = None
-    error_time: float | None = None     # wall clock (time.time) when the loop raised
-    optimizer_count: int = 1
-    microbatches: int = 0
-    stopped: bool = False               # ended early on purpose (`errors.EnoughSteps`)
-    cast: WeightCast | None = None      # the loop left the weights in fp16/bf16
-
-    @property
-    def events(self) -> list[recorder.Event]:
-        return self.probe.events
-
-    @property
-    def steps(self) -> list[recorder.StepRecord]:
-        return self.probe.steps
-
-    def release_tensors(self) -> None:
-        """Drop the per-step gradients and parameter snapshots (the bulk of a trace's memory,
-        two copies of the model per step) once no rung will compare this trace again."""
-        for step in self.probe.steps:
-            step.grads = {}
-        self.probe.snapshots.clear()
-
-    @property
-    def microbatches_taken(self) -> int:
-        """How many distinct micro-batches the loop took from `micro_batches`."""
-        return len({e.index for e in self.probe.events if e.kind == "microbatch"})
-
-    @property
-    def lazy_feed(self) -> bool:
-        """Did the loop take micro-batches as it went (some handed out after a backward), rather
-        than all up front (`list(micro_batches)`)?"""
-        events = self.probe.events
-        first = next((e for e in events if e.kind == "backward"), None)
-        if first is None:
-            return True
-        return any(e.kind == "microbatch" and e.seq > first.seq for e in events)
-
-    def window_of_event(self, event: recorder.Event | recorder.StepRecord) -> int | None:
-        """The window an event belongs to, or None when the trace cannot tell.
-
-        By the micro-batch last handed out when the loop takes them as it goes; for a loop that
-        fetched them all up front, by backward calls when there is one per micro-batch (or one
-        per window, a loop that sums the window's losses first).
-        """
-        K = self.accumulation_steps
-        if isinstance(event, recorder.StepRecord) and event.consumed:
-            return max(event.consumed) // K
-        if self.probe.forward_matched or self.lazy_feed:
-            # the micro-batch last forwarded (or, when forwards cannot be matched, fetched)
-            return max(event.microbatch, 0) // K
-        backwards = self.probe.backward_count
-        if backwards == self.microbatches:
-            return max(event.backwards - 1, 0) // K
-        if K and backwards == self.microbatches // K:
-            return max(event.backwards - 1, 0)
-        return None
-
-    def of_kind(self, *kinds: str) -> list[recorder.Event]:
-        return [e for e in self.probe.events if e.kind in kinds]
+    probe: recorder.Probe
+    trace: Trace
+    cast_sites: list[Site | None] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -192,7 +84,9 @@ class Session(ReferenceBuilder):
         self.batch_index = recorder.MicroBatchIndex(self.micro_batches)
         #: dropout: align -- the RNG seed of every micro-batch forward; off -- None
         self.align_seed: int | None = spec.seed if spec.dropout == "align" else None
-        recorder.DROPOUT_OFF = spec.dropout == "off"
+        #: dropout: off -- every functional dropout at p = 0 in the loop's runs and the
+        #: reference's forwards (`probe_settings`)
+        self.dropout_off = spec.dropout == "off"
         self.K = spec.accumulation_steps
         self.N = spec.optimizer_steps
         self._ref_model: torch.nn.Module | None = None
@@ -209,12 +103,15 @@ class Session(ReferenceBuilder):
         #: Caveats about how the reference was built, shown in the record.
         self.notes: set[str] = set()
         #: Micro-batches of different shapes without a `loss`: how the loop weighs them, a key
-        #: of `micro_batch_counts` (None: equally), and whether the fp32 run has been asked.
+        #: of `micro_batch_counts` (None: equally, a guess until the judge finds otherwise).
         self.loop_weighting: str | None = None
-        self.weighting_open = False
         #: The loss scale every fp16 run starts from when the loop's own init_scale overflowed
         #: every step of the slice (`_past_scale_search`), else None: the loop's own.
         self.fp16_start_scale: float | None = None
+        #: Makes the observer that judges a run's steps as they happen, from (session, trace,
+        #: precision); set by the rung driver (`ladder.run_ladder`). None: every run is
+        #: judged after it ended.
+        self.step_observer_for: Callable[[Session, Trace, str], StepObserver] | None = None
         #: The fp16 run with an injected overflow (`ladder.skips.InjectedRun`), once run:
         #: clip-space may run it (with clipping forced) for skips.
         self.injected: Any = None
@@ -226,15 +123,16 @@ class Session(ReferenceBuilder):
         original = torch.nn.Module.__init__
         finder = self.finder
 
-        def __init__(module, *args, **kwargs):
+        def __init__(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
             original(module, *args, **kwargs)
             created.append((module, finder.here()))
 
-        torch.nn.Module.__init__ = __init__
+        setattr(torch.nn.Module, "__init__", __init__)  # noqa: B010 - torch's method, replaced
         try:
-            model = build_model(self.code, self.device, self.spec.seed)
+            with recorder.observing(self.probe_settings()):
+                model = build_model(self.code, self.device, self.spec.seed)
         finally:
-            torch.nn.Module.__init__ = original
+            setattr(torch.nn.Module, "__init__", original)  # noqa: B010
         sites = {id(m): site for m, site in created}
         for name, module in model.named_modules():
             site = sites.get(id(module))
@@ -244,21 +142,30 @@ class Session(ReferenceBuilder):
 
     # --- running the loop --------------------------------------------------------------
     def settings(self, precision: str, K: int | None = None,
-                 max_grad_norm: float | None | str = "spec", steps: int | None = None) -> RunSettings:
+                 max_grad_norm: float | None | str = "spec",
+                 steps: int | None = None) -> RunSettings:
         return RunSettings(
             precision=precision, device=self.device, device_type=self.device.type,
             autocast_dtype=AUTOCAST_DTYPES[precision],
             accumulation_steps=K or self.K,
-            max_grad_norm=self.spec.max_grad_norm if max_grad_norm == "spec" else max_grad_norm,
+            max_grad_norm=(self.spec.max_grad_norm if isinstance(max_grad_norm, str)
+                           else max_grad_norm),   # "spec": the spec's
             rank=0, world_size=1, micro_batch_size=self.spec.micro_batch_size,
             optimizer_steps=steps or self.N)
 
+    def probe_settings(self, precision: str | None = None) -> ProbeSettings:
+        """The settings the probe's patches follow in a run of `precision` (None: a reference)."""
+        return ProbeSettings(dropout_off=self.dropout_off,
+                             start_scale=self.fp16_start_scale if precision == "fp16" else None)
+
     def run_loop(self, precision: str, *, micro_batches: list[Any] | None = None,
-                 K: int | None = None, state: dict[str, torch.Tensor] | None = None,
+                 K: int | None = None, state: Mapping[str, torch.Tensor] | None = None,
                  training: bool = True, max_grad_norm: float | None | str = "spec",
                  rng_seed: int | None = None, capture: bool = True,
-                 before_backward=None, distributed: Distributed | None = None,
-                 step_sink=None, judge_as_it_runs: str | None = None) -> Trace:
+                 before_backward: Callable[[recorder.Probe, torch.Tensor], None] | None = None,
+                 distributed: Distributed | None = None,
+                 step_sink: Callable[[recorder.StepRecord], Any] | None = None,
+                 judge_as_it_runs: str | None = None) -> Trace:
         """One run of the user's loop under the probe.
 
         `distributed`: a DDP rank's run -- the micro-batches are this rank's shards (in the
@@ -266,21 +173,57 @@ class Session(ReferenceBuilder):
         the model is handed to the loop through `distributed.wrap`, and `run` says the rank.
 
         `judge_as_it_runs`: the precision this run will be judged at; each step is then judged
-        as it happens (`judge.StepJudge`) where it can be, instead of copied for after the run.
+        as it happens (the observer `step_observer_for` makes) where it can be, instead of
+        copied for after the run.
         """
+        with recorder.observing(self.probe_settings(precision)):
+            run = self._prepare(precision, micro_batches, K, state, training, max_grad_norm,
+                                distributed)
+            probe, trace = run.probe, run.trace
+            probe.capture_grads = capture
+            probe.before_backward = before_backward
+            probe.step_sink = step_sink
+            # (a reduced-precision run is judged with the fp32 run's clip thresholds: as it
+            # runs only once that run exists, as with the whole ladder)
+            if (judge_as_it_runs is not None and JUDGE_AS_IT_RUNS
+                    and self.step_observer_for is not None and self.code.loss is not None
+                    and distributed is None and state is None and micro_batches is None
+                    and K is None and capture and step_sink is None and len(run.optimizers) == 1
+                    and (judge_as_it_runs == "fp32" or "fp32" in self.traces)):
+                probe.step_observer = self.step_observer_for(self, trace, judge_as_it_runs)
+            if rng_seed is not None:
+                rng.manual_seed(rng_seed)
+            default_dtype, changed = self._execute(run)
+        trace.cast = weight_cast(run.model, run.cast_sites)
+        if trace.error is not None and precision == "fp32" and trace.cast is None:
+            site = trace.error_site
+            self._refuse_data_dtype(trace.error, (site.file, site.line) if site else None,
+                                    "the fp32 run of your loop")
+        # a DDP rank compares its final parameters with the other ranks'
+        self._drop_training_state(trace, parameters=distributed is None)
+        memory.trim()
+        if changed != default_dtype and trace.error is None:
+            raise UserCodeError(
+                f"the loop changed torch's default dtype from {default_dtype} to {changed} "
+                "(torch.set_default_dtype) in its " + precision + " run: every later run and "
+                "the reference would build their tensors in another dtype. Set the dtype on the "
+                "model or the tensors instead; ampdoctor restored it.")
+        return trace
+
+    def _prepare(self, precision: str, micro_batches: list[Any] | None, K: int | None,
+                 state: Mapping[str, torch.Tensor] | None, training: bool,
+                 max_grad_norm: float | None | str, distributed: Distributed | None) -> _Run:
+        """The model, optimizers, feed and probe of one run, and its (still empty) trace."""
         model = build_model(self.code, self.device, self.spec.seed)
         if state is not None:
             model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
             model.train(training)
         if distributed is not None and distributed.shard is not None:
             distributed.shard(model)   # FSDP: the optimizer must see the sharded parameters
-        loop_optimizer, flat = build_optimizers(self.code, model)
+        loop_optimizer, optimizers = build_optimizers(self.code, model)
         mbs = self.micro_batches if micro_batches is None else micro_batches
         settings = self.settings(precision, K, max_grad_norm, steps=len(mbs) // (K or self.K) or 1)
-        probe = recorder.Probe(self.finder, model, flat)
-        probe.capture_grads = capture
-        probe.before_backward = before_backward
-        probe.step_sink = step_sink
+        probe = recorder.Probe(self.finder, model, optimizers)
         if state is None and distributed is None:
             probe.initial_state = self.initial_state
         batch_index = self.batch_index
@@ -302,24 +245,21 @@ class Session(ReferenceBuilder):
         aligner.attach(model)
         probe.aligner = aligner
         trace = Trace(precision, settings.accumulation_steps, probe, settings,
-                      optimizer_count=len(flat), microbatches=len(mbs))
-        # (a reduced-precision run is judged with the fp32 run's clip thresholds: as it runs
-        # only once that run exists, as with the whole ladder)
-        if (judge_as_it_runs is not None and JUDGE_AS_IT_RUNS and self.code.loss is not None
-                and distributed is None and state is None and micro_batches is None
-                and K is None and capture and step_sink is None and len(flat) == 1
-                and (judge_as_it_runs == "fp32" or "fp32" in self.traces)):
-            from .judge import StepJudge
-            probe.step_judge = StepJudge(self, trace, judge_as_it_runs)
-        if rng_seed is not None:
-            rng.manual_seed(rng_seed)
+                      optimizer_count=len(optimizers), microbatches=len(mbs))
+        return _Run(model, handed, loop_optimizer, optimizers, feed, aligner, settings, probe,
+                    trace)
+
+    def _execute(self, run: _Run) -> tuple[torch.dtype, torch.dtype]:
+        """Run the loop with its probe recording; whatever it raises is recorded on the trace
+        (Ctrl-C and ampdoctor's own interruptions go past). The default dtype before the run
+        and as the loop left it (restored)."""
+        trace, probe = run.trace, run.probe
         previous = recorder.activate(probe)
-        recorder.START_SCALE = self.fp16_start_scale if precision == "fp16" else None
         default_dtype = torch.get_default_dtype()
-        cast_sites: list[Site | None] = []
         try:
-            with _watching_casts(model, self.finder, cast_sites):
-                generator = run_train_loop(self.code, handed, loop_optimizer, feed, settings)
+            with watching_casts(run.model, self.finder, run.cast_sites):
+                generator = run_train_loop(self.code, run.handed, run.loop_optimizer, run.feed,
+                                           run.settings)
             if generator:
                 self.notes.add("train_loop is a generator function: ampdoctor runs it by "
                                "iterating it to the end")
@@ -336,27 +276,12 @@ class Session(ReferenceBuilder):
                 trace.error_site = self.finder.from_traceback(exc.__traceback__)
         finally:
             recorder.activate(previous)
-            recorder.START_SCALE = None
-            if probe.step_judge is not None:
-                probe.step_judge.finish()
-            aligner.detach()
+            if probe.step_observer is not None:
+                probe.step_observer.finish()
+            run.aligner.detach()
             changed = torch.get_default_dtype()
             torch.set_default_dtype(default_dtype)   # never left changed for the next run
-        trace.cast = _weight_cast(model, cast_sites)
-        if trace.error is not None and precision == "fp32" and trace.cast is None:
-            site = trace.error_site
-            self._refuse_data_dtype(trace.error, (site.file, site.line) if site else None,
-                                    "the fp32 run of your loop")
-        # a DDP rank compares its final parameters with the other ranks'
-        self._drop_training_state(trace, parameters=distributed is None)
-        memory.trim()
-        if changed != default_dtype and trace.error is None:
-            raise UserCodeError(
-                f"the loop changed torch's default dtype from {default_dtype} to {changed} "
-                "(torch.set_default_dtype) in its " + precision + " run: every later run and "
-                "the reference would build their tensors in another dtype. Set the dtype on the "
-                "model or the tensors instead; ampdoctor restored it.")
-        return trace
+        return default_dtype, changed
 
     def _refuse_data_dtype(self, exc: BaseException, at: tuple[str, int] | None,
                            what: str) -> None:
@@ -407,10 +332,10 @@ class Session(ReferenceBuilder):
         own copies); with `parameters`, their storage too (the judge reads only their names
         and identities: the tensors stay). Storage the template, the initial state or the
         reference model also use is never freed."""
-        model = trace.probe.model
+        model = trace.model
         if model is None or model is self._template or model is self._ref_model:
             return
-        for opt in trace.probe.optimizers:
+        for opt in trace.optimizers:
             opt.state.clear()
         for p in model.parameters():
             p.grad = None
@@ -449,19 +374,19 @@ class Session(ReferenceBuilder):
         """
         first = trace
         for _ in range(self.SCALE_SEARCH_RUNS):
-            steps = trace.of_kind("scaler_step")
-            scales = [e.scale_after for e in trace.of_kind("update") if e.scale_after]
+            steps = trace.events_of(ScalerStep)
+            scales = [e.scale_after for e in trace.events_of(Update) if e.scale_after]
             if (trace.error is not None or not steps or not all(e.skipped for e in steps)
-                    or not scales or not any(e.enabled for e in trace.of_kind("scaler_init"))):
+                    or not scales or not any(e.enabled for e in trace.events_of(ScalerInit))):
                 break
             self.fp16_start_scale = scales[-1]
             trace = self.run_loop("fp16", rng_seed=self.spec.seed + 1, judge_as_it_runs="fp16")
         if trace is not first:
-            loop_init = next(e.init_scale for e in first.of_kind("scaler_init") if e.enabled)
-            applied = any(not e.skipped for e in trace.of_kind("scaler_step"))
+            loop_init = next(e.init_scale for e in first.events_of(ScalerInit) if e.enabled)
+            applied = any(not e.skipped for e in trace.events_of(ScalerStep))
             self.notes.add(
                 f"the loop's init_scale {loop_init:g} overflowed all "
-                f"{len(first.of_kind('scaler_step'))} steps of the slice (the scaler's start-up "
+                f"{len(first.events_of(ScalerStep))} steps of the slice (the scaler's start-up "
                 f"search): the fp16 runs start from {self.fp16_start_scale:g}"
                 + ("" if applied else ", where every step still overflowed"))
         return trace
@@ -495,68 +420,6 @@ def _own_storage(mb: Any) -> Any:
     return tuple(own(t) for t in mb)
 
 
-def _weight_cast(model: torch.nn.Module, sites: list[Site | None]) -> WeightCast | None:
-    """The trainable weights the loop left narrower than fp32 (build_model hands it fp32
-    weights; a frozen part cast to bf16 to save memory is never updated)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    cast = [(n, p) for n, p in named if _reduced(p)]
-    if not cast:
-        return None
-    return WeightCast(tuple(sorted({str(p.dtype) for _, p in cast})), tuple(n for n, _ in cast),
-                      len(named), sites[-1] if sites else None)
-
-
-#: torch's names for a dtype in its error messages: `Long`, `torch.int64`, `torch.LongTensor`.
-_SCALAR_NAMES = {
-    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char",
-    torch.uint8: "Byte", torch.bool: "Bool", torch.float64: "Double", torch.float16: "Half",
-    torch.bfloat16: "BFloat16", torch.complex64: "ComplexFloat",
-    torch.complex128: "ComplexDouble",
-}
-#: The C names torch's older kernels use (`expected m1 and m2 to have the same dtype, but got:
-#: long int != float`).
-_C_NAMES = {torch.int64: "long int", torch.float64: "double", torch.uint8: "unsigned char"}
-#: What an error says it expected, not what it got: "expected scalar type Float", "one of the
-#: following scalar types: Long, Int;" -- a field of that dtype is not the culprit.
-_EXPECTED = re.compile(r"one of the following scalar types:[^;]*;?|"
-                       r"expected (?:scalar type |dtype |type )?[A-Za-z0-9_.]+", re.IGNORECASE)
-#: An error about dtypes (not about shapes or devices).
-_DTYPE_COMPLAINT = re.compile(r"dtype|scalar type|Tensor\b|type \(|not implemented for|"
-                              r"can't be cast|cannot be cast|to have one of the following",
-                              re.IGNORECASE)
-
-
-def _dtype_names(dtype: torch.dtype) -> list[str]:
-    short = str(dtype).removeprefix("torch.")
-    names = [re.escape(f"torch.{short}"), rf"\b{re.escape(short)}\b"]
-    scalar = _SCALAR_NAMES.get(dtype)
-    if scalar is None and dtype.is_floating_point:   # float8 variants: Float8_e4m3fn
-        scalar = short[0].upper() + short[1:]
-    if scalar:
-        names.append(rf"(?<![A-Za-z]){re.escape(scalar)}(?![a-z])")   # Long, LongTensor
-    if dtype in _C_NAMES:
-        names.append(rf"\b{_C_NAMES[dtype]}\b")
-    return names
-
-
-def data_dtype_culprit(exc: BaseException, mbs: list[Any]) -> tuple[str, torch.Tensor] | None:
-    """The field of the micro-batches whose dtype a dtype error names, when one does: a field
-    that is not float32 (the model's dtype) whose dtype the error message names. None when the
-    error is about something else, or names no field's dtype."""
-    text = exc_text(exc, 2000)
-    if not isinstance(exc, (RuntimeError, TypeError, ValueError, NotImplementedError)) \
-            or not _DTYPE_COMPLAINT.search(text) or not mbs:
-        return None
-    got = _EXPECTED.sub(" ", text)
-    first = mbs[0]
-    fields = list(first.items()) if isinstance(first, dict) else list(enumerate(first))
-    for key, t in fields:
-        if not isinstance(t, torch.Tensor) or t.dtype == torch.float32:
-            continue
-        if any(re.search(name, got) for name in _dtype_names(t.dtype)):
-            return (f"field {key!r}" if isinstance(key, str) else f"field {key}"), t
-    return None
-
-
-def flat(session: Session, grads: dict[str, torch.Tensor | None], names: list[str]) -> torch.Tensor:
+def flat(session: Session, grads: Mapping[str, torch.Tensor | None],
+         names: list[str]) -> torch.Tensor:
     return compare.flatten(grads, names, session.param_shapes)

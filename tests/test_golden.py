@@ -28,6 +28,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from conftest import ROOT, run_cli
 
 GOLDEN = ROOT / "tests" / "golden"

@@ -12,6 +12,7 @@ import pytest
 
 import ampdoctor
 from ampdoctor import session as session_module
+from ampdoctor.probe.events import OptimizerStep
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,8 +35,8 @@ def _diagnose(monkeypatch, spec, as_it_runs: bool):
 
     def run_loop(self, precision, **kwargs):
         trace = original(self, precision, **kwargs)
-        if trace.probe.step_judge is not None:
-            judged.append(len(trace.probe.step_judge.groups))
+        if trace.step_observer is not None:
+            judged.append(len(trace.step_observer.groups))
         return trace
 
     monkeypatch.setattr(session_module.Session, "run_loop", run_loop)
@@ -174,9 +175,9 @@ def test_the_rules_read_the_same_norms_from_the_scalars_a_step_judged_as_it_ran_
 
     def spy(session, trace, rung):
         seen[session_module.JUDGE_AS_IT_RUNS] = (
-            trace.probe.step_judge is not None and not trace.probe.snapshots,
+            trace.step_observer is not None and not trace.probe.snapshots,
             [scale_state._reference_norm(session, trace, w) for w in range(session.N)],
-            [scale_state.step_ratio(session, trace, e) for e in trace.of_kind("step")])
+            [scale_state.step_ratio(session, trace, e) for e in trace.events_of(OptimizerStep)])
         return original(session, trace, rung)
 
     monkeypatch.setattr(amp, "violation_findings", spy)
@@ -197,7 +198,7 @@ def test_an_error_in_the_early_judge_never_reaches_the_loop(monkeypatch, where):
     """Whatever fails in ampdoctor's own work inside the optimizer's pre-hook (the reference,
     the comparison, deciding what to keep), the step falls back to copies judged after the run:
     the same verdict, never a loop error blamed on the user's code."""
-    from ampdoctor import judge as judge_module
+    from ampdoctor import judge_live, judge_step
 
     spec = ROOT / "sample_configs" / "broken_no_zero_grad.yaml"
     expected, _ = _diagnose(monkeypatch, spec, False)
@@ -213,12 +214,11 @@ def test_an_error_in_the_early_judge_never_reaches_the_loop(monkeypatch, where):
         return wrapper
 
     if where == "reference":
-        monkeypatch.setattr(judge_module, "outside_the_loop",
-                            broken(judge_module.outside_the_loop))
+        monkeypatch.setattr(judge_live, "outside_the_loop", broken(judge_live.outside_the_loop))
     elif where == "judge":
-        monkeypatch.setattr(judge_module, "_judge_step", broken(judge_module._judge_step))
+        monkeypatch.setattr(judge_step, "judge_one_step", broken(judge_step.judge_one_step))
     else:
-        monkeypatch.setattr(judge_module, "JudgedGradients", broken(judge_module.JudgedGradients))
+        monkeypatch.setattr(judge_live, "JudgedGradients", broken(judge_live.JudgedGradients))
     seen, groups = _diagnose(monkeypatch, spec, True)
     assert calls["n"] >= fail_at and groups > 0
     assert seen == expected and seen["failed_rung"] == "fp32-accum"

@@ -136,15 +136,15 @@ def test_a_healthy_diagnose_reuses_the_first_reference_and_streams_the_second_fp
         # ... and stops after its first optimizer step: one window of passes, not N
         assert trace.stopped and trace.error is None and len(trace.steps) == 1
         assert trace.microbatches_taken == K
-    judged = [trace for sink, trace in kept if not sink and trace.probe.step_judge is not None]
+    judged = [trace for sink, trace in kept if not sink and trace.step_observer is not None]
     if as_it_runs:
         # every run a rung judges was judged step by step: no weights kept, and of the
         # gradients only the fp32 run's first step and the last step (what a later step that
         # failed would have carried over)
         assert {t.precision for t in judged} == {"fp32", "bf16", "fp16"} and not firsts
         for trace in judged:
-            assert not trace.probe.snapshots and not trace.probe.step_judge.failed
-            assert len(trace.probe.step_judge.groups) == len(trace.steps) == N
+            assert not trace.probe.snapshots and not trace.step_observer.failed
+            assert len(trace.step_observer.groups) == len(trace.steps) == N
             # as the run returned (rung_done has released every copy since)
             assert copied[id(trace)] == ([True] + [False] * (N - 2) + [True]
                                          if trace.precision == "fp32" else

@@ -14,7 +14,7 @@ def _trace(events):
     steps = [SimpleNamespace(group=i, seq=e.seq, optimizer=0)
              for i, e in enumerate(x for x in seq if x.kind == "step")]
     return SimpleNamespace(events=seq, steps=steps, precision="fp32",
-                           of_kind=lambda *k: [e for e in seq if e.kind in k])
+                           events_of=lambda cls: [e for e in seq if isinstance(e, cls)])
 
 
 def _schedule(pattern, obj=1, factor=0.5, lr=1.0):

@@ -184,7 +184,7 @@ def _unclipped_ratio(session, trace, judged) -> float | None:
     from ..session import flat
 
     step = judged.step
-    snapshot = trace.probe.snapshots.get(step.group)
+    snapshot = trace.snapshots.get(step.group)
     if snapshot is None:
         return None
     names = [n for n in step.grads if n in session.param_shapes]
@@ -198,8 +198,9 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
     """The rank's whole job, inside an initialised default process group. Fills `result`."""
     from ..ladder.analysis import compare_trace
     from ..loading import UserCode, cut_micro_batches, resolve_device
-    from ..probe import patches, recorder, wrappers
+    from ..probe import patches, wrappers
     from ..probe.callsite import CallSiteFinder
+    from ..probe.events import Backward, Forward, MicroBatchFetched
     from ..session import Distributed, Session
     from ..spec import from_wire
 
@@ -214,7 +215,7 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
         data = code.call("the data factory", code.data_factory)
         session = Session(spec, code, device, finder, cut_micro_batches(data, spec))
         session.align_seed = None          # dropout off: see the module docstring
-        recorder.DROPOUT_OFF = True
+        session.dropout_off = True
         observer = (ShardObserver if spec.ddp and spec.ddp.wrapper == "fsdp"
                     else SyncObserver)(finder, device)
         distributed = Distributed(
@@ -230,11 +231,11 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
             observer.restore()
         result.update(buckets=observer.buckets, toggles=observer.toggles,
                       no_syncs=observer.no_syncs,
-                      backwards=[_site(e.site) for e in trace.of_kind("backward")],
+                      backwards=[_site(e.site) for e in trace.events_of(Backward)],
                       # the calls the loop made, in order: where ranks part ways, a line differs
                       calls=[[e.kind] + (_site(e.site) or [None, None, None])
                              for e in trace.events
-                             if e.kind not in ("forward", "microbatch")][:MAX_CALLS],
+                             if not isinstance(e, (Forward, MicroBatchFetched))][:MAX_CALLS],
                       steps=[s.backwards for s in trace.steps],
                       step_sites=[_site(s.site) for s in trace.steps])
         if trace.error is not None:
@@ -254,6 +255,6 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
             result["first_bad_unclipped_ratio"] = _unclipped_ratio(session, trace, bad)
         result["findings"] = [f.to_dict() for f in mismatch]
         result["tolerance"] = judgement.tolerance.rtol
-        model = trace.probe.model
+        model = trace.model
         assert model is not None     # the probe of a run of the loop holds the run's model
         result.update(_agreement(session, judgement, model))

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..findings import RUNG_IDS, RungResult
 from .deadline import RungTimeout, deadline, timeout_result
 
 
 def _rungs() -> dict[str, Callable]:
-    from . import fp32_accum, reproducibility
-    from . import precision_rungs
+    from . import fp32_accum, precision_rungs, reproducibility
     return {
         "reproducibility": reproducibility.run,
         "fp32-accum": fp32_accum.run,
@@ -38,7 +37,10 @@ RUNG_PRECISION = {"bf16-no-scaler": "bf16", "fp16-scaler": "fp16", "clip-space":
 def run_ladder(session, on_start: Callable[[str], None] | None = None,
                on_done: Callable[[RungResult], None] | None = None) -> list[RungResult]:
     rungs = _rungs()
+    from ..judge import StepJudge
     from ..probe.feed import FORWARDS
+    # the runs a rung judges are judged step by step as they happen (where they can be)
+    session.step_observer_for = StepJudge
     results: list[RungResult] = []
     failed = False
     for rung_id in RUNG_IDS:

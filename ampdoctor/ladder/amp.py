@@ -17,7 +17,14 @@ from ..compare import _round as compare_round
 from ..findings import Finding, RungResult, conclude
 from ..judge import tolerance
 from ..probe.callsite import Site
-from ..probe.events import Event
+from ..probe.events import (
+    AutocastEntered,
+    OptimizerStep,
+    Scale,
+    ScalerInit,
+    ScalerStep,
+    Update,
+)
 from ..rules.scale_state import (
     SCALE_TRAJECTORY_KINDS,
     explain_with_calls,
@@ -44,9 +51,9 @@ AUTOCAST_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
 AUTOCAST_TEXT = re.compile(r"\bautocast\b")
 
 
-def _enabled_scalers(trace: Trace) -> list[Event]:
-    inits = [e for e in trace.of_kind("scaler_init") if e.enabled]
-    scaled = [e for e in trace.of_kind("scale") if e.enabled]
+def _enabled_scalers(trace: Trace) -> list[ScalerInit] | list[Scale]:
+    inits = [e for e in trace.events_of(ScalerInit) if e.enabled]
+    scaled = [e for e in trace.events_of(Scale) if e.enabled]
     return inits or scaled
 
 
@@ -54,7 +61,7 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     precision = trace.precision
     want = AUTOCAST_DTYPE_NAMES[precision]
     findings: list[Finding] = []
-    autocasts = trace.of_kind("autocast")
+    autocasts = trace.events_of(AutocastEntered)
     on_device = [e for e in autocasts if e.device_type == session.device.type]
     enabled = [e for e in on_device if e.enabled]
     scalers = _enabled_scalers(trace)
@@ -84,18 +91,19 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                 evidence={"measured": e.dtype, "expected": want},
                 location=location(e.site)))
     if precision == "bf16" and scalers:
-        e = scalers[0]
+        scaler = scalers[0]
         findings.append(Finding(
             rung, "half-open-amp", "warning",
             "A GradScaler is enabled in the bf16 run. bf16 has fp32's exponent range and needs no "
             "loss scaling: the scaler only multiplies and divides, and its skipped steps hide real "
             "overflow. Enable it for fp16 only.",
             evidence={"measured": "enabled", "expected": "disabled",
-                      "scale": getattr(e, "init_scale", None) or getattr(e, "scale", None)},
-            location=location(e.site)))
+                      "scale": (getattr(scaler, "init_scale", None)
+                                or getattr(scaler, "scale", None))},
+            location=location(scaler.site)))
     if precision == "fp16" and enabled and not scalers and not findings:
         e = enabled[0]
-        inits = trace.of_kind("scaler_init")
+        inits = trace.events_of(ScalerInit)
         findings.append(Finding(
             rung, "half-open-amp", "error",
             "The fp16 run enters autocast(float16) but no enabled GradScaler scales the loss: "
@@ -107,14 +115,16 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
 
 def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
     exc = trace.error
-    refused_update = isinstance(exc, AssertionError) and "No inf checks were recorded" in safe_str(exc)
-    direct = [e for e in trace.of_kind("step") if not e.via_scaler]
-    if refused_update and direct and not trace.of_kind("scaler_step"):
+    assert exc is not None   # (the loop raised)
+    refused_update = (isinstance(exc, AssertionError)
+                      and "No inf checks were recorded" in safe_str(exc))
+    direct = [e for e in trace.events_of(OptimizerStep) if not e.via_scaler]
+    if refused_update and direct and not trace.events_of(ScalerStep):
         # optimizer.step() instead of scaler.step(): nothing recorded an inf check, so torch
         # refused the update -- the step itself already applied scaled gradients.
         first = direct[0]
         ratio = step_ratio(session, trace, first)
-        scale = next((e.scale for e in trace.of_kind("scale") if e.scale), None)
+        scale = next((e.scale for e in trace.events_of(Scale) if e.scale), None)
         return Finding(rung, "missing-unscale", "error",
                        f"optimizer.step() was called directly, never scaler.step(): the step "
                        f"applied gradients still multiplied by the loss scale {scale:g}"
@@ -126,10 +136,10 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
                                  "error": exc_text(exc)},
                        location=location(first.site))
     if refused_update:
-        updates = [e for e in trace.of_kind("update") if e.error is not None]
+        updates = [e for e in trace.events_of(Update) if e.error is not None]
         site: Site | None = updates[-1].site if updates else trace.error_site
-        last_step = max((e.seq for e in trace.of_kind("scaler_step")), default=-1)
-        early = [e for e in trace.of_kind("update") if e.seq > last_step]
+        last_step = max((e.seq for e in trace.events_of(ScalerStep)), default=-1)
+        early = [e for e in trace.events_of(Update) if e.seq > last_step]
         return Finding(rung, "update-per-microbatch", "error",
                        "scaler.update() was called again before any unscale_/step of the window: "
                        "torch refused it ('No inf checks were recorded prior to update'). The "
@@ -137,7 +147,8 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
                        evidence={"measured": len(early), "expected": 0,
                                  "updates_before_the_windows_step": len(early),
                                  "error": exc_text(exc),
-                                 "microbatch": trace.events[-1].microbatch if trace.events else None},
+                                 "microbatch": (trace.events[-1].microbatch if trace.events
+                                                else None)},
                        location=location(site))
     return loop_error_finding(trace, rung)
 
@@ -186,7 +197,7 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
         # (the consequence this rung judges besides the gradient).
         violations = violation_findings(session, trace, rung)
         trajectory = [v for v in violations if v.kind in SCALE_TRAJECTORY_KINDS]
-        double = runtime_double_scaling(session, trace, rung)
+        double = runtime_double_scaling(session.trace("fp32"), trace, rung)
         if double is not None:
             trajectory.append(double)
         if trajectory:

@@ -10,10 +10,20 @@ import torch
 
 from ..findings import Finding, location
 from ..judge import Judgement, judge
-from ..rules import (classify_step, last_unscale_pair, loop_error_finding, scheduler_findings,
-                     step_count_finding, update_missing)
+from ..probe.events import Snapshot
+from ..rules import (
+    classify_step,
+    last_unscale_pair,
+    loop_error_finding,
+    scheduler_findings,
+    step_count_finding,
+    update_missing,
+)
+from ..rules.shapes import Resplit
 from ..session import Session, Trace
 from . import series
+
+Grads = dict[str, torch.Tensor | None]
 
 __all__ = ["compare_trace", "location", "loop_error_finding", "last_unscale_pair",
            "update_missing", "scheduler_findings", "step_count_finding"]
@@ -23,6 +33,8 @@ def compare_trace(session: Session, trace: Trace, rung: str,
                   precision: str) -> tuple[list[Finding], Judgement]:
     """Judge every optimizer step (the judge decides); explain the first bad one (the rules)."""
     judgement = judge(session, trace, precision)
+    if judgement.weighting is not None:   # every reference from now on is weighted so
+        session.adopt_weighting(judgement.weighting)
     series.keep(session, series.run_series(rung, trace, judgement))
     bad = judgement.first_bad
     if bad is None:
@@ -30,20 +42,25 @@ def compare_trace(session: Session, trace: Trace, rung: str,
     return [classify_step(session, trace, rung, judgement, bad, rerun_for(session))], judgement
 
 
-def rerun_for(session: Session):
+def rerun_for(session: Session) -> Resplit:
     """The extra fp32 pass a rule may ask for: the loop on `micro_batches` at accumulation `K`
-    from a step's snapshot, unclipped; the first step's consumed gradients, or None."""
+    from a step's snapshot, unclipped, and the reference of those micro-batches there; the
+    first step's consumed gradients and the reference's, or None when the loop could not run
+    it."""
 
-    def rerun(micro_batches: list[Any], K: int, snapshot) -> dict[str, torch.Tensor | None] | None:
+    def rerun(micro_batches: list[Any], K: int, snapshot: Snapshot,
+              label: str) -> tuple[Grads, Grads] | None:
         no_clip = math.inf if session.spec.max_grad_norm is not None else None
         trace = session.run_loop("fp32", micro_batches=micro_batches, K=K, state=snapshot.state,
                                  training=snapshot.training, max_grad_norm=no_clip)
         if trace.error is not None or not trace.steps:
             return None
-        grads: dict[str, torch.Tensor | None] = {}
+        grads: Grads = {}
         for step in trace.steps:
             if step.group == trace.steps[0].group:
                 grads.update(step.grads)
-        return grads
+        ref = session.reference_for(micro_batches, snapshot.state, snapshot.training,
+                                    per_mb=False, label=label)
+        return grads, ref.full
 
     return rerun

@@ -51,7 +51,7 @@ def weight_cast_finding(session: Session, trace: Trace, rung: str) -> Finding | 
     names += f" and {more} more" if more > 0 else ""
     where = location(cast.site) or loop_location(session, CAST_TEXT)
     code = (where.code or "").split("#", 1)[0].strip() if where is not None else ""
-    call = f" (`{code}`, line {where.line})" if code else ""
+    call = f" (`{code}`, line {where.line})" if code and where is not None else ""
     if trace.precision == "fp32":
         consequence = f"its 'fp32' baseline is really {dtype}"
         if session.code.loss is None:

@@ -19,6 +19,7 @@ import torch
 
 from .. import compare
 from ..findings import RungResult, conclude
+from ..probe.events import Clip, Scale, Unscale, Update
 from ..session import Session, flat
 from ..thresholds import FORCED_CLIP_FRACTION
 from .analysis import compare_trace, loop_error_finding
@@ -30,10 +31,10 @@ def _clip_ratios(trace) -> list[float]:
     """Each clip's norm over the norm after the unscale_ before it (1 in true space, S when
     the clip saw scaled gradients)."""
     ratios = []
-    for clip in trace.of_kind("clip"):
-        unscales = [e for e in trace.events if e.kind == "unscale" and e.seq < clip.seq
+    for clip in trace.events_of(Clip):
+        unscales = [e for e in trace.events_of(Unscale) if e.seq < clip.seq
                     and e.enabled and not e.inside_step]
-        after_update = [e for e in trace.events if e.kind == "update" and e.seq < clip.seq]
+        after_update = [e for e in trace.events_of(Update) if e.seq < clip.seq]
         seen = clip.total_norm
         if not unscales or not seen or not math.isfinite(seen):
             continue
@@ -41,7 +42,7 @@ def _clip_ratios(trace) -> list[float]:
         if after_update and after_update[-1].seq > last.seq:
             # no unscale_ since the last update: the clip saw S x the true norm
             scale = next((e.scale for e in reversed(trace.events)
-                          if e.kind == "scale" and e.seq < clip.seq and e.scale), None)
+                          if isinstance(e, Scale) and e.seq < clip.seq and e.scale), None)
             if scale:
                 ratios.append(float(scale))
             continue
@@ -67,7 +68,7 @@ def _shared_with_skips(session: Session, plain, threshold: float | None):
     scaler = skips.scaler_of(plain)
     if ((chosen is not None and skips.RUNG not in chosen) or scaler is None
             or not scaler.is_enabled() or session.N < MIN_SHARED_WINDOWS + 1
-            or not (plain.probe.forward_matched or plain.lazy_feed)):
+            or not (plain.forward_matched or plain.lazy_feed)):
         return None
     shared = skips.injected_run(session, "spec" if threshold is None else threshold,
                                 capture=True)
@@ -85,7 +86,7 @@ def run(session: Session) -> RungResult:
     trace = session.trace("fp16")
     if trace.error is not None:   # fp16-scaler skipped it: the backend cannot run fp16 here
         return RungResult(RUNG, "skip", "the fp16 run cannot run on this device (see fp16-scaler)")
-    clips = trace.of_kind("clip")
+    clips = trace.events_of(Clip)
     if not clips:
         reason = ("no max_grad_norm in the spec and the loop never clips" if
                   session.spec.max_grad_norm is None else
@@ -120,8 +121,8 @@ def run(session: Session) -> RungResult:
             finding = loop_error_finding(forced, RUNG)
             return RungResult(RUNG, "fail", "the forced-clipping fp16 pass raised", [finding],
                               details=details)
-        scales = [e.scale or 1.0 for e in forced.of_kind("scale")] or [1.0]
-        meant = [e.max_norm / s for e in forced.of_kind("clip") if e.max_norm
+        scales = [e.scale or 1.0 for e in forced.events_of(Scale)] or [1.0]
+        meant = [e.max_norm / s for e in forced.events_of(Clip) if e.max_norm
                  for s in (1.0, *scales)]
         if not any(abs(m - threshold) <= 1e-3 * threshold for m in meant):
             details["forced_clipping"] = (

@@ -18,12 +18,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..ddp import launch
 from ..errors import LaunchError
 from ..findings import Finding, Location, RungResult, conclude, location
-from ..thresholds import WORLD_SIZE_RATIO_RTOL
-from ..ddp import launch
-from ..spec import to_wire
 from ..probe.callsite import Site
+from ..spec import to_wire
+from ..thresholds import WORLD_SIZE_RATIO_RTOL
 
 RUNG = "ddp-sync"
 
@@ -122,7 +122,7 @@ def _window_positions(synced: list[int], backwards: int,
 
 def _first_difference(a: list[list[Any]], b: list[list[Any]]) -> tuple[str, list[Any]] | None:
     """The first call where two ranks' call sequences differ: (what, its site)."""
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):   # the shorter one's calls
         if x != y:
             call = x if x[1] else y
             return (f"a {call[0]} call that only one of them makes" if x[0] != y[0]
@@ -174,7 +174,8 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     total_bytes = sum(n for _, n in r0["buckets"])
     synced_backwards = sorted({b for b, _ in r0["buckets"]})
     positions, per_window = _window_positions(synced_backwards, len(r0["backwards"]), windows)
-    one_sync_bytes = sum(n for b, n in r0["buckets"] if synced_backwards and b == synced_backwards[-1])
+    one_sync_bytes = sum(n for b, n in r0["buckets"]
+                         if synced_backwards and b == synced_backwards[-1])
     details: dict[str, Any] = {
         "world_size": world_size, "launch": "torchrun" if launch.GROUP else "spawned",
         "wrapper": words["who"],
@@ -189,7 +190,8 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     # 1. the communication volume
     if len(synced_backwards) > windows:
         per_step = len(synced_backwards) / windows
-        extra = next(b for b, p in zip(synced_backwards, positions) if p != per_window)
+        extra = next(b for b, p in zip(synced_backwards, positions, strict=False)
+                     if p != per_window)
         where = _loc(r0["no_syncs"][0][0]) if r0["no_syncs"] else _loc(r0["backwards"][extra - 1])
         ineffective = (" no_sync() was entered, but after the forward: DDP decides in forward() "
                        "whether the backward all-reduces, so the context must hold the forward "
@@ -217,12 +219,14 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     apart = [i for i, d in enumerate(diffs) if d > tol]
     worst = max((s["relative_error"] for r in results.values() for s in r["judged"]), default=0.0)
     if not bad_ranks and not apart:
-        return conclude(RUNG, [], f"one gradient {words['noun']} per optimizer step, on the window's "
+        return conclude(RUNG, [], f"one gradient {words['noun']} per optimizer step, on the "
+                        "window's "
                         f"last backward, over {world_size} ranks; every rank consumed the "
                         f"reference gradient of the global batch ({windows} steps, max relative "
                         f"error {worst:.2g})", details)
     rank, r = min(bad_ranks.items()) if bad_ranks else (0, r0)
-    first = next((s for s in r["judged"] if s["bad"]), r["judged"][apart[0]] if apart else None)
+    first: Any = next((s for s in r["judged"] if s["bad"]),
+                      r["judged"][apart[0]] if apart else None)
     evidence = {"rank": rank, "step": r["judged"].index(first) if first else None,
                 "ratio": first and round(first["ratio"], 6),
                 "cosine": first and round(first["cosine"], 6),

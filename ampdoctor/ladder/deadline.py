@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..errors import AmpdoctorInterrupt
 from ..findings import Finding, RungResult, location
 from ..probe import recorder
-
 
 #: Seconds between repeated alarms once the deadline has passed.
 REFIRE_S = 0.5
@@ -35,7 +35,7 @@ class RungTimeout(AmpdoctorInterrupt):
 def deadline(seconds: float | None) -> Iterator[None]:
     usable = (seconds is not None and hasattr(signal, "setitimer")
               and threading.current_thread() is threading.main_thread())
-    if not usable:
+    if not usable or seconds is None:
         yield
         return
 

@@ -64,12 +64,13 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
 
     if errors:
         worst = max(errors, key=lambda f: f.evidence.get("measured", 0))
-        listed = [f"{o['kind']} at {_where(o, base)}" for o in worst.evidence["owners"]]
+        named = [f"{o['kind']} at {_where(o, base)}" for o in worst.evidence["owners"]]
         summary = (f"{worst.evidence['measured']} loss-scale owners on one training path: "
-                   + " and ".join(listed) + runtime_note)
+                   + " and ".join(named) + runtime_note)
     elif warnings:
-        listed = [f"{o['kind']} at {_where(o, base)}" for o in warnings[0].evidence["owners"]]
-        summary = "loss-scale owners in separate entry points: " + " and ".join(listed) + runtime_note
+        named = [f"{o['kind']} at {_where(o, base)}" for o in warnings[0].evidence["owners"]]
+        summary = ("loss-scale owners in separate entry points: " + " and ".join(named)
+                   + runtime_note)
     elif len(owners) == 1:
         summary = f"one loss-scale owner: {describe(owners[0], base)}"
         if owners[0].runtime:
@@ -78,7 +79,8 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
         # Name the owners on this loop's path; count the other scripts' owners, not list them.
         focus = {os.path.realpath(f) for f in focus_files}
         on_path = [o for o in owners if o.runtime or os.path.realpath(o.file) in focus]
-        counted = "one loss-scale owner" if len(on_path) == 1 else f"{len(on_path)} loss-scale owners"
+        counted = ("one loss-scale owner" if len(on_path) == 1
+                   else f"{len(on_path)} loss-scale owners")
         listed = ", ".join(describe(o, base) + (" (the one the fp16 run used)" if o.runtime else "")
                            for o in on_path)
         summary = (f"{counted} on this loop's path: {listed}" if on_path

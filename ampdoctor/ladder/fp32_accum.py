@@ -6,11 +6,17 @@ from __future__ import annotations
 from collections import Counter
 
 from .. import compare
-from ..findings import Finding, RungResult, conclude
+from ..findings import Finding, RungResult, Severity, conclude
+from ..probe.events import AutocastEntered, Backward
 from ..session import Session
+from .analysis import (
+    compare_trace,
+    location,
+    loop_error_finding,
+    scheduler_findings,
+    step_count_finding,
+)
 from .casts import weight_cast_finding
-from .analysis import (compare_trace, location, loop_error_finding, scheduler_findings,
-                       step_count_finding)
 
 RUNG = "fp32-accum"
 
@@ -32,7 +38,7 @@ def run(session: Session) -> RungResult:
         return RungResult(RUNG, "fail", what, [count] + findings)
     taken, total = trace.microbatches_taken, len(session.micro_batches)
     if taken == 0:
-        backwards = trace.of_kind("backward")
+        backwards = trace.events_of(Backward)
         finding = Finding(
             RUNG, "loop-error", "error",
             f"The fp32 loop never took a micro-batch from `micro_batches` (0 of {total}) but ran "
@@ -86,7 +92,7 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
     """The fp32 run entered an enabled autocast: the loop hard-codes its precision instead of
     following run.autocast_dtype. An error when the update differs from the reference (it then
     explains the mismatch), a warning when it happens to match."""
-    entered = [e for e in trace.of_kind("autocast") if e.enabled
+    entered = [e for e in trace.events_of(AutocastEntered) if e.enabled
                and e.device_type == session.device.type]
     if not entered:
         return None
@@ -94,6 +100,7 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
     bad = judgement.first_bad
     dtype = first.dtype
     evidence = {"measured": dtype, "expected": "no autocast", "autocast_entered": len(entered)}
+    severity: Severity
     if bad is not None:
         evidence.update({"step": bad.ordinal, "relative_error": compare._round(bad.metrics.rel_err),
                          "ratio": compare._round(bad.metrics.ratio),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..findings import RungResult
+from ..probe.events import ScalerInit
 
 
 def run_bf16(session) -> RungResult:
@@ -20,12 +21,12 @@ def run_double_scaling(session) -> RungResult:
     runtime_owner = None
     trace = session.traces.get("fp16")
     if trace is not None:
-        inits = [e for e in trace.of_kind("scaler_init") if e.enabled and e.site]
+        inits = [e for e in trace.events_of(ScalerInit) if e.enabled and e.site]
         if inits:
             runtime_owner = {"kind": "GradScaler", "file": inits[0].site.file,
                              "line": inits[0].site.line}
     constructed = {(e.site.file, e.site.line) for t in session.traces.values()
-                   for e in t.of_kind("scaler_init") if e.site}
+                   for e in t.events_of(ScalerInit) if e.site}
     return evaluate(session.spec.scan_paths(), runtime_owner, session.code.source_files(),
                     constructed)
 

@@ -55,7 +55,9 @@ def run(session: Session) -> RungResult:
         second = session.reference(0, rng_seed=seed + 12, per_mb=False)
     except WeightsCast as exc:
         # the loop-as-reference casts the weights: fp32-accum names the cast (half-open-amp)
-        dtype = exc.trace.cast.dtypes[0].removeprefix("torch.")
+        cast = exc.trace.cast
+        assert cast is not None   # (raised for a cast only)
+        dtype = cast.dtypes[0].removeprefix("torch.")
         return RungResult(RUNG, "skip", f"no fp32 reference from the loop: it casts the "
                           f"model's weights to {dtype} (see fp32-accum)")
     m = compare.metrics_of(second.full, first.full, names, session.param_shapes,
@@ -102,7 +104,7 @@ def run(session: Session) -> RungResult:
     if len(first_group) != len(steps_b) or (worst is not None and not worst.ok):
         m = worst or compare.metrics(compare.torch.zeros(1), compare.torch.ones(1),
                                      REPEAT_TOLERANCE)
-        site = run_a.probe.random_site or run_b.probe.random_site
+        site = run_a.random_site or run_b.random_site
         finding = _nondeterministic(session, "Two fp32 runs of the loop from the same weights", m,
                                     site)
         return RungResult(RUNG, "fail", "two fp32 runs of the loop disagree", [finding])

@@ -10,8 +10,8 @@ import math
 from typing import Any
 
 from ..judge import Judgement
+from ..probe.events import ScalerStep, Unscale, Update
 from ..session import Session, Trace
-
 
 #: The ratio range `compare.is_precision_noise` accepts in bf16/fp16: a step beyond rtol whose
 #: ratio is in it and whose direction holds (cosine >= 0.95) is rounding, not a bug. Kept in
@@ -30,12 +30,12 @@ def _num(value: Any) -> float | None:
 def scaler_series(trace: Trace) -> dict[str, list[Any]]:
     """Per window of a run: the loss scale after each update(), whether scaler.step skipped,
     and the gradient norm before and after each enabled unscale_ (as the probe recorded them)."""
-    unscales = [e for e in trace.of_kind("unscale") if e.enabled]
+    unscales = [e for e in trace.events_of(Unscale) if e.enabled]
     return {
-        "scale": [e.scale_after for e in trace.of_kind("update")],
+        "scale": [e.scale_after for e in trace.events_of(Update)],
         "grad_norm_before_unscale": [e.norm_before for e in unscales],
         "grad_norm_after_unscale": [e.norm_after for e in unscales],
-        "skipped": [bool(e.skipped) for e in trace.of_kind("scaler_step")],
+        "skipped": [bool(e.skipped) for e in trace.events_of(ScalerStep)],
     }
 
 

@@ -16,12 +16,24 @@ from typing import Any
 import torch
 
 from .. import compare
-from ..safetext import exc_text, safe_str
 from ..findings import Finding, RungResult, conclude
+from ..probe.events import (
+    Backward,
+    Event,
+    MicroBatchFetched,
+    OptimizerStep,
+    ScalerInit,
+    ScalerStep,
+    SchedulerStep,
+    Update,
+    ZeroGrad,
+    of_type,
+)
 from ..probe.recorder import Probe
+from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
-from .series import keep, run_series
 from .analysis import last_unscale_pair, location, loop_error_finding, update_missing
+from .series import keep, run_series
 
 RUNG = "skips"
 #: frequent-skips: after the first real update, more than this fraction of the plain fp16 run's
@@ -69,8 +81,8 @@ class OverflowInjector:
             return
         if probe.model is None:
             return
-        first = next((e for e in probe.events if e.kind == "backward"), None)
-        lazy = first is not None and any(e.kind == "microbatch" and e.seq > first.seq
+        first = next((e for e in probe.events if isinstance(e, Backward)), None)
+        lazy = first is not None and any(isinstance(e, MicroBatchFetched) and e.seq > first.seq
                                          for e in probe.events)
         mb = probe.current_microbatch
         if lazy:
@@ -101,19 +113,15 @@ class OverflowInjector:
 
 
 def scaler_of(trace: Trace):
-    return trace.probe.scalers[0] if trace.probe.scalers else None
+    return trace.scalers[0] if trace.scalers else None
 
 
-def _windows(trace: Trace, K: int) -> dict[int, dict[str, list]]:
-    """Events grouped by the window of the micro-batch last handed out."""
-    out: dict[int, dict[str, list]] = {}
-    for e in trace.events:
-        if e.kind in ("scaler_step", "update", "scheduler", "step", "zero_grad"):
-            w = trace.window_of_event(e)
-            if w is None:
-                continue
-            out.setdefault(w, {}).setdefault(e.kind, []).append(e)
-    return out
+def _window_events(trace: Trace, window: int) -> list[Event]:
+    """The scaler steps, updates, scheduler steps, optimizer steps and zero_grads of `window`
+    (by the micro-batch last handed out), in order."""
+    return [e for e in trace.events
+            if isinstance(e, (ScalerStep, Update, SchedulerStep, OptimizerStep, ZeroGrad))
+            and trace.window_of_event(e) == window]
 
 
 def applied_windows(session: Session, trace: Trace, optimizer: int | None) -> set[int]:
@@ -124,16 +132,16 @@ def applied_windows(session: Session, trace: Trace, optimizer: int | None) -> se
 
 
 def _owner_slot(trace: Trace, param_id: int | None) -> int | None:
-    for slot, opt in enumerate(trace.probe.optimizers):
+    for slot, opt in enumerate(trace.optimizers):
         if any(id(p) == param_id for group in opt.param_groups for p in group["params"]):
             return slot
     return None
 
 
 def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
-    steps = plain.of_kind("scaler_step")
+    steps = plain.events_of(ScalerStep)
     skipped = [e for e in steps if e.skipped]
-    scales = [e.scale_after for e in plain.of_kind("update")
+    scales = [e.scale_after for e in plain.events_of(Update)
               if e.scale_after is not None]
     rate = len(skipped) / len(steps) if steps else 0.0
     collapsed = bool(scales) and min(scales) < MIN_SCALE
@@ -148,7 +156,7 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     # A search halves the scale per skip (the default backoff 0.5): it may take as many skips
     # as halvings between init_scale and the scale that worked. Skips beyond that (a timid
     # backoff_factor such as 0.9) are slow searching, and count.
-    updates = plain.of_kind("update")
+    updates = plain.events_of(Update)
     search = first_ok
     if 0 < first_ok < len(updates):
         init = updates[0].scale_before
@@ -158,14 +166,13 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     excess = first_ok - search
     counted = skipped_after + (excess if not never_settled else 0)
     considered = len(after) + excess
-    inits = [e for e in plain.of_kind("scaler_init") if e.enabled]
+    inits = [e for e in plain.events_of(ScalerInit) if e.enabled]
     growth_interval = inits[0].growth_interval if inits else None
     # A skip right after the scale grew is the scaler growing into overflow: once per
     # growth_interval in steady state, so one such skip already says "frequent" when that
     # interval is short (the sawtooth of growth_interval=1).
     grew_into_overflow = any(
-        flag and i > 0 and updates[i].scale_before and updates[i - 1].scale_before
-        and updates[i].scale_before > updates[i - 1].scale_before
+        flag and i > 0 and _grew(updates[i - 1].scale_before, updates[i].scale_before)
         for i, flag in enumerate(flags[:len(updates)]))
     sawtooth = (grew_into_overflow and growth_interval is not None
                 and 1.0 / (growth_interval + 1) > SKIP_RATE_THRESHOLD)
@@ -191,17 +198,22 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
 
 def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
     """Is the schedule a warmup (the LR rising over the run)?"""
-    lrs = [e.lr for e in trace.of_kind("scheduler")
+    lrs = [e.lr for e in trace.events_of(SchedulerStep)
            if e.lr is not None and (optimizer_slot is None or e.optimizer == optimizer_slot)]
     return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + 1e-9)
 
 
-def _lr_changes(trace: Trace, event) -> bool:
+def _grew(before: float | None, after: float | None) -> bool:
+    """The scale grew from one update to the next (both known and non-zero)."""
+    return bool(after and before and after > before)
+
+
+def _lr_changes(trace: Trace, event: SchedulerStep) -> bool:
     """Does this scheduler's learning rate ever change in the run? A constant schedule stepped
     on a skipped update changes no learning rate: nothing to report."""
     key = event.scheduler
-    values = set()
-    for e in trace.of_kind("scheduler"):
+    values: set[float] = set()
+    for e in trace.events_of(SchedulerStep):
         if e.scheduler == key:
             values.update(v for v in (e.lr_before, e.lr) if v is not None)
     return len(values) != 1
@@ -211,29 +223,78 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
     """A hand-written overflow guard that `continue`s past step/update/zero_grad: torch refuses
     the next window's unscale_(), and the inf stays in .grad. Named when the injected overflow
     is what sent the loop down that path and the path cleared no gradients either."""
-    if not injector.fired or "unscale_()" not in safe_str(trace.error) or not update_missing(trace):
+    error = trace.error
+    if (error is None or not injector.fired or "unscale_()" not in safe_str(error)
+            or not update_missing(trace)):
         return None
     pair = last_unscale_pair(trace)
     if pair is None:
         return None
     _, failing, between = pair
-    if any(e.kind in ("zero_grad", "scaler_step", "step") for e in between):
+    if any(isinstance(e, (ZeroGrad, ScalerStep, OptimizerStep)) for e in between):
         return None
-    zero_grads = plain.of_kind("zero_grad")
-    updates = plain.of_kind("update")
+    zero_grads = plain.events_of(ZeroGrad)
+    updates = plain.events_of(Update)
     site = (zero_grads[-1].site if zero_grads else updates[-1].site if updates else failing.site)
     return Finding(
         RUNG, "no-zero-grad-after-skip", "error",
         f"An inf injected into {injector.param_name}.grad sent the loop down its own skip path, "
         "which left the step without scaler.update() and without zero_grad(): the inf stayed in "
         ".grad and torch refused the next window's unscale_() "
-        f"({exc_text(trace.error)}). On a skip, clear the gradients and call "
+        f"({exc_text(error)}). On a skip, clear the gradients and call "
         "scaler.update() as after a good step -- or drop the hand-written check and let "
         "scaler.step() skip.",
         evidence={"measured": 0, "expected": 1, "zero_grad_on_skip_path": 0,
                   "update_on_skip_path": 0,
-                  "error": exc_text(trace.error)},
+                  "error": exc_text(error)},
         location=location(site))
+
+
+def _backoffs(updates: list[Update], backoff: float,
+              details: dict[str, Any]) -> Finding | None:
+    """How often the scale backed off in the injected window (recorded in `details`): more
+    than once is an update per micro-batch."""
+    if not (updates and updates[0].scale_before):
+        return None
+    before = updates[0].scale_before
+    after = updates[-1].scale_after or before
+    backoffs = round(math.log(after / before) / math.log(backoff)) if after != before else 0
+    details["backoffs_in_injected_window"] = backoffs
+    details["scale_before_after"] = [before, after]
+    if backoffs <= 1:
+        return None
+    return Finding(
+        RUNG, "update-per-microbatch", "error",
+        f"One overflowing micro-batch backed the scale off {backoffs} times "
+        f"({before:g} -> {after:g}, backoff factor {backoff:g}): scaler.update() runs "
+        "more than once per optimizer step.",
+        evidence={"measured": backoffs, "expected": 1, "scale_before": before,
+                  "scale_after": after, "backoff_factor": backoff},
+        location=location(updates[-1].site))
+
+
+def _scheduler_on_skip(trace: Trace, plain: Trace, in_window: list[Event], inject_window: int,
+                       owner: int | None, applied: set[int]) -> Finding | None:
+    """The scheduler stepped in the injected window although its update was skipped (and its
+    learning rate changes at all)."""
+    sched = [e for e in of_type(in_window, SchedulerStep)
+             if owner is None or e.optimizer in (None, owner)]
+    if not (sched and inject_window not in applied and _lr_changes(trace, sched[0])):
+        return None
+    real_steps = len(trace.steps)
+    sched_steps = len(trace.events_of(SchedulerStep))
+    warmup = _lr_rising(plain, sched[0].optimizer)
+    return Finding(
+        RUNG, "scheduler-steps-on-skip", "error" if warmup else "warning",
+        f"The scheduler ({sched[0].scheduler_type}) stepped in window {inject_window} "
+        f"although the optimizer step was skipped: {sched_steps} scheduler steps for "
+        f"{len({s.group for s in trace.steps})} real optimizer steps."
+        + (" The LR is in warmup, so every skip shortens the warmup." if warmup else ""),
+        evidence={"measured": sched_steps,
+                  "expected": len({s.group for s in trace.steps}),
+                  "scheduler_steps": sched_steps, "optimizer_steps": real_steps,
+                  "warmup": warmup},
+        location=location(sched[0].site))
 
 
 @dataclass
@@ -256,7 +317,7 @@ def injected_run(session: Session, max_grad_norm: float | None | str = "spec",
     plain = session.trace("fp16")
     K, N = session.K, session.N
     window = 1 if N >= 2 else 0
-    per_window = max(1, round(plain.probe.backward_count / max(N, 1)))
+    per_window = max(1, round(plain.backward_count / max(N, 1)))
     injector = OverflowInjector(window, K, per_window)
     trace = session.run_loop("fp16", rng_seed=session.spec.seed + 1, before_backward=injector,
                              capture=capture, max_grad_norm=max_grad_norm,
@@ -273,7 +334,7 @@ def run(session: Session) -> RungResult:
     if scaler is None or not scaler.is_enabled():
         return RungResult(RUNG, "skip", "the fp16 run has no enabled GradScaler")
     findings: list[Finding] = []
-    K, N = session.K, session.N
+    N = session.N
     injected = session.injected or injected_run(session)   # windows and events only
     trace, injector, inject_window = injected.trace, injected.injector, injected.window
     target_mb = injected.microbatch
@@ -291,13 +352,12 @@ def run(session: Session) -> RungResult:
         return RungResult(RUNG, "skip", f"micro-batch {target_mb} never reached backward; "
                           "nothing was injected", details=details)
     details["injected_parameter"] = injector.param_name
-    windows = _windows(trace, K)
-    injected = windows.get(inject_window, {})
+    in_window = _window_events(trace, inject_window)
     backoff = scaler_of(trace).get_backoff_factor() if scaler_of(trace) else 0.5
-    scaler_steps = injected.get("scaler_step", [])
-    skipped_flags = [bool(e.skipped) for e in trace.of_kind("scaler_step")]
+    scaler_steps = of_type(in_window, ScalerStep)
+    skipped_flags = [bool(e.skipped) for e in trace.events_of(ScalerStep)]
     details["skipped"] = skipped_flags
-    details["scale"] = [e.scale_after for e in trace.of_kind("update")]
+    details["scale"] = [e.scale_after for e in trace.events_of(Update)]
 
     # The injected window must be skipped (whether scaler.step skipped it or the loop's own
     # non-finite check did).
@@ -320,22 +380,9 @@ def run(session: Session) -> RungResult:
                       "steps_on_nonfinite_gradients": len(poisoned)},
             location=location((direct or poisoned)[0].site)))
     # The scale backs off once per window, not once per micro-batch.
-    updates = injected.get("update", [])
-    if updates and updates[0].scale_before:
-        before = updates[0].scale_before
-        after = updates[-1].scale_after or before
-        backoffs = round(math.log(after / before) / math.log(backoff)) if after != before else 0
-        details["backoffs_in_injected_window"] = backoffs
-        details["scale_before_after"] = [before, after]
-        if backoffs > 1:
-            findings.append(Finding(
-                RUNG, "update-per-microbatch", "error",
-                f"One overflowing micro-batch backed the scale off {backoffs} times "
-                f"({before:g} -> {after:g}, backoff factor {backoff:g}): scaler.update() runs "
-                "more than once per optimizer step.",
-                evidence={"measured": backoffs, "expected": 1, "scale_before": before,
-                          "scale_after": after, "backoff_factor": backoff},
-                location=location(updates[-1].site)))
+    backed_off = _backoffs(of_type(in_window, Update), backoff, details)
+    if backed_off is not None:
+        findings.append(backed_off)
     # The next window must start clean: no inf carried over, so not skipped again (where the
     # plain run did update).
     in_a_row = 0
@@ -345,8 +392,9 @@ def run(session: Session) -> RungResult:
         in_a_row += 1
     details["skipped_in_a_row_after_injection"] = in_a_row
     if in_a_row > 0:
-        zero_grads = plain.of_kind("zero_grad") or trace.of_kind("zero_grad")
-        site = zero_grads[-1].site if zero_grads else (scaler_steps[-1].site if scaler_steps else None)
+        zero_grads = plain.events_of(ZeroGrad) or trace.events_of(ZeroGrad)
+        site = (zero_grads[-1].site if zero_grads
+                else scaler_steps[-1].site if scaler_steps else None)
         findings.append(Finding(
             RUNG, "no-zero-grad-after-skip", "error",
             f"After the injected overflow in window {inject_window} the next {in_a_row} "
@@ -356,22 +404,9 @@ def run(session: Session) -> RungResult:
                       "applied_windows": sorted(applied), "skipped": skipped_flags},
             location=location(site)))
     # The scheduler must not advance for the skipped step.
-    sched = [e for e in injected.get("scheduler", []) if owner is None or e.optimizer in (None, owner)]
-    if sched and inject_window not in applied and _lr_changes(trace, sched[0]):
-        real_steps = len(trace.steps)
-        sched_steps = len(trace.of_kind("scheduler"))
-        warmup = _lr_rising(plain, sched[0].optimizer)
-        findings.append(Finding(
-            RUNG, "scheduler-steps-on-skip", "error" if warmup else "warning",
-            f"The scheduler ({sched[0].scheduler_type}) stepped in window {inject_window} "
-            f"although the optimizer step was skipped: {sched_steps} scheduler steps for "
-            f"{len({s.group for s in trace.steps})} real optimizer steps."
-            + (" The LR is in warmup, so every skip shortens the warmup." if warmup else ""),
-            evidence={"measured": sched_steps,
-                      "expected": len({s.group for s in trace.steps}),
-                      "scheduler_steps": sched_steps, "optimizer_steps": real_steps,
-                      "warmup": warmup},
-            location=location(sched[0].site)))
+    stepped = _scheduler_on_skip(trace, plain, in_window, inject_window, owner, applied)
+    if stepped is not None:
+        findings.append(stepped)
     frequent = _frequent_skips(session, plain)
     if frequent is not None:
         findings.append(frequent)

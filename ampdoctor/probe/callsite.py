@@ -22,8 +22,9 @@ def _library_dirs() -> tuple[str, ...]:
         if path:
             dirs.add(str(Path(path).resolve()) + os.sep)
     torch_mod = sys.modules.get("torch")
-    if torch_mod is not None and getattr(torch_mod, "__file__", None):
-        dirs.add(str(Path(torch_mod.__file__).resolve().parent) + os.sep)
+    torch_file = getattr(torch_mod, "__file__", None) if torch_mod is not None else None
+    if torch_file:
+        dirs.add(str(Path(torch_file).resolve().parent) + os.sep)
     return tuple(sorted(dirs))
 
 
@@ -33,7 +34,7 @@ class Site:
 
     file: str
     line: int
-    function: str
+    function: str | None
 
     @property
     def code(self) -> str:

@@ -3,16 +3,18 @@
 Events are facts, never judgments. Every event carries its position in the run (`seq`), the
 micro-batch the model last consumed (`microbatch`: the last forward matched to a micro-batch,
 or the last one fetched when no forward could be matched), the number of backward calls so far
-and the call site. `kind` is a class attribute naming the event type (the state machine
-dispatches on it, `Trace.of_kind` filters by it). An event whose outcome is known only after
+and the call site. Code selects events by their class (`of_type`, `Trace.events_of`, the state
+machine's handlers); `kind` is a class attribute naming the event type in records and messages
+(and `make_event`). An event whose outcome is known only after
 torch's call returns (the norm after `unscale_`, whether `scaler.step` skipped) is replaced in
 the probe's list by a completed copy (`Probe.complete`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -156,17 +158,25 @@ class AutocastEntered(Event):
     kind: ClassVar[str] = "autocast"
 
 
-#: kind -> event class (what `Trace.of_kind` and the state machine dispatch on).
+#: kind -> event class (`make_event`: events built from their kind's name).
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for cls in (
     MicroBatchFetched, Forward, Backward, ScalerInit, Scale, GetScale, Unscale, ScalerStep,
     OptimizerStep, Update, ZeroGrad, Clip, SchedulerStep, AutocastEntered)}
 
 
 def make_event(kind: str, seq: int = 0, *, microbatch: int = -1, backwards: int = 0,
-               site: Site | None = None, **fields) -> Event:
+               site: Site | None = None, **fields: Any) -> Event:
     """An event of `kind` built outside a probe (tests, replayed traces)."""
     return EVENT_TYPES[kind](seq=seq, microbatch=microbatch, backwards=backwards, site=site,
                              **fields)
+
+
+E = TypeVar("E", bound=Event)
+
+
+def of_type(events: Iterable[Event], cls: type[E]) -> list[E]:
+    """The events of type `cls`, in order."""
+    return [e for e in events if isinstance(e, cls)]
 
 
 @dataclass
@@ -179,7 +189,7 @@ class StepRecord:
     microbatch: int           # the micro-batch last consumed before the step
     backwards: int            # backward calls so far in the run
     group: int                # steps between the same two backward phases share a group
-    grads: dict[str, torch.Tensor | None]
+    grads: Mapping[str, torch.Tensor | None]
     site: Site | None
     via_scaler: int | None    # the scaler slot when called inside scaler.step
     #: micro-batches whose forward ran since the previous step group (matched by storage):
@@ -196,11 +206,11 @@ class Snapshot:
     """Model state at the first step of a group: what the reference is evaluated at."""
 
     group: int
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: Mapping[str, torch.Tensor] = field(default_factory=dict)
     training: bool = True
 
 
 __all__ = ["Event", "MicroBatchFetched", "Forward", "Backward", "ScalerInit", "Scale",
            "GetScale", "Unscale", "ScalerStep", "OptimizerStep", "Update", "ZeroGrad", "Clip",
            "SchedulerStep", "AutocastEntered", "StepRecord", "Snapshot", "EVENT_TYPES",
-           "make_event"]
+           "make_event", "of_type"]

@@ -5,14 +5,17 @@ the forward hooks that align the RNG per micro-batch (`dropout: align`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from .. import rng
 
-if TYPE_CHECKING:
-    from .recorder import Probe
+
+class FetchListener(Protocol):
+    """Told which micro-batch the loop takes (the probe)."""
+
+    def on_microbatch(self, index: int) -> None: ...
 
 
 #: At most this many containers are walked in one forward's arguments (a forward handed a
@@ -48,7 +51,7 @@ class MicroBatchIndex:
 
     def __init__(self, micro_batches: list[Any], indices: list[int] | None = None):
         self._by_storage: dict[int, int] = {}
-        for index, mb in zip(indices or range(len(micro_batches)), micro_batches):
+        for index, mb in zip(indices or range(len(micro_batches)), micro_batches, strict=False):
             for ptr in storages(mb):
                 if ptr:
                     self._by_storage.setdefault(ptr, index)
@@ -126,7 +129,8 @@ class ForwardAligner:
 class MicroBatchFeed(Sequence):
     """ampdoctor's own iterable around the micro-batches: records which one is handed out."""
 
-    def __init__(self, micro_batches: list[Any], probe: Probe, indices: list[int] | None = None):
+    def __init__(self, micro_batches: list[Any], probe: FetchListener,
+                 indices: list[int] | None = None):
         self._items = list(micro_batches)
         self._probe = probe
         #: the session-wide index of each item (a reference run feeds one window's micro-batches)
@@ -135,7 +139,7 @@ class MicroBatchFeed(Sequence):
     def __len__(self) -> int:
         return len(self._items)
 
-    def __getitem__(self, index):  # type: ignore[override]
+    def __getitem__(self, index):
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self._items)))]
         if index < 0:

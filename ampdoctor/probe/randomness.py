@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from ..probe import recorder
+from . import recorder
 from .patches import Patcher
 
 _DROPOUT_FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout",
@@ -17,7 +17,7 @@ _DROPOUT_FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_d
 def _wrap_dropout(original):
     @functools.wraps(original)
     def dropout(input, p=0.5, *args, **kwargs):
-        if recorder.DROPOUT_OFF:
+        if recorder.current_settings().dropout_off:
             p = 0.0
             kwargs.pop("p", None)
         return original(input, p, *args, **kwargs)
@@ -27,7 +27,7 @@ def _wrap_dropout(original):
 def _wrap_sdpa(original):
     @functools.wraps(original)
     def scaled_dot_product_attention(*args, **kwargs):
-        if recorder.DROPOUT_OFF:
+        if recorder.current_settings().dropout_off:
             if len(args) > 4:
                 args = (*args[:4], 0.0, *args[5:])
             else:

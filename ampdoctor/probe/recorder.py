@@ -9,37 +9,57 @@ probe also records the gradients the step is about to consume and the parameters
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
 
+from .. import progress
 from ..compare import all_finite, same_tensors
 from ..errors import EnoughSteps
-
-from .. import progress
 from . import spill
 from .callsite import CallSiteFinder, Site
-from .events import (Backward, Event, Forward, MicroBatchFetched, OptimizerStep, Snapshot,
-                     StepRecord)
+from .events import (
+    Backward,
+    Event,
+    Forward,
+    MicroBatchFetched,
+    OptimizerStep,
+    Snapshot,
+    StepRecord,
+)
 from .feed import ForwardAligner, MicroBatchFeed, MicroBatchIndex, storages
+from .observer import ProbeSettings, StepObserver
 
 E = TypeVar("E", bound=Event)
 
 #: The probe currently recording, if any. Wrappers are inert while it is None.
 ACTIVE: Probe | None = None
 
-#: `dropout: off`: every functional dropout (which nn.Dropout, nn.MultiheadAttention and the
-#: Transformer layers call) runs with p = 0 while this is set, whatever `model.train()` says.
-DROPOUT_OFF = False
+#: The settings of the run or reference in progress (`observing`); the defaults otherwise.
+_SETTINGS = ProbeSettings()
 
-#: When set, every enabled GradScaler built during a run starts from this scale instead of its
-#: init_scale (the session sets it after the loop's own init_scale overflowed every step of the
-#: slice: the scaler's start-up search, which a short slice never gets past).
-START_SCALE: float | None = None
+
+@contextlib.contextmanager
+def observing(settings: ProbeSettings) -> Iterator[ProbeSettings]:
+    """Run ampdoctor's computation (a run of the loop, a reference) under `settings`; the
+    previous ones are back on any exit."""
+    global _SETTINGS
+    previous, _SETTINGS = _SETTINGS, settings
+    try:
+        yield settings
+    finally:
+        _SETTINGS = previous
+
+
+def current_settings() -> ProbeSettings:
+    """The settings the patched torch functions follow now."""
+    return _SETTINGS
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -93,11 +113,12 @@ class Probe:
         #: Called with each StepRecord (gradients filled) as the step happens; the record then
         #: keeps no gradients and the probe no snapshots (a streamed comparison).
         self.step_sink: Callable[[StepRecord], None] | None = None
-        #: Judges each step as it happens (`judge.StepJudge`), or None: judged after the run
-        self.step_judge: Any = None
+        #: Sees each step as it happens (`observer.StepObserver`, set by the rung driver), or
+        #: None: the probe copies what every step consumed
+        self.step_observer: StepObserver | None = None
         #: the weights the run started from, when they are the session's initial state: a
         #: first snapshot equal to them is kept as that same dict, not copied
-        self.initial_state: dict[str, torch.Tensor] | None = None
+        self.initial_state: Mapping[str, torch.Tensor] | None = None
         self._scaled_read = False
         #: each scaler's scale as last read, with the scale tensor it was read from: scale()
         #: runs every micro-batch and the scale only changes in update() (a read is a sync)
@@ -181,31 +202,40 @@ class Probe:
 
     def _snapshot(self) -> None:
         """Keep the weights the current step group starts from (the reference's parameters)."""
-        state = self.model.state_dict()
-        if not self.snapshots and same_tensors(state, self.initial_state):
+        model = self.model
+        assert model is not None   # (a probe without a model keeps no snapshots)
+        state = model.state_dict()
+        kept: Mapping[str, torch.Tensor]
+        if (not self.snapshots and self.initial_state is not None
+                and same_tensors(state, self.initial_state)):
             kept = self.initial_state   # the first step saw the initial weights: no copy
         else:
             kept = spill.maybe_spill({k: full_tensor(v.detach()).to("cpu", copy=True)
                                       for k, v in state.items()})
-        self.snapshots[self._group] = Snapshot(self._group, kept, self.model.training)
+        self.snapshots[self._group] = Snapshot(self._group, kept, model.training)
 
-    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        slot = self.optimizer_slot(optimizer)
-        if self.backward_count != self._backwards_at_group:
-            # First step since new gradients were computed: snapshot the parameters all of
-            # this group's steps were computed at (a second optimizer's pre-hook would
-            # otherwise see the first one's update).
-            self._group += 1
-            self._backwards_at_group = self.backward_count
-            self._group_consumed = tuple(sorted(set(self._consumed)))
-            self._consumed = []
-            if self.model is not None and self.capture_grads and self.step_sink is None:
-                judge = self.step_judge
-                if judge is None or not judge.begin_group(
-                        self._group, self._group_consumed, self.model.state_dict(),
-                        self.model.training):
-                    self._snapshot()
-        live = self.step_judge is not None and self.step_judge.judging(self._group)
+    def _begin_group_if_new(self) -> None:
+        """At the first step since new gradients were computed, start a step group: snapshot the
+        parameters all of this group's steps were computed at (a second optimizer's pre-hook
+        would otherwise see the first one's update), unless the step observer takes it."""
+        if self.backward_count == self._backwards_at_group:
+            return
+        self._group += 1
+        self._backwards_at_group = self.backward_count
+        self._group_consumed = tuple(sorted(set(self._consumed)))
+        self._consumed = []
+        if self.model is not None and self.capture_grads and self.step_sink is None:
+            observer = self.step_observer
+            if observer is None or not observer.begin_group(
+                    self._group, self._group_consumed, self.model.state_dict(),
+                    self.model.training):
+                self._snapshot()
+
+    def _gradients(self, optimizer: torch.optim.Optimizer, slot: int,
+                   live: bool) -> tuple[dict[str, torch.Tensor | None], bool]:
+        """The gradients a step is about to consume, by parameter name (live tensors for an
+        observed step, host copies when captured, none otherwise), and whether all are
+        finite."""
         grads: dict[str, torch.Tensor | None] = {}
         finite = True
         for index, param in enumerate(optimizer_params(optimizer)):
@@ -213,7 +243,7 @@ class Probe:
                 if self.capture_grads:
                     grads[self.param_name(param, slot, index)] = None
                 continue
-            if live:   # judged as it happens: copied only if the judge asks
+            if live:   # seen as it happens: copied only if the observer asks
                 grads[self.param_name(param, slot, index)] = param.grad.detach()
             elif self.capture_grads:
                 grads[self.param_name(param, slot, index)] = _host_copy(param.grad)
@@ -221,6 +251,14 @@ class Probe:
                 finite = all_finite(param.grad)
         if self.capture_grads:
             finite = all(g is None or all_finite(g) for g in grads.values())
+        return grads, finite
+
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        slot = self.optimizer_slot(optimizer)
+        self._begin_group_if_new()
+        observer = self.step_observer
+        live = observer is not None and observer.observes(self._group)
+        grads, finite = self._gradients(optimizer, slot, live)
         lrs = tuple(float(g["lr"]) for g in optimizer.param_groups
                     if isinstance(g.get("lr"), (int, float, torch.Tensor)))
         site = self.finder.from_frame(_caller(2))
@@ -231,8 +269,8 @@ class Probe:
         if self.step_sink is not None:
             enough = bool(self.step_sink(record))   # true: the run has given what it was for
             record.grads = {}
-        elif live:
-            keep = self.step_judge.judge_step(record)
+        elif live and observer is not None:
+            keep = observer.on_step(record)
             if keep.state:
                 self._snapshot()
             if keep.names is not None:
@@ -240,7 +278,7 @@ class Probe:
             else:
                 record.grads = spill.maybe_spill({n: None if g is None else _host_copy(g)
                                                   for n, g in grads.items()})
-                self.step_judge.kept(record)
+                observer.copied(record)
         elif self.capture_grads:
             record.grads = spill.maybe_spill(grads)
         self.steps.append(record)
@@ -258,7 +296,7 @@ def _host_copy(grad: torch.Tensor) -> torch.Tensor:
     return full_tensor(grad.detach()).to("cpu", torch.float32, copy=True)
 
 
-def _caller(depth: int):
+def _caller(depth: int) -> FrameType:
     return sys._getframe(depth)
 
 
@@ -274,5 +312,5 @@ def finite(value: float | None) -> bool:
 
 
 __all__ = ["Event", "StepRecord", "Snapshot", "Probe", "MicroBatchFeed", "MicroBatchIndex",
-           "ForwardAligner", "storages", "activate", "finite", "ACTIVE", "DROPOUT_OFF",
-           "START_SCALE"]
+           "ForwardAligner", "storages", "activate", "finite", "ACTIVE", "ProbeSettings",
+           "StepObserver", "observing", "current_settings"]

@@ -3,8 +3,9 @@
 A trace keeps, per optimizer step, the gradients the step consumed and the parameters it saw: two
 copies of the model per step, the bulk of a diagnose's memory on a large model (and growing with
 optimizer_steps). Above `SPILL_BYTES` per copy, the probe writes each copy to a temporary file
-(in a background thread) and keeps a `Spilled` mapping: its keys without loading, its tensors loaded on first access (one
-copy at a time is cached, so the judge reading a step's gradients name by name loads them once).
+(in a background thread) and keeps a `Spilled` mapping: its keys without loading, its tensors
+loaded on first access (one copy at a time is cached, so the judge reading a step's gradients
+name by name loads them once).
 The round trip is exact (torch.save / torch.load), so nothing judged changes. The first
 `KEEP_IN_MEMORY` large copies alive at a time stay in memory (`_Kept`): a disk round trip costs
 more than the copy, and a fixed number keeps memory flat in optimizer_steps.
@@ -12,11 +13,12 @@ more than the copy, and a fixed number keeps memory flat in optimizer_steps.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import weakref
+from collections.abc import Iterator, KeysView, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -106,7 +108,7 @@ class Spilled(Mapping):
     def __len__(self) -> int:
         return len(self._keys)
 
-    def keys(self):  # type: ignore[override]
+    def keys(self) -> KeysView[str]:
         return dict.fromkeys(self._keys).keys()
 
     def release(self) -> None:
@@ -114,13 +116,12 @@ class Spilled(Mapping):
         self._written.result()
         if _CACHE is not None and _CACHE[0] == self.path:
             _CACHE = None
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(self.path)
-        except OSError:
-            pass
 
     def __del__(self) -> None:
-        try:
+        # (not contextlib.suppress: at interpreter exit the module's globals may be gone)
+        try:  # noqa: SIM105
             self.release()
         except Exception:
             pass

@@ -11,8 +11,11 @@ a `Violation` carrying the event (and so the user's call site) that made it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from .events import Backward, Clip, Event, OptimizerStep, Scale, ScalerStep, Unscale, Update
 
 READY, UNSCALED, STEPPED = "READY", "UNSCALED", "STEPPED"
 
@@ -20,7 +23,7 @@ READY, UNSCALED, STEPPED = "READY", "UNSCALED", "STEPPED"
 @dataclass
 class Violation:
     kind: str
-    event: Any
+    event: Event
     detail: str
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -31,31 +34,37 @@ class StepStateMachine:
     def __init__(self, param_owner: dict[int, int] | None = None):
         #: id(param) -> optimizer slot, to know whose gradients a clip touched.
         self.param_owner = param_owner or {}
-        self.state: dict[int, str] = {}
+        self.state: dict[int | None, str] = {}
         self.scaled_backward = False      # a backward of a scaled loss since the last update
         self.steps_since_update = 0
         self.unscaled_by_hand: set[int] = set()
         self.violations: list[Violation] = []
         self.updates = 0
+        #: event type -> its transition
+        self._handlers: dict[type[Event], Callable[[Any], None]] = {
+            Scale: self.on_scale, Backward: self.on_backward, Unscale: self.on_unscale,
+            Clip: self.on_clip, ScalerStep: self.on_scaler_step, OptimizerStep: self.on_step,
+            Update: self.on_update}
 
-    def _get(self, slot: int) -> str:
+    def _get(self, slot: int | None) -> str:
         return self.state.setdefault(slot, READY)
 
-    def _violate(self, kind: str, event: Any, detail: str, **data: Any) -> None:
+    def _violate(self, kind: str, event: Event, detail: str, **data: Any) -> None:
         self.violations.append(Violation(kind, event, detail, data))
 
-    def feed(self, event: Any) -> None:
-        handler = getattr(self, f"on_{event.kind}", None)
+    def feed(self, event: Event) -> None:
+        """One event, dispatched by its type (the others change no state)."""
+        handler = self._handlers.get(type(event))
         if handler is not None:
             handler(event)
 
-    def feed_all(self, events: list[Any]) -> list[Violation]:
+    def feed_all(self, events: list[Event]) -> list[Violation]:
         for event in events:
             self.feed(event)
         return self.violations
 
     # --- transitions ----------------------------------------------------------------------
-    def on_scale(self, event: Any) -> None:
+    def on_scale(self, event: Scale) -> None:
         if not event.enabled:
             return
         if event.input_already_scaled:
@@ -64,11 +73,11 @@ class StepStateMachine:
                           first_scale=event.input_already_scaled,
                           scale=event.scale)
 
-    def on_backward(self, event: Any) -> None:
+    def on_backward(self, event: Backward) -> None:
         if event.scaled_by is not None:
             self.scaled_backward = True
 
-    def on_unscale(self, event: Any) -> None:
+    def on_unscale(self, event: Unscale) -> None:
         if not event.enabled:
             return
         slot = event.optimizer
@@ -81,11 +90,11 @@ class StepStateMachine:
                           "unscale_() called twice on the same optimizer in one step")
         self.state[slot] = UNSCALED
 
-    def on_clip(self, event: Any) -> None:
+    def on_clip(self, event: Clip) -> None:
         if not self.scaled_backward:
             return
-        owners = {self.param_owner.get(pid) for pid in event.param_ids}
-        owners.discard(None)
+        owners = {slot for pid in event.param_ids
+                  if (slot := self.param_owner.get(pid)) is not None}
         for slot in sorted(owners):
             if self._get(slot) == READY:
                 self._violate("clip-before-unscale", event,
@@ -94,11 +103,11 @@ class StepStateMachine:
                               max_norm=event.max_norm)
                 return
 
-    def on_scaler_step(self, event: Any) -> None:
+    def on_scaler_step(self, event: ScalerStep) -> None:
         self.state[event.optimizer] = STEPPED
         self.steps_since_update += 1
 
-    def on_step(self, event: Any) -> None:
+    def on_step(self, event: OptimizerStep) -> None:
         slot = event.optimizer
         if event.via_scaler:
             return
@@ -109,7 +118,7 @@ class StepStateMachine:
         self.state[slot] = STEPPED
         self.steps_since_update += 1
 
-    def on_update(self, event: Any) -> None:
+    def on_update(self, event: Update) -> None:
         self.updates += 1
         if self.steps_since_update == 0:
             self._violate("update-per-microbatch", event,

@@ -4,6 +4,7 @@ which restores torch exactly on any exit."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
@@ -13,8 +14,18 @@ import torch
 
 from ..safetext import MESSAGE_LIMIT, cut, safe_str
 from . import randomness, recorder
-from .events import (AutocastEntered, Clip, GetScale, Scale, ScalerInit, ScalerStep,
-                     SchedulerStep, Unscale, Update, ZeroGrad)
+from .events import (
+    AutocastEntered,
+    Clip,
+    GetScale,
+    Scale,
+    ScalerInit,
+    ScalerStep,
+    SchedulerStep,
+    Unscale,
+    Update,
+    ZeroGrad,
+)
 from .patches import Patcher
 from .recorder import Probe, optimizer_params
 
@@ -111,8 +122,9 @@ def _wrap_scaler_init(original):
         slot = probe.scaler_slot(self)
         enabled = bool(self.is_enabled())
         settings: dict[str, Any] = {}
-        if enabled and recorder.START_SCALE is not None and self._scale is None:
-            self._init_scale = recorder.START_SCALE   # read lazily at the first scale()
+        start_scale = recorder.current_settings().start_scale
+        if enabled and start_scale is not None and self._scale is None:
+            self._init_scale = start_scale   # read lazily at the first scale()
         if enabled:  # a disabled GradScaler does not even keep its settings
             settings = dict(init_scale=_scale_value(self),
                             growth_interval=self.get_growth_interval(),
@@ -129,7 +141,8 @@ def _wrap_scale(original):
         if probe is None:
             return original(self, outputs)
         slot = probe.scaler_slot(self)
-        already = getattr(outputs, "_ampdoctor_scale", None) if isinstance(outputs, torch.Tensor) else None
+        already = (getattr(outputs, "_ampdoctor_scale", None)
+                   if isinstance(outputs, torch.Tensor) else None)
         result = original(self, outputs)
         seen = probe.scales_seen.get(slot)
         current = getattr(self, "_scale", None)   # a disabled scaler has none
@@ -141,10 +154,8 @@ def _wrap_scale(original):
         probe.record(Scale, scaler=slot, scale=value, enabled=bool(self.is_enabled()),
                      input_already_scaled=already)
         if isinstance(result, torch.Tensor) and value is not None:
-            try:
+            with contextlib.suppress(AttributeError, RuntimeError):
                 result._ampdoctor_scale = value * (already or 1.0)
-            except (AttributeError, RuntimeError):
-                pass
         return result
     return scale
 
@@ -283,10 +294,8 @@ def _wrap_scheduler_step(original):
         optimizer = getattr(self, "optimizer", None)
         slot = probe.optimizer_slot(optimizer) if optimizer is not None else None
         lr_before = None
-        try:
+        with contextlib.suppress(AttributeError, IndexError, KeyError, TypeError, ValueError):
             lr_before = float(optimizer.param_groups[0]["lr"]) if optimizer is not None else None
-        except (AttributeError, IndexError, KeyError, TypeError, ValueError):
-            pass
         probe.enter("scheduler")
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -302,10 +311,9 @@ def _wrap_scheduler_step(original):
                 _REPLAYED.add(key)
                 warnings.warn_explicit(w.message, w.category, *where)
         lr = None
-        try:
+        # (ReduceLROnPlateau before its first step, custom schedulers: no last LR)
+        with contextlib.suppress(Exception):
             lr = float(self.get_last_lr()[0])
-        except Exception:  # ReduceLROnPlateau before its first step, custom schedulers
-            pass
         probe.record(SchedulerStep, site=site, optimizer=slot,
                      scheduler_type=type(self).__name__, lr=lr, lr_before=lr_before,
                      scheduler=id(self), last_epoch=getattr(self, "last_epoch", None))
@@ -351,10 +359,8 @@ def _wrap_autocast_init(original):
         probe = _active()
         if probe is not None:
             # where the dtype was chosen: an autocast built once and entered in the loop
-            try:
+            with contextlib.suppress(AttributeError):
                 self._ampdoctor_site = probe.finder.from_frame(_caller(2))
-            except AttributeError:
-                pass
     return __init__
 
 
@@ -366,10 +372,9 @@ def _step_pre_hook(optimizer, args, kwargs):
 
 def install(patcher: Patcher) -> None:
     """Patch torch so that an active probe sees every event of DESIGN §2."""
-    from torch.amp import grad_scaler
-    from torch.amp import autocast_mode
-    from torch.nn.utils import clip_grad
     import torch.nn.utils as nn_utils
+    from torch.amp import autocast_mode, grad_scaler
+    from torch.nn.utils import clip_grad
     from torch.optim import lr_scheduler
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 

@@ -21,7 +21,7 @@ import torch
 
 from .. import compare
 from ..probe.callsite import Site
-from ..probe.recorder import Event
+from ..probe.events import Backward, Clip, Event, Unscale, Update
 from ..thresholds import CLIP_EPSILON, SCALED_THRESHOLD_RTOL
 
 
@@ -48,7 +48,9 @@ class ClipCall:
         """The norm the clip saw, in true-gradient space when it knew it was scaled."""
         if self.total_norm is None or not math.isfinite(self.total_norm):
             return None
-        return self.total_norm / self.scale if self.scaled_threshold else self.total_norm
+        if self.scaled_threshold and self.scale is not None:
+            return self.total_norm / self.scale
+        return self.total_norm
 
     @property
     def bit(self) -> bool:
@@ -59,7 +61,7 @@ class ClipCall:
 def attempt_events(window_events: list[Event]) -> list[Event]:
     """The events of the attempt that produced a step: those after the last scaler.update()
     (a loop that retries a skipped window recomputes it after the update)."""
-    updates = [i for i, e in enumerate(window_events) if e.kind == "update"]
+    updates = [i for i, e in enumerate(window_events) if isinstance(e, Update)]
     return window_events[updates[-1] + 1:] if updates else window_events
 
 
@@ -74,11 +76,11 @@ def clip_calls(names_of: dict[int, str], window_events: list[Event], owner: dict
     events = attempt_events(window_events)
     calls: list[ClipCall] = []
     for position, event in enumerate(events):
-        if event.kind != "clip" or event.max_norm is None:
+        if not isinstance(event, Clip) or event.max_norm is None:
             continue
         ids = event.param_ids
         names = tuple(names_of[i] for i in ids if i in names_of)
-        slots = {owner.get(i) for i in ids} - {None}
+        slots = {slot for i in ids if (slot := owner.get(i)) is not None}
         scale = _scale_carried(events[:position], slots)
         threshold = float(event.max_norm)
         intended = threshold
@@ -97,9 +99,9 @@ def _scale_carried(before: list[Event], slots: set[int]) -> float | None:
     attempt: the last scaled backward's scale when no unscale_ of theirs came after it."""
     scale = None
     for e in before:
-        if e.kind == "backward" and e.scaled_by:
+        if isinstance(e, Backward) and e.scaled_by:
             scale = float(e.scaled_by)
-        elif (e.kind == "unscale" and e.enabled and not e.inside_step
+        elif (isinstance(e, Unscale) and e.enabled and not e.inside_step
               and (not slots or e.optimizer in slots)):
             scale = None
     return scale

@@ -15,16 +15,23 @@ micro-batches; the reference is cached per window and parameter state by the cal
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import compare, rng
 from ..errors import UserCodeError, exc_text
-from ..loading import (build_model, merge_micro_batches, micro_batch_counts,
-                       micro_batch_size_of)
+from ..loading import build_model, merge_micro_batches, micro_batch_counts, micro_batch_size_of
 from ..probe import recorder
+from ..probe.trace import Trace, WeightsCast
+
+if TYPE_CHECKING:
+    from ..loading import UserCode
+    from ..probe.feed import MicroBatchIndex
+    from ..probe.observer import ProbeSettings
+    from ..spec import Spec
 
 RANDOM_MODULE_TYPES = (
     "Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
@@ -41,10 +48,38 @@ class WindowReference:
     counts: list[float] | None
     weighted: bool
     mode: str                                   # "loss" or "loop"
+    #: the loop-as-reference of micro-batches that cannot form one batch, weighted equally for
+    #: want of a known weighting: a guess the judge may correct (`judge.weighting_of`)
+    guessed_weighting: bool = False
+
+
+#: `weighting` of a reference: as the session knows it (`loop_weighting`).
+SESSION_WEIGHTING = "loop"
 
 
 class ReferenceBuilder:
     """The reference computations of a `Session` (see the module docstring)."""
+
+    # What the session holds (`Session.__init__`) and does, used here.
+    spec: Spec
+    code: UserCode
+    device: torch.device
+    micro_batches: list[Any]
+    batch_index: MicroBatchIndex
+    align_seed: int | None
+    initial_state: Mapping[str, torch.Tensor]
+    param_order: list[str]
+    notes: set[str]
+    loop_weighting: str | None
+    _template: torch.nn.Module
+    _ref_model: torch.nn.Module | None
+    window: Callable[[int], list[Any]]
+    probe_settings: Callable[..., ProbeSettings]
+    run_loop: Callable[..., Trace]
+    _refuse_data_dtype: Callable[[BaseException, tuple[str, int] | None, str], None]
+
+    #: The last reference computed at the initial weights, with its key (`_cache_key`).
+    _ref_cache: tuple[tuple[Any, ...], WindowReference] | None = None
 
     def random_modules(self) -> list[str]:
         found = []
@@ -52,9 +87,8 @@ class ReferenceBuilder:
             cls = type(module).__name__
             if cls in RANDOM_MODULE_TYPES and module.training:
                 p = getattr(module, "p", getattr(module, "lower", None))
-                if cls.startswith("Dropout") or "Dropout" in cls:
-                    if not p:
-                        continue
+                if "Dropout" in cls and not p:
+                    continue
                 found.append(f"{name or '(model)'} ({cls}{f', p={p}' if p is not None else ''})")
         return found
 
@@ -62,11 +96,11 @@ class ReferenceBuilder:
         return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training
                    for m in self._template.modules())
 
-    def _model_at(self, state: dict[str, torch.Tensor], training: bool) -> torch.nn.Module:
-        if self._ref_model is None:
-            self._ref_model = build_model(self.code, self.device, self.spec.seed)
-            recorder.ForwardAligner(self.batch_index, self.align_seed).attach(self._ref_model)
+    def _model_at(self, state: Mapping[str, torch.Tensor], training: bool) -> torch.nn.Module:
         model = self._ref_model
+        if model is None:
+            model = self._ref_model = build_model(self.code, self.device, self.spec.seed)
+            recorder.ForwardAligner(self.batch_index, self.align_seed).attach(model)
         model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
         model.train(training)
         return model
@@ -86,35 +120,54 @@ class ReferenceBuilder:
                 and type(g) is torch.Tensor else g.to("cpu", torch.float32, copy=True)
         return out
 
-    def reference(self, window: int, state: dict[str, torch.Tensor] | None = None,
+    def reference(self, window: int, state: Mapping[str, torch.Tensor] | None = None,
                   training: bool = True, rng_seed: int | None = None,
-                  per_mb: bool = True) -> WindowReference:
+                  per_mb: bool = True, weighting: str | None = SESSION_WEIGHTING
+                  ) -> WindowReference:
         return self.reference_for(self.window(window), state, training, rng_seed, per_mb,
-                                  label=f"window {window}")
+                                  label=f"window {window}", weighting=weighting)
 
-    def reference_for(self, mbs: list[Any], state: dict[str, torch.Tensor] | None = None,
+    def reference_for(self, mbs: list[Any], state: Mapping[str, torch.Tensor] | None = None,
                       training: bool = True, rng_seed: int | None = None, per_mb: bool = True,
-                      label: str = "window") -> WindowReference:
-        """The fp32 reference gradient of one optimizer step over `mbs` at `state`."""
+                      label: str = "window", weighting: str | None = SESSION_WEIGHTING
+                      ) -> WindowReference:
+        """The fp32 reference gradient of one optimizer step over `mbs` at `state`.
+
+        `weighting`: how the loop weighs micro-batches that cannot form one batch (a key of
+        `micro_batch_counts`, None: equally), SESSION_WEIGHTING: as the session knows it."""
         state = self.initial_state if state is None else state
-        key = self._cache_key(mbs, state, training, rng_seed, per_mb)
-        cached = getattr(self, "_ref_cache", None)
+        if weighting == SESSION_WEIGHTING:
+            weighting = self.loop_weighting
+        key = self._cache_key(mbs, state, training, rng_seed, per_mb, weighting)
+        cached = self._ref_cache
         if key is not None and cached is not None and cached[0] == key:
             return cached[1]
         previous = recorder.activate(None)
         try:
-            if rng_seed is not None:
-                rng.manual_seed(rng_seed)
-            if self.code.loss is not None:
-                ref = self._reference_from_loss(mbs, state, training, per_mb)
-            else:
-                ref = self._reference_from_loop(mbs, state, training, per_mb)
-            ref = self._check_finite(ref, label)
-            if key is not None:
-                self._ref_cache = (key, ref)
-            return ref
+            with recorder.observing(self.probe_settings()):
+                if rng_seed is not None:
+                    rng.manual_seed(rng_seed)
+                if self.code.loss is not None:
+                    ref = self._reference_from_loss(mbs, state, training, per_mb)
+                else:
+                    ref = self._reference_from_loop(mbs, state, training, per_mb, weighting)
+        except Exception:
+            self._drop_reference_gradients()
+            raise
         finally:
             recorder.activate(previous)
+        ref = self._check_finite(ref, label)
+        if key is not None:
+            self._ref_cache = (key, ref)
+        return ref
+
+    def _drop_reference_gradients(self) -> None:
+        """A reference that failed half-way (out of memory) keeps no gradients on the reference
+        model (set directly: a zero_grad() inside the loop's step would be recorded as the
+        loop's)."""
+        if self._ref_model is not None:
+            for param in self._ref_model.parameters():
+                param.grad = None
 
     #: Set once the reproducibility rung found two fp32 references at the same weights equal:
     #: from then on a reference at weights already seen is reused instead of recomputed.
@@ -123,12 +176,14 @@ class ReferenceBuilder:
     def remember_reference(self, window: int, ref: WindowReference, training: bool = True) -> None:
         """Keep `ref`, computed at the initial weights on `window`, as the cached reference
         (the reproducibility rung's, once it proved the reference repeatable to the bit)."""
-        key = self._cache_key(self.window(window), self.initial_state, training, None, False)
+        key = self._cache_key(self.window(window), self.initial_state, training, None, False,
+                              self.loop_weighting)
         if key is not None and ref.per_mb is None:
             self._ref_cache = (key, ref)
 
-    def _cache_key(self, mbs: list[Any], state, training: bool, rng_seed: int | None,
-                   per_mb: bool):
+    def _cache_key(self, mbs: list[Any], state: Mapping[str, torch.Tensor], training: bool,
+                   rng_seed: int | None, per_mb: bool, weighting: str | None
+                   ) -> tuple[Any, ...] | None:
         """A key for the reference of a window at the initial weights (the first step of every
         run sees them), or None when this reference is not to be cached. Only one is kept."""
         if not self.reference_repeatable or rng_seed is not None or per_mb:
@@ -139,7 +194,7 @@ class ReferenceBuilder:
             return None
         if state is not self.initial_state and not compare.same_tensors(state, self.initial_state):
             return None
-        return (ids, training, self.loop_weighting)
+        return (ids, training, weighting)
 
     def _check_finite(self, ref: WindowReference, window: str) -> WindowReference:
         bad = [n for n, g in ref.full.items() if g is not None and not compare.all_finite(g)]
@@ -167,7 +222,8 @@ class ReferenceBuilder:
             if isinstance(out, (tuple, list)) and len(out) == 2:
                 weighted = True
                 loss_sum, weight = out
-                weight = float(weight.detach()) if isinstance(weight, torch.Tensor) else float(weight)
+                weight = (float(weight.detach()) if isinstance(weight, torch.Tensor)
+                          else float(weight))
                 if weight <= 0:
                     raise UserCodeError(f"the loss function returned a weight of {weight} for "
                                         f"micro-batch {index}; weights must be positive.")
@@ -189,7 +245,7 @@ class ReferenceBuilder:
             # per micro-batch: the mean (weighted: loss_sum / weight) of each one
             sums = per
             if weighted:
-                per = [_scale(g, 1.0 / w) for g, w in zip(sums, counts)]
+                per = [_scale(g, 1.0 / w) for g, w in zip(sums, counts, strict=True)]
                 full = _combine(sums, [1.0 / sum(counts)] * len(sums))
             else:
                 full = _combine(per, [1.0 / len(per)] * len(per))
@@ -213,14 +269,14 @@ class ReferenceBuilder:
                 self._refuse_data_dtype(err.cause, err.location, what)
             raise
 
-    def loop_gradient(self, mbs: list[Any], state, training, K: int = 1) -> dict[str, torch.Tensor | None]:
+    def loop_gradient(self, mbs: list[Any], state: Mapping[str, torch.Tensor], training: bool,
+                      K: int = 1) -> dict[str, torch.Tensor | None]:
         """Run the user's loop in fp32 from `state` on `mbs` and return the first step's
         gradients (all optimizers), before clipping."""
         no_clip = math.inf if self.spec.max_grad_norm is not None else None
         trace = self.run_loop("fp32", micro_batches=mbs, K=K, state=state, training=training,
                               max_grad_norm=no_clip)
         if trace.cast is not None:   # not an fp32 reference (`ladder.casts`)
-            from ..session import WeightsCast
             raise WeightsCast(trace)
         if trace.error is not None:
             site = trace.error_site
@@ -242,15 +298,18 @@ class ReferenceBuilder:
                 grads.update(step.grads)
         return {n: grads.get(n) for n in self.param_order}
 
-    def _reference_from_loop(self, mbs, state, training, per_mb: bool) -> WindowReference:
+    def _reference_from_loop(self, mbs: list[Any], state: Mapping[str, torch.Tensor],
+                             training: bool, per_mb: bool, weighting: str | None
+                             ) -> WindowReference:
         batch_stats = self.has_batch_statistics()
         # Aligned dropout draws its masks per micro-batch: one batch of the whole window would
         # draw others, so the reference combines per-micro-batch runs, as for BatchNorm.
         aligned = self.align_seed is not None and bool(self.random_modules())
-        per = None
+        per: list[dict[str, torch.Tensor | None]] | None = None
+        guessed = False
         if per_mb or batch_stats or aligned:
             per = [self.loop_gradient([mb], state, training) for mb in mbs]
-        if batch_stats or aligned:
+        if per is not None and (batch_stats or aligned):
             # BatchNorm normalises per micro-batch: the full-batch gradient is not what a correct
             # accumulation computes, the mean (or, for a loss that sums over samples, the sum) of
             # the micro-batch gradients is. Which of the two the loss does, the full-batch run
@@ -274,16 +333,16 @@ class ReferenceBuilder:
                 # back to the equal-weight mean of per-micro-batch gradients (a token-weighted
                 # mismatch then needs a `loss` in the spec to be seen).
                 per = per or [self.loop_gradient([mb], state, training) for mb in mbs]
-                full = _combine(per, self.fallback_weights(mbs))
-                if self.loop_weighting is None:
-                    self.weighting_open = True
+                full = _combine(per, self.fallback_weights(mbs, weighting))
+                guessed = weighting is None
+                if guessed:
                     self.notes.add("micro-batches differ in shape: the loop-as-reference is the "
                                    "equal-weight mean of per-micro-batch gradients (give the "
                                    "spec a `loss` to state the weighting)")
             else:
                 full = self.loop_gradient([merged], state, training)
         counts = [float(micro_batch_size_of(mb)) for mb in mbs]
-        return WindowReference(full, per, counts, False, "loop")
+        return WindowReference(full, per, counts, False, "loop", guessed)
 
     def fallback_weights(self, mbs: list[Any], what: str | None = "loop") -> list[float]:
         """Per-micro-batch weights (summing to 1) of the loop-as-reference for micro-batches
@@ -296,10 +355,12 @@ class ReferenceBuilder:
         return [c / total for c in counts] if total > 0 else [1.0 / len(mbs)] * len(mbs)
 
     def adopt_weighting(self, what: str) -> None:
+        """The loop weighs micro-batches by their count of `what` (the judge found it): every
+        reference from now on is weighted so."""
         self.loop_weighting = what
-        self.weighting_open = False
         self.notes = {n for n in self.notes if not n.startswith("micro-batches differ in shape")}
-        self.notes.add(f"micro-batches differ in shape and the loop weighs each by its count of {what} "
+        self.notes.add("micro-batches differ in shape and the loop weighs each by its count of "
+                       f"{what} "
                        "(as one batch of the whole window would): the loop-as-reference is the "
                        "mean of per-micro-batch gradients weighted so (give the spec a `loss` "
                        "to state the weighting)")
@@ -318,11 +379,12 @@ def _scale(grads: dict[str, torch.Tensor | None], factor: float) -> dict[str, to
     return {n: None if g is None else g * factor for n, g in grads.items()}
 
 
-def _combine(items: list[dict[str, torch.Tensor | None]], weights: list[float]) -> dict[str, torch.Tensor | None]:
+def _combine(items: list[dict[str, torch.Tensor | None]],
+             weights: list[float]) -> dict[str, torch.Tensor | None]:
     out: dict[str, torch.Tensor | None] = {}
     for name in items[0]:
         acc = None
-        for grads, w in zip(items, weights):
+        for grads, w in zip(items, weights, strict=False):
             g = grads.get(name)
             if g is not None:
                 acc = g * w if acc is None else acc + g * w

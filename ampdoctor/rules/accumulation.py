@@ -13,18 +13,24 @@ import torch
 from .. import compare
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
-from ..probe.events import Event
+from ..probe.events import Backward, Clip, Event, Scale, ZeroGrad, of_type
 from ..session import Session, Trace, flat
-from .shapes import Rerun
 from ..thresholds import HYPOTHESIS_RTOL_FLOOR
-from .shapes import (SIZE_FACTOR_KINDS, carried_over, clip_in_scaled_space, disambiguate,
-                     summed_count, varying_divisor)
+from .shapes import (
+    SIZE_FACTOR_KINDS,
+    Resplit,
+    carried_over,
+    clip_in_scaled_space,
+    disambiguate,
+    summed_count,
+    varying_divisor,
+)
 from .sites import NORM_OR_CLIP, grad_division_between, line_between, second_unscale_site
 
 
 def unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, float | None]:
     """Undo a clip that bit on these gradients, from the norm clip_grad_norm_ returned."""
-    clips = [e for e in events if e.kind == "clip" and e.clip_kind == "norm"]
+    clips = [e for e in of_type(events, Clip) if e.clip_kind == "norm"]
     if not clips:
         return user, None
     clip = clips[-1]
@@ -37,26 +43,26 @@ def unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, fl
     return user, total
 
 
-def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,
-                  judged: StepJudgement, rerun: Rerun | None = None) -> Finding:
-    """Explain the judge's first bad step. `rerun(micro_batches, K, snapshot)` is the rung
-    driver's extra fp32 pass (the consumed gradients of the first step, or None)."""
+def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,  # noqa: C901 - one branch per known shape of a mismatch, tried in order
+                  judged: StepJudgement, rerun: Resplit | None = None) -> Finding:
+    """Explain the judge's first bad step. `rerun` is the rung driver's extra fp32 pass
+    (`shapes.Resplit`)."""
     K = session.K
     precision, tol = judgement.precision, judgement.tolerance
     ordinal, window, step, m = judged.ordinal, judged.window, judged.step, judged.metrics
     window_events = list(judged.events)
-    snapshot = trace.probe.snapshots.get(step.group)
+    snapshot = trace.snapshots.get(step.group)
     if snapshot is None:
         # judged as it happened in a group whose weights were gone by then (a second step of
         # the same optimizer without a backward between): the numbers, no explanation
-        evidence = {"measured": compare._round(m.ratio), "expected": 1.0,
-                    "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
-                    "window": window, "accumulation_steps": K, "precision": precision}
+        numbers = {"measured": compare._round(m.ratio), "expected": 1.0,
+                   "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
+                   "window": window, "accumulation_steps": K, "precision": precision}
         return Finding(rung, "gradient-mismatch", "error",
                        f"Step {ordinal}: the optimizer consumed a gradient {m.rel_err:.3g} "
                        f"(relative) from the {precision} reference (norm ratio "
                        f"{m.ratio:.4g}, cosine {m.cosine:.4f}).",
-                       evidence=evidence, location=location(step.site))
+                       evidence=numbers, location=location(step.site))
     names = [n for n in step.grads if n in session.param_shapes]
     user = flat(session, step.grads, names)
     ref = session.reference(window, snapshot.state, snapshot.training, per_mb=True)
@@ -67,9 +73,9 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         return clip_in_scaled_space(session, rung, judged, scaled_clip, ref.full, tol.rtol)
     per_mb = [flat(session, g, names) for g in ref.per_mb or []]
     user_u, clip_norm = unclipped(user, window_events)
-    backwards = [e for e in window_events if e.kind == "backward"]
+    backwards = of_type(window_events, Backward)
     first_backward_seq = backwards[0].seq if backwards else -1
-    inside_zero = [e for e in window_events if e.kind == "zero_grad" and e.seq > first_backward_seq
+    inside_zero = [e for e in of_type(window_events, ZeroGrad) if e.seq > first_backward_seq
                    and (e.optimizer is None or e.optimizer == step.optimizer
                         or e.owner == "module")]
     contributing_from = None
@@ -78,7 +84,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         after = sum(1 for e in backwards if e.seq > last_zero.seq)
         contributing_from = K - after
     scale = None
-    scale_events = [e for e in window_events if e.kind == "scale" and e.scale]
+    scale_events = [e for e in of_type(window_events, Scale) if e.scale]
     if scale_events:
         scale = scale_events[-1].scale
     hyps = compare.window_hypotheses(per_mb, ref.counts or [1.0] * len(per_mb), ref.weighted,
@@ -150,7 +156,8 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                                                    hyp.factor, dict(hyp.extra))
     if found is not None:
         kind = found.kind
-        if kind in ("double-average", "weighted-average-mismatch") and ref.mode == "loop" and per_mb:
+        if (kind in ("double-average", "weighted-average-mismatch") and ref.mode == "loop"
+                and per_mb):
             # Relative to the loop's own K = 1 run a sum reduction divided by K looks like a
             # second average; the full-batch gradient being the *sum* of micro-batch gradients
             # says the loss sums over samples.
@@ -189,8 +196,8 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         evidence.update({"measured": len(carried), "expected": 0,
                          "parameters_not_cleared": len(carried), "parameters": len(names),
                          "norm_ratio": compare._round(measured_ratio)})
-        zero_grads = [e for e in window_events if e.kind == "zero_grad"] or \
-            [e for e in trace.of_kind("zero_grad") if e.seq < step.seq]
+        zero_grads = of_type(window_events, ZeroGrad) or \
+            [e for e in trace.events_of(ZeroGrad) if e.seq < step.seq]
         site = zero_grads[-1].site if partial and zero_grads else step.site
         which = (f"{len(carried)} of {len(names)} parameters ({', '.join(carried[:4])}"
                  + (", ..." if len(carried) > 4 else "") + ")") if partial else "every parameter"

@@ -3,8 +3,6 @@ accumulation condition (steps off the window boundaries)."""
 
 from __future__ import annotations
 
-
-
 from ..findings import Finding, location
 from ..probe.events import StepRecord
 from ..session import Session, Trace
@@ -38,7 +36,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
         return None
     for slot, steps in sorted(per_optimizer.items()):
         consumed = [s.microbatch + 1 for s in steps]
-        off = [(s, n) for s, n in zip(steps, consumed) if n % session.K != 0]
+        off = [(s, n) for s, n in zip(steps, consumed, strict=True) if n % session.K != 0]
         if off:
             step, n = off[0]
             return Finding(

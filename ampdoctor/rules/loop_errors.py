@@ -6,12 +6,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-
 from ..errors import exc_text, format_traceback, safe_repr, safe_str
 from ..findings import Finding, location
-from ..probe.events import Event
+from ..probe.events import Backward, Event, OptimizerStep, ScalerStep, Unscale, Update
 from ..session import Trace
-
 
 #: torch's own error messages that name a known mistake (matched on a stable fragment).
 KNOWN_TORCH_ERRORS = (
@@ -27,8 +25,8 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
     text = exc_text(exc)
     whole = safe_str(exc)
     if "unscale_()" in whole and update_missing(trace):
-        steps = trace.of_kind("scaler_step")
-        updates = trace.of_kind("update")
+        steps = trace.events_of(ScalerStep)
+        updates = trace.events_of(Update)
         # Point at the update() that exists but was skipped on this path, else at the step.
         site = (updates[-1].site if updates else steps[-1].site if steps else trace.error_site)
         return Finding(rung, "loop-error", "error",
@@ -42,9 +40,9 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                        location=location(site))
     for fragment, kind in KNOWN_TORCH_ERRORS:
         if fragment in whole:
-            refused = [e for e in trace.of_kind("unscale") if e.error is not None]
+            refused = [e for e in trace.events_of(Unscale) if e.error is not None]
             site = refused[-1].site if refused else trace.error_site
-            earlier = [e for e in trace.of_kind("unscale") if e.error is None
+            earlier = [e for e in trace.events_of(Unscale) if e.error is None
                        and not e.inside_step
                        and (not refused or e.optimizer == refused[-1].optimizer)]
             first = earlier[-1].site if earlier else None
@@ -67,7 +65,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                        "run could not be judged.",
                        evidence={"error": text, "precision": trace.precision},
                        location=location(trace.error_site))
-    finder = getattr(trace.probe, "finder", None)
+    finder = trace.finder
     frames = finder.user_sites(exc.__traceback__) if finder is not None else []
     evidence = {"error": text, "precision": trace.precision}
     called_from = ""
@@ -87,7 +85,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
 def last_unscale_pair(trace: Trace) -> tuple[Event, Event, list[Event]] | None:
     """The last unscale_ of the run (outside scaler.step), the one before it on the same
     optimizer, and the events between them; None when there is no such pair."""
-    unscales = [e for e in trace.of_kind("unscale") if not e.inside_step]
+    unscales = [e for e in trace.events_of(Unscale) if not e.inside_step]
     if len(unscales) < 2:
         return None
     failing = unscales[-1]
@@ -102,15 +100,15 @@ def update_missing(trace: Trace) -> bool:
     """torch refused an unscale_ because the previous window never reached update(): a
     scaler.step with no update after it, or (a hand-written skip path) a previous unscale_ of
     the same optimizer in an earlier window and no update since."""
-    last_step = next((e for e in reversed(trace.events) if e.kind == "scaler_step"), None)
-    if last_step is not None and not any(e.kind == "update" and e.seq > last_step.seq
+    last_step = next((e for e in reversed(trace.events) if isinstance(e, ScalerStep)), None)
+    if last_step is not None and not any(isinstance(e, Update) and e.seq > last_step.seq
                                          for e in trace.events):
         return True
     pair = last_unscale_pair(trace)
     if pair is None:
         return False
     previous, failing, between = pair
-    if any(e.kind == "update" for e in between):
+    if any(isinstance(e, Update) for e in between):
         return False
     # The previous unscale_ belongs to an earlier window: that window ended without update()
     # (a skip path that `continue`s). Same window: unscale_ repeated inside it (unscale-twice).
@@ -119,6 +117,6 @@ def update_missing(trace: Trace) -> bool:
         return w_prev < w_fail
     # A loop that raised cannot always place events in windows: a full window of backward
     # passes (or a step) between the two calls means a new window began.
-    backwards_between = sum(1 for e in between if e.kind == "backward")
+    backwards_between = sum(1 for e in between if isinstance(e, Backward))
     return (backwards_between >= max(trace.accumulation_steps, 2)
-            or any(e.kind in ("scaler_step", "step") for e in between))
+            or any(isinstance(e, (ScalerStep, OptimizerStep)) for e in between))

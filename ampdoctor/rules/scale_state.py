@@ -12,8 +12,9 @@ import torch
 
 from .. import compare
 from ..findings import Finding, location
+from ..judge import judged_live
 from ..probe.callsite import Site
-from ..probe.events import Event
+from ..probe.events import Backward, Clip, Event, Scale, ScalerStep, Unscale, Update
 from ..probe.statemachine import StepStateMachine
 from ..session import Session, Trace, flat
 
@@ -21,7 +22,7 @@ from ..session import Session, Trace, flat
 def _state_for_window(session: Session, trace: Trace, window: int):
     for ordinal, step in enumerate(trace.steps):
         if session.window_of(step, ordinal, trace) == window:
-            snap = trace.probe.snapshots.get(step.group)
+            snap = trace.snapshots.get(step.group)
             if snap is not None:
                 return snap.state, snap.training
     if window == 0:
@@ -31,13 +32,13 @@ def _state_for_window(session: Session, trace: Trace, window: int):
 
 def _judged_group(session: Session, trace: Trace, window: int):
     """The step group of `window` judged as it happened whose weights were not kept, if any."""
-    judge = trace.probe.step_judge
+    judge = judged_live(trace)
     if judge is None:
         return None
     for ordinal, step in enumerate(trace.steps):
         if session.window_of(step, ordinal, trace) == window:
             done = judge.groups.get(step.group)
-            if done is not None and not done.stop and step.group not in trace.probe.snapshots:
+            if done is not None and not done.stop and step.group not in trace.snapshots:
                 return done
             return None
     return None
@@ -55,15 +56,13 @@ def _reference_norm(session: Session, trace: Trace, window: int, names: list[str
 
 
 def _last_scale_before(trace: Trace, seq: int) -> float | None:
-    scales = [e.scale for e in trace.events if e.kind == "scale" and e.seq < seq
+    scales = [e.scale for e in trace.events_of(Scale) if e.seq < seq
               and e.scale]
     return scales[-1] if scales else None
 
 
 def violation_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
-    owner = {id(p): slot for slot, opt in enumerate(trace.probe.optimizers)
-             for group in opt.param_groups for p in group["params"]}
-    machine = StepStateMachine(owner)
+    machine = StepStateMachine(trace.parameter_owners())
     violations = machine.feed_all(trace.events)
     findings: list[Finding] = []
     seen: set[str] = set()
@@ -79,7 +78,7 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             seen_norm = v.data.get("total_norm")
             true_norm = _reference_norm(session, trace, window)
             ratio = (seen_norm / true_norm) if seen_norm and true_norm else None
-            by_value = event.clip_kind == "value"
+            by_value = isinstance(event, Clip) and event.clip_kind == "value"
             if by_value:
                 # clip_grad_value_ returns nothing: the threshold is off by the scale itself.
                 ratio = scale
@@ -100,12 +99,12 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             else:
                 message = "clip_grad_norm_ ran before scaler.unscale_ on scaled gradients."
             slot = v.data.get("optimizer")
-            if len(trace.probe.optimizers) > 1 and slot is not None:
+            if len(trace.optimizers) > 1 and slot is not None:
                 evidence["optimizer"] = slot
                 unscaled = sorted({e.optimizer for e in trace.events
-                                   if e.kind == "unscale" and e.seq < event.seq
+                                   if isinstance(e, Unscale) and e.seq < event.seq
                                    and e.optimizer is not None and e.optimizer != slot})
-                message += (f" Optimizer {slot} (of {len(trace.probe.optimizers)}) had not been "
+                message += (f" Optimizer {slot} (of {len(trace.optimizers)}) had not been "
                             "unscaled" + (f" although optimizer(s) {unscaled} had: the clip "
                                           "mixed scaled and true gradients" if unscaled else "")
                             + f"; call scaler.unscale_() on optimizer {slot} before clipping.")
@@ -120,8 +119,8 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                        + " scaler.step() was bypassed, so it was never unscaled nor checked for "
                          "inf.")
         elif v.kind == "update-per-microbatch":
-            updates = len(trace.of_kind("update"))
-            steps = len(trace.of_kind("scaler_step"))
+            updates = len(trace.events_of(Update))
+            steps = len(trace.events_of(ScalerStep))
             evidence.update({"measured": updates, "expected": steps,
                              "updates": updates, "scaler_steps": steps})
             message = (f"scaler.update() ran {updates} times for {steps} scaler.step() calls: "
@@ -183,7 +182,7 @@ def explain_with_calls(mismatch: list[Finding], violations: list[Finding],
 
 
 def skipped_steps(trace: Trace) -> int:
-    return sum(1 for e in trace.of_kind("scaler_step") if e.skipped)
+    return sum(1 for e in trace.events_of(ScalerStep) if e.skipped)
 
 
 def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
@@ -191,9 +190,9 @@ def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
     step = next((s for s in trace.steps if s.seq == event.seq), None)
     if step is None:
         return None
-    snap = trace.probe.snapshots.get(step.group)
+    snap = trace.snapshots.get(step.group)
     names = [n for n in step.grads if n in session.param_shapes]
-    judge = trace.probe.step_judge
+    judge = judged_live(trace)
     done = judge.groups.get(step.group) if judge is not None and snap is None else None
     if done is not None and step.seq in done.grad_squares:
         # judged as it happened: each parameter's squared norm was kept, not the tensors
@@ -204,24 +203,25 @@ def step_ratio(session: Session, trace: Trace, event: Event) -> float | None:
         return None
     ordinal = [s.group for s in trace.steps].index(step.group)
     window = session.window_of(step, ordinal, trace)
-    ref = session.reference(window, snap.state, snap.training, per_mb=False)
-    m = compare.metrics(flat(session, step.grads, names), flat(session, ref.full, names),
+    reference = session.reference(window, snap.state, snap.training, per_mb=False)
+    m = compare.metrics(flat(session, step.grads, names), flat(session, reference.full, names),
                         compare.DEFAULT_TOLERANCES["fp16"])
     return m.ratio if math.isfinite(m.ratio) else None
 
 
-def runtime_double_scaling(session: Session, trace: Trace, rung: str) -> Finding | None:
+def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | None:
     """The loss reaching backward is S x (fp32 loss) x c with c far from 1: a second scale.
 
-    The first backward of both runs happens at identical weights on identical data, so the fp32
-    run's value is the unscaled loss the fp16 run should have multiplied by S only.
+    The first backward of both runs (the fp32 run `fp32` and this one) happens at identical
+    weights on identical data, so the fp32 run's value is the unscaled loss the fp16 run should
+    have multiplied by S only.
     """
-    fp32 = session.trace("fp32")
-    b32 = [e for e in fp32.of_kind("backward") if e.value is not None]
-    b16 = [e for e in trace.of_kind("backward") if e.value is not None and e.scaled_by]
+    b32 = [e for e in fp32.events_of(Backward) if e.value is not None]
+    b16 = [e for e in trace.events_of(Backward) if e.value is not None and e.scaled_by]
     if not b32 or not b16:
         return None
     v32, v16, scale = b32[0].value, b16[0].value, b16[0].scaled_by
+    assert v32 is not None and v16 is not None   # (only backwards whose loss was read)
     if not (v32 and math.isfinite(v32) and math.isfinite(v16) and scale):
         return None
     extra = v16 / (v32 * scale)
@@ -233,10 +233,10 @@ def runtime_double_scaling(session: Session, trace: Trace, rung: str) -> Finding
         f"(fp32 loss {v32:.6g} x scale {scale:g} = {v32 * scale:.6g}, got {v16:.6g}): a second, "
         f"hand-written loss scale sits on top of the GradScaler. Effective scale "
         f"{abs(extra) * scale:.6g}; {skipped_steps(trace)} of "
-        f"{len(trace.of_kind('scaler_step'))} steps were skipped.",
+        f"{len(trace.events_of(ScalerStep))} steps were skipped.",
         evidence={"measured": compare._round(abs(extra) * scale), "expected": scale,
                   "extra_factor": compare._round(abs(extra)), "skipped_steps": skipped_steps(trace),
-                  "scaler_steps": len(trace.of_kind("scaler_step"))},
+                  "scaler_steps": len(trace.events_of(ScalerStep))},
         location=location(_static_scale_site(b16[0].site) or b16[0].site))
 
 
@@ -262,7 +262,8 @@ def _enclosing_function_start(path: str, line: int) -> int:
     import ast
 
     try:
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read())
     except (OSError, SyntaxError, ValueError):
         return line
     start = 1

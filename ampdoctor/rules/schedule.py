@@ -6,10 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-
 from ..findings import Finding, location
 from ..judge import step_groups
-from ..probe.events import Event
+from ..probe.events import OptimizerStep, ScalerStep, SchedulerStep
 from ..session import Session, Trace
 from ..thresholds import LR_RTOL
 
@@ -18,13 +17,13 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     """An LR scheduler stepped more than once between two optimizer steps *and* the learning
     rate the optimizer steps used differs from the schedule's value per optimizer step (a
     constant schedule stepped per micro-batch changes nothing and is fine)."""
-    scheduler_events = trace.of_kind("scheduler")
+    scheduler_events = trace.events_of(SchedulerStep)
     if not scheduler_events:
         return []
     # Window boundaries: every scaler.step (skipped or not) and every direct optimizer.step.
-    boundaries = [e.seq for e in trace.events if e.kind == "scaler_step"
-                  or (e.kind == "step" and not e.via_scaler)]
-    per_scheduler: dict[Any, list[Event]] = {}
+    boundaries = [e.seq for e in trace.events if isinstance(e, ScalerStep)
+                  or (isinstance(e, OptimizerStep) and not e.via_scaler)]
+    per_scheduler: dict[Any, list[SchedulerStep]] = {}
     for e in scheduler_events:
         # one trajectory per scheduler object: two schedulers on one optimizer (warmup + decay)
         # each stepping once per optimizer step are fine
@@ -60,7 +59,8 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     return []
 
 
-def _lr_drift(trace: Trace, events: list[Event], slot: Any) -> tuple[int, float, float] | None:
+def _lr_drift(trace: Trace, events: list[SchedulerStep],
+              slot: Any) -> tuple[int, float, float] | None:
     """The first optimizer step whose learning rate (from this scheduler's own trajectory)
     differs from the value the schedule gives for that optimizer step; None when every step
     used the right value. Step n used the value after the scheduler's c_n steps so far; it should
@@ -70,6 +70,7 @@ def _lr_drift(trace: Trace, events: list[Event], slot: Any) -> tuple[int, float,
     if any(v is None for v in values):
         return None if len({v for v in values if v is not None}) <= 1 else (0, math.nan,
                                                                            math.nan)
+    lrs = [v for v in values if v is not None]   # (every one, here)
     steps = [s for s in trace.steps if slot is None or s.optimizer == slot]
     first_of_group: dict[int, Any] = {}
     for s in steps:
@@ -80,9 +81,9 @@ def _lr_drift(trace: Trace, events: list[Event], slot: Any) -> tuple[int, float,
     offset = used_index[0]
     for n, c in enumerate(used_index):
         meant_index = offset + n
-        if c >= len(values) or meant_index >= len(values):
+        if c >= len(lrs) or meant_index >= len(lrs):
             break
-        used, meant = float(values[c]), float(values[meant_index])
+        used, meant = float(lrs[c]), float(lrs[meant_index])
         if abs(used - meant) > LR_RTOL * max(abs(meant), 1e-30):
             return n, used, meant
     return None

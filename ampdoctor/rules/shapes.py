@@ -14,7 +14,7 @@ from .. import compare
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..loading import micro_batch_counts, micro_batch_size_of
-from ..probe.events import StepRecord
+from ..probe.events import Snapshot, StepRecord
 from ..reference import reference_norm
 from ..session import Session, Trace, flat
 from ..thresholds import VARYING_RATIO_SPREAD
@@ -129,28 +129,30 @@ SIZE_FACTOR_KINDS = {"missing-accumulation-average": "reduction-mismatch",
                       "reduction-mismatch": "missing-accumulation-average"}
 
 
-#: The rung driver's extra fp32 pass: (micro_batches, K, snapshot) -> the first step's
-#: consumed gradients, or None when the loop could not run it.
-Rerun = Callable[[list[Any], int, Any], "dict[str, torch.Tensor | None] | None"]
+#: The rung driver's extra fp32 pass (`ladder.analysis.rerun_for`): (micro_batches, K,
+#: snapshot, label) -> the first step's consumed gradients of the loop run on those
+#: micro-batches at accumulation K from the snapshot, and the reference's there (`label` names
+#: them in an error); None when the loop could not run it.
+Resplit = Callable[[list[Any], int, Snapshot, str],
+                   "tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor | None]] | None"]
 
 
-def disambiguate(session: Session, window: int, snapshot, names: list[str],
-                 rerun: Rerun) -> tuple[str | None, dict[str, Any]]:
+def disambiguate(session: Session, window: int, snapshot: Snapshot, names: list[str],
+                 rerun: Resplit) -> tuple[str | None, dict[str, Any]]:
     """Ask the driver to re-run the first K' = K // 2 micro-batches of the window as one step
     (same micro-batches, so batch statistics do not change) and see whether the gradient's
     factor follows K' (no average) or stays at the micro-batch size (sum reduction)."""
     K2 = max(1, session.K // 2)
     part = session.window(window)[:K2]
     b = micro_batch_size_of(part[0])
-    if K2 == b:
+    if b == K2:
         return None, {}
-    grads = rerun(part, K2, snapshot)
-    if grads is None:
+    passed = rerun(part, K2, snapshot, f"the first {K2} micro-batches of window {window}")
+    if passed is None:
         return None, {}
-    ref = session.reference_for(part, snapshot.state, snapshot.training, per_mb=False,
-                                label=f"the first {K2} micro-batches of window {window}")
+    grads, reference = passed
     ratio = float(torch.linalg.vector_norm(flat(session, grads, names))) / max(
-        float(torch.linalg.vector_norm(flat(session, ref.full, names))), 1e-30)
+        float(torch.linalg.vector_norm(flat(session, reference, names))), 1e-30)
     info = {"accumulation_steps": K2, "micro_batch_size": b, "ratio": compare._round(ratio)}
     if abs(ratio / K2 - 1) < 0.02:
         return "missing-accumulation-average", info

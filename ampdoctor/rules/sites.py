@@ -6,9 +6,8 @@ from __future__ import annotations
 import linecache
 import re
 
-
 from ..probe.callsite import Site
-from ..probe.events import Event
+from ..probe.events import Event, GetScale, Unscale, of_type
 
 
 def grad_division_between(first: Site | None, last: Site | None) -> Site | None:
@@ -34,10 +33,10 @@ NORM_OR_CLIP = re.compile(r"norm|clip", re.I)
 def second_unscale_site(events: list[Event]) -> Site | None:
     """Where gradients were divided by the scale a second time: a `get_scale()` read after
     unscale_ (a hand-written division), else the unscale_ call itself."""
-    unscales = [e for e in events if e.kind == "unscale" and e.enabled]
+    unscales = [e for e in of_type(events, Unscale) if e.enabled]
     if not unscales:
         return None
-    after = [e for e in events if e.kind == "get_scale" and e.seq > unscales[0].seq]
+    after = [e for e in of_type(events, GetScale) if e.seq > unscales[0].seq]
     if not after:
         return unscales[-1].site
     site = after[0].site

@@ -1,0 +1,248 @@
+"""The package's import graph: no cycles, and data flowing one way between the layers.
+
+Every module of ampdoctor/ is parsed with `ast` (nothing is imported). An edge A -> B is any
+`import` / `from ... import` of B in A, relative or absolute, at module level or inside a
+function (an import deferred to a function is still a dependency). Imports under
+`if TYPE_CHECKING:` are annotations only and do not count. `from package import name` is an
+edge to `package.name` when that is a module, else to the package itself; the root package
+(`ampdoctor/__init__.py`, whose public names are imported lazily in `__getattr__`) is reached
+by `from . import __version__` and counts as foundation.
+
+The layers, lowest first; a module may import from its own layer or a lower one, never from a
+higher one (cycles within a layer are caught by the cycle check):
+
+  foundation  pure Python, no torch: errors, safetext, limits, thresholds, the findings types
+              and the kind catalogue, progress, memory, source_snippet, process_state, and the
+              root package (its `__version__`)
+  static      what runs without torch or the user's loop: the spec, the record, the static
+              scan, the report (never any layer above: they must work without torch)
+  maths       tensor maths without a run: compare, rng
+  observe     probe/: the patched torch functions, the typed events, the Trace of one run
+  user code   loading/: the user's code, model, optimizers and data
+  reference   reference/: the fp32 teacher-forced gradients and the clipping the loop meant
+  session     session: the runs of one diagnose (the loop under the probe, its references)
+  judge       the judge: consumed gradient against the reference -> numbers and verdicts
+  explain     rules/: why a step is off (kind, numbers, file:line)
+  ladder      ladder/ (one module per rung, the driver of the extra passes a rule asks for)
+              and ddp/ (the ddp-sync rung's processes, each a small rung driver)
+  drivers     runner, api: one diagnose end to end
+  entry       cli/ (one module per command), supervise (+ its records), worker, pytest_plugin, __main__
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = "ampdoctor"
+ROOT = Path(__file__).resolve().parents[1] / PACKAGE
+
+#: Layer name -> the modules in it (a name ending in ".*" covers a package and its modules).
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundation", ("ampdoctor", "ampdoctor.errors", "ampdoctor.safetext", "ampdoctor.limits",
+                    "ampdoctor.thresholds", "ampdoctor.findings", "ampdoctor.findings.*",
+                    "ampdoctor.kinds", "ampdoctor.progress", "ampdoctor.memory",
+                    "ampdoctor.source_snippet", "ampdoctor.process_state")),
+    ("static", ("ampdoctor.spec", "ampdoctor.spec_yaml", "ampdoctor.record", "ampdoctor.record_model",
+                "ampdoctor.init_spec", "ampdoctor.scan.*", "ampdoctor.report.*")),
+    ("maths", ("ampdoctor.compare", "ampdoctor.rng")),
+    ("observe", ("ampdoctor.probe.*",)),
+    ("user code", ("ampdoctor.loading.*",)),
+    ("reference", ("ampdoctor.reference.*",)),
+    ("session", ("ampdoctor.session", "ampdoctor.dtype_errors")),
+    ("judge", ("ampdoctor.judge", "ampdoctor.judge_step", "ampdoctor.judge_live")),
+    ("explain", ("ampdoctor.rules.*",)),
+    ("ladder", ("ampdoctor.ladder.*", "ampdoctor.ddp.*")),
+    ("drivers", ("ampdoctor.runner", "ampdoctor.api")),
+    ("entry", ("ampdoctor.cli.*", "ampdoctor.supervise", "ampdoctor.supervise_records",
+               "ampdoctor.worker",
+               "ampdoctor.pytest_plugin", "ampdoctor.__main__")),
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement of a module, at any depth, but those under `if TYPE_CHECKING:`."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+            continue
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom,
+             known: set[str]) -> set[str]:
+    """The ampdoctor modules one import statement depends on."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in known}
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    if source != PACKAGE and not source.startswith(PACKAGE + "."):
+        return set()
+    out = set()
+    for alias in node.names:
+        child = f"{source}.{alias.name}"
+        if child in known:
+            out.add(child)
+        elif source in known:
+            out.add(source)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        edges: set[str] = set()
+        for node in _imports(tree):
+            edges |= _targets(name, path.name == "__init__.py", node, known)
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules of each strongly connected component of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components: list[list[str]] = []
+    counter = [0]
+
+    def strongconnect(v: str) -> None:
+        # iterative Tarjan: (node, iterator over its successors)
+        work = [(v, iter(sorted(graph[v])))]
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        while work:
+            node, successors = work[-1]
+            advanced = False
+            for w in successors:
+                if w not in index:
+                    index[w] = low[w] = counter[0]
+                    counter[0] += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                    advanced = True
+                    break
+                if w in on_stack:
+                    low[node] = min(low[node], index[w])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.append(w)
+                    if w == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return components
+
+
+def _path_in(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """A cycle through the component's first module, found breadth first inside it."""
+    members = set(component)
+    start = component[0]
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for w in sorted(graph[node] & members):
+                if w == start:   # node -> start closes the cycle: walk back to start
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return list(reversed(path)) + [start]
+                if w not in parents:
+                    parents[w] = node
+                    following.append(w)
+        frontier = following
+    return component
+
+
+def layer_of(module: str) -> int:
+    for rank, (_, patterns) in enumerate(LAYERS):
+        for pattern in patterns:
+            if pattern.endswith(".*"):
+                package = pattern[:-2]
+                if module == package or module.startswith(package + "."):
+                    return rank
+            elif module == pattern:
+                return rank
+    raise AssertionError(f"{module} is in no layer of tests/test_architecture.py: add it to "
+                         "LAYERS where it belongs")
+
+
+def test_the_graph_sees_relative_absolute_and_function_level_imports():
+    graph = import_graph()
+    assert "ampdoctor.probe.recorder" in graph["ampdoctor.ladder.deadline"]     # from ..probe
+    assert "ampdoctor.scan.sites" in graph["ampdoctor.scan.graph"]             # absolute
+    assert "ampdoctor.ladder" in graph["ampdoctor.runner"]                     # in a function
+    assert "ampdoctor" in graph["ampdoctor.runner"]                  # from . import __version__
+    assert "ampdoctor.api" not in graph["ampdoctor"]      # TYPE_CHECKING and lazy __getattr__
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles:\n" + "\n".join(
+        " -> ".join(_path_in(graph, c)) + f"   (modules in the cycle: {', '.join(c)})"
+        for c in cycles)
+
+
+def test_every_module_has_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_imports_only_go_down_the_layers():
+    graph = import_graph()
+    against = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer_of(target) > layer_of(module):
+                against.append(f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
+                               f"({LAYERS[layer_of(target)][0]})")
+    assert not against, "imports against the flow of data:\n" + "\n".join(against)
