@@ -1,6 +1,7 @@
 """The catalogue of diagnosis kinds (`KINDS`, by name `CATALOGUE`): what each means, why it
 matters and how to fix it (`ampdoctor explain KIND` prints it), and the rule table (`RULES`):
-where each kind is decided and what its `evidence.measured` counts.
+what each kind's `evidence.measured` counts and its one decider (`decided_in`, an importable
+`module:function` in `ampdoctor.deciders`).
 
 This module must not import torch: `report` and `explain` run without it.
 """
@@ -366,56 +367,62 @@ CATALOGUE: dict[str, Kind] = {k.name: k for k in KINDS}
 @dataclass(frozen=True)
 class Rule:
     """Where a kind is decided and what its `evidence.measured` counts (the rule table: find a
-    kind here, then open the one file named)."""
+    kind here, then open its decider)."""
 
     kind: str
     measured: str
+    #: the one function that builds this kind's findings, importable as `module:function`
     decided_in: str
 
 
-#: kind -> rule, the way ruff keeps one code -> rule table. The judge (`ampdoctor/judge.py`)
-#: decides that an update is wrong; the rule named here says which shape the mismatch has (or,
-#: for a rung that judges a trajectory or a count of messages, measures it).
+#: kind -> rule, the way ruff keeps one code -> rule table. Each kind has one decider (in
+#: `ampdoctor/deciders.py`) that every path reaching the kind calls with what it observed; grep
+#: the decider's name (`deciders.double_average`) for those paths. The judge
+#: (`ampdoctor/judge.py`) decides that an update is wrong; the rules under `rules/` say which
+#: shape the mismatch has (or, for a rung that judges a trajectory or a count of messages, the
+#: rung measures it). tests/test_rules_table.py checks, by reading the source, that each kind's
+#: findings are built in its decider and nowhere else.
 RULES: dict[str, Rule] = {r.kind: r for r in [
     Rule("nondeterministic-baseline", "relative difference of two fp32 runs at the same weights",
-         "ladder/reproducibility.py run"),
+         "ampdoctor.deciders:nondeterministic_baseline"),
     Rule("missing-accumulation-average", "consumed / reference gradient norm (K)",
-         "rules/accumulation.py classify_step"),
+         "ampdoctor.deciders:missing_accumulation_average"),
     Rule("double-average", "consumed / reference gradient norm (1/K; under DDP 1/world_size)",
-         "rules/accumulation.py classify_step; ladder/ddp_sync.py _judge"),
+         "ampdoctor.deciders:double_average"),
     Rule("reduction-mismatch", "consumed / reference gradient norm (b, a token count)",
-         "rules/accumulation.py classify_step; rules/shapes.py varying_divisor"),
+         "ampdoctor.deciders:reduction_mismatch"),
     Rule("weighted-average-mismatch", "consumed / reference gradient norm",
-         "rules/accumulation.py classify_step"),
+         "ampdoctor.deciders:weighted_average_mismatch"),
     Rule("step-per-microbatch", "optimizer steps for the run's windows",
-         "rules/counts.py step_count_finding"),
+         "ampdoctor.deciders:step_per_microbatch"),
     Rule("zero-grad-inside-accumulation", "micro-batches of the window that reached the step",
-         "rules/accumulation.py classify_step"),
+         "ampdoctor.deciders:zero_grad_inside_accumulation"),
     Rule("missing-no-sync", "syncs per window (bytes), the backward that synced, rank drift",
-         "ladder/ddp_sync.py _judge"),
+         "ampdoctor.deciders:missing_no_sync"),
     Rule("half-open-amp", "autocast entered/enabled (dtype)",
-         "ladder/amp.py half_open_findings; ladder/fp32_accum.py _autocast_in_fp32; "
-         "ladder/casts.py weight_cast_finding"),
+         "ampdoctor.deciders:half_open_amp"),
     Rule("clip-before-unscale", "norm the clip saw / true norm (the loss scale S)",
-         "rules/shapes.py clip_in_scaled_space; reference/clips.py clip_calls"),
+         "ampdoctor.deciders:clip_before_unscale"),
     Rule("missing-unscale", "consumed / reference gradient norm (S); steps on non-finite grads",
-         "rules/scale_state.py violation_findings; ladder/skips.py run"),
+         "ampdoctor.deciders:missing_unscale"),
     Rule("unscale-twice", "unscale_ calls per step, or consumed / reference (1/S)",
-         "rules/loop_errors.py loop_error_finding; rules/accumulation.py classify_step"),
+         "ampdoctor.deciders:unscale_twice"),
     Rule("update-per-microbatch", "scale backoffs for one overflowing window",
-         "rules/scale_state.py violation_findings; ladder/skips.py run"),
+         "ampdoctor.deciders:update_per_microbatch"),
     Rule("double-scaling", "effective loss scale; loss-scale owners on one path",
-         "rules/scale_state.py runtime_double_scaling; ladder/double_scaling.py evaluate"),
+         "ampdoctor.deciders:double_scaling"),
     Rule("scheduler-per-microbatch", "scheduler steps per optimizer step (LR off the schedule)",
-         "rules/schedule.py scheduler_findings"),
+         "ampdoctor.deciders:scheduler_per_microbatch"),
     Rule("scheduler-steps-on-skip", "scheduler steps for the real optimizer steps",
-         "ladder/skips.py run"),
+         "ampdoctor.deciders:scheduler_steps_on_skip"),
     Rule("no-zero-grad-after-skip", "windows skipped after the injected one",
-         "ladder/skips.py run, _skip_path_left_open"),
-    Rule("frequent-skips", "fraction of fp16 steps skipped", "ladder/skips.py _frequent_skips"),
+         "ampdoctor.deciders:no_zero_grad_after_skip"),
+    Rule("frequent-skips", "fraction of fp16 steps skipped",
+         "ampdoctor.deciders:frequent_skips"),
     Rule("missing-zero-grad", "parameters whose .grad carried over a step",
-         "rules/accumulation.py classify_step; rules/shapes.py carried_over"),
+         "ampdoctor.deciders:missing_zero_grad"),
     Rule("gradient-mismatch", "consumed / reference gradient norm, first bad step",
-         "rules/accumulation.py classify_step"),
-    Rule("loop-error", "the exception the loop raised", "rules/loop_errors.py loop_error_finding"),
+         "ampdoctor.deciders:gradient_mismatch"),
+    Rule("loop-error", "the exception the loop raised",
+         "ampdoctor.deciders:loop_error"),
 ]}

@@ -93,6 +93,17 @@ def _close_ladder(record: dict[str, Any], rung: str, summary: str,
     record["verdict"] = "error"
 
 
+def _loop_error(rung: str, message: str, evidence: dict[str, Any],
+                location: dict[str, Any] | None, title: str, fix: str) -> dict[str, Any]:
+    """The `loop-error` finding of a child that hung or died, as its record holds it (the keys
+    of a finding the child would have written itself)."""
+    from .deciders import Observed, loop_error
+    from .findings import Location
+    seen = Observed(rung, "error", message, evidence=evidence,
+                    location=Location(**location) if location else None, title=title, fix=fix)
+    return loop_error(seen).to_dict()
+
+
 def hung_record(watch: Watch, elapsed: float, stacks: str) -> dict[str, Any]:
     """The record of a run killed at its hard bound: the rungs that finished, the stopped one
     as a loop-error saying the loop did not stop, where it was, and the rest not run."""
@@ -130,12 +141,11 @@ def hung_record(watch: Watch, elapsed: float, stacks: str) -> dict[str, Any]:
                f"never returns), so the process running it was killed after {elapsed:.0f} s."
                f"{where}{seen} A loop that never ends or a very slow one: raise `{key}` in "
                f"the spec if it is only slow.")
-    finding = {"rung": watch.phase, "kind": "loop-error", "severity": "error",
-               "title": "The loop did not stop", "message": message,
-               "fix": "Let the loop end: no bare `except:` around the training step, no "
-                      "signal handlers of its own during the triage; raise the timeout if it "
-                      "is only slow.",
-               "location": location, "evidence": evidence}
+    finding = _loop_error(watch.phase, message, evidence, location,
+                          title="The loop did not stop",
+                          fix="Let the loop end: no bare `except:` around the training step, "
+                              "no signal handlers of its own during the triage; raise the "
+                              "timeout if it is only slow.")
     _close_ladder(record, watch.phase, f"the loop did not stop; killed after {elapsed:.0f} s",
                   finding)
     return record
@@ -158,11 +168,10 @@ def died_record(watch: Watch) -> dict[str, Any]:
     if phase in ("starting", "loading", "finishing"):
         record["error"] = {"type": "UserCodeError", "message": message, "exit_code": 3}
         return record
-    finding = {"rung": phase, "kind": "loop-error", "severity": "error",
-               "title": "The process running the loop died", "message": message,
-               "fix": "Run the loop alone to see the crash (a segfault in an extension, the "
-                      "out-of-memory killer in the system log).",
-               "location": None, "evidence": {"measured": None, "expected": None,
-                                              "exit_status": code}}
+    finding = _loop_error(phase, message, {"measured": None, "expected": None,
+                                            "exit_status": code}, None,
+                          title="The process running the loop died",
+                          fix="Run the loop alone to see the crash (a segfault in an "
+                              "extension, the out-of-memory killer in the system log).")
     _close_ladder(record, phase, f"the process {how}", finding)
     return record

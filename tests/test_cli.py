@@ -107,6 +107,21 @@ def test_explain_every_kind():
     assert "clip-before-unscale" in result.stderr
 
 
+def test_explain_list_json_gives_every_kind_and_its_decider():
+    import importlib
+    result = run_cli("explain", "--list", "--json")
+    assert result.returncode == 0
+    entries = json.loads(result.stdout)
+    assert [e["kind"] for e in entries] == list(CATALOGUE)
+    for entry in entries:
+        assert set(entry) == {"kind", "title", "why", "example", "fix", "measured", "decided_in"}
+        module, _, function = entry["decided_in"].partition(":")
+        assert callable(getattr(importlib.import_module(module), function))
+    shown = run_cli("explain", "double-average")
+    assert "ampdoctor.deciders:double_average" in shown.stdout
+    assert run_cli("explain", "double-average", "--list").returncode == 2
+
+
 def test_missing_spec_file_is_exit_2(tmp_path):
     result = run_cli("diagnose", tmp_path / "nope.yaml")
     assert result.returncode == 2

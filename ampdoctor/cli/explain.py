@@ -17,12 +17,20 @@ def explain(
     kind: str | None = typer.Argument(None, help="A diagnosis kind, e.g. clip-before-unscale "
                                       "(none: list every kind)."),
     json_out: bool = typer.Option(False, "--json", help="Print the explanation as JSON."),
+    list_all: bool = typer.Option(False, "--list", help="List every kind (with --json: every "
+                                  "kind's full entry, `decided_in` included)."),
 ) -> None:
     """Explain a diagnosis kind: what it is, why it matters, how to fix it."""
     from rich.text import Text
 
     known = explanations()
     console = Console()
+    if list_all and kind is not None:
+        raise typer.Exit(fail(UsageError(f"--list lists every kind: give it no KIND (got "
+                                         f"{kind!r})"), False))
+    if list_all and json_out:
+        sys.stdout.write(json.dumps(list(known.values()), indent=2) + "\n")
+        return
     if kind is None:
         if json_out:
             sys.stdout.write(json.dumps({k: e["title"] for k, e in known.items()}, indent=2)
@@ -44,8 +52,7 @@ def explain(
     # headings are ampdoctor's markup; the texts are printed literally
     sections = [(f"{found['kind']}", found["title"]), ("Why is this bad?", found["why"]),
                 ("Example", found["example"]), ("Fix", found["fix"])]
-    if found["decided_in"] is not None:    # a rule decides the kind
-        sections += [("Measured", found["measured"]), ("Decided in", found["decided_in"])]
+    sections += [("Measured", found["measured"]), ("Decided in", found["decided_in"])]
     for heading, body in sections:
         if body:
             console.print(Text(heading, style="bold"))
@@ -54,14 +61,14 @@ def explain(
 
 def explanations() -> dict[str, dict[str, Any]]:
     """Every diagnosis kind, in the catalogue's order, as `explain KIND --json` prints it: the
-    catalogue's texts and, when a rule decides the kind, what it measures and the file that
-    decides it. The one place the command reads the kind registry (`findings`)."""
+    catalogue's texts, what its `evidence.measured` counts and its one decider (`decided_in`,
+    an importable `module:function`). The one place the command reads the kind registry
+    (`findings`)."""
     from ..findings import CATALOGUE, RULES
     known: dict[str, dict[str, Any]] = {}
     for name, entry in CATALOGUE.items():
-        rule = RULES.get(name)
+        rule = RULES[name]
         known[name] = {"kind": entry.name, "title": entry.title, "why": entry.why,
                        "example": entry.example, "fix": entry.fix,
-                       "measured": rule.measured if rule else None,
-                       "decided_in": f"ampdoctor/{rule.decided_in}" if rule else None}
+                       "measured": rule.measured, "decided_in": rule.decided_in}
     return known

@@ -13,7 +13,9 @@ from typing import Any
 
 import torch
 
+from .. import deciders
 from ..compare import _round as compare_round
+from ..deciders import Observed
 from ..findings import Finding, RungResult, conclude
 from ..judge import tolerance
 from ..probe.callsite import Site
@@ -70,46 +72,42 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                  else loop_location(session, AUTOCAST_TEXT))
         seen = (f"autocast was entered {len(on_device)} time(s) but never enabled"
                 if on_device else "autocast was never entered")
-        findings.append(Finding(
-            rung, "half-open-amp", "error",
+        findings.append(deciders.half_open_amp(Observed(rung, "error",
             f"The {precision} run asked for autocast({want}) but {seen} on "
             f"{session.device.type}: every forward ran in fp32, so this 'mixed precision' run "
             "is really fp32" + (" with a loss scaler on top." if scalers else "."),
             evidence={"measured": 0, "expected": 1, "autocast_entered": len(on_device),
                       "autocast_enabled": 0, "scaler_enabled": bool(scalers)},
-            location=where))
+            location=where)))
     else:
         wrong = [e for e in enabled if e.dtype != want]
         if wrong:
             e = wrong[0]
-            findings.append(Finding(
-                rung, "half-open-amp", "error",
+            findings.append(deciders.half_open_amp(Observed(rung, "error",
                 f"The {precision} run entered autocast with dtype {e.dtype}, not "
                 f"{want}: the loop ignores run.autocast_dtype"
                 + (" and runs fp16 without the scaler it needs." if e.dtype == "float16"
                    and not scalers else "."),
                 evidence={"measured": e.dtype, "expected": want},
-                location=location(e.site)))
+                location=location(e.site))))
     if precision == "bf16" and scalers:
         scaler = scalers[0]
-        findings.append(Finding(
-            rung, "half-open-amp", "warning",
+        findings.append(deciders.half_open_amp(Observed(rung, "warning",
             "A GradScaler is enabled in the bf16 run. bf16 has fp32's exponent range and needs no "
             "loss scaling: the scaler only multiplies and divides, and its skipped steps hide real "
             "overflow. Enable it for fp16 only.",
             evidence={"measured": "enabled", "expected": "disabled",
                       "scale": (getattr(scaler, "init_scale", None)
                                 or getattr(scaler, "scale", None))},
-            location=location(scaler.site)))
+            location=location(scaler.site))))
     if precision == "fp16" and enabled and not scalers and not findings:
         e = enabled[0]
         inits = trace.events_of(ScalerInit)
-        findings.append(Finding(
-            rung, "half-open-amp", "error",
+        findings.append(deciders.half_open_amp(Observed(rung, "error",
             "The fp16 run enters autocast(float16) but no enabled GradScaler scales the loss: "
             "small fp16 gradients underflow to zero and overflow is never detected.",
             evidence={"measured": "no enabled scaler", "expected": "GradScaler enabled"},
-            location=location(inits[0].site if inits else e.site)))
+            location=location(inits[0].site if inits else e.site))))
     return findings
 
 
@@ -125,7 +123,7 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
         first = direct[0]
         ratio = step_ratio(session, trace, first)
         scale = next((e.scale for e in trace.events_of(Scale) if e.scale), None)
-        return Finding(rung, "missing-unscale", "error",
+        return deciders.missing_unscale(Observed(rung, "error",
                        f"optimizer.step() was called directly, never scaler.step(): the step "
                        f"applied gradients still multiplied by the loss scale {scale:g}"
                        + (f" ({ratio:.6g}x the reference)" if ratio else "")
@@ -134,13 +132,13 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
                        evidence={"measured": compare_round(ratio) if ratio else None,
                                  "expected": 1.0, "scale": scale,
                                  "error": exc_text(exc)},
-                       location=location(first.site))
+                       location=location(first.site)))
     if refused_update:
         updates = [e for e in trace.events_of(Update) if e.error is not None]
         site: Site | None = updates[-1].site if updates else trace.error_site
         last_step = max((e.seq for e in trace.events_of(ScalerStep)), default=-1)
         early = [e for e in trace.events_of(Update) if e.seq > last_step]
-        return Finding(rung, "update-per-microbatch", "error",
+        return deciders.update_per_microbatch(Observed(rung, "error",
                        "scaler.update() was called again before any unscale_/step of the window: "
                        "torch refused it ('No inf checks were recorded prior to update'). The "
                        "scale must be updated once per optimizer step, not per micro-batch.",
@@ -149,7 +147,7 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
                                  "error": exc_text(exc),
                                  "microbatch": (trace.events[-1].microbatch if trace.events
                                                 else None)},
-                       location=location(site))
+                       location=location(site)))
     return loop_error_finding(trace, rung)
 
 

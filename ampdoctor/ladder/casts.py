@@ -13,6 +13,8 @@ from __future__ import annotations
 import inspect
 import re
 
+from .. import deciders
+from ..deciders import Observed
 from ..errors import exc_text
 from ..findings import Finding, Location, location
 from ..session import Session, Trace
@@ -65,8 +67,7 @@ def weight_cast_finding(session: Session, trace: Trace, rung: str) -> Finding | 
             " Small updates round away in low-precision weights.")
     error = (f" The loop then raised {exc_text(trace.error, 300).rstrip('.')}."
              if trace.error is not None else "")
-    return Finding(
-        rung, "half-open-amp", "error",
+    return deciders.half_open_amp(Observed(rung, "error",
         f"The {trace.precision} run cast the model's weights to {dtype}{call}: "
         f"{len(cast.names)} of {cast.parameters} trainable parameter tensor(s) ({names}) were "
         f"{dtype} when the loop returned, so the optimizer updates {dtype} weights with no fp32 "
@@ -78,4 +79,4 @@ def weight_cast_finding(session: Session, trace: Trace, rung: str) -> Finding | 
                   "expected": "float32", "parameters_cast": len(cast.names),
                   "parameters": cast.parameters, "cast": list(cast.names[:10]),
                   "precision": trace.precision},
-        location=where)
+        location=where))

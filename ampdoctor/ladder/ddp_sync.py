@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .. import deciders
 from ..ddp import launch
+from ..deciders import Observed
 from ..errors import LaunchError
-from ..findings import Finding, Location, RungResult, conclude, location
+from ..findings import Location, RungResult, conclude, location
 from ..probe.callsite import Site
 from ..spec import to_wire
 from ..thresholds import WORLD_SIZE_RATIO_RTOL
@@ -74,12 +76,12 @@ def _rank_error(results: dict[int, dict[str, Any]], world_size: int, timeout_s: 
         err = min(errors, key=lambda r: (r.get("error_time", float("inf")), r["rank"]))
         where = _loc(err.get("error_site"))
         return RungResult(RUNG, "fail", f"the loop raised on rank {err['rank']} under DDP", [
-            Finding(RUNG, "loop-error", "error",
+            deciders.loop_error(Observed(RUNG, "error",
                     f"The loop raised on rank {err['rank']} of {world_size} in the DDP run: "
                     f"{err['error']}. Every other rank was stopped.",
                     evidence={"error": err["error"], "rank": err["rank"],
                               "world_size": world_size},
-                    location=where)])
+                    location=where))])
     missing = sorted(set(range(world_size)) - {r for r, v in results.items() if not v.get("hung")})
     if not missing:
         return None
@@ -105,11 +107,11 @@ def _rank_error(results: dict[int, dict[str, Any]], world_size: int, timeout_s: 
         text += (f"; rank(s) {', '.join(map(str, waiting))} had left the loop and waited for "
                  "the others")
     return RungResult(RUNG, "fail", f"the DDP run did not finish within {timeout_s:g} s", [
-        Finding(RUNG, "loop-error", "error", text + ".",
+        deciders.loop_error(Observed(RUNG, "error", text + ".",
                 evidence={"measured": len(in_loop or missing), "expected": 0,
                           "ranks_in_the_loop": in_loop, "ranks_past_the_loop": waiting,
                           "timeout_s": timeout_s, "world_size": world_size},
-                location=location(site))])
+                location=location(site)))])
 
 
 def _window_positions(synced: list[int], backwards: int,
@@ -198,8 +200,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                        "too." if r0["no_syncs"] else
                        f" The first K-1={per_window - 1} micro-batches of each window need "
                        f"{words['switch']}.")
-        finding = Finding(
-            RUNG, "missing-no-sync", "error",
+        finding = deciders.missing_no_sync(Observed(RUNG, "error",
             f"{words['who']} {words['verb']} gradients on {len(synced_backwards)} of "
             f"{len(r0['backwards'])} "
             f"backward passes for {windows} optimizer steps ({per_step:.3g} per step): "
@@ -210,7 +211,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                       "bytes_per_window": round(total_bytes / windows),
                       "minimum_bytes_per_window": one_sync_bytes,
                       "world_size": world_size},
-            location=where)
+            location=where))
         return conclude(RUNG, [finding], "", details)
 
     # 2. what every rank consumed
@@ -242,16 +243,14 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     if first and ratio != first["ratio"]:
         evidence["ratio_before_clip"] = round(ratio, 6)
     if not synced_backwards:
-        finding = Finding(
-            RUNG, "gradient-mismatch", "error",
+        finding = deciders.gradient_mismatch(Observed(RUNG, "error",
             f"{words['who']} never {words['verb']} a gradient: every backward ran with "
             f"{words['switch']}, so each rank stepped on its own shard and the ranks' "
             f"parameters ended {r0.get('parameter_difference', 0):.3g} apart (relative).",
             evidence={"measured": 0, "expected": windows, **evidence},
-            location=_switch_site(r0))
+            location=_switch_site(r0)))
     elif wrong_position:
-        finding = Finding(
-            RUNG, "missing-no-sync", "error",
+        finding = deciders.missing_no_sync(Observed(RUNG, "error",
             f"{words['who']} {words['verb']} once per window, but on backward "
             f"{wrong_position[0]} of {per_window}, not the last: the later micro-batches' "
             "gradients stayed rank-local and out of the window's update. "
@@ -262,7 +261,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                f"global batch (cosine {first['cosine']:.4f}) at step {evidence['step']}."),
             evidence={"measured": wrong_position[0], "expected": per_window,
                       "synced_backward_in_window": positions, **evidence},
-            location=_switch_site(r0) or _loc(r0["backwards"][synced_backwards[0] - 1]))
+            location=_switch_site(r0) or _loc(r0["backwards"][synced_backwards[0] - 1])))
     elif apart:
         # One sync per window, on its last backward, yet the ranks consumed different
         # gradients: the loop does something per rank (a clip, a scale, a branch on rank).
@@ -275,24 +274,22 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                  else _loc(r0["judged"][apart[0]]["site"]) if r0["judged"] else None)
         how = (f" Rank 0 and rank {other['rank']} part ways at {parted[0]} "
                f"({parted[1][0]}:{parted[1][1]})." if parted and parted[1] else "")
-        finding = Finding(
-            RUNG, "gradient-mismatch", "error",
+        finding = deciders.gradient_mismatch(Observed(RUNG, "error",
             f"The ranks consumed different gradients ({max(diffs):.3g} apart, relative, first "
             f"at step {apart[0]}) although {words['who']} {words['verb']} once per window on "
             "its last backward: something in the loop is rank-dependent (a clip, a scale or a "
             "branch on the rank), so the ranks' parameters drift apart "
             f"({r0.get('parameter_difference', 0):.3g} after the run).{how}",
             evidence={"measured": round(max(diffs), 6), "expected": 0.0, **evidence},
-            location=where)
+            location=where))
     elif first and abs(ratio * world_size - 1) <= WORLD_SIZE_RATIO_RTOL and first["cosine"] > 0.99:
-        finding = Finding(
-            RUNG, "double-average", "error",
+        finding = deciders.double_average(Observed(RUNG, "error",
             f"Every rank consumed {ratio:.4g}x the reference gradient of the global "
             f"batch: 1/world_size (={1 / world_size:g}). {words['who']} already averages "
             "gradients over "
             "the ranks; the loss is divided by the world size on top of that.",
             evidence={"measured": round(ratio, 6), "expected": 1.0, **evidence},
-            location=_loc(r["backwards"][0]) if r["backwards"] else None)
+            location=_loc(r["backwards"][0]) if r["backwards"] else None))
     else:
         # The ranks agree and synced right, but their update is off the reference in another
         # shape: the rank's own rules named it (compare_trace explains every first bad step).
@@ -300,6 +297,6 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
         data["rung"] = RUNG
         data["location"] = Location(**data["location"]) if data.get("location") else None
         data["evidence"] = {**data.get("evidence", {}), "rank": rank, "world_size": world_size}
-        finding = Finding(**data)
+        finding = deciders.from_dict(data)
     return conclude(RUNG, [finding], "", details)
 

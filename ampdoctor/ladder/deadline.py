@@ -14,8 +14,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from .. import deciders
+from ..deciders import Observed
 from ..errors import AmpdoctorInterrupt
-from ..findings import Finding, RungResult, location
+from ..findings import RungResult, location
 from ..probe import recorder
 
 #: Seconds between repeated alarms once the deadline has passed.
@@ -68,10 +70,10 @@ def timeout_result(rung: str, session, exc: RungTimeout) -> RungResult:
                 f"backward pass(es).")
         evidence.update(last_event=last.kind, backwards=last.backwards,
                         microbatch=last.microbatch)
-    finding = Finding(rung, "loop-error", "error",
+    finding = deciders.loop_error(Observed(rung, "error",
                       f"The {rung} rung did not finish within timeout_s = {seconds:g} s and was "
                       f"stopped.{where}{seen} A loop that never ends (a `while True` without "
                       "its exit, an iterator that never runs out) or a very slow one: raise "
                       "`timeout_s` in the spec if it is only slow.",
-                      evidence=evidence, location=location(site))
+                      evidence=evidence, location=location(site)))
     return RungResult(rung, "fail", f"stopped after {seconds:g} s (timeout_s)", [finding])

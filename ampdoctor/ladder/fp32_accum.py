@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .. import compare
+from .. import compare, deciders
+from ..deciders import Observed
 from ..findings import Finding, RungResult, Severity, conclude
 from ..probe.events import AutocastEntered, Backward
 from ..session import Session
@@ -39,22 +40,21 @@ def run(session: Session) -> RungResult:
     taken, total = trace.microbatches_taken, len(session.micro_batches)
     if taken == 0:
         backwards = trace.events_of(Backward)
-        finding = Finding(
-            RUNG, "loop-error", "error",
+        finding = deciders.loop_error(Observed(RUNG, "error",
             f"The fp32 loop never took a micro-batch from `micro_batches` (0 of {total}) but ran "
             f"{len(backwards)} backward pass(es) and {len(trace.steps)} optimizer step(s): it "
             "builds its own data, so nothing it does can be compared with the reference. "
             "Iterate the `micro_batches` argument ampdoctor hands to train_loop.",
             evidence={"measured": 0, "expected": total, "backwards": len(backwards),
                       "optimizer_steps": len(trace.steps)},
-            location=location(backwards[0].site if backwards else None))
+            location=location(backwards[0].site if backwards else None)))
         return RungResult(RUNG, "fail", "the loop ignores `micro_batches`", [finding])
     if not trace.steps:
-        finding = Finding(RUNG, "gradient-mismatch", "error",
+        finding = deciders.gradient_mismatch(Observed(RUNG, "error",
                           f"The fp32 loop took {taken} of {total} micro-batches and never called "
                           "optimizer.step().",
                           evidence={"measured": 0, "expected": session.N,
-                                    "microbatches_taken": taken})
+                                    "microbatches_taken": taken}))
         return RungResult(RUNG, "fail", "the loop never stepped the optimizer", [finding])
     steps_per_optimizer = Counter(s.optimizer for s in trace.steps)
     most = max(steps_per_optimizer.values())
@@ -63,15 +63,14 @@ def run(session: Session) -> RungResult:
         # leftover `return`/`break`) or its window condition never fires for the last windows.
         # (One optimizer stepping less often than another, a GAN's n_critic, is not this.)
         last = trace.steps[-1]
-        finding = Finding(
-            RUNG, "gradient-mismatch", "error",
+        finding = deciders.gradient_mismatch(Observed(RUNG, "error",
             f"The fp32 loop took {most} optimizer step(s) for the {session.N} windows of "
             f"K={session.K} micro-batches in the spec (it took {taken} of {total} "
             "micro-batches): it stops early or never steps for the last windows, so those "
             "windows' data never reaches the model.",
             evidence={"measured": most, "expected": session.N, "microbatches_taken": taken,
                       "microbatches": total},
-            location=location(last.site))
+            location=location(last.site)))
         return RungResult(RUNG, "fail", f"{most} optimizer step(s) for {session.N} windows",
                           [finding] + findings)
     mismatch, judgement = compare_trace(session, trace, RUNG, "fp32")
@@ -119,5 +118,5 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
                    "here, but the loop ignores the precision it is asked for.")
         severity = "warning"
     # the line that chose the dtype: where the autocast was built, if not where it was entered
-    return Finding(RUNG, "half-open-amp", severity, message, evidence=evidence,
-                   location=location(first.created_at or first.site))
+    return deciders.half_open_amp(Observed(RUNG, severity, message, evidence=evidence,
+                   location=location(first.created_at or first.site)))

@@ -8,7 +8,8 @@ optimizer step: the repeat run is stopped there (the whole first run is fp32-acc
 
 from __future__ import annotations
 
-from .. import compare
+from .. import compare, deciders
+from ..deciders import Observed
 from ..findings import Finding, RungResult, status_from_findings
 from ..session import Session, WeightsCast
 from .analysis import location
@@ -38,13 +39,13 @@ def _nondeterministic(session: Session, what: str, m: compare.Metrics,
     else:
         named = " No dropout-like layer was found: the loss or the loop draws random numbers."
         site = None
-    return Finding(RUNG, "nondeterministic-baseline", "error",
+    return deciders.nondeterministic_baseline(Observed(RUNG, "error",
                    f"{what} differ by {m.rel_err:.3g} (relative) under a different RNG state "
                    f"(cosine {m.cosine:.5f}).{named}",
                    evidence={"measured": compare._round(m.rel_err), "expected": 0.0,
                              "tolerance": REPEAT_TOLERANCE.rtol, "cosine": compare._round(m.cosine),
                              "random_modules": modules},
-                   location=location(site))
+                   location=location(site)))
 
 
 def run(session: Session) -> RungResult:

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from .. import compare
+from .. import compare, deciders
+from ..deciders import Observed
 from ..findings import Finding, RungResult, conclude
 from ..probe.events import (
     Backward,
@@ -181,8 +182,7 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     if not (never_settled or unsettled or collapsed):
         return None
     site = inits[0].site if inits else (skipped[0].site if skipped else None)
-    return Finding(
-        RUNG, "frequent-skips", "warning",
+    return deciders.frequent_skips(Observed(RUNG, "warning",
         f"The fp16 run skipped {len(skipped)} of {len(steps)} optimizer steps "
         f"({rate:.0%}, threshold {SKIP_RATE_THRESHOLD:.0%})"
         + (f" and the scale fell to {min(scales):g}" if collapsed else "")
@@ -193,7 +193,7 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
                   "skipped_after_first_update": skipped_after,
                   "steps": len(steps), "scale": scales,
                   "growth_interval": inits[0].growth_interval if inits else None},
-        location=location(site))
+        location=location(site)))
 
 
 def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
@@ -236,8 +236,7 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
     zero_grads = plain.events_of(ZeroGrad)
     updates = plain.events_of(Update)
     site = (zero_grads[-1].site if zero_grads else updates[-1].site if updates else failing.site)
-    return Finding(
-        RUNG, "no-zero-grad-after-skip", "error",
+    return deciders.no_zero_grad_after_skip(Observed(RUNG, "error",
         f"An inf injected into {injector.param_name}.grad sent the loop down its own skip path, "
         "which left the step without scaler.update() and without zero_grad(): the inf stayed in "
         ".grad and torch refused the next window's unscale_() "
@@ -247,7 +246,7 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
         evidence={"measured": 0, "expected": 1, "zero_grad_on_skip_path": 0,
                   "update_on_skip_path": 0,
                   "error": exc_text(error)},
-        location=location(site))
+        location=location(site)))
 
 
 def _backoffs(updates: list[Update], backoff: float,
@@ -263,14 +262,13 @@ def _backoffs(updates: list[Update], backoff: float,
     details["scale_before_after"] = [before, after]
     if backoffs <= 1:
         return None
-    return Finding(
-        RUNG, "update-per-microbatch", "error",
+    return deciders.update_per_microbatch(Observed(RUNG, "error",
         f"One overflowing micro-batch backed the scale off {backoffs} times "
         f"({before:g} -> {after:g}, backoff factor {backoff:g}): scaler.update() runs "
         "more than once per optimizer step.",
         evidence={"measured": backoffs, "expected": 1, "scale_before": before,
                   "scale_after": after, "backoff_factor": backoff},
-        location=location(updates[-1].site))
+        location=location(updates[-1].site)))
 
 
 def _scheduler_on_skip(trace: Trace, plain: Trace, in_window: list[Event], inject_window: int,
@@ -284,8 +282,7 @@ def _scheduler_on_skip(trace: Trace, plain: Trace, in_window: list[Event], injec
     real_steps = len(trace.steps)
     sched_steps = len(trace.events_of(SchedulerStep))
     warmup = _lr_rising(plain, sched[0].optimizer)
-    return Finding(
-        RUNG, "scheduler-steps-on-skip", "error" if warmup else "warning",
+    return deciders.scheduler_steps_on_skip(Observed(RUNG, "error" if warmup else "warning",
         f"The scheduler ({sched[0].scheduler_type}) stepped in window {inject_window} "
         f"although the optimizer step was skipped: {sched_steps} scheduler steps for "
         f"{len({s.group for s in trace.steps})} real optimizer steps."
@@ -294,7 +291,7 @@ def _scheduler_on_skip(trace: Trace, plain: Trace, in_window: list[Event], injec
                   "expected": len({s.group for s in trace.steps}),
                   "scheduler_steps": sched_steps, "optimizer_steps": real_steps,
                   "warmup": warmup},
-        location=location(sched[0].site))
+        location=location(sched[0].site)))
 
 
 @dataclass
@@ -371,14 +368,13 @@ def run(session: Session) -> RungResult:
     details["steps_on_nonfinite_gradients"] = len(poisoned)
     if poisoned:
         direct = [s for s in poisoned if s.via_scaler is None]
-        findings.append(Finding(
-            RUNG, "missing-unscale", "error",
+        findings.append(deciders.missing_unscale(Observed(RUNG, "error",
             f"An inf was injected into {injector.param_name}.grad in window {inject_window} and "
             f"{len(poisoned)} optimizer step(s) consumed it: the step bypassed scaler.step's inf "
             "check" + (" (optimizer.step() called directly)." if direct else "."),
             evidence={"measured": len(poisoned), "expected": 0,
                       "steps_on_nonfinite_gradients": len(poisoned)},
-            location=location((direct or poisoned)[0].site)))
+            location=location((direct or poisoned)[0].site))))
     # The scale backs off once per window, not once per micro-batch.
     backed_off = _backoffs(of_type(in_window, Update), backoff, details)
     if backed_off is not None:
@@ -395,14 +391,13 @@ def run(session: Session) -> RungResult:
         zero_grads = plain.events_of(ZeroGrad) or trace.events_of(ZeroGrad)
         site = (zero_grads[-1].site if zero_grads
                 else scaler_steps[-1].site if scaler_steps else None)
-        findings.append(Finding(
-            RUNG, "no-zero-grad-after-skip", "error",
+        findings.append(deciders.no_zero_grad_after_skip(Observed(RUNG, "error",
             f"After the injected overflow in window {inject_window} the next {in_a_row} "
             "window(s) were skipped too: the inf stayed in .grad and poisoned the following "
             "window(s). Gradients must be cleared after a skipped step as after a good one.",
             evidence={"measured": in_a_row, "expected": 0, "injected_window": inject_window,
                       "applied_windows": sorted(applied), "skipped": skipped_flags},
-            location=location(site)))
+            location=location(site))))
     # The scheduler must not advance for the skipped step.
     stepped = _scheduler_on_skip(trace, plain, in_window, inject_window, owner, applied)
     if stepped is not None:

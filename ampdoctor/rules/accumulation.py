@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .. import compare
+from .. import compare, deciders
+from ..deciders import Observed
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..probe.events import Backward, Clip, Event, Scale, ZeroGrad, of_type
@@ -58,11 +59,11 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         numbers = {"measured": compare._round(m.ratio), "expected": 1.0,
                    "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
                    "window": window, "accumulation_steps": K, "precision": precision}
-        return Finding(rung, "gradient-mismatch", "error",
+        return deciders.gradient_mismatch(Observed(rung, "error",
                        f"Step {ordinal}: the optimizer consumed a gradient {m.rel_err:.3g} "
                        f"(relative) from the {precision} reference (norm ratio "
                        f"{m.ratio:.4g}, cosine {m.cosine:.4f}).",
-                       evidence=numbers, location=location(step.site))
+                       evidence=numbers, location=location(step.site)))
     names = [n for n in step.grads if n in session.param_shapes]
     user = flat(session, step.grads, names)
     ref = session.reference(window, snapshot.state, snapshot.training, per_mb=True)
@@ -131,13 +132,13 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         evidence.update({"measured": contributing, "expected": K,
                          "contributing_microbatches": contributing,
                          "norm_ratio": compare._round(measured_ratio)})
-        return Finding(rung, "zero-grad-inside-accumulation", "error",
+        return deciders.zero_grad_inside_accumulation(Observed(rung, "error",
                        f"Step {ordinal}: zero_grad ran inside the accumulation window, so only "
                        f"{contributing} of {K} micro-batches reached the optimizer step "
                        f"({'before clipping, ' if clip_norm is not None else ''}gradient norm "
                        f"ratio {measured_ratio:.4g} to the reference, cosine "
                        f"{m.cosine:.4f}).",
-                       evidence=evidence, location=location(inside_zero[-1].site))
+                       evidence=evidence, location=location(inside_zero[-1].site)))
     if found is not None and found.kind in SIZE_FACTOR_KINDS:
         rival = SIZE_FACTOR_KINDS[found.kind]
         tied = [h for h in hyps if h.kind == rival and float(torch.linalg.vector_norm(
@@ -189,7 +190,8 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         message = MESSAGES.get(kind, "{label}").format(
             step=ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
             precision=precision, tol=tol.rtol, factor=found.factor or 0)
-        return Finding(rung, kind, "error", message, evidence=evidence, location=location(site))
+        return deciders.decide(kind, Observed(rung, "error", message, evidence=evidence,
+                                              location=location(site)))
     carried = carried_over(session, trace, step, names, user_u, full, cand_tol)
     if carried is not None:
         partial = len(carried) < len(names)
@@ -201,7 +203,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         site = zero_grads[-1].site if partial and zero_grads else step.site
         which = (f"{len(carried)} of {len(names)} parameters ({', '.join(carried[:4])}"
                  + (", ..." if len(carried) > 4 else "") + ")") if partial else "every parameter"
-        return Finding(rung, "missing-zero-grad", "error",
+        return deciders.missing_zero_grad(Observed(rung, "error",
                        f"Step {ordinal}: for {which} the optimizer consumed this window's "
                        f"reference gradient plus what step {ordinal - 1} already applied: .grad "
                        "is not cleared after an optimizer step"
@@ -209,7 +211,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                        + ", so every step re-applies earlier windows, and an overflow, once in "
                        ".grad, poisons every later window. Clear all gradients after each step, "
                        "skipped or not.",
-                       evidence=evidence, location=location(site))
+                       evidence=evidence, location=location(site)))
     # No known shape: say so, with the numbers.
     hint = ""
     if m.cosine > 0.999 and measured_ratio > 1.5:
@@ -218,36 +220,37 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         if counted is not None:
             count, what = counted
             evidence.update({"factor": compare._round(measured_ratio), "count": count})
-            return Finding(rung, "reduction-mismatch", "error",
+            return deciders.reduction_mismatch(Observed(rung, "error",
                            f"Step {ordinal}: the gradient is {measured_ratio:.4g}x the reference "
                            f"({what}) with cosine {m.cosine:.5f}: the loss sums over "
                            "samples/elements instead of averaging.",
-                           evidence=evidence, location=location(last_backward_site))
+                           evidence=evidence, location=location(last_backward_site)))
     if m.cosine > 0.999:
         hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
     varying = varying_divisor(judgement, evidence, ordinal, measured_ratio)
     if varying is not None:
-        return Finding(rung, "reduction-mismatch", "error", varying, evidence=evidence,
+        return deciders.reduction_mismatch(Observed(rung, "error", varying, evidence=evidence,
                        location=location(last_backward_site),
                        fix="Count the tokens (or samples) of the whole optimizer step once, "
                            "over all K micro-batches before the window, and divide every "
-                           "micro-batch's summed loss by that one total.")
+                           "micro-batch's summed loss by that one total."))
     if m.cosine > 0.9999 and 0.05 < measured_ratio < 20 and abs(measured_ratio - 1) > 0.05:
         # Right direction, wrong size, no catalogue factor: the loss is divided by the wrong
         # number (a hard-coded 8 for K=4, K*K): averaged too much or too little.
-        kind = "double-average" if measured_ratio < 1 else "missing-accumulation-average"
+        decider = (deciders.double_average if measured_ratio < 1
+                   else deciders.missing_accumulation_average)
         evidence["factor"] = compare._round(measured_ratio)
-        return Finding(rung, kind, "error",
+        return decider(Observed(rung, "error",
                        f"Step {ordinal}: the optimizer consumed {measured_ratio:.4g}x the "
                        f"reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
                        f"{K / measured_ratio:.4g} instead of K={K}.",
-                       evidence=evidence, location=location(last_backward_site))
-    return Finding(rung, "gradient-mismatch", "error",
+                       evidence=evidence, location=location(last_backward_site)))
+    return deciders.gradient_mismatch(Observed(rung, "error",
                    f"Step {ordinal} (window {window}) of the {precision} run: the gradient the "
                    f"optimizer consumed differs from the fp32 reference by {m.rel_err:.3g} "
                    f"(relative; tolerance {tol.rtol:g}), norm ratio {measured_ratio:.4g}, cosine "
                    f"{m.cosine:.4f}, matching no known mistake.{hint}",
-                   evidence=evidence, location=location(step.site))
+                   evidence=evidence, location=location(step.site)))
 
 
 MESSAGES = {

@@ -3,6 +3,8 @@ accumulation condition (steps off the window boundaries)."""
 
 from __future__ import annotations
 
+from .. import deciders
+from ..deciders import Observed
 from ..findings import Finding, location
 from ..probe.events import StepRecord
 from ..session import Session, Trace
@@ -19,8 +21,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
         if len(steps) > session.N:
             mb_before_first = steps[0].backwards
             per_window = len(steps) / session.N
-            return Finding(
-                rung, "step-per-microbatch", "error",
+            return deciders.step_per_microbatch(Observed(rung, "error",
                 f"The optimizer stepped {len(steps)} times for {session.N} windows of "
                 f"K={session.K} micro-batches in the {trace.precision} run "
                 f"({per_window:.3g} steps per window; the first step came after "
@@ -29,7 +30,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
                           "steps_per_window": round(per_window, 6),
                           "microbatches_before_first_step": mb_before_first,
                           "optimizer": slot},
-                location=location(steps[0].site))
+                location=location(steps[0].site)))
     # As many steps as windows, but not on window boundaries: an off-by-one accumulation
     # condition (`i % K == 0` with i from 0 steps after the first micro-batch).
     if not trace.lazy_feed:   # micro-batches fetched up front: cadence cannot be read
@@ -39,8 +40,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
         off = [(s, n) for s, n in zip(steps, consumed, strict=True) if n % session.K != 0]
         if off:
             step, n = off[0]
-            return Finding(
-                rung, "gradient-mismatch", "error",
+            return deciders.gradient_mismatch(Observed(rung, "error",
                 f"The optimizer stepped after {n} micro-batch(es), not on a boundary of "
                 f"K={session.K}: the accumulation condition is off by one (e.g. "
                 "`i % K == 0` with i counted from 0), so the first window holds "
@@ -50,5 +50,5 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
                 location=location(step.site),
                 title="The optimizer steps off the window boundaries (off by one)",
                 fix="Step when the count of micro-batches seen is a multiple of K: "
-                    "`if (i + 1) % K == 0:` with i counted from 0 (or count from 1).")
+                    "`if (i + 1) % K == 0:` with i counted from 0 (or count from 1)."))
     return None

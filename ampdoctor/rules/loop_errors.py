@@ -6,15 +6,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .. import deciders
+from ..deciders import Observed
 from ..errors import exc_text, format_traceback, safe_repr, safe_str
 from ..findings import Finding, location
 from ..probe.events import Backward, Event, OptimizerStep, ScalerStep, Unscale, Update
 from ..session import Trace
 
-#: torch's own error messages that name a known mistake (matched on a stable fragment).
+#: torch's own error messages that name a known mistake (matched on a stable fragment), with
+#: the decider of that mistake's kind.
 KNOWN_TORCH_ERRORS = (
     ("unscale_() has already been called on this optimizer since the last update()",
-     "unscale-twice"),
+     deciders.unscale_twice),
 )
 
 
@@ -29,7 +32,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
         updates = trace.events_of(Update)
         # Point at the update() that exists but was skipped on this path, else at the step.
         site = (updates[-1].site if updates else steps[-1].site if steps else trace.error_site)
-        return Finding(rung, "loop-error", "error",
+        return deciders.loop_error(Observed(rung, "error",
                        f"In the {trace.precision} run torch refused unscale_(): the previous "
                        "window never reached scaler.update() (a skip path that returns early, "
                        "or no update at all), so the next window's unscale_ counts as a second "
@@ -37,8 +40,8 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                        evidence={"error": text, "updates": len(updates),
                                  "scaler_steps": len(steps),
                                  "measured": len(updates), "expected": len(steps) or 1},
-                       location=location(site))
-    for fragment, kind in KNOWN_TORCH_ERRORS:
+                       location=location(site)))
+    for fragment, decider in KNOWN_TORCH_ERRORS:
         if fragment in whole:
             refused = [e for e in trace.events_of(Unscale) if e.error is not None]
             site = refused[-1].site if refused else trace.error_site
@@ -52,19 +55,19 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                                         "unscale_calls_in_step": 2}
             if first is not None:
                 evidence["first_unscale"] = f"{first.file}:{first.line}"
-            return Finding(rung, kind, "error",
+            return decider(Observed(rung, "error",
                            f"In the {trace.precision} run torch refused a second unscale_() of "
                            "the same optimizer in one step: the gradients would be divided by "
                            f"the scale twice.{also}",
-                           evidence=evidence, location=location(site))
+                           evidence=evidence, location=location(site)))
     if isinstance(exc, SystemExit):
         text = f"sys.exit({safe_repr(exc.code)})"
-        return Finding(rung, "loop-error", "error",
+        return deciders.loop_error(Observed(rung, "error",
                        f"The loop called {text} in the {trace.precision} run: it must return "
                        "to its caller (ampdoctor runs it several times in one process), so its "
                        "run could not be judged.",
                        evidence={"error": text, "precision": trace.precision},
-                       location=location(trace.error_site))
+                       location=location(trace.error_site)))
     finder = trace.finder
     frames = finder.user_sites(exc.__traceback__) if finder is not None else []
     evidence = {"error": text, "precision": trace.precision}
@@ -76,10 +79,10 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
         evidence["user_frames"] = [f"{f.file}:{f.line} in {f.function}" for f in frames]
         called_from = (f" (in {frames[-1].function}(), called from the loop at "
                        f"{os.path.basename(outer.file)}:{outer.line})")
-    return Finding(rung, "loop-error", "error",
+    return deciders.loop_error(Observed(rung, "error",
                    f"The loop raised in the {trace.precision} run: {text}{called_from}",
                    evidence=evidence, location=location(trace.error_site),
-                   traceback=format_traceback(trace.error))
+                   traceback=format_traceback(trace.error)))
 
 
 def last_unscale_pair(trace: Trace) -> tuple[Event, Event, list[Event]] | None:

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .. import compare
+from .. import compare, deciders
+from ..deciders import Observed
 from ..findings import Finding, location
 from ..judge import judged_live
 from ..probe.callsite import Site
@@ -135,8 +136,8 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
         else:
             evidence.update({"measured": 2, "expected": 1})
             message = v.detail
-        findings.append(Finding(rung, v.kind, "error", message, evidence=evidence,
-                                location=location(event.site)))
+        findings.append(deciders.decide(v.kind, Observed(rung, "error", message, evidence=evidence,
+                                location=location(event.site))))
     return findings
 
 
@@ -175,9 +176,9 @@ def explain_with_calls(mismatch: list[Finding], violations: list[Finding],
     fragile = []
     for v in relevant:
         why = _FRAGILE.get(v.kind, v.message)
-        fragile.append(Finding(v.rung, v.kind, "warning",
+        fragile.append(deciders.decide(v.kind, Observed(v.rung, "warning",
                                f"Every fp16 update matched the reference, but {why}. "
-                               f"({v.message})", evidence=v.evidence, location=v.location))
+                               f"({v.message})", evidence=v.evidence, location=v.location)))
     return [], fragile
 
 
@@ -227,8 +228,7 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
     extra = v16 / (v32 * scale)
     if 0.5 <= abs(extra) <= 2.0:
         return None
-    return Finding(
-        rung, "double-scaling", "error",
+    return deciders.double_scaling(Observed(rung, "error",
         f"The loss reaching backward is {abs(extra):.6g}x what the scaler alone would give "
         f"(fp32 loss {v32:.6g} x scale {scale:g} = {v32 * scale:.6g}, got {v16:.6g}): a second, "
         f"hand-written loss scale sits on top of the GradScaler. Effective scale "
@@ -237,7 +237,7 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
         evidence={"measured": compare._round(abs(extra) * scale), "expected": scale,
                   "extra_factor": compare._round(abs(extra)), "skipped_steps": skipped_steps(trace),
                   "scaler_steps": len(trace.events_of(ScalerStep))},
-        location=location(_static_scale_site(b16[0].site) or b16[0].site))
+        location=location(_static_scale_site(b16[0].site) or b16[0].site)))
 
 
 def _static_scale_site(backward: Site | None) -> Site | None:

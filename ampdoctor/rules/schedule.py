@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .. import deciders
+from ..deciders import Observed
 from ..findings import Finding, location
 from ..judge import step_groups
 from ..probe.events import OptimizerStep, ScalerStep, SchedulerStep
@@ -44,8 +46,7 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
         step, used, meant = drift
         per_step = len(events) / optimizer_steps
         first = events[0]
-        return [Finding(
-            rung, "scheduler-per-microbatch", "error",
+        return [deciders.scheduler_per_microbatch(Observed(rung, "error",
             f"The LR scheduler ({first.scheduler_type}) stepped {len(events)} times for "
             f"{optimizer_steps} optimizer steps in the {trace.precision} run, up to {worst} "
             f"times between two optimizer steps: optimizer step {step} used lr {used:.6g} where "
@@ -55,7 +56,7 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                       "scheduler_steps": len(events), "optimizer_steps": optimizer_steps,
                       "max_between_optimizer_steps": worst, "lr_used": used,
                       "lr_expected": meant, "first_step_off": step},
-            location=location(first.site))]
+            location=location(first.site)))]
     return []
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from .. import compare
+from .. import compare, deciders
+from ..deciders import Observed
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..loading import micro_batch_counts, micro_batch_size_of
@@ -45,8 +46,8 @@ def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, cal
                    f"loss scale {call.scale:g}), so the threshold {call.threshold:g} was applied "
                    f"in scaled space and the update is {m.ratio:.4g}x the reference clipped at "
                    f"{call.threshold:g}.")
-    return Finding(rung, "clip-before-unscale", "error", message, evidence=evidence,
-                   location=location(call.site))
+    return deciders.clip_before_unscale(Observed(rung, "error", message, evidence=evidence,
+                   location=location(call.site)))
 
 
 def varying_divisor(judgement: Judgement, evidence: dict[str, Any], ordinal: int,

@@ -28,6 +28,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from ampdoctor import deciders
+from ampdoctor.deciders import Observed
 from ampdoctor.findings import Finding, Location
 from ampdoctor.scan.graph import Graph
 from ampdoctor.scan.sites import DELEGATING_FRAMEWORKS, SINGLETON_FRAMEWORKS, FileScan, Site
@@ -238,9 +240,8 @@ def _same_path_findings(
         first = _to_remove(groups)
         names = "; ".join(_describe(g, base) for g in groups)
         decision.findings.append(
-            Finding(
+            deciders.double_scaling(Observed(
                 rung=RUNG,
-                kind="double-scaling",
                 severity="error",
                 message=(
                     f"{len(groups)} loss-scale owners on one training path (entry point "
@@ -254,7 +255,7 @@ def _same_path_findings(
                     "entry": entry,
                 },
                 location=Location(file=first.file, line=first.line or 1),
-            )
+            ))
         )
     return all_machines, entries_of
 
@@ -278,9 +279,8 @@ def _separate_paths_warning(
         for g in groups
     )
     decision.findings.append(
-        Finding(
+        deciders.double_scaling(Observed(
             rung=RUNG,
-            kind="double-scaling",
             severity="warning",
             message=(
                 f"{len(groups)} loss-scale owners of different kinds in separate entry "
@@ -295,7 +295,7 @@ def _separate_paths_warning(
                 "entries": sorted({e for g in groups for e in entries_of[g[0].uid]}),
             },
             location=Location(file=first.file, line=first.line or 1),
-        )
+        ))
     )
 
 
