@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import compare
+from .. import compare, thresholds
 from ..findings import Finding, location
 from ..judge import judged_live
 from ..probe.callsite import Site
@@ -225,7 +225,8 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
     if not (v32 and math.isfinite(v32) and math.isfinite(v16) and scale):
         return None
     extra = v16 / (v32 * scale)
-    if 0.5 <= abs(extra) <= 2.0:
+    low, high = thresholds.SECOND_SCALE_BAND
+    if low <= abs(extra) <= high:
         return None
     return Finding(
         rung, "double-scaling", "error",
