@@ -11,10 +11,12 @@ one that matches the user's gradient names the kind. Ratios alone are ambiguous 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from . import thresholds
 
 #: Gradients (or weights) by parameter name; read only here.
 Grads = Mapping[str, "torch.Tensor | None"]
@@ -26,16 +28,27 @@ class Tolerance:
     atol: float
 
 
-#: Defaults from the noise floor measured on the healthy recipes (see README "Tolerances"):
-#: fp32 teacher-forced relative error 3e-7 on the recipes' small models but 4.4e-5 on a 22M-
-#: parameter model (summation order grows with size), bf16 ~1e-2, fp16 ~1e-3. The defaults sit
-#: well above the floor and far below the smallest factor of a real bug (one micro-batch of
-#: K = 100 missing is 1e-2).
-DEFAULT_TOLERANCES = {
-    "fp32": Tolerance(rtol=1e-3, atol=1e-7),
-    "bf16": Tolerance(rtol=1e-1, atol=1e-5),
-    "fp16": Tolerance(rtol=5e-2, atol=1e-6),
-}
+class _DefaultTolerances(Mapping[str, Tolerance]):
+    """Each precision's default tolerance, read from `thresholds` at every lookup (the numbers
+    and their reason are there)."""
+
+    def _all(self) -> dict[str, Tolerance]:
+        return {"fp32": Tolerance(thresholds.FP32_RTOL, thresholds.FP32_ATOL),
+                "bf16": Tolerance(thresholds.BF16_RTOL, thresholds.BF16_ATOL),
+                "fp16": Tolerance(thresholds.FP16_RTOL, thresholds.FP16_ATOL)}
+
+    def __getitem__(self, precision: str) -> Tolerance:
+        return self._all()[precision]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+#: precision -> its default `Tolerance` (thresholds.FP32_RTOL and the others).
+DEFAULT_TOLERANCES: Mapping[str, Tolerance] = _DefaultTolerances()
 
 
 def is_precision_noise(m: Metrics, precision: str) -> bool:
@@ -43,10 +56,18 @@ def is_precision_noise(m: Metrics, precision: str) -> bool:
 
     bf16/fp16 gradients of conv nets with BatchNorm on micro-batches of a few samples differ from
     fp32 by 5-10 % (measured), while every AMP mistake ampdoctor knows moves the gradient by a
-    factor (K, 1/K, b, S, 1/S) or turns it (cosine well below 0.95). A same-direction,
-    same-size gradient in a reduced precision is noise; in fp32 nothing is.
+    factor (K, 1/K, b, S, 1/S) or turns it (cosine well below thresholds.NOISE_MIN_COSINE). A
+    same-direction, same-size gradient in a reduced precision is noise; in fp32 nothing is.
     """
-    return precision != "fp32" and m.cosine >= 0.95 and 0.8 <= m.ratio <= 1.25
+    low, high = thresholds.NOISE_RATIO_BAND
+    return (precision != "fp32" and m.cosine >= thresholds.NOISE_MIN_COSINE
+            and low <= m.ratio <= high)
+
+
+def hypothesis_tolerance(rtol: float) -> float:
+    """How close (relative) a gradient must be to a hypothesis to be named by it, at a
+    precision's `rtol` (thresholds.RTOL_MULTIPLE, thresholds.HYPOTHESIS_RTOL_FLOOR)."""
+    return max(thresholds.RTOL_MULTIPLE * rtol, thresholds.HYPOTHESIS_RTOL_FLOOR)
 
 
 def flatten(grads: Grads, names: Sequence[str], shapes: dict[str, torch.Size]) -> torch.Tensor:
@@ -203,7 +224,7 @@ def clip_vector(vector: torch.Tensor, max_norm: float | None) -> torch.Tensor:
     if max_norm is None or not math.isfinite(max_norm):
         return vector
     norm = float(torch.linalg.vector_norm(vector.double()))
-    coef = max_norm / (norm + 1e-6)
+    coef = max_norm / (norm + thresholds.CLIP_EPSILON)
     return vector * min(coef, 1.0)
 
 
@@ -310,10 +331,11 @@ def classify(user: torch.Tensor, reference: torch.Tensor, hypotheses: list[Hypot
 
 
 def nearest_integer_factor(ratio: float, base: float) -> int | None:
-    """If ratio is (within 1 %) an integer multiple m >= 1 of base, return m."""
+    """If ratio is an integer multiple m >= 1 of base (to thresholds.COUNT_RATIO_RTOL, 1 %),
+    return m."""
     if base <= 0 or not math.isfinite(ratio):
         return None
     m = round(ratio / base)
-    if m >= 1 and abs(ratio / base - m) <= 0.01 * m:
+    if m >= 1 and abs(ratio / base - m) <= thresholds.COUNT_RATIO_RTOL * m:
         return m
     return None

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compare, judge_step
+from . import compare, judge_step, thresholds
 from .judge_live import JudgedGradients, JudgedGroup, StepJudge, outside_the_loop
 from .judge_step import StepJudgement, known_thresholds, tolerance
 from .loading import micro_batch_counts
@@ -161,6 +161,14 @@ def weighting_of(session: Session, window: int, ref: WindowReference, names: lis
     scored = sorted((residual(w), i, w) for i, w in enumerate(options))
     best_resid, _, best = scored[0]
     equal_resid = next(r for r, _, w in scored if w is None)
-    if best is None or best_resid > max(3 * tol.rtol, 2e-3) or best_resid > 0.1 * equal_resid:
+    if best is None or not weighting_wins(best_resid, equal_resid, tol.rtol):
         return None
     return best
+
+
+def weighting_wins(residual: float, equal_residual: float, rtol: float) -> bool:
+    """A count-weighted mean explains the loop's gradient (`residual`, relative, after the best
+    scale) at a precision's `rtol`, and clearly better than the equal-weight mean does
+    (thresholds.WEIGHTING_MARGIN)."""
+    return not (residual > compare.hypothesis_tolerance(rtol)
+                or residual > thresholds.WEIGHTING_MARGIN * equal_residual)

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compare
+from . import compare, thresholds
 from .probe.events import Clip, Event, ScalerStep, StepRecord
 from .reference import ClipCall, clip_calls, clip_ops, reference_norm
 from .session import Session, Trace
-from .thresholds import PRECLIP_BAND_BF16, PRECLIP_BAND_FP32
 
 
 @dataclass(frozen=True)
@@ -105,10 +104,17 @@ def judge_one_step(ctx: StepContext, ordinal: int, window: int, step: StepRecord
     bad = not m.ok and not compare.is_precision_noise(m, precision)
     preclip = _preclip_ratio(reference, calls)
     if not bad and preclip is not None and precision in ("fp32", "bf16"):
-        band = max(3 * tol.rtol, PRECLIP_BAND_FP32) if precision == "fp32" \
-            else PRECLIP_BAND_BF16
-        bad = abs(preclip - 1) > band
+        bad = preclip_off(preclip, precision, tol.rtol)
     return StepJudgement(ordinal, window, step, m, tuple(calls), preclip, tuple(events), bad)
+
+
+def preclip_off(preclip: float, precision: str, rtol: float) -> bool:
+    """A clip that bit saw a norm `preclip` times the reference's unclipped norm: too far from 1
+    for `precision` (fp32: max(thresholds.RTOL_MULTIPLE x rtol, thresholds.PRECLIP_BAND_FP32);
+    bf16: thresholds.PRECLIP_BAND_BF16)."""
+    band = (max(thresholds.RTOL_MULTIPLE * rtol, thresholds.PRECLIP_BAND_FP32)
+            if precision == "fp32" else thresholds.PRECLIP_BAND_BF16)
+    return abs(preclip - 1) > band
 
 
 def finite_state(state: Mapping[str, torch.Tensor]) -> bool:

@@ -167,15 +167,14 @@ def test_the_terminal_prints_an_errors_source_literally() -> None:
 
 
 def test_the_noise_band_is_the_one_the_judge_accepts() -> None:
-    from ampdoctor import compare
-    from ampdoctor.ladder.series import NOISE_BAND
+    from ampdoctor import compare, thresholds
 
     def noise(ratio: float) -> bool:
         m = compare.Metrics(rel_err=0.5, ratio=ratio, cosine=0.99, norm_user=ratio,
                             norm_ref=1.0, ok=False, allowed=0.1)
         return compare.is_precision_noise(m, "bf16")
 
-    lo, hi = NOISE_BAND
+    lo, hi = thresholds.NOISE_RATIO_BAND
     assert noise(lo) and noise(hi) and noise(1.0)
     assert not noise(lo * 0.99) and not noise(hi * 1.01)
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import deciders
+from .. import deciders, thresholds
 from ..compare import _round as compare_round
 from ..deciders import Observed
 from ..findings import Finding, RungResult, conclude
@@ -218,9 +218,11 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
     ok = (f"{len(comparisons)} optimizer steps match the reference within {precision} tolerance "
           f"(max relative error {worst:.3g}, tolerance {tol.rtol:g})")
     if worst > tol.rtol:
+        low, high = thresholds.NOISE_RATIO_BAND
         ok = (f"{len(comparisons)} optimizer steps match the reference up to {precision} rounding "
               f"(max relative error {worst:.3g} > tolerance {tol.rtol:g}, but same direction and "
-              "size: cosine >= 0.95, norm ratio within 0.8-1.25)")
+              f"size: cosine >= {thresholds.NOISE_MIN_COSINE:g}, norm ratio within "
+              f"{low:g}-{high:g})")
     if skipped:
         ok += f"; {skipped} step(s) skipped by the scaler"
     if not comparisons and skipped and not findings:

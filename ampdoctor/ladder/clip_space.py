@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
-from .. import compare
+from .. import compare, thresholds
 from ..findings import RungResult, conclude
 from ..probe.events import Clip, Scale, Unscale, Update
 from ..session import Session, flat
-from ..thresholds import FORCED_CLIP_FRACTION
 from .analysis import compare_trace, loop_error_finding
 
 RUNG = "clip-space"
@@ -92,15 +91,16 @@ def run(session: Session) -> RungResult:
                   session.spec.max_grad_norm is None else
                   "the loop never called clip_grad_norm_ / clip_grad_value_ in the fp16 run")
         return RungResult(RUNG, "skip", reason)
-    thresholds = sorted({e.max_norm for e in clips if e.max_norm})
+    passed = sorted({e.max_norm for e in clips if e.max_norm})
     details: dict[str, Any] = {"clip_ratios": [compare._round(r) for r in _clip_ratios(trace)],
-                               "loop_thresholds": [compare._round(t) for t in thresholds]}
+                               "loop_thresholds": [compare._round(t) for t in passed]}
     ref0 = session.reference(0, per_mb=False)
     true_norm = float(torch.linalg.vector_norm(flat(session, ref0.full, session.param_order)))
     details["true_norm_window0"] = compare._round(true_norm)
     # The loop clips at its own threshold: a plain fp16 pass is the clipped run to judge (the
     # fp16-scaler rung's trace no longer keeps its gradients). Else clipping is forced.
-    threshold = None if session.spec.max_grad_norm is None else FORCED_CLIP_FRACTION * true_norm
+    threshold = (None if session.spec.max_grad_norm is None
+                 else thresholds.FORCED_CLIP_FRACTION * true_norm)
     forced = _shared_with_skips(session, trace, threshold)
     if forced is not None:
         details["shared_with_skips"] = (f"the same pass had an overflow injected in window "
@@ -124,7 +124,8 @@ def run(session: Session) -> RungResult:
         scales = [e.scale or 1.0 for e in forced.events_of(Scale)] or [1.0]
         meant = [e.max_norm / s for e in forced.events_of(Clip) if e.max_norm
                  for s in (1.0, *scales)]
-        if not any(abs(m - threshold) <= 1e-3 * threshold for m in meant):
+        if not any(abs(m - threshold) <= thresholds.SCALED_THRESHOLD_RTOL * threshold
+                   for m in meant):
             details["forced_clipping"] = (
                 "the loop clips at its own threshold, not run.max_grad_norm: its clips were "
                 "judged at the thresholds it passes")

@@ -18,14 +18,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .. import deciders
+from .. import deciders, thresholds
 from ..ddp import launch
 from ..deciders import Observed
 from ..errors import LaunchError
 from ..findings import Location, RungResult, conclude, location
 from ..probe.callsite import Site
 from ..spec import to_wire
-from ..thresholds import WORLD_SIZE_RATIO_RTOL
 
 RUNG = "ddp-sync"
 
@@ -187,7 +186,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
         "gradient_difference_between_ranks": r0.get("gradient_difference", []),
         "parameter_difference_between_ranks": r0.get("parameter_difference"),
         "dropout": "off on the ranks and in the reference"}
-    tol = r0.get("tolerance", 1e-4)
+    tol = r0.get("tolerance", thresholds.RANKS_APART_RTOL)
 
     # 1. the communication volume
     if len(synced_backwards) > windows:
@@ -282,7 +281,8 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
             f"({r0.get('parameter_difference', 0):.3g} after the run).{how}",
             evidence={"measured": round(max(diffs), 6), "expected": 0.0, **evidence},
             location=where))
-    elif first and abs(ratio * world_size - 1) <= WORLD_SIZE_RATIO_RTOL and first["cosine"] > 0.99:
+    elif (first and abs(ratio * world_size - 1) <= thresholds.WORLD_SIZE_RATIO_RTOL
+          and first["cosine"] > thresholds.WORLD_SIZE_MIN_COSINE):
         finding = deciders.double_average(Observed(RUNG, "error",
             f"Every rank consumed {ratio:.4g}x the reference gradient of the global "
             f"batch: 1/world_size (={1 / world_size:g}). {words['who']} already averages "

@@ -8,16 +8,19 @@ optimizer step: the repeat run is stopped there (the whole first run is fp32-acc
 
 from __future__ import annotations
 
-from .. import compare, deciders
+from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, RungResult, status_from_findings
 from ..session import Session, WeightsCast
 from .analysis import location
 
 RUNG = "reproducibility"
-#: Two fp32 evaluations of the same computation on CPU agree bit for bit; this leaves room for
-#: reduction-order noise on GPUs while staying far below any real randomness (dropout: ~1e-1).
-REPEAT_TOLERANCE = compare.Tolerance(rtol=1e-5, atol=1e-8)
+
+
+def repeat_tolerance() -> compare.Tolerance:
+    """How far two fp32 evaluations of the same computation may differ
+    (thresholds.REPEAT_RTOL, thresholds.REPEAT_ATOL)."""
+    return compare.Tolerance(rtol=thresholds.REPEAT_RTOL, atol=thresholds.REPEAT_ATOL)
 
 
 def _nondeterministic(session: Session, what: str, m: compare.Metrics,
@@ -43,7 +46,8 @@ def _nondeterministic(session: Session, what: str, m: compare.Metrics,
                    f"{what} differ by {m.rel_err:.3g} (relative) under a different RNG state "
                    f"(cosine {m.cosine:.5f}).{named}",
                    evidence={"measured": compare._round(m.rel_err), "expected": 0.0,
-                             "tolerance": REPEAT_TOLERANCE.rtol, "cosine": compare._round(m.cosine),
+                             "tolerance": repeat_tolerance().rtol,
+                             "cosine": compare._round(m.cosine),
                              "random_modules": modules},
                    location=location(site)))
 
@@ -62,7 +66,7 @@ def run(session: Session) -> RungResult:
         return RungResult(RUNG, "skip", f"no fp32 reference from the loop: it casts the "
                           f"model's weights to {dtype} (see fp32-accum)")
     m = compare.metrics_of(second.full, first.full, names, session.param_shapes,
-                           REPEAT_TOLERANCE)
+                           repeat_tolerance())
     if not m.ok:
         finding = _nondeterministic(session, "Two fp32 reference gradients at the same weights",
                                     m)
@@ -95,7 +99,7 @@ def run(session: Session) -> RungResult:
         compared += 1
         keys = [n for n in step_a.grads if n in session.param_shapes]
         mm = compare.metrics_of(step_b.grads, step_a.grads, keys, session.param_shapes,
-                                REPEAT_TOLERANCE)
+                                repeat_tolerance())
         if worst is None or mm.rel_err > worst.rel_err:
             worst = mm
         return compared >= len(first_group)
@@ -104,7 +108,7 @@ def run(session: Session) -> RungResult:
     steps_b = [s for s in run_b.steps if s.group == run_b.steps[0].group] if run_b.steps else []
     if len(first_group) != len(steps_b) or (worst is not None and not worst.ok):
         m = worst or compare.metrics(compare.torch.zeros(1), compare.torch.ones(1),
-                                     REPEAT_TOLERANCE)
+                                     repeat_tolerance())
         site = run_a.random_site or run_b.random_site
         finding = _nondeterministic(session, "Two fp32 runs of the loop from the same weights", m,
                                     site)

@@ -9,14 +9,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .. import thresholds
 from ..judge import Judgement
 from ..probe.events import ScalerStep, Unscale, Update
 from ..session import Session, Trace
-
-#: The ratio range `compare.is_precision_noise` accepts in bf16/fp16: a step beyond rtol whose
-#: ratio is in it and whose direction holds (cosine >= 0.95) is rounding, not a bug. Kept in
-#: step with compare.py by tests/test_report_charts.py.
-NOISE_BAND = (0.8, 1.25)
 
 
 def _num(value: Any) -> float | None:
@@ -49,10 +45,10 @@ def run_series(rung: str, trace: Trace, judgement: Judgement | None = None,
     if judgement is not None:
         # The band is 1 +- rtol: a ratio outside it has a relative error above the tolerance
         # (||g - r|| / ||r|| >= | ||g|| / ||r|| - 1 |), inside it the direction decides. In
-        # bf16/fp16 the judge also lets a step within NOISE_BAND pass as rounding when its
-        # direction holds: `noise_band`. `bad` is the judge's own verdict per step. (A clip that
-        # bit is judged on its pre-clip ratio within max(3 rtol, 1e-3) in fp32 and 0.25 in bf16,
-        # thresholds.PRECLIP_BAND_*: close to these bands, not drawn apart.)
+        # bf16/fp16 the judge also lets a step within thresholds.NOISE_RATIO_BAND pass as
+        # rounding when its direction holds: `noise_band`. `bad` is the judge's own verdict per
+        # step. (A clip that bit is judged on its pre-clip ratio within max(3 rtol, 1e-3) in fp32
+        # and 0.25 in bf16, thresholds.PRECLIP_BAND_*: close to these bands, not drawn apart.)
         rtol = judgement.tolerance.rtol
         series.update({
             "step": [s.ordinal for s in judgement.steps],
@@ -63,7 +59,7 @@ def run_series(rung: str, trace: Trace, judgement: Judgement | None = None,
             "band": [round(1 - rtol, 6), round(1 + rtol, 6)],
         })
         if judgement.precision != "fp32":
-            series["noise_band"] = list(NOISE_BAND)
+            series["noise_band"] = list(thresholds.NOISE_RATIO_BAND)
     return series
 
 

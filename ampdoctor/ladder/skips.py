@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders
+from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, RungResult, conclude
 from ..probe.events import (
@@ -37,15 +37,6 @@ from .analysis import last_unscale_pair, location, loop_error_finding, update_mi
 from .series import keep, run_series
 
 RUNG = "skips"
-#: frequent-skips: after the first real update, more than this fraction of the plain fp16 run's
-#: steps skipped; or no update at all in the run; or the scale below MIN_SCALE. The default
-#: GradScaler skips a few leading steps while it searches down for its scale (not counted); a
-#: quarter of the steps after that is far beyond the one skip per growth_interval it costs.
-SKIP_RATE_THRESHOLD = 0.25
-MIN_SCALE = 1.0
-#: One overflow in a short run is what GradScaler is built for (a step at a scale it had not
-#: tried to back off from yet, or one skip per growth_interval): it takes two to be frequent.
-MIN_COUNTED_SKIPS = 2
 
 
 class OverflowInjector:
@@ -145,7 +136,7 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
     scales = [e.scale_after for e in plain.events_of(Update)
               if e.scale_after is not None]
     rate = len(skipped) / len(steps) if steps else 0.0
-    collapsed = bool(scales) and min(scales) < MIN_SCALE
+    collapsed = bool(scales) and min(scales) < thresholds.MIN_SCALE
     flags = [bool(e.skipped) for e in steps]
     # Leading skips are the scaler searching down from init_scale: normal at the start of
     # training. What counts is skipping once it has found a scale that works, or never finding
@@ -163,7 +154,8 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
         init = updates[0].scale_before
         found = updates[first_ok].scale_before
         if init and found and 0 < found <= init:
-            search = min(first_ok, math.ceil(math.log2(init / found) - 1e-9))
+            search = min(first_ok, math.ceil(math.log2(init / found)
+                                             - thresholds.SEARCH_HALVINGS_SLACK))
     excess = first_ok - search
     counted = skipped_after + (excess if not never_settled else 0)
     considered = len(after) + excess
@@ -176,19 +168,20 @@ def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
         flag and i > 0 and _grew(updates[i - 1].scale_before, updates[i].scale_before)
         for i, flag in enumerate(flags[:len(updates)]))
     sawtooth = (grew_into_overflow and growth_interval is not None
-                and 1.0 / (growth_interval + 1) > SKIP_RATE_THRESHOLD)
-    enough = counted >= MIN_COUNTED_SKIPS or (counted >= 1 and sawtooth)
-    unsettled = enough and considered > 0 and counted / considered > SKIP_RATE_THRESHOLD
+                and 1.0 / (growth_interval + 1) > thresholds.SKIP_RATE_THRESHOLD)
+    enough = counted >= thresholds.MIN_COUNTED_SKIPS or (counted >= 1 and sawtooth)
+    unsettled = (enough and considered > 0
+                 and counted / considered > thresholds.SKIP_RATE_THRESHOLD)
     if not (never_settled or unsettled or collapsed):
         return None
     site = inits[0].site if inits else (skipped[0].site if skipped else None)
     return deciders.frequent_skips(Observed(RUNG, "warning",
         f"The fp16 run skipped {len(skipped)} of {len(steps)} optimizer steps "
-        f"({rate:.0%}, threshold {SKIP_RATE_THRESHOLD:.0%})"
+        f"({rate:.0%}, threshold {thresholds.SKIP_RATE_THRESHOLD:.0%})"
         + (f" and the scale fell to {min(scales):g}" if collapsed else "")
         + ": fewer real updates than the schedule assumes.",
         evidence={"measured": compare._round(rate), "expected": 0.0,
-                  "threshold": SKIP_RATE_THRESHOLD, "skipped": len(skipped),
+                  "threshold": thresholds.SKIP_RATE_THRESHOLD, "skipped": len(skipped),
                   "initial_search_skips": first_ok, "search_skips_beyond_halvings": excess,
                   "skipped_after_first_update": skipped_after,
                   "steps": len(steps), "scale": scales,
@@ -200,7 +193,7 @@ def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
     """Is the schedule a warmup (the LR rising over the run)?"""
     lrs = [e.lr for e in trace.events_of(SchedulerStep)
            if e.lr is not None and (optimizer_slot is None or e.optimizer == optimizer_slot)]
-    return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + 1e-9)
+    return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + thresholds.WARMUP_RISE_RTOL)
 
 
 def _grew(before: float | None, after: float | None) -> bool:

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compare
+from .. import compare, thresholds
 from ..probe.callsite import Site
 from ..probe.events import Backward, Clip, Event, Unscale, Update
-from ..thresholds import CLIP_EPSILON, SCALED_THRESHOLD_RTOL
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,8 @@ def clip_calls(names_of: dict[int, str], window_events: list[Event], owner: dict
         intended = threshold
         if scale is not None and scale != 1.0:
             divided = threshold / scale
-            if any(abs(divided - t) <= SCALED_THRESHOLD_RTOL * t for t in known_thresholds if t):
+            if any(abs(divided - t) <= thresholds.SCALED_THRESHOLD_RTOL * t
+                   for t in known_thresholds if t):
                 intended = divided
         calls.append(ClipCall(event.site, event.clip_kind, names,
                               float(event.norm_type or 2.0), threshold, intended,
@@ -184,7 +184,7 @@ def clip_ops(reference: Mapping[str, torch.Tensor | None], names: list[str],
             coefficients.append(None)
             continue
         norm = norm_of(reference, covered, call.norm_type, ops)
-        coef = min(1.0, call.intended / (norm + CLIP_EPSILON))
+        coef = min(1.0, call.intended / (norm + thresholds.CLIP_EPSILON))
         if coef != 1.0:
             for name in covered:
                 ops[name].append(("mul", coef))

@@ -14,6 +14,8 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
+from .. import thresholds
+
 if TYPE_CHECKING:
     from matplotlib.typing import RcKeyType
 
@@ -83,7 +85,8 @@ def ratio_chart(run: dict[str, Any]) -> str | None:
     noise = run.get("noise_band") or []
     if len(noise) == 2 and all(isinstance(b, (int, float)) for b in noise):
         ax.axhspan(noise[0], noise[1], color=GREY, alpha=0.08,
-                   label=f"precision noise if cosine >= 0.95:\n{noise[0]:g} to {noise[1]:g}")
+                   label=f"precision noise if cosine >= {thresholds.NOISE_MIN_COSINE:g}:\n"
+                         f"{noise[0]:g} to {noise[1]:g}")
     ax.axhline(1.0, color=GREEN, linewidth=0.8, linestyle="--", label="reference (1.0)")
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     ax.plot(xs, ys, marker="o", color=BLUE, linewidth=1.4, label="consumed / reference")

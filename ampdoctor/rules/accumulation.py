@@ -10,13 +10,12 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders
+from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..probe.events import Backward, Clip, Event, Scale, ZeroGrad, of_type
 from ..session import Session, Trace, flat
-from ..thresholds import HYPOTHESIS_RTOL_FLOOR
 from .shapes import (
     SIZE_FACTOR_KINDS,
     Resplit,
@@ -38,10 +37,36 @@ def unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, fl
     total, max_norm = clip.total_norm, clip.max_norm
     if total is None or max_norm is None or not math.isfinite(total):
         return user, total
-    coef = max_norm / (total + 1e-6)
+    coef = max_norm / (total + thresholds.CLIP_EPSILON)
     if coef < 1.0:
         return user / coef, total
     return user, total
+
+
+def clip_would_bite(coefficient: float) -> bool:
+    """A clip coefficient that shrinks the gradient enough to tell the clip-before-unscale
+    hypothesis from unscale-twice (thresholds.CLIP_BITES_BELOW)."""
+    return coefficient < thresholds.CLIP_BITES_BELOW
+
+
+def direction_holds(cosine: float) -> bool:
+    """The mismatch points the reference's way: only its size is off
+    (thresholds.SAME_DIRECTION_COSINE)."""
+    return cosine > thresholds.SAME_DIRECTION_COSINE
+
+
+def summed_over_count(cosine: float, ratio: float) -> bool:
+    """Right direction and at least thresholds.SUMMED_MIN_RATIO times the reference: worth
+    looking for a count of the window the loss is summed over."""
+    return direction_holds(cosine) and ratio > thresholds.SUMMED_MIN_RATIO
+
+
+def wrong_divisor(cosine: float, ratio: float) -> bool:
+    """Same direction, a size factor no catalogue shape explains but a divisor could
+    (thresholds.EXACT_DIRECTION_COSINE, WRONG_DIVISOR_RATIO_RANGE, RATIO_NEAR_ONE)."""
+    low, high = thresholds.WRONG_DIVISOR_RATIO_RANGE
+    return (cosine > thresholds.EXACT_DIRECTION_COSINE and low < ratio < high
+            and abs(ratio - 1) > thresholds.RATIO_NEAR_ONE)
 
 
 def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,  # noqa: C901 - one branch per known shape of a mismatch, tried in order
@@ -97,15 +122,15 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         # true norm, so the clipped update is 1/S of the reference's clipped update.
         total = float(torch.linalg.vector_norm(
             flat(session, ref.full, session.param_order).double()))
-        coef = min(1.0, max_norm / (total + 1e-6))
-        if coef < 0.999:
+        coef = min(1.0, max_norm / (total + thresholds.CLIP_EPSILON))
+        if clip_would_bite(coef):
             hyps.append(compare.Hypothesis(
                 "clip-before-unscale",
                 f"the reference clipped at max_grad_norm={max_norm:g} and divided by the loss "
                 f"scale S={scale:g} (the clip compared the threshold with S x the true norm)",
                 full * (coef / scale), coef / scale, {"scale": scale, "clip_coefficient":
                                                       compare._round(coef)}))
-    cand_tol = max(3 * tol.rtol, HYPOTHESIS_RTOL_FLOOR)
+    cand_tol = compare.hypothesis_tolerance(tol.rtol)
     found = compare.classify(user_u, full, hyps, cand_tol)
     measured_ratio = float(torch.linalg.vector_norm(user_u.double())) / max(
         float(torch.linalg.vector_norm(full.double())), 1e-30)
@@ -214,7 +239,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                        evidence=evidence, location=location(site)))
     # No known shape: say so, with the numbers.
     hint = ""
-    if m.cosine > 0.999 and measured_ratio > 1.5:
+    if summed_over_count(m.cosine, measured_ratio):
         counted = summed_count(session.window(window), measured_ratio,
                                 session.spec.micro_batch_size)
         if counted is not None:
@@ -225,7 +250,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                            f"({what}) with cosine {m.cosine:.5f}: the loss sums over "
                            "samples/elements instead of averaging.",
                            evidence=evidence, location=location(last_backward_site)))
-    if m.cosine > 0.999:
+    if direction_holds(m.cosine):
         hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
     varying = varying_divisor(judgement, evidence, ordinal, measured_ratio)
     if varying is not None:
@@ -234,7 +259,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                        fix="Count the tokens (or samples) of the whole optimizer step once, "
                            "over all K micro-batches before the window, and divide every "
                            "micro-batch's summed loss by that one total."))
-    if m.cosine > 0.9999 and 0.05 < measured_ratio < 20 and abs(measured_ratio - 1) > 0.05:
+    if wrong_divisor(m.cosine, measured_ratio):
         # Right direction, wrong size, no catalogue factor: the loss is divided by the wrong
         # number (a hard-coded 8 for K=4, K*K): averaged too much or too little.
         decider = (deciders.double_average if measured_ratio < 1

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders
+from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, location
 from ..judge import judged_live
@@ -226,7 +226,8 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
     if not (v32 and math.isfinite(v32) and math.isfinite(v16) and scale):
         return None
     extra = v16 / (v32 * scale)
-    if 0.5 <= abs(extra) <= 2.0:
+    low, high = thresholds.SECOND_SCALE_BAND
+    if low <= abs(extra) <= high:
         return None
     return deciders.double_scaling(Observed(rung, "error",
         f"The loss reaching backward is {abs(extra):.6g}x what the scaler alone would give "

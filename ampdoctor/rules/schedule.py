@@ -6,13 +6,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .. import deciders
+from .. import deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, location
 from ..judge import step_groups
 from ..probe.events import OptimizerStep, ScalerStep, SchedulerStep
 from ..session import Session, Trace
-from ..thresholds import LR_RTOL
 
 
 def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
@@ -85,6 +84,6 @@ def _lr_drift(trace: Trace, events: list[SchedulerStep],
         if c >= len(lrs) or meant_index >= len(lrs):
             break
         used, meant = float(lrs[c]), float(lrs[meant_index])
-        if abs(used - meant) > LR_RTOL * max(abs(meant), 1e-30):
+        if abs(used - meant) > thresholds.LR_RTOL * max(abs(meant), 1e-30):
             return n, used, meant
     return None

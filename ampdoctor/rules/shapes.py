@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders
+from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
@@ -18,7 +18,6 @@ from ..loading import micro_batch_counts, micro_batch_size_of
 from ..probe.events import Snapshot, StepRecord
 from ..reference import reference_norm
 from ..session import Session, Trace, flat
-from ..thresholds import VARYING_RATIO_SPREAD
 
 
 def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, call,
@@ -55,14 +54,15 @@ def varying_divisor(judgement: Judgement, evidence: dict[str, Any], ordinal: int
     """Right direction at every step, but a size that changes from step to step: the loss is
     normalised by a count that varies (a token count overwritten per micro-batch), not by a
     constant such as K -- so "divide by K" would not fix it."""
-    same_direction = [s for s in judgement.steps if s.metrics.cosine > 0.9999]
+    same_direction = [s for s in judgement.steps
+                      if s.metrics.cosine > thresholds.EXACT_DIRECTION_COSINE]
     if len(same_direction) < 2 or len(same_direction) < len(judgement.steps):
         return None
     ratios = [s.preclip_ratio if s.preclip_ratio is not None else s.metrics.ratio
               for s in same_direction]
     low, high = min(ratios), max(ratios)
-    if low <= 0 or high / low - 1 <= VARYING_RATIO_SPREAD or all(abs(r - 1) < 0.05
-                                                                  for r in ratios):
+    if low <= 0 or high / low - 1 <= thresholds.VARYING_RATIO_SPREAD or all(
+            abs(r - 1) < thresholds.RATIO_NEAR_ONE for r in ratios):
         return None
     evidence["ratios_per_step"] = [compare._round(r) for r in ratios]
     evidence["ratio_spread"] = compare._round(high / low - 1)
@@ -115,7 +115,7 @@ def summed_count(micro_batches: list[Any], ratio: float,
     shared = {what: n for what, n in per_mb[0].items()
               if n > 1 and all(c.get(what) == n for c in per_mb)}
     for what, n in shared.items():
-        if what != "samples" and abs(ratio / n - 1) <= 0.01:
+        if what != "samples" and abs(ratio / n - 1) <= thresholds.COUNT_RATIO_RTOL:
             return int(n), f"the {int(n)} {what} per micro-batch"
     b = micro_batch_size or shared.get("samples")
     if b:
@@ -155,8 +155,8 @@ def disambiguate(session: Session, window: int, snapshot: Snapshot, names: list[
     ratio = float(torch.linalg.vector_norm(flat(session, grads, names))) / max(
         float(torch.linalg.vector_norm(flat(session, reference, names))), 1e-30)
     info = {"accumulation_steps": K2, "micro_batch_size": b, "ratio": compare._round(ratio)}
-    if abs(ratio / K2 - 1) < 0.02:
+    if abs(ratio / K2 - 1) < thresholds.RESPLIT_RATIO_RTOL:
         return "missing-accumulation-average", info
-    if abs(ratio / b - 1) < 0.02:
+    if abs(ratio / b - 1) < thresholds.RESPLIT_RATIO_RTOL:
         return "reduction-mismatch", info
     return None, info

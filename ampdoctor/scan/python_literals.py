@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from ampdoctor import thresholds
 from ampdoctor.scan.configs import MISSING
 
 
@@ -40,7 +41,7 @@ def number(node: ast.AST) -> float | None:
 
 
 def power_of_two(value: float) -> bool:
-    if value < 8 or value != int(value):
+    if value < 2 ** thresholds.MIN_LITERAL_SCALE_LOG2 or value != int(value):
         return False
     n = int(value)
     return n & (n - 1) == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
+from ampdoctor import thresholds
 from ampdoctor.scan.python_literals import number, power_of_two, source_text
 from ampdoctor.scan.python_state import VisitorState
 from ampdoctor.scan.sites import Site
@@ -99,7 +100,8 @@ class LossScale(VisitorState):
             name = node.attr
         if name is None or not _SCALE_NAME.search(name) or "scaler" in name.lower():
             return None
-        if isinstance(node, ast.Name) and name in self.numbers and self.numbers[name] < 2:
+        if (isinstance(node, ast.Name) and name in self.numbers
+                and self.numbers[name] < thresholds.MIN_NAMED_SCALE):
             return None
         text = source_text(node, 40)
         if isinstance(node, ast.Name) and name in self.numbers:
