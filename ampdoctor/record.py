@@ -116,6 +116,36 @@ def latest(out_dir: Path | None = None) -> Path:
                      "SPEC` first or give the record's path.")
 
 
+#: How an interrupted run's stub record begins its error message (cli/diagnose.py writes it).
+INTERRUPTED_PREFIX = "interrupted by "
+
+
+def is_interrupted(data: dict[str, Any]) -> bool:
+    """The stub record of a run stopped by a signal (Ctrl-C, SIGTERM): verdict error."""
+    error = data.get("error")
+    return (data.get("verdict") == "error" and isinstance(error, dict)
+            and str(error.get("message") or "").startswith(INTERRUPTED_PREFIX))
+
+
+def latest_complete(out_dir: Path | None = None) -> tuple[Path, Path | None]:
+    """The newest record of a folder that is not an interrupted run's stub (the newest stub
+    when there is nothing else), and the newest interrupted stub newer than it (or None)."""
+    out_dir = Path(out_dir) if out_dir else DEFAULT_DIR
+    newest = latest(out_dir)
+    interrupted: Path | None = None
+    candidates = sorted(((p.stat().st_mtime, p.name, p) for p in out_dir.glob("*.json")
+                         if not p.name.startswith(".") and p.is_file()), reverse=True)
+    for _, _, path in candidates:
+        try:
+            data = load(path)
+        except UsageError:
+            continue
+        if not is_interrupted(data):
+            return path, interrupted
+        interrupted = interrupted or path
+    return newest, newest
+
+
 def load(path: Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():

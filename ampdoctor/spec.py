@@ -23,6 +23,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from .errors import SpecError
 from .spec_yaml import read_spec_yaml, top_level_lines
@@ -84,11 +85,50 @@ class DDPSettings(_Strict):
     wrapper: Literal["ddp", "fsdp"] = "ddp"
 
 
+#: The optimizer classes of torch.optim (torch 2.13), so that a spec validates without torch;
+#: tests/test_spec.py checks it against the installed torch. A name missing here is looked up
+#: in torch.optim itself before it is refused (a newer torch may have more).
+TORCH_OPTIMIZERS = ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax",
+                    "LBFGS", "Muon", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD", "SparseAdam")
+
+
+def _torch_optimizers() -> tuple[str, ...]:
+    """The optimizer classes of the installed torch.optim (TORCH_OPTIMIZERS without torch)."""
+    try:
+        import torch.optim as optim
+    except ImportError:
+        return TORCH_OPTIMIZERS
+    return tuple(sorted(n for n, c in vars(optim).items()
+                        if isinstance(c, type) and issubclass(c, optim.Optimizer)
+                        and c is not optim.Optimizer))
+
+
+def _check_optimizer_name(name: str) -> str:
+    if name in TORCH_OPTIMIZERS:
+        return name
+    known = _torch_optimizers()   # imports torch only for a name the list does not hold
+    if name in known:
+        return name
+    # a name that differs only in case ('Adamw') is that optimizer before any nearer spelling
+    close = [k for k in known if k.lower() == name.lower()] \
+        or difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else f" Optimizers: {', '.join(known)}."
+    raise PydanticCustomError(
+        "unknown_optimizer", "torch.optim has no optimizer {name}.{hint} (For another "
+        "optimizer give a factory: optimizer: 'module:function')",
+        {"name": repr(name), "hint": hint})
+
+
 class OptimizerMapping(BaseModel):
     """`{name: SGD, lr: 0.05, ...}`: a torch.optim class and its keyword arguments."""
 
     model_config = ConfigDict(extra="allow")
     name: str
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _check_optimizer_name(value)
 
 
 class Spec(_Strict):
@@ -270,6 +310,9 @@ def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int])
     known.remove("spec_path")
     # Unknown keys first: a typo'd key is usually also the "missing" one.
     errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    if any(e["type"] == "unknown_optimizer" for e in errors):
+        # the mapping was meant: that it is not also a 'module:function' string is noise
+        errors = [e for e in errors if tuple(e["loc"][:2]) != ("optimizer", "str")]
     for err in errors:
         key, line = _describe_location(err["loc"], lines)
         kind = err["type"]
@@ -286,7 +329,8 @@ def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int])
             if msg.startswith("Value error, "):
                 msg = msg[len("Value error, "):]
             got = err.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            shown = "" if isinstance(got, dict) or kind == "unknown_optimizer" \
+                else f" (got {got!r})"
             text = f"{msg}{shown}."
         paragraph = _paragraph(path, key, line, text)
         if paragraph not in seen:

@@ -159,3 +159,59 @@ def test_precisions_always_hold_fp32_and_no_repeats(tmp_path):
     path.write_text(base + "precisions: [fp8]\n")
     with pytest.raises(SpecError, match="precisions"):
         load_spec(path)
+
+
+@pytest.mark.parametrize("optimizer,line", [
+    ("optimizer: {name: Adamw, lr: 0.01}\n", 7),
+    ("optimizer:\n  lr: 0.01\n  name: Adamw\n", 9),
+])
+def test_a_misspelled_optimizer_is_a_spec_error_before_any_rung(tmp_path, optimizer, line):
+    """The name is checked with the spec (exit 2 naming key and line, and the class meant),
+    not when the first rung builds the optimizer; the only problem shown is the name."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(GOOD + f"project_root: {RECIPES}\n" + optimizer)
+    out = tmp_path / "runs"
+    result = run_cli("diagnose", spec, "--out", out)
+    assert result.returncode == 2, result.stderr
+    assert f"spec.yaml:{line}: spec key 'optimizer.name': torch.optim has no optimizer " \
+           "'Adamw'. Did you mean 'AdamW'?" in " ".join(result.stderr.split())
+    assert "valid string" not in result.stderr
+    assert "rung" not in result.stderr.lower()
+    assert not list(out.glob("*.json"))   # a bad spec writes no record
+
+
+def test_the_optimizer_list_is_torch_optims():
+    """The spec's list of optimizer classes (kept so that a spec validates without torch) is
+    torch.optim's in the installed torch."""
+    import torch
+
+    from ampdoctor.spec import TORCH_OPTIMIZERS
+
+    installed = sorted(n for n, c in vars(torch.optim).items()
+                       if isinstance(c, type) and issubclass(c, torch.optim.Optimizer)
+                       and c is not torch.optim.Optimizer)
+    assert sorted(TORCH_OPTIMIZERS) == installed
+
+
+def test_a_valid_optimizer_name_validates_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    path = write(tmp_path, GOOD + "optimizer: {name: AdamW, lr: 0.01}\n")
+    code = ("import sys\nfrom ampdoctor.spec import load_spec\n"
+            f"spec = load_spec({str(path)!r})\nassert spec.optimizer.name == 'AdamW'\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("name,hint", [("sgd", "Did you mean 'SGD'?"),
+                                       ("Adamm", "Did you mean 'Adam'?"),
+                                       ("Lion", "Optimizers: ASGD, ")])
+def test_an_unknown_optimizer_name_suggests_one(tmp_path, name, hint):
+    with pytest.raises(SpecError) as info:
+        load_spec(write(tmp_path, GOOD + f"optimizer: {{name: {name}, lr: 0.1}}\n"))
+    assert f"spec.yaml:6: spec key 'optimizer.name': torch.optim has no optimizer {name!r}." \
+           in info.value.message
+    assert hint in info.value.message
+    assert "'module:function'" in info.value.message

@@ -52,7 +52,14 @@ def show_record(record: Path | None, html: bool, output: Path | None, json_out: 
     JSON on stdout, or the terminal view. The record, for its exit code."""
     from .. import record as records
     from ..report.terminal import render
-    path = record if record is not None else records.latest(out)
+    path = record
+    if path is None:
+        path, interrupted = records.latest_complete(out)
+        if interrupted is not None:
+            shown = "it is shown" if interrupted == path else f"showing {path.name}"
+            stderr_console().print(inert(f"note: the newest record, {interrupted.name}, is of an "
+                                         f"interrupted run; {shown}.", limit=FIELD_LIMIT),
+                                   highlight=False, markup=False)
     data = records.load(path)
     if int(data.get("record_version") or 1) > records.RECORD_VERSION:
         stderr_console().print(inert(f"note: {path} was written by a newer ampdoctor (record "

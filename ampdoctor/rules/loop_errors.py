@@ -71,6 +71,14 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
     finder = trace.finder
     frames = finder.user_sites(exc.__traceback__) if finder is not None else []
     evidence = {"error": text, "precision": trace.precision}
+    clip = clip_given_none(exc) if trace.settings.max_grad_norm is None else None
+    if clip is not None:
+        # the loop clips at run.max_grad_norm, which is None: say why, not only that it is
+        evidence["max_grad_norm"] = None
+        text = (f"{text}. torch's {clip}() was given None as its threshold: run.max_grad_norm "
+                "is null because the spec has no max_grad_norm. Set max_grad_norm in the spec "
+                "(for example `max_grad_norm: 1.0`), or clip only when run.max_grad_norm is not "
+                "None")
     called_from = ""
     if len(frames) > 1:
         # innermost user frame is the location; the loop's own line is where it was called
@@ -83,6 +91,26 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
                    f"The loop raised in the {trace.precision} run: {text}{called_from}",
                    evidence=evidence, location=location(trace.error_site),
                    traceback=format_traceback(trace.error)))
+
+
+#: torch's clipping functions live here (matched on the path's end, any separator)
+CLIP_MODULE = ("torch", "nn", "utils", "clip_grad.py")
+
+
+def clip_given_none(exc: BaseException) -> str | None:
+    """The public torch clipping function (`clip_grad_norm_`, `clip_grad_value_`) that raised
+    this TypeError over a None threshold (torch 2.x: "float() argument must be ... not
+    'NoneType'"), or None when `exc` is something else."""
+    if not isinstance(exc, TypeError) or "NoneType" not in safe_str(exc):
+        return None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        parts = tuple(os.path.normpath(code.co_filename).split(os.sep)[-len(CLIP_MODULE):])
+        if parts == CLIP_MODULE and not code.co_name.startswith("_"):
+            return code.co_name
+        tb = tb.tb_next
+    return None
 
 
 def last_unscale_pair(trace: Trace) -> tuple[Event, Event, list[Event]] | None:
