@@ -121,7 +121,11 @@ INTERRUPTED_PREFIX = "interrupted by "
 
 
 def is_interrupted(data: dict[str, Any]) -> bool:
-    """The stub record of a run stopped by a signal (Ctrl-C, SIGTERM): verdict error."""
+    """The stub record of a run stopped by a signal (Ctrl-C, SIGTERM): its `exit_code` is
+    128 + the signal; a record written before `exit_code` existed is known by its message."""
+    code = data.get("exit_code")
+    if isinstance(code, int) and not isinstance(code, bool):
+        return code >= 128
     error = data.get("error")
     return (data.get("verdict") == "error" and isinstance(error, dict)
             and str(error.get("message") or "").startswith(INTERRUPTED_PREFIX))

@@ -59,6 +59,7 @@ def _write_records(out: Path) -> tuple[Path, Path]:
     stub["error"] = {"type": "UserCodeError",
                      "message": "interrupted by SIGINT after 1 rung(s); the record holds the "
                                 "rungs that finished"}
+    stub["exit_code"] = 130          # 128 + SIGINT, as diagnose saves it
     newer = out / "29990101-000000-spec.json"
     newer.write_text(records.dumps(stub))
     later = complete.stat().st_mtime + 10
@@ -81,3 +82,13 @@ def test_report_shows_the_latest_complete_record_not_an_interrupted_stub(tmp_pat
     assert result.returncode == 0, result.stderr
     assert f"{newer.name}, is of an interrupted run; it is shown." \
         in " ".join(result.stderr.split())
+
+
+def test_an_interrupted_stub_is_known_by_its_exit_code_or_an_old_record_by_its_message():
+    from ampdoctor.record import is_interrupted
+
+    message = {"verdict": "error", "error": {"message": "interrupted by SIGTERM after 2 rung(s)"}}
+    assert is_interrupted({**message, "exit_code": 143})
+    assert is_interrupted(message)                        # written before exit_code existed
+    assert not is_interrupted({**message, "exit_code": 3})  # the loop's own words, exit 3
+    assert not is_interrupted({"verdict": "error", "exit_code": 1, "error": None})
