@@ -128,6 +128,10 @@ BROKEN = {
     # fp16-scaler: the state machine and the scale-space shapes
     "broken_clip_before_unscale": ("fp16-scaler", "clip-before-unscale", "measured",
                                    (0.9 * 65536, 1.1 * 65536), "broken_clip_before_unscale.py"),
+    # the same clip in two steps, get_total_norm + clip_grads_with_norm_ (accelerate's path)
+    "broken_clip_with_total_norm_before_unscale": (
+        "fp16-scaler", "clip-before-unscale", "measured", (0.9 * 65536, 1.1 * 65536),
+        "broken_clip_with_total_norm_before_unscale.py"),
     # every step at the default init_scale overflows in the slice: rerun from the scale the
     # search reached (65536 / 2^3 = 8192), where the clip in scaled space shows
     "broken_fairseq_default_scale_clip": ("fp16-scaler", "clip-before-unscale", "measured",
@@ -292,6 +296,18 @@ def test_warning_recipe(name, diagnosed):
     assert {r["id"]: r["status"] for r in record["rungs"]}[rung] == "warn"
     marker = RECIPES / marker_file
     assert finding["location"]["line"] == marked_line(marker, kind)
+
+
+@pytest.mark.xdist_group("healthy_clip_with_total_norm")
+def test_the_two_step_clip_is_reproduced_and_checked_in_clip_space(diagnosed):
+    """get_total_norm + clip_grads_with_norm_ after unscale_, biting every step: the reference
+    clips as the loop did, and the clip-space rung runs on it as on clip_grad_norm_."""
+    record = diagnosed("healthy_clip_with_total_norm").record
+    assert record["verdict"] == "healthy"
+    rung = next(r for r in record["rungs"] if r["id"] == "clip-space")
+    assert rung["status"] == "pass"
+    assert rung["details"]["clip_ratios"]
+    assert all(abs(r - 1) < 1e-3 for r in rung["details"]["clip_ratios"])
 
 
 @pytest.mark.parametrize("name", _grouped(BROKEN))

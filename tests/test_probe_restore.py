@@ -44,6 +44,7 @@ def _recipes_digest():
 @pytest.mark.parametrize("config,raises", [
     ("healthy_sgd", None),
     ("broken_clip_before_unscale", None),
+    ("broken_clip_with_total_norm_before_unscale", None),
     ("broken_loop_error", None),
     ("bad/factory_raises", UserCodeError),
 ])
@@ -52,7 +53,9 @@ def test_torch_is_restored_after_diagnose(config, raises):
     hooks_before = _hooks()
     originals = (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_,
                  torch.amp.GradScaler.step, torch.optim.Optimizer.zero_grad,
-                 torch.autocast.__enter__, torch.nn.Module.__init__)
+                 torch.autocast.__enter__, torch.nn.Module.__init__,
+                 getattr(torch.nn.utils, "get_total_norm", None),
+                 getattr(torch.nn.utils, "clip_grads_with_norm_", None))
     digest = _recipes_digest()
     spec = load_spec(CONFIGS / f"{config}.yaml")
     if raises:
@@ -65,9 +68,25 @@ def test_torch_is_restored_after_diagnose(config, raises):
     assert _hooks() == hooks_before
     assert (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler.step,
             torch.optim.Optimizer.zero_grad, torch.autocast.__enter__,
-            torch.nn.Module.__init__) == originals
+            torch.nn.Module.__init__, getattr(torch.nn.utils, "get_total_norm", None),
+            getattr(torch.nn.utils, "clip_grads_with_norm_", None)) == originals
     assert recorder.ACTIVE is None
     assert _recipes_digest() == digest
+
+
+def test_every_clipping_path_is_patched_and_restored():
+    """clip_grad_norm_, clip_grad_value_ and the two-step get_total_norm +
+    clip_grads_with_norm_, where this torch has them, in torch.nn.utils and clip_grad alike."""
+    from torch.nn.utils import clip_grad
+    names = ("clip_grad_norm_", "clip_grad_value_", "get_total_norm", "clip_grads_with_norm_")
+    present = [(module, name) for module in (torch.nn.utils, clip_grad) for name in names
+               if hasattr(module, name)]
+    before = {(id(module), name): getattr(module, name) for module, name in present}
+    patched = {(id(t), n) for t, n, _ in _patched_now()}
+    assert {(id(module), name) for module, name in present} <= patched
+    if hasattr(torch.nn.utils, "clip_grads_with_norm_"):
+        assert (id(torch.nn.utils), "get_total_norm") in patched
+    assert {(id(module), name): getattr(module, name) for module, name in present} == before
 
 
 def test_patcher_undo_twice_is_harmless():

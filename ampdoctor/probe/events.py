@@ -130,11 +130,13 @@ class ZeroGrad(Event):
 
 @dataclass(frozen=True)
 class Clip(Event):
-    clip_kind: str = "norm"             # "norm" (clip_grad_norm_) or "value" (clip_grad_value_)
+    # "norm" (clip_grad_norm_, or clip_grads_with_norm_ after get_total_norm) or "value"
+    # (clip_grad_value_)
+    clip_kind: str = "norm"
     max_norm: float | None = None
     norm_type: float | None = None
     param_ids: tuple[int, ...] = ()
-    total_norm: float | None = None     # what clip_grad_norm_ returned
+    total_norm: float | None = None     # what clip_grad_norm_ returned / clip_grads_with_norm_ got
     kind: ClassVar[str] = "clip"
 
 

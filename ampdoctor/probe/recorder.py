@@ -97,6 +97,8 @@ class Probe:
         self._group_consumed: tuple[int, ...] = ()
         self.fetched = -1
         self._depth: dict[str, int] = {}
+        #: recent get_total_norm calls: (the norm returned, its norm type, id() of the grads)
+        self.total_norms: list[tuple[Any, float, set[int]]] = []
         self._scaler_step_slot: int | None = None
         self.optimizer_step_count = 0
         #: Micro-batches whose forward ran since the last step group began.

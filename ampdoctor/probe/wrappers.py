@@ -280,6 +280,66 @@ def _wrap_clip(original, kind: str):
     return clip
 
 
+def _wrap_total_norm(original):
+    """`get_total_norm(tensors, norm_type, ...)`, the first half of the two-step clip: remember
+    its norm type for the `clip_grads_with_norm_` that uses the norm (nothing is recorded)."""
+    @functools.wraps(original)
+    def get_total_norm(tensors, *args, **kwargs):
+        probe = _active()
+        if probe is None or probe.inside("clip"):
+            return original(tensors, *args, **kwargs)
+        grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        result = original(grads, *args, **kwargs)
+        norm_type = args[0] if args else kwargs.get("norm_type", 2.0)
+        probe.total_norms = [*probe.total_norms[-(_TOTAL_NORMS_KEPT - 1):],
+                             (result, float(norm_type), {id(g) for g in grads})]
+        return result
+    return get_total_norm
+
+
+#: How many recent `get_total_norm` results the probe keeps to match a later clip with.
+_TOTAL_NORMS_KEPT = 8
+
+
+def _norm_type_of(probe, total_norm, params: list[torch.Tensor]) -> float:
+    """The norm type of the `get_total_norm` call that computed `total_norm`: the same tensor,
+    else one over exactly these parameters' gradients; 2.0 when none was observed."""
+    grad_ids = {id(p.grad) for p in params if p.grad is not None}
+    for result, norm_type, _ in reversed(probe.total_norms):
+        if result is total_norm:
+            return norm_type
+    for _, norm_type, ids in reversed(probe.total_norms):
+        if ids == grad_ids:
+            return norm_type
+    return 2.0
+
+
+def _wrap_clip_with_norm(original):
+    """`clip_grads_with_norm_(parameters, max_norm, total_norm)`, the second half of the
+    two-step clip: one Clip of kind "norm", as `clip_grad_norm_` gives."""
+    @functools.wraps(original)
+    def clip_grads_with_norm_(parameters, *args, **kwargs):
+        probe = _active()
+        if probe is None or probe.inside("clip"):
+            return original(parameters, *args, **kwargs)
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        site = probe.finder.from_frame(_caller(2))
+        max_norm = args[0] if args else kwargs.get("max_norm")
+        total_norm = args[1] if len(args) > 1 else kwargs.get("total_norm")
+        norm_type = _norm_type_of(probe, total_norm, params)
+        probe.enter("clip")
+        try:
+            result = original(params, *args, **kwargs)
+        finally:
+            probe.leave("clip")
+        probe.record(Clip, site=site, clip_kind="norm",
+                     max_norm=None if max_norm is None else float(max_norm),
+                     norm_type=norm_type, param_ids=tuple(id(p) for p in params),
+                     total_norm=None if total_norm is None else float(total_norm))
+        return result
+    return clip_grads_with_norm_
+
+
 #: Warnings said again at the user's line, shown once per line as Python's default filter does.
 _REPLAYED: set[tuple[Any, ...]] = set()
 
@@ -405,6 +465,19 @@ def install(patcher: Patcher) -> None:
         patcher.setattr(clip_grad, name, wrapper)
         if getattr(nn_utils, name, None) is original:
             patcher.setattr(nn_utils, name, wrapper)
+    # the two-step clip (torch >= 2.6): public in torch.nn.utils, and in clip_grad too where
+    # that torch defines it there. torch.nn.utils.clip_grad_norm_ calls the private
+    # _get_total_norm / _clip_grads_with_norm_, left alone; a torch whose clip_grad_norm_ calls
+    # the public names reaches these wrappers inside "clip", where they record nothing.
+    for name, wrap in (("get_total_norm", _wrap_total_norm),
+                       ("clip_grads_with_norm_", _wrap_clip_with_norm)):
+        original = getattr(clip_grad, name, None) or getattr(nn_utils, name, None)
+        if original is None:
+            continue
+        wrapper = wrap(original)
+        for module in (clip_grad, nn_utils):
+            if getattr(module, name, None) is original:
+                patcher.setattr(module, name, wrapper)
 
     base = lr_scheduler.LRScheduler
     for obj in vars(lr_scheduler).values():
