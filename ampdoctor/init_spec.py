@@ -109,7 +109,7 @@ def _find_setting(found: Found, node: ast.AST) -> None:
         _find_assigned(found, node)
     elif isinstance(node, ast.Call):
         callee = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
-        if callee == "clip_grad_norm_" and found.max_grad_norm is None:
+        if callee in ("clip_grad_norm_", "clip_grads_with_norm_") and found.max_grad_norm is None:
             value = _constant(node.args[1] if len(node.args) > 1 else next(
                 (k.value for k in node.keywords if k.arg == "max_norm"), None))
             if value is not None and value > 0:

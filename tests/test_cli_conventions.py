@@ -174,3 +174,13 @@ def test_overrides_reach_the_ddp_ranks(tmp_path: Path) -> None:
     ddp = next(r for r in result.record["rungs"] if r["id"] == "ddp-sync")
     assert ddp["status"] == "pass"
     assert "(2 steps," in ddp["summary"]
+
+
+def test_init_reads_the_clip_threshold_of_the_two_step_clip(tmp_path: Path) -> None:
+    """accelerate's path: get_total_norm, then clip_grads_with_norm_(params, max_norm, total)."""
+    source = TRAIN_PY.replace("clip_grad_norm_", "clip_grads_with_norm_")
+    assert source != TRAIN_PY
+    (tmp_path / "train.py").write_text(source)
+    result = run_cli("init", "train.py", "-o", "triage.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert yaml.safe_load((tmp_path / "triage.yaml").read_text())["max_grad_norm"] == 1.0
