@@ -178,9 +178,14 @@ def test_overrides_reach_the_ddp_ranks(tmp_path: Path) -> None:
 
 def test_init_reads_the_clip_threshold_of_the_two_step_clip(tmp_path: Path) -> None:
     """accelerate's path: get_total_norm, then clip_grads_with_norm_(params, max_norm, total)."""
-    source = TRAIN_PY.replace("clip_grad_norm_", "clip_grads_with_norm_")
-    assert source != TRAIN_PY
+    source = (TRAIN_PY.replace("MAX_GRAD_NORM = 1.0\n", "")
+              .replace("torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)",
+                       "params = list(model.parameters())\n"
+                       "            total = torch.nn.utils.get_total_norm(\n"
+                       "                [p.grad for p in params if p.grad is not None])\n"
+                       "            torch.nn.utils.clip_grads_with_norm_(params, 0.5, total)"))
+    assert "clip_grads_with_norm_(params, 0.5" in source and "MAX_GRAD_NORM" not in source
     (tmp_path / "train.py").write_text(source)
     result = run_cli("init", "train.py", "-o", "triage.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert yaml.safe_load((tmp_path / "triage.yaml").read_text())["max_grad_norm"] == 1.0
+    assert yaml.safe_load((tmp_path / "triage.yaml").read_text())["max_grad_norm"] == 0.5
