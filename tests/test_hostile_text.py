@@ -162,7 +162,8 @@ def test_loop_error_finding_survives_a_raising_str_and_a_huge_message():
         except BaseException as caught:   # noqa: BLE001
             error = caught
         trace = SimpleNamespace(error=error, precision="fp32", finder=None, error_site=None,
-                                events=[], events_of=lambda cls: [])
+                                events=[], events_of=lambda cls: [],
+                                settings=SimpleNamespace(max_grad_norm=None))
         finding = loop_error_finding(trace, "fp32-accum").to_dict()
         assert expect in finding["evidence"]["error"]
         assert len(json.dumps(finding)) < 2 * (MESSAGE_LIMIT + TRACEBACK_LIMIT)
