@@ -3,11 +3,14 @@
 ampdoctor never substitutes a scaler or an autocast: the loop runs with `run.precision` set and
 does whatever it does. Both rungs check that AMP is fully on (half-open-amp), then compare each
 optimizer step with the teacher-forced fp32 reference at the precision's tolerance. The fp16
-rung also replays the events through the step state machine (article §16).
+rung also replays the events through the step state machine. A framework that ran another
+precision than the rung asked of it (accelerate's fp32 for fp16 on a CPU, Lightning's
+bf16-mixed for 16-mixed) makes the rung a skip that names what ran and where it was asked.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -21,6 +24,7 @@ from ..judge import tolerance
 from ..probe.callsite import Site
 from ..probe.events import (
     AutocastEntered,
+    FrameworkPrecision,
     OptimizerStep,
     Scale,
     ScalerInit,
@@ -157,6 +161,25 @@ _BACKEND_LIMITS = re.compile(r"not implemented for '(BFloat16|Half)'|could not c
                              r"primitive|onednn|mkldnn|no kernel", re.IGNORECASE)
 
 
+def framework_change(trace: Trace) -> tuple[str, dict[str, Any]] | None:
+    """Why the rung did not test its precision when a framework ran another one (a skip
+    reason and the record's details), or None."""
+    for event in trace.events_of(FrameworkPrecision):
+        if not event.reason or event.ran == trace.precision:
+            continue
+        asked_at = (f" (asked at {os.path.basename(event.site.file)}:{event.site.line})"
+                    if event.site is not None else "")
+        ran = event.ran or "a mode without a rung"
+        reason = (f"{event.framework} ran {ran}, not the {trace.precision} this rung asked for"
+                  f"{asked_at}: {event.reason}; {trace.precision} was not tested here")
+        details = {"framework": event.framework, "precision_asked": event.asked,
+                   "precision_ran": event.ran,
+                   "asked_at": (f"{event.site.file}:{event.site.line}"
+                                if event.site is not None else None)}
+        return reason, details
+    return None
+
+
 def _backend_cannot(session: Session, trace: Trace) -> bool:
     exc = trace.error
     if not isinstance(exc, (RuntimeError, NotImplementedError)):
@@ -187,6 +210,11 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
         finding = _map_loop_error(session, trace, rung)
         return RungResult(rung, "fail", f"the {precision} loop raised ({finding.kind})",
                           [finding], details=details)
+    changed = framework_change(trace)
+    if changed is not None:
+        reason, framework = changed
+        details["framework_precision"] = framework
+        return RungResult(rung, "skip", reason, details=details)
     findings = half_open_findings(session, trace, rung)
     if any(f.severity == "error" for f in findings):
         return conclude(rung, findings, "", details)

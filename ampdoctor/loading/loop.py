@@ -11,6 +11,7 @@ import torch
 
 from ..errors import SpecError
 from ..spec import Spec
+from .frameworks import reset_framework_state
 from .naming import spec_where
 from .usercode import UserCode, restore_recursion_limit
 
@@ -56,12 +57,18 @@ def run_train_loop(code: UserCode, model: Any, optimizer: Any, feed: Any, settin
     import inspect
 
     from .. import progress
+    from ..probe import frameworks
+    from ..probe.patches import Patcher
     from ..process_state import LOOP_SCOPE, ProcessState
     progress.run_started(settings.precision, settings.optimizer_steps)
     limit = sys.getrecursionlimit()
     # what the loop leaves behind (autocast entered, grad mode off, a chdir) must not reach
     # the next run or the reference
     kept = ProcessState.take(LOOP_SCOPE)
+    reset_framework_state()
+    # frameworks the user's module imported are patched for this run (see probe/frameworks.py)
+    framework_patches = Patcher()
+    frameworks.install(framework_patches)
     try:
         result = code.train_loop(model, optimizer, feed, settings)
         if not inspect.isgenerator(result):
@@ -70,5 +77,7 @@ def run_train_loop(code: UserCode, model: Any, optimizer: Any, feed: Any, settin
             pass
         return True
     finally:
+        framework_patches.undo()
         restore_recursion_limit(limit)
+        reset_framework_state()
         code.left_behind.update(kept.restore())

@@ -160,10 +160,24 @@ class AutocastEntered(Event):
     kind: ClassVar[str] = "autocast"
 
 
+@dataclass(frozen=True)
+class FrameworkPrecision(Event):
+    """A training framework (accelerate, Lightning, Fabric) was asked for a precision and chose
+    what to run: `asked` in the framework's own spelling, `ran` as fp32/bf16/fp16 (None: a mode
+    the ladder has no rung for), `reason` the framework's own when it changed the request."""
+
+    framework: str = ""
+    asked: str = ""
+    ran: str | None = None
+    reason: str = ""
+    kind: ClassVar[str] = "framework_precision"
+
+
 #: kind -> event class (`make_event`: events built from their kind's name).
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for cls in (
     MicroBatchFetched, Forward, Backward, ScalerInit, Scale, GetScale, Unscale, ScalerStep,
-    OptimizerStep, Update, ZeroGrad, Clip, SchedulerStep, AutocastEntered)}
+    OptimizerStep, Update, ZeroGrad, Clip, SchedulerStep, AutocastEntered,
+    FrameworkPrecision)}
 
 
 def make_event(kind: str, seq: int = 0, *, microbatch: int = -1, backwards: int = 0,

@@ -426,8 +426,27 @@ def _wrap_autocast_init(original):
 
 def _step_pre_hook(optimizer, args, kwargs):
     probe = _active()
-    if probe is not None:
+    if probe is None:
+        return None
+    closure = kwargs.get("closure", args[0] if args else None)
+    if not callable(closure):
         probe.on_optimizer_step(optimizer)
+        return None
+    # A step handed a closure (Lightning's automatic optimization, LBFGS) runs the last
+    # micro-batch's forward and backward - and the unscale and the clip - inside the step: the
+    # gradient it consumes exists only once the closure has run, so that is when it is read.
+    seen = []
+
+    def closure_then_observe():
+        result = closure()
+        if not seen and _active() is probe:
+            seen.append(True)
+            probe.on_optimizer_step(optimizer)
+        return result
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_observe}
+    return (closure_then_observe, *args[1:]), kwargs
 
 
 def install(patcher: Patcher) -> None:

@@ -1,0 +1,108 @@
+"""What a training framework decided to run when it was asked for a precision.
+
+accelerate (and so the HF Trainer) trains in fp32 when asked for fp16 on a CPU (no autocast,
+no GradScaler, no warning); Lightning and Fabric switch `16-mixed` to `bf16-mixed` there. A
+rung that asked for fp16 must say what really ran and where it was asked for, so the probe
+records a `FrameworkPrecision` event when the loop builds an `Accelerator`, a Lightning
+`Trainer` or a `Fabric`. Only frameworks the process already imported are patched; nothing is
+imported here.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from . import recorder
+from .events import FrameworkPrecision
+from .patches import Patcher
+
+
+def _mixed(value: Any) -> str | None:
+    """fp32 / bf16 / fp16 for a Lightning precision flag; None for a mode without a rung."""
+    text = "32-true" if value is None else str(value)
+    if text in ("32", "32-true"):
+        return "fp32"
+    if text in ("bf16", "bf16-mixed"):
+        return "bf16"
+    if text in ("16", "16-mixed"):
+        return "fp16"
+    return None
+
+
+def _record(framework: str, asked: str, ran: str | None, reason: str) -> None:
+    probe = recorder.ACTIVE
+    if probe is None:
+        return
+    site = probe.finder.from_frame(sys._getframe(2))
+    probe.record(FrameworkPrecision, site=site, framework=framework, asked=asked, ran=ran,
+                 reason=reason)
+
+
+def _wrap_accelerator_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        state = getattr(self, "state", None)
+        asked = str(getattr(state, "mixed_precision", "no"))
+        device = getattr(getattr(self, "device", None), "type", "?")
+        native = bool(getattr(self, "native_amp", False))
+        ran: str | None
+        reason = ""
+        if asked == "no":
+            ran = "fp32"
+        elif asked in ("fp16", "bf16") and native:
+            ran = asked
+        elif asked in ("fp16", "bf16"):
+            ran = "fp32"
+            reason = (f"accelerate runs {asked} mixed precision only where its autocast and "
+                      f"loss scaler run; on {device} it trains in fp32 (no autocast, no "
+                      "GradScaler) without a warning")
+        else:
+            ran = None
+        _record("accelerate", asked, ran, reason)
+    return __init__
+
+
+def _wrap_lightning_init(original: Callable[..., Any], framework: str,
+                         final: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        asked = kwargs.get("precision")
+        chosen = getattr(self, final, asked)
+        reason = ""
+        if _mixed(asked) != _mixed(chosen):
+            device = type(getattr(self, "accelerator", None)).__name__.replace("Accelerator", "")
+            reason = (f"{framework} replaced precision={asked!r} by {chosen!r}"
+                      + (f" on {device.lower() or 'this device'}" if device else "")
+                      + " (AMP with fp16 is not supported there)")
+        _record(framework, str(asked if asked is not None else "32-true"), _mixed(chosen),
+                reason)
+    return __init__
+
+
+#: (module, class, attribute read after __init__, framework name) for Lightning's connectors.
+_LIGHTNING = (
+    ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector",
+     "_precision_flag", "Lightning"),
+    ("pytorch_lightning.trainer.connectors.accelerator_connector", "_AcceleratorConnector",
+     "_precision_flag", "Lightning"),
+    ("lightning.fabric.connector", "_Connector", "_precision_input", "Fabric"),
+    ("lightning_fabric.connector", "_Connector", "_precision_input", "Fabric"),
+)
+
+
+def install(patcher: Patcher) -> None:
+    """Patch the frameworks already imported in this process."""
+    accelerator = sys.modules.get("accelerate.accelerator")
+    cls = getattr(accelerator, "Accelerator", None)
+    if isinstance(cls, type):
+        patcher.setattr(cls, "__init__", _wrap_accelerator_init(vars(cls)["__init__"]))
+    for module_name, class_name, final, framework in _LIGHTNING:
+        connector = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(connector, type):
+            patcher.setattr(connector, "__init__",
+                            _wrap_lightning_init(vars(connector)["__init__"], framework, final))
