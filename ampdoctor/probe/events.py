@@ -170,6 +170,7 @@ class FrameworkPrecision(Event):
     asked: str = ""
     ran: str | None = None
     reason: str = ""
+    driver: str = ""        # what built the framework for the loop ("HF Trainer"), if not the loop
     kind: ClassVar[str] = "framework_precision"
 
 

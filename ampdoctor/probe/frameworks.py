@@ -32,13 +32,28 @@ def _mixed(value: Any) -> str | None:
     return None
 
 
+def _asking_site(frame: Any) -> Any:
+    """Where the precision was asked: the `TrainingArguments(...)` line when an HF Trainer
+    builds the Accelerator (the arguments carry the site they were built at), else None."""
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        site = getattr(getattr(owner, "args", None), "_ampdoctor_site", None)
+        if site is not None and any(c.__module__.startswith("transformers")
+                                    for c in type(owner).__mro__):
+            return site
+        frame = frame.f_back
+    return None
+
+
 def _record(framework: str, asked: str, ran: str | None, reason: str) -> None:
     probe = recorder.ACTIVE
     if probe is None:
         return
-    site = probe.finder.from_frame(sys._getframe(2))
+    caller = sys._getframe(2)
+    trainer_site = _asking_site(caller)
+    site = trainer_site or probe.finder.from_frame(caller)
     probe.record(FrameworkPrecision, site=site, framework=framework, asked=asked, ran=ran,
-                 reason=reason)
+                 reason=reason, driver="HF Trainer" if trainer_site is not None else "")
 
 
 def _wrap_accelerator_init(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -84,6 +99,17 @@ def _wrap_lightning_init(original: Callable[..., Any], framework: str,
     return __init__
 
 
+def _wrap_training_args_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        probe = recorder.ACTIVE
+        if probe is not None:
+            # the dataclass __init__ calls __post_init__: the user's line is above both
+            object.__setattr__(self, "_ampdoctor_site", probe.finder.from_frame(sys._getframe(1)))
+    return __post_init__
+
+
 #: (module, class, attribute read after __init__, framework name) for Lightning's connectors.
 _LIGHTNING = (
     ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector",
@@ -101,6 +127,10 @@ def install(patcher: Patcher) -> None:
     cls = getattr(accelerator, "Accelerator", None)
     if isinstance(cls, type):
         patcher.setattr(cls, "__init__", _wrap_accelerator_init(vars(cls)["__init__"]))
+    args_cls = getattr(sys.modules.get("transformers.training_args"), "TrainingArguments", None)
+    if isinstance(args_cls, type) and "__post_init__" in vars(args_cls):
+        patcher.setattr(args_cls, "__post_init__",
+                        _wrap_training_args_post_init(vars(args_cls)["__post_init__"]))
     for module_name, class_name, final, framework in _LIGHTNING:
         connector = getattr(sys.modules.get(module_name), class_name, None)
         if isinstance(connector, type):

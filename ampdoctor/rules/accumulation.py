@@ -16,6 +16,7 @@ from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..probe.events import Backward, Clip, Event, Scale, ZeroGrad, of_type
 from ..session import Session, Trace, flat
+from .frameworks import who_divided
 from .shapes import (
     SIZE_FACTOR_KINDS,
     Resplit,
@@ -215,6 +216,10 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         message = MESSAGES.get(kind, "{label}").format(
             step=ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
             precision=precision, tol=tol.rtol, factor=found.factor or 0)
+        party = who_divided(trace, kind)
+        if party is not None:
+            evidence["framework"] = party[0]
+            message += " " + party[1][0].upper() + party[1][1:]
         return deciders.decide(kind, Observed(rung, "error", message, evidence=evidence,
                                               location=location(site)))
     carried = carried_over(session, trace, step, names, user_u, full, cand_tol)
