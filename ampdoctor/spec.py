@@ -131,14 +131,72 @@ class OptimizerMapping(BaseModel):
         return _check_optimizer_name(value)
 
 
+#: TrainingArguments / lightning.Trainer settings ampdoctor sets per rung from the spec's own
+#: keys: `args` / `trainer` may not set them (the spec key that does is named instead).
+HF_RESERVED = {"gradient_accumulation_steps": "accumulation_steps",
+               "per_device_train_batch_size": "micro_batch_size",
+               "max_steps": "optimizer_steps", "fp16": "precisions", "bf16": "precisions",
+               "max_grad_norm": "max_grad_norm", "seed": "seed", "output_dir": "(a temporary "
+               "folder)", "train_sampling_strategy": "(in-order sampling)"}
+LIGHTNING_RESERVED = {"accumulate_grad_batches": "accumulation_steps", "precision": "precisions",
+                      "max_steps": "optimizer_steps", "gradient_clip_val": "max_grad_norm",
+                      "devices": "device", "accelerator": "device"}
+
+
+def _no_reserved(value: dict[str, Any], reserved: dict[str, str]) -> dict[str, Any]:
+    for key in value:
+        if key in reserved:
+            raise ValueError(f"{key!r} is set by ampdoctor for each rung from the spec key "
+                             f"'{reserved[key]}': remove it here")
+    return value
+
+
+class HFTrainerSettings(_Strict):
+    """`hf_trainer`: `factory(model, args, train_dataset)` returns the user's Trainer."""
+
+    factory: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("factory")
+    @classmethod
+    def _factory(cls, value: str) -> str:
+        return _check_callable(value)
+
+    @field_validator("args")
+    @classmethod
+    def _args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _no_reserved(value, HF_RESERVED)
+
+
+class LightningSettings(_Strict):
+    """`lightning`: `module()` returns the LightningModule; `trainer` adds Trainer kwargs."""
+
+    module: str
+    trainer: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("module")
+    @classmethod
+    def _module(cls, value: str) -> str:
+        return _check_callable(value)
+
+    @field_validator("trainer")
+    @classmethod
+    def _trainer(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return _no_reserved(value, LIGHTNING_RESERVED)
+
+
 class Spec(_Strict):
     name: str | None = None
     project_root: str | None = None
-    model: str
+    #: the model factory; not needed with `lightning` (the LightningModule is the model)
+    model: str | None = None
     data: str
     loss: str | None = None
     optimizer: str | OptimizerMapping | None = None
-    train_loop: str
+    #: exactly one of train_loop, hf_trainer, lightning says what runs the training
+    train_loop: str | None = None
+    hf_trainer: HFTrainerSettings | None = None
+    lightning: LightningSettings | None = None
     accumulation_steps: StrictInt = Field(ge=1, le=1_000_000)
     micro_batch_size: StrictInt | None = Field(default=None, ge=1)
     optimizer_steps: StrictInt = Field(default=3, ge=1, le=1_000_000)
@@ -183,6 +241,21 @@ class Spec(_Strict):
         if found:
             spec._callables.update(found)
         return spec
+
+    @model_validator(mode="after")
+    def _one_entry_point(self) -> Spec:
+        given = [k for k in ("train_loop", "hf_trainer", "lightning") if getattr(self, k)]
+        choice = ("'train_loop' (your loop), 'hf_trainer' (a transformers Trainer factory) "
+                  "or 'lightning' (a LightningModule factory)")
+        if not given:
+            raise ValueError(f"spec key 'train_loop' is missing: give exactly one of {choice}")
+        if len(given) > 1:
+            raise ValueError(f"give exactly one of {choice}; this spec gives "
+                             f"{' and '.join(given)}")
+        if self.model is None and self.lightning is None:
+            raise ValueError("spec key 'model' is missing: a 'module:function' that returns "
+                             "the torch.nn.Module to train")
+        return self
 
     @field_validator("rungs")
     @classmethod

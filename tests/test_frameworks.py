@@ -114,8 +114,81 @@ def test_trainer_loss_that_ignores_num_items_is_a_missing_average(tmp_path):
     assert 3.99 <= finding["evidence"]["measured"] <= 4.01
     assert finding["evidence"]["framework"] == "HF Trainer"
     assert SAYS["HF Trainer"] in finding["message"]
-    # the backward is the Trainer's own: the finding names the user's line that started it
-    # (naming the loss line inside the model's forward is not done yet: docs/frameworks.md)
+    # the backward is the Trainer's own: the finding names the user's loss line in forward
     path = FRAMEWORK_RECIPES / "trainer_loops.py"
     assert finding["location"]["file"] == str(path.resolve())
-    assert "trainer.train()" in path.read_text().splitlines()[finding["location"]["line"] - 1]
+    assert finding["location"]["line"] == marked_line(path, "missing-accumulation-average")
+
+
+# --- the hf_trainer and lightning spec keys: no train_loop --------------------------------
+
+def test_hf_trainer_key_builds_the_trainer_of_each_rung(tmp_path):
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install 'ampdoctor[hf]')")
+    result = run_cli("diagnose", str(FRAMEWORK_CONFIGS / "healthy_hf_trainer_key.yaml"),
+                     "--json", "--out", str(tmp_path))
+    record = json.loads(result.stdout)
+    assert result.returncode == 0, result.stdout[-2000:]
+    assert record["findings"] == []
+    for rung in ("fp32-accum", "bf16-no-scaler", "clip-space"):
+        assert _rung(record, rung)["status"] == "pass"
+    # 3 clipped steps: ampdoctor's TrainingArguments carry the spec's max_grad_norm
+    assert "3 clipped updates" in _rung(record, "clip-space")["summary"]
+    assert _rung(record, "fp16-scaler")["details"]["framework_precision"]["precision_ran"] \
+        == "fp32"
+
+
+def test_hf_trainer_key_finding_is_at_the_compute_loss_line(tmp_path):
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install 'ampdoctor[hf]')")
+    result = run_cli("diagnose", str(FRAMEWORK_CONFIGS / "broken_hf_trainer_key_sum.yaml"),
+                     "--json", "--out", str(tmp_path))
+    record = json.loads(result.stdout)
+    assert result.returncode == 1
+    finding = record["findings"][0]
+    assert finding["kind"] == "reduction-mismatch"
+    assert 7.99 <= finding["evidence"]["measured"] <= 8.01   # sum over b=8 samples
+    path = FRAMEWORK_RECIPES / "entry_points.py"
+    assert finding["location"]["line"] == marked_line(path, "reduction-mismatch")
+
+
+@pytest.mark.parametrize("name, kind", [("healthy_lightning_key", None),
+                                        ("broken_lightning_key_manual",
+                                         "missing-accumulation-average")])
+def test_lightning_key_fits_the_module_with_its_own_optimizers(name, kind, tmp_path):
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed (pip install 'ampdoctor[lightning]')")
+    result = run_cli("diagnose", str(FRAMEWORK_CONFIGS / f"{name}.yaml"), "--json",
+                     "--out", str(tmp_path))
+    record = json.loads(result.stdout)
+    if kind is None:
+        assert result.returncode == 0, result.stdout[-2000:]
+        assert record["findings"] == []
+        assert _rung(record, "fp16-scaler")["details"]["framework_precision"]["framework"] \
+            == "Lightning"
+        return
+    assert result.returncode == 1
+    finding = record["findings"][0]
+    assert finding["kind"] == kind and 3.99 <= finding["evidence"]["measured"] <= 4.01
+    assert finding["location"]["line"] == marked_line(FRAMEWORK_RECIPES / "entry_points.py",
+                                                      kind)
+    assert finding["evidence"]["framework"] == "Lightning"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"train_loop": "x:y", "lightning": {"module": "m:M"}},
+     "this spec gives train_loop and lightning"),
+    ({}, "spec key 'train_loop' is missing"),
+    ({"hf_trainer": {"factory": "m:f"}}, "spec key 'model' is missing"),
+    ({"model": "m:f", "hf_trainer": {"factory": "m:f", "args": {"fp16": True}}},
+     "'fp16' is set by ampdoctor for each rung from the spec key 'precisions'"),
+    ({"lightning": {"module": "m:M", "trainer": {"accumulate_grad_batches": 2}}},
+     "from the spec key 'accumulation_steps'"),
+])
+def test_entry_point_keys_are_validated_with_the_spec(extra, message, tmp_path):
+    spec = {"data": "common:make_regression_data", "accumulation_steps": 4, **extra}
+    path = tmp_path / "spec.yaml"
+    path.write_text(json.dumps(spec))
+    result = run_cli("diagnose", str(path))
+    assert result.returncode == 2
+    assert message in " ".join((result.stderr + result.stdout).split())

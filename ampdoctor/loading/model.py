@@ -138,6 +138,12 @@ def build_optimizers(code: UserCode,
     spec_opt = code.spec.optimizer
     if code.optimizer_factory is not None:
         result = code.call("the optimizer factory", code.optimizer_factory, model)
+    elif code.spec.lightning is not None and spec_opt is None:
+        # the LightningModule's own optimizers; the `lightning` loop hands the same config
+        # back to its Trainer
+        configure: Any = model.configure_optimizers
+        config = code.call("the LightningModule's configure_optimizers", configure)
+        return config, lightning_optimizers(config)
     else:
         options: dict[str, Any] = {"name": "SGD", "lr": 0.05}
         if isinstance(spec_opt, OptimizerMapping):   # (a 'module:function' is the factory)
@@ -172,3 +178,20 @@ def build_optimizers(code: UserCode,
                             "the optimizer must take the `model` it is given.")
     return result, flat
 
+
+
+def lightning_optimizers(config: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers in what `configure_optimizers` may return: one optimizer, a list or
+    tuple of them, a dict with an "optimizer" key, a list of such dicts, or
+    `([optimizers], [schedulers])`."""
+    if isinstance(config, torch.optim.Optimizer):
+        return [config]
+    if isinstance(config, dict):
+        return lightning_optimizers(config.get("optimizer"))
+    if isinstance(config, (list, tuple)):
+        if len(config) == 2 and isinstance(config[0], (list, tuple)) \
+                and isinstance(config[1], (list, tuple)):
+            return lightning_optimizers(config[0])
+        return [opt for item in config for opt in lightning_optimizers(item)]
+    raise UserCodeError(f"configure_optimizers returned {type(config).__name__}: no "
+                        "torch.optim.Optimizer to step.")

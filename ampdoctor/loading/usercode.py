@@ -8,6 +8,7 @@ while it is imported or called is the user's (UserCodeError, exit 3, with their 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import sys
@@ -38,7 +39,9 @@ def _user_error(what: str, exc: BaseException, finder: CallSiteFinder) -> UserCo
 #: What each spec callable is called with (CONTRACT: the train_loop signature).
 CALLED_WITH = {"model": (), "data": (), "loss": ("model", "micro_batch"),
                "optimizer": ("model",),
-               "train_loop": ("model", "optimizer", "micro_batches", "run")}
+               "train_loop": ("model", "optimizer", "micro_batches", "run"),
+               "hf_trainer.factory": ("model", "args", "train_dataset"),
+               "lightning.module": ()}
 
 
 def _check_signature(key: str, ref: str, fn: Callable[..., Any]) -> None:
@@ -85,9 +88,17 @@ class UserCode:
         else:
             self._added_path = None
         try:
-            self.model_factory = self.resolve("model")
+            from .entrypoints import hf_trainer_loop, lightning_loop
+            # with `lightning` the LightningModule is the model; with `hf_trainer` or
+            # `lightning` ampdoctor writes the loop (see entrypoints.py)
+            self.model_factory = self.resolve("lightning.module" if spec.lightning else "model")
             self.data_factory = self.resolve("data")
-            self.train_loop = self.resolve("train_loop")
+            if spec.hf_trainer is not None:
+                self.train_loop = hf_trainer_loop(spec, self.resolve("hf_trainer.factory"))
+            elif spec.lightning is not None:
+                self.train_loop = lightning_loop(spec, self.model_factory)
+            else:
+                self.train_loop = self.resolve("train_loop")
             self.loss = self.resolve("loss") if spec.loss else None
             self.optimizer_factory = (self.resolve("optimizer")
                                       if isinstance(spec.optimizer, str) else None)
@@ -96,7 +107,7 @@ class UserCode:
             raise
 
     def resolve(self, key: str) -> Callable[..., Any]:
-        ref: str = getattr(self.spec, key)
+        ref = str(functools.reduce(getattr, key.split("."), self.spec))
         given = self.spec.callable_for(key)
         if given is not None:   # a Spec built in code: the object itself, nothing to import
             _check_signature(key, ref, given)

@@ -15,6 +15,12 @@ from types import FrameType, TracebackType
 _AMPDOCTOR_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
+def _torch_dir() -> str:
+    """torch's own Python files (skipped when asking who called a torch function)."""
+    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+    return str(Path(torch_file).resolve().parent) + os.sep if torch_file else "\0"
+
+
 def _library_dirs() -> tuple[str, ...]:
     dirs = {_AMPDOCTOR_DIR}
     for key in ("stdlib", "platstdlib"):
@@ -87,6 +93,19 @@ class CallSiteFinder:
                                      frame.f_code.co_name)
             frame = frame.f_back
         return first_outside
+
+    def direct_user_site(self, frame: FrameType | None) -> Site | None:
+        """The site of `frame`'s caller when that caller is the user's code itself, skipping
+        torch's own Python frames (a `Tensor.__truediv__`, `F.mse_loss`); None when a library
+        (a framework) made the call."""
+        torch_dir = _torch_dir()
+        while frame is not None and \
+                os.path.realpath(frame.f_code.co_filename).startswith(torch_dir):
+            frame = frame.f_back
+        if frame is None or not self._classify(frame.f_code.co_filename)[1]:
+            return None
+        return Site(os.path.realpath(frame.f_code.co_filename), frame.f_lineno,
+                    frame.f_code.co_name)
 
     def from_stack_dump(self, text: str) -> Site | None:
         """The innermost user frame of a faulthandler dump (most recent call first)."""

@@ -15,6 +15,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch.overrides import TorchFunctionMode
+
 from . import recorder
 from .events import FrameworkPrecision
 from .patches import Patcher
@@ -110,6 +113,47 @@ def _wrap_training_args_post_init(original: Callable[..., Any]) -> Callable[...,
     return __post_init__
 
 
+class _LossSites(TorchFunctionMode):
+    """Inside a framework's training step: remember the user's line that produced the last
+    scalar that requires grad (the loss), so the backward the framework calls later is put
+    at that line. Only scalars made by a call *from the user's code* count: the framework's
+    own `loss / K` keeps the user's line."""
+
+    def __init__(self, probe: Any) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if isinstance(result, torch.Tensor) and result.dim() == 0 and result.requires_grad:
+            site = self.probe.finder.direct_user_site(sys._getframe(1))
+            if site is not None:
+                self.probe.loss_site = site
+        return result
+
+
+def _wrap_training_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def training_step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        probe = recorder.ACTIVE
+        if probe is None:
+            return original(self, *args, **kwargs)
+        probe.loss_site = None    # a step's loss, not an earlier one's
+        with _LossSites(probe):
+            return original(self, *args, **kwargs)
+    return training_step
+
+
+#: The framework methods that compute the loss of one micro-batch and may call backward
+#: themselves: (module, class).
+_TRAINING_STEPS = (
+    ("transformers.trainer", "Trainer"),
+    ("lightning.pytorch.strategies.strategy", "Strategy"),
+    ("pytorch_lightning.strategies.strategy", "Strategy"),
+)
+
+
 #: (module, class, attribute read after __init__, framework name) for Lightning's connectors.
 _LIGHTNING = (
     ("lightning.pytorch.trainer.connectors.accelerator_connector", "_AcceleratorConnector",
@@ -131,6 +175,11 @@ def install(patcher: Patcher) -> None:
     if isinstance(args_cls, type) and "__post_init__" in vars(args_cls):
         patcher.setattr(args_cls, "__post_init__",
                         _wrap_training_args_post_init(vars(args_cls)["__post_init__"]))
+    for module_name, class_name in _TRAINING_STEPS:
+        owner = getattr(sys.modules.get(module_name), class_name, None)
+        if isinstance(owner, type) and "training_step" in vars(owner):
+            patcher.setattr(owner, "training_step",
+                            _wrap_training_step(vars(owner)["training_step"]))
     for module_name, class_name, final, framework in _LIGHTNING:
         connector = getattr(sys.modules.get(module_name), class_name, None)
         if isinstance(connector, type):

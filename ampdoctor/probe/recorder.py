@@ -79,6 +79,9 @@ class Probe:
     def __init__(self, finder: CallSiteFinder, model: torch.nn.Module | None = None,
                  optimizers: list[torch.optim.Optimizer] | None = None):
         self.finder = finder
+        #: where the user's code computed the last scalar loss inside a framework's training
+        #: step (probe/frameworks.py): the site of a backward the framework itself calls
+        self.loss_site: Site | None = None
         self.events: list[Event] = []
         self.steps: list[StepRecord] = []
         self.snapshots: dict[int, Snapshot] = {}

@@ -48,14 +48,28 @@ def _grad_norm(params: list[torch.Tensor]) -> float:
     return float(total)
 
 
+def _backward_site(probe: Probe, frame):
+    """The user's line of a backward: its caller, or - when a framework calls backward (the HF
+    Trainer, Lightning's automatic optimization) - the line of the user's training step that
+    computed the loss."""
+    site = probe.finder.from_frame(frame)
+    loss_site, probe.loss_site = probe.loss_site, None
+    if loss_site is None or probe.finder.direct_user_site(frame) is not None:
+        return site
+    if site is not None and (site.file, site.function) == (loss_site.file, loss_site.function):
+        # the user's step called the framework's backward (manual_backward,
+        # accelerator.backward): that call is the user's line
+        return site
+    return loss_site
+
+
 def _wrap_backward(original):
     @functools.wraps(original)
     def backward(self, *args, **kwargs):
         probe = _active()
         if probe is None or probe.inside("backward"):
             return original(self, *args, **kwargs)
-        site = probe.finder.from_frame(_caller(2))
-        probe.on_backward(self, site)
+        probe.on_backward(self, _backward_site(probe, _caller(2)))
         if probe.before_backward is not None:
             probe.before_backward(probe, self)
         probe.enter("backward")
@@ -73,7 +87,7 @@ def _wrap_autograd_backward(original):
         if probe is None or probe.inside("backward"):
             return original(tensors, *args, **kwargs)
         first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
-        site = probe.finder.from_frame(_caller(2))
+        site = _backward_site(probe, _caller(2))
         if isinstance(first, torch.Tensor):
             probe.on_backward(first, site)
             if probe.before_backward is not None:

@@ -1,0 +1,133 @@
+"""The `hf_trainer` and `lightning` spec keys: a training loop ampdoctor writes for the user.
+
+With these keys the user gives no `train_loop`: ampdoctor builds, for every run, the
+framework's own trainer from the spec (K, the micro-batch size, the optimizer steps, the
+precision of the rung, `max_grad_norm`, the seed, in-order data, no logging or checkpoints)
+plus the user's extra settings, and hands it the run's micro-batches in order. The loop it
+returns has the `train_loop(model, optimizer, micro_batches, run)` signature, so every rung
+runs it like any user loop; `__wrapped__` points at the user's callable, so a finding that
+names "the loop" names the user's code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..spec import Spec
+
+#: Lightning's precision flag for each rung.
+LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+def _batch_len(batch: Any) -> int:
+    """The number of samples in one micro-batch (its first tensor's leading dimension)."""
+    first = next(iter(batch.values())) if isinstance(batch, Mapping) else batch
+    if isinstance(first, (tuple, list)):
+        first = first[0]
+    return int(first.shape[0])
+
+
+def _rows(batches: list[Any]) -> list[Any]:
+    """The micro-batches as dataset rows, in order: a dict batch gives dict rows, a tuple
+    batch tuple rows (the Trainer's collator stacks them back into the same micro-batches)."""
+    rows: list[Any] = []
+    for batch in batches:
+        for i in range(_batch_len(batch)):
+            if isinstance(batch, Mapping):
+                rows.append({k: v[i] for k, v in batch.items()})
+            else:
+                rows.append(tuple(part[i] for part in batch))
+    return rows
+
+
+def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., Any]:
+    """The loop of the `hf_trainer` key: `factory(model, args, train_dataset)` returns the
+    user's Trainer, built per run with ampdoctor's TrainingArguments."""
+    assert spec.hf_trainer is not None
+    extra = dict(spec.hf_trainer.args)
+
+    @functools.wraps(factory)
+    def train_loop(model: Any, optimizer: Any, micro_batches: Any, run: Any) -> None:
+        from torch.utils.data import SequentialSampler
+        from transformers import TrainingArguments
+
+        batches = list(micro_batches)
+        known = {f.name for f in dataclasses.fields(TrainingArguments)}
+        with tempfile.TemporaryDirectory(prefix="ampdoctor-trainer-") as output_dir:
+            settings: dict[str, Any] = {
+                "output_dir": output_dir,
+                "per_device_train_batch_size": _batch_len(batches[0]),
+                "gradient_accumulation_steps": run.accumulation_steps,
+                "max_steps": run.optimizer_steps,
+                "fp16": run.precision == "fp16", "bf16": run.precision == "bf16",
+                # the Trainer clips at 1.0 unless told: no max_grad_norm in the spec, no clip
+                "max_grad_norm": run.max_grad_norm or 0.0,
+                "seed": spec.seed, "report_to": "none", "save_strategy": "no",
+                "logging_strategy": "no", "disable_tqdm": True,
+                "use_cpu": run.device_type == "cpu", "dataloader_num_workers": 0,
+                "train_sampling_strategy": "sequential",
+            }
+            settings = {k: v for k, v in settings.items() if k in known}
+            settings.update(extra)
+            trainer = factory(model, TrainingArguments(**settings), _rows(batches))
+            if "train_sampling_strategy" not in known:
+                # a transformers without the option: the same in-order sampler, set on the
+                # Trainer object ampdoctor was handed for this run
+                trainer._get_train_sampler = (  # noqa: SLF001
+                    lambda *a, **k: SequentialSampler(trainer.train_dataset))
+            trainer.train()
+
+    return train_loop
+
+
+def _lightning() -> Any:
+    try:
+        import lightning
+        return lightning
+    except ImportError:
+        import pytorch_lightning
+        return pytorch_lightning
+
+
+def lightning_loop(spec: Spec, module_factory: Callable[..., Any]) -> Callable[..., Any]:
+    """The loop of the `lightning` key: a `Trainer(accumulate_grad_batches=K, ...)` per run
+    fitting the LightningModule (the run's model) on an in-order DataLoader of the
+    micro-batches, with the optimizers ampdoctor took from its `configure_optimizers`."""
+    assert spec.lightning is not None
+    extra = dict(spec.lightning.trainer)
+
+    @functools.wraps(module_factory)
+    def train_loop(model: Any, optimizer: Any, micro_batches: Any, run: Any) -> None:
+        from torch.utils.data import DataLoader
+
+        lightning = _lightning()
+        batches = list(micro_batches)
+        # the run's own optimizers (those ampdoctor built from configure_optimizers), so the
+        # Trainer steps the objects the probe and the reference know
+        model.configure_optimizers = lambda: optimizer
+        with tempfile.TemporaryDirectory(prefix="ampdoctor-lightning-") as root:
+            settings: dict[str, Any] = {
+                "accelerator": "cpu" if run.device_type == "cpu" else "gpu", "devices": 1,
+                "precision": LIGHTNING_PRECISION[run.precision],
+                "max_steps": run.optimizer_steps,
+                "accumulate_grad_batches": run.accumulation_steps,
+                "gradient_clip_val": run.max_grad_norm,
+                "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+                "enable_model_summary": False, "num_sanity_val_steps": 0,
+                "default_root_dir": root,
+            }
+            if not getattr(model, "automatic_optimization", True):
+                # manual optimization: Lightning refuses both; the module's training_step
+                # accumulates (it must step every K = accumulation_steps batches) and clips
+                settings.pop("gradient_clip_val")
+                settings.pop("accumulate_grad_batches")
+            settings.update(extra)
+            trainer = lightning.Trainer(**settings)
+            loader: Any = DataLoader(batches, batch_size=None, shuffle=False)  # type: ignore[arg-type]
+            trainer.fit(model, loader)
+
+    return train_loop
