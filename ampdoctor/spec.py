@@ -140,7 +140,8 @@ HF_RESERVED = {"gradient_accumulation_steps": "accumulation_steps",
                "folder)", "train_sampling_strategy": "(in-order sampling)"}
 LIGHTNING_RESERVED = {"accumulate_grad_batches": "accumulation_steps", "precision": "precisions",
                       "max_steps": "optimizer_steps", "gradient_clip_val": "max_grad_norm",
-                      "devices": "device", "accelerator": "device"}
+                      "devices": "device", "accelerator": "device",
+                      "max_epochs": "optimizer_steps"}
 
 
 def _no_reserved(value: dict[str, Any], reserved: dict[str, str]) -> dict[str, Any]:

@@ -113,7 +113,8 @@ def lightning_loop(spec: Spec, module_factory: Callable[..., Any]) -> Callable[.
             settings: dict[str, Any] = {
                 "accelerator": "cpu" if run.device_type == "cpu" else "gpu", "devices": 1,
                 "precision": LIGHTNING_PRECISION[run.precision],
-                "max_steps": run.optimizer_steps,
+                # one pass over the slice: a module that never steps ends, not loops forever
+                "max_steps": run.optimizer_steps, "max_epochs": 1,
                 "accumulate_grad_batches": run.accumulation_steps,
                 "gradient_clip_val": run.max_grad_norm,
                 "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
