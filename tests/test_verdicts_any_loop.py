@@ -56,11 +56,14 @@ def _failed_at(result, rung: str, kind: str, recipe: str) -> dict:
 # --- 1. scheduler steps between the micro-batches of a window are no offset ---------------------
 
 def _trace(pattern: str, factors: list[float]):
-    """A run from `pattern`: "f" forward, "b" backward, "s" scheduler.step, "o" optimizer.step.
+    """A run from `pattern`: "f" forward (of a micro-batch), "e" forward of other data, "b"
+    backward, "s" scheduler.step, "o" optimizer.step.
     The scheduler's i-th step sets the lr to factors[i + 1] (factors[0] before any step)."""
     events, n = [], 0
     for i, c in enumerate(pattern):
         if c == "f":
+            events.append(make_event("forward", i, index=i))
+        elif c == "e":   # a forward on data that is no micro-batch (an evaluation pass)
             events.append(make_event("forward", i))
         elif c == "b":
             events.append(make_event("backward", i))
@@ -99,6 +102,14 @@ def test_scheduler_steps_before_the_first_forward_are_an_offset():
     decay = [0.9 ** i for i in range(20)]
     run = _trace("sssss" + ("fbfbfbfbos" * 3), decay)
     assert scheduler_findings(None, run, "fp32-accum") == []
+
+
+def test_an_evaluation_forward_before_the_fast_forward_is_not_the_start():
+    """A forward on data of its own (a sanity pass), then the schedule advanced to resume, then
+    training: the offset is counted up to the first forward of a micro-batch."""
+    decay = [0.9 ** i for i in range(20)]
+    assert scheduler_findings(None, _trace("e" + "sssss" + ("fbfbfbfbos" * 3), decay),
+                              "fp32-accum") == []
 
 
 def test_one_scheduler_step_per_window_before_its_forwards_is_fine():

@@ -60,10 +60,12 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
 
 
 def _run_start(trace: Trace) -> int | None:
-    """Where the loop's training work begins: its first forward (or, when no forward was
-    observed, its first backward); None when the trace has neither."""
-    for cls in (Forward, Backward):
-        first = trace.events_of(cls)
+    """Where the loop's training work begins: its first forward on a micro-batch it was handed
+    (a forward on other data -- a sanity or evaluation pass before training -- reads none), else
+    its first forward, else its first backward; None when the trace has none of them."""
+    forwards = trace.events_of(Forward)
+    on_data = [e for e in forwards if e.index is not None]
+    for first in (on_data, forwards, trace.events_of(Backward)):
         if first:
             return first[0].seq
     return None
