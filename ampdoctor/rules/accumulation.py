@@ -301,7 +301,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                                               _clip_threshold(window_events),
                                               evidence.get("ratio_after_clip")),
                            evidence=evidence, location=location(last_backward_site),
-                           fix=unaveraged.FIX))
+                           fix=unaveraged.FIX if sums.weighting_differs else ""))
     return deciders.gradient_mismatch(Observed(rung, "error",
                    f"Step {ordinal} (window {window}) of the {precision} run: the gradient the "
                    f"optimizer consumed differs from the fp32 reference by {m.rel_err:.3g} "

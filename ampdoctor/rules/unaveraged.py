@@ -31,6 +31,7 @@ class Summed:
     mean_vs_reference: compare.Metrics   # the combination's mean against the reference
     per_microbatch_ratio: list[float]    # the loop alone on each micro-batch / its reference
     per_microbatch_cosine: list[float]
+    weighting_differs: bool = True      # the mean is not the reference (within the tolerance)
 
 
 def weighting_differs(per_mb: list[torch.Tensor], full: torch.Tensor, tolerance: float) -> bool:
@@ -75,8 +76,9 @@ def summed_loop_gradients(session: Session, window: int, snapshot: Snapshot,
     if compare.metrics(user, summed, compare.Tolerance(tolerance, 0.0)).rel_err > tolerance:
         return None
     mean = summed / K
+    against = compare.metrics(mean, full, compare.Tolerance(0.0, 0.0))
     return Summed(_ratio(user, mean), "the loop's own gradient of each micro-batch alone",
-                  compare.metrics(mean, full, compare.Tolerance(0.0, 0.0)), ratios, cosines)
+                  against, ratios, cosines, weighting_differs=against.rel_err > tolerance)
 
 
 def message(step: int, K: int, summed: Summed, clip_norm: float | None,
@@ -85,9 +87,13 @@ def message(step: int, K: int, summed: Summed, clip_norm: float | None,
     m = summed.mean_vs_reference
     text = (f"Step {step}: before the clip, the gradient is {summed.factor:.4g}x the mean of "
             f"{summed.basis}, i.e. their sum: the loss is not divided by accumulation_steps "
-            f"(K={K}). The weighting differs as well: that mean is {m.ratio:.4g}x the reference "
-            f"with cosine {m.cosine:.5f}, so micro-batches (or the tokens in them) do not weigh "
-            "what they weigh in the reference")
+            f"(K={K}).")
+    if not summed.weighting_differs:
+        return text + (f" That mean is the reference (norm ratio {m.ratio:.4g}, cosine "
+                       f"{m.cosine:.5f}): dividing by K makes it match.")
+    text += (f" The weighting differs as well: that mean is {m.ratio:.4g}x the reference "
+             f"with cosine {m.cosine:.5f}, so micro-batches (or the tokens in them) do not weigh "
+             "what they weigh in the reference")
     ratios = summed.per_microbatch_ratio
     if ratios and any(abs(r - 1) > thresholds.RATIO_NEAR_ONE
                       or c < thresholds.SAME_DIRECTION_COSINE
