@@ -172,15 +172,22 @@ BROKEN = {
                                  "broken_overflow_continue.py"),
     "broken_scheduler_steps_on_skip": ("skips", "scheduler-steps-on-skip", "measured", (3, 3),
                                        "broken_scheduler_steps_on_skip.py"),
+    # Skips after the scaler's first real update drop updates the reference makes: an error
+    # (they were warnings while every skip was judged alike). Here the 6 leading skips are the
+    # search down from 2**24 (not counted) and the one step after the first update is skipped
+    # right after a growth at growth_interval=1 (a sawtooth: one such skip is frequent).
+    "broken_frequent_skips": ("skips", "frequent-skips", "skipped_after_first_update", (1, 1),
+                              "broken_frequent_skips.py"),
+    # backoff 0.9 and growth_interval=1: all 4 steps after the first update are skipped
+    "broken_timid_backoff": ("skips", "frequent-skips", "skipped_after_first_update", (4, 4),
+                             "broken_timid_backoff.py"),
 }
 
 # Warnings: the rung is `warn`, the verdict stays healthy (exit 0).
 WARNINGS = {
     "broken_bf16_scaler_on": ("bf16-no-scaler", "half-open-amp", "broken_bf16_scaler_on.py"),
-    "broken_frequent_skips": ("skips", "frequent-skips", "broken_frequent_skips.py"),
-    # backoff 0.9: the leading skips are not a halving search; they count
-    "broken_timid_backoff": ("skips", "frequent-skips", "broken_timid_backoff.py"),
-    # not one fp16 update applied: fp16-scaler has nothing to compare (skip, not pass)
+    # not one fp16 update applied: fp16-scaler has nothing to compare (skip, not pass); every
+    # skip is the scale settling, before any real update, so it stays a warning
     "broken_scale_never_settles": ("skips", "frequent-skips", "broken_scale_never_settles.py"),
 }
 

@@ -43,7 +43,7 @@ from ampdoctor.probe.events import (
     Update,
 )
 from ampdoctor.reference import clips
-from ampdoctor.rules import accumulation, scale_state, schedule, shapes
+from ampdoctor.rules import accumulation, scale_state, schedule, shapes, skip_rate
 from ampdoctor.scan.python_ast import scan_python
 from ampdoctor.scan.python_literals import power_of_two
 from ampdoctor.scan.sites import FileScan
@@ -332,7 +332,7 @@ def _fp16_run(skipped: list[bool], scale_before: list[float],
 
 
 def _frequent(run: _Trace) -> bool:
-    return skips._frequent_skips(None, run) is not None
+    return skip_rate.frequent_skips(run, "skips") is not None
 
 
 def _skip_rate(skipped_after_first: int) -> bool:

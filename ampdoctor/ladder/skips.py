@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders, thresholds
+from .. import deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, RungResult, conclude
 from ..probe.events import (
@@ -23,7 +23,6 @@ from ..probe.events import (
     Event,
     MicroBatchFetched,
     OptimizerStep,
-    ScalerInit,
     ScalerStep,
     SchedulerStep,
     Update,
@@ -31,6 +30,7 @@ from ..probe.events import (
     of_type,
 )
 from ..probe.recorder import Probe
+from ..rules.skip_rate import frequent_skips
 from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
 from .analysis import last_unscale_pair, location, loop_error_finding, update_missing
@@ -130,75 +130,11 @@ def _owner_slot(trace: Trace, param_id: int | None) -> int | None:
     return None
 
 
-def _frequent_skips(session: Session, plain: Trace) -> Finding | None:
-    steps = plain.events_of(ScalerStep)
-    skipped = [e for e in steps if e.skipped]
-    scales = [e.scale_after for e in plain.events_of(Update)
-              if e.scale_after is not None]
-    rate = len(skipped) / len(steps) if steps else 0.0
-    collapsed = bool(scales) and min(scales) < thresholds.MIN_SCALE
-    flags = [bool(e.skipped) for e in steps]
-    # Leading skips are the scaler searching down from init_scale: normal at the start of
-    # training. What counts is skipping once it has found a scale that works, or never finding
-    # one within the run.
-    first_ok = flags.index(False) if False in flags else len(flags)
-    after = flags[first_ok + 1:]
-    skipped_after = sum(after)
-    never_settled = len(flags) >= 2 and first_ok == len(flags)
-    # A search halves the scale per skip (the default backoff 0.5): it may take as many skips
-    # as halvings between init_scale and the scale that worked. Skips beyond that (a timid
-    # backoff_factor such as 0.9) are slow searching, and count.
-    updates = plain.events_of(Update)
-    search = first_ok
-    if 0 < first_ok < len(updates):
-        init = updates[0].scale_before
-        found = updates[first_ok].scale_before
-        if init and found and 0 < found <= init:
-            search = min(first_ok, math.ceil(math.log2(init / found)
-                                             - thresholds.SEARCH_HALVINGS_SLACK))
-    excess = first_ok - search
-    counted = skipped_after + (excess if not never_settled else 0)
-    considered = len(after) + excess
-    inits = [e for e in plain.events_of(ScalerInit) if e.enabled]
-    growth_interval = inits[0].growth_interval if inits else None
-    # A skip right after the scale grew is the scaler growing into overflow: once per
-    # growth_interval in steady state, so one such skip already says "frequent" when that
-    # interval is short (the sawtooth of growth_interval=1).
-    grew_into_overflow = any(
-        flag and i > 0 and _grew(updates[i - 1].scale_before, updates[i].scale_before)
-        for i, flag in enumerate(flags[:len(updates)]))
-    sawtooth = (grew_into_overflow and growth_interval is not None
-                and 1.0 / (growth_interval + 1) > thresholds.SKIP_RATE_THRESHOLD)
-    enough = counted >= thresholds.MIN_COUNTED_SKIPS or (counted >= 1 and sawtooth)
-    unsettled = (enough and considered > 0
-                 and counted / considered > thresholds.SKIP_RATE_THRESHOLD)
-    if not (never_settled or unsettled or collapsed):
-        return None
-    site = inits[0].site if inits else (skipped[0].site if skipped else None)
-    return deciders.frequent_skips(Observed(RUNG, "warning",
-        f"The fp16 run skipped {len(skipped)} of {len(steps)} optimizer steps "
-        f"({rate:.0%}, threshold {thresholds.SKIP_RATE_THRESHOLD:.0%})"
-        + (f" and the scale fell to {min(scales):g}" if collapsed else "")
-        + ": fewer real updates than the schedule assumes.",
-        evidence={"measured": compare._round(rate), "expected": 0.0,
-                  "threshold": thresholds.SKIP_RATE_THRESHOLD, "skipped": len(skipped),
-                  "initial_search_skips": first_ok, "search_skips_beyond_halvings": excess,
-                  "skipped_after_first_update": skipped_after,
-                  "steps": len(steps), "scale": scales,
-                  "growth_interval": inits[0].growth_interval if inits else None},
-        location=location(site)))
-
-
 def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
     """Is the schedule a warmup (the LR rising over the run)?"""
     lrs = [e.lr for e in trace.events_of(SchedulerStep)
            if e.lr is not None and (optimizer_slot is None or e.optimizer == optimizer_slot)]
     return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + thresholds.WARMUP_RISE_RTOL)
-
-
-def _grew(before: float | None, after: float | None) -> bool:
-    """The scale grew from one update to the next (both known and non-zero)."""
-    return bool(after and before and after > before)
 
 
 def _lr_changes(trace: Trace, event: SchedulerStep) -> bool:
@@ -395,7 +331,7 @@ def run(session: Session) -> RungResult:
     stepped = _scheduler_on_skip(trace, plain, in_window, inject_window, owner, applied)
     if stepped is not None:
         findings.append(stepped)
-    frequent = _frequent_skips(session, plain)
+    frequent = frequent_skips(plain, RUNG)
     if frequent is not None:
         findings.append(frequent)
     if not applied_plain and not any(f.severity == "error" for f in findings):

@@ -8,6 +8,8 @@ known shape a mismatch has, at which call site. The table of kinds -> rule modul
 - `loop_errors`: torch's refusals mapped to their kinds, else `loop-error`
 - `schedule`: the LR each optimizer step used against the schedule
 - `counts`: more optimizer steps than windows, steps off the window boundaries
+- `unaveraged`: a window summed without / K while its weighting differs too
+- `skip_rate`: how often the plain fp16 run skipped, before and after its first update
 """
 
 from .accumulation import classify_step

@@ -16,6 +16,7 @@ from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..probe.events import Backward, Clip, Event, Scale, ZeroGrad, of_type
 from ..session import Session, Trace, flat
+from . import unaveraged
 from .frameworks import who_divided
 from .shapes import (
     SIZE_FACTOR_KINDS,
@@ -42,6 +43,12 @@ def unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, fl
     if coef < 1.0:
         return user / coef, total
     return user, total
+
+
+def _clip_threshold(events: list[Event]) -> float | None:
+    """The threshold of the window's last norm clip (the one `unclipped` undoes)."""
+    clips = [e for e in of_type(events, Clip) if e.clip_kind == "norm"]
+    return clips[-1].max_norm if clips else None
 
 
 def clip_would_bite(coefficient: float) -> bool:
@@ -213,15 +220,26 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
             if m.ratio > 0:
                 evidence["measured"] = compare._round(1.0 / m.ratio)
             measured_ratio = m.ratio
+        fix = ""
         message = MESSAGES.get(kind, "{label}").format(
             step=ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
             precision=precision, tol=tol.rtol, factor=found.factor or 0)
+        if (kind == "missing-accumulation-average" and per_mb
+                and unaveraged.weighting_differs(per_mb, full, cand_tol)):
+            # the sum of K equal-weight micro-batch means, against a reference that weighs
+            # them otherwise: the size says K only against that sum, not against the reference
+            equal_sums = unaveraged.summed_equal_weights(user_u, per_mb, full)
+            fix = unaveraged.FIX
+            evidence.update(unaveraged.evidence(equal_sums))
+            message = unaveraged.message(ordinal, K, equal_sums, clip_norm,
+                                         _clip_threshold(window_events),
+                                         evidence.get("ratio_after_clip"))
         party = who_divided(trace, kind)
         if party is not None:
             evidence["framework"] = party[0]
             message += " " + party[1][0].upper() + party[1][1:]
         return deciders.decide(kind, Observed(rung, "error", message, evidence=evidence,
-                                              location=location(site)))
+                                              location=location(site), fix=fix))
     carried = carried_over(session, trace, step, names, user_u, full, cand_tol)
     if carried is not None:
         partial = len(carried) < len(names)
@@ -275,6 +293,20 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                        f"reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
                        f"{K / measured_ratio:.4g} instead of K={K}.",
                        evidence=evidence, location=location(last_backward_site)))
+    if rerun is not None and ref.mode == "loss":
+        # The reference's per-micro-batch gradients explain nothing: the loop weighs tokens or
+        # samples inside a micro-batch its own way. Its own gradient of each micro-batch alone
+        # still tells whether the window sums them without dividing by K.
+        sums = unaveraged.summed_loop_gradients(session, window, snapshot, names, user_u,
+                                                full, rerun, cand_tol)
+        if sums is not None:
+            evidence.update(unaveraged.evidence(sums))
+            return deciders.missing_accumulation_average(Observed(rung, "error",
+                           unaveraged.message(ordinal, K, sums, clip_norm,
+                                              _clip_threshold(window_events),
+                                              evidence.get("ratio_after_clip")),
+                           evidence=evidence, location=location(last_backward_site),
+                           fix=unaveraged.FIX if sums.weighting_differs else ""))
     return deciders.gradient_mismatch(Observed(rung, "error",
                    f"Step {ordinal} (window {window}) of the {precision} run: the gradient the "
                    f"optimizer consumed differs from the fp32 reference by {m.rel_err:.3g} "

@@ -10,7 +10,7 @@ from .. import deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, location
 from ..judge import step_groups
-from ..probe.events import OptimizerStep, ScalerStep, SchedulerStep
+from ..probe.events import Backward, Forward, OptimizerStep, ScalerStep, SchedulerStep
 from ..session import Session, Trace
 
 
@@ -59,13 +59,30 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     return []
 
 
+def _run_start(trace: Trace) -> int | None:
+    """Where the loop's training work begins: its first forward on a micro-batch it was handed
+    (a forward on other data -- a sanity or evaluation pass before training -- reads none), else
+    its first forward, else its first backward; None when the trace has none of them."""
+    forwards = trace.events_of(Forward)
+    on_data = [e for e in forwards if e.index is not None]
+    for first in (on_data, forwards, trace.events_of(Backward)):
+        if first:
+            return first[0].seq
+    return None
+
+
 def _lr_drift(trace: Trace, events: list[SchedulerStep],
               slot: Any) -> tuple[int, float, float] | None:
     """The first optimizer step whose learning rate (from this scheduler's own trajectory)
     differs from the value the schedule gives for that optimizer step; None when every step
     used the right value. Step n used the value after the scheduler's c_n steps so far; it should
-    use the value after c_0 + n (a constant offset -- a scheduler stepped before the first
-    optimizer step -- is not this mistake)."""
+    use the value after s + n, where s counts the scheduler steps taken before the run's first
+    forward: a schedule deliberately advanced before training starts (resuming, a warm start)
+    is an offset, not this mistake. Scheduler steps between the forwards and backwards of the
+    first window are not an offset: they are the micro-batch stepping itself, and a warm-up
+    short enough to end inside that window changes the first optimizer step's learning rate
+    and no later one's. (Without an observed forward or backward, the scheduler steps before
+    the first optimizer step stand in for s.)"""
     values = [events[0].lr_before] + [e.lr for e in events]
     if any(v is None for v in values):
         return None if len({v for v in values if v is not None}) <= 1 else (0, math.nan,
@@ -78,7 +95,9 @@ def _lr_drift(trace: Trace, events: list[SchedulerStep],
     used_index = [sum(1 for e in events if e.seq < s.seq) for s in first_of_group.values()]
     if not used_index:
         return None
-    offset = used_index[0]
+    start = _run_start(trace)
+    offset = (used_index[0] if start is None
+              else sum(1 for e in events if e.seq < start))
     for n, c in enumerate(used_index):
         meant_index = offset + n
         if c >= len(lrs) or meant_index >= len(lrs):
