@@ -163,6 +163,12 @@ def _text(value: Any) -> dict[str, str]:
     return {"text": inert(value, limit=MESSAGE_LIMIT)}
 
 
+#: For other SARIF writers (`diagnose --sarif`): a `physicalLocation` with a valid URI, and a
+#: message with its text made inert.
+physical_location = _physical
+sarif_text = _text
+
+
 def _rule(kind: str) -> dict[str, Any]:
     """The SARIF rule of a static hint's kind (its catalogue text)."""
     entry = CATALOGUE[kind]
