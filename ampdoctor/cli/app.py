@@ -11,6 +11,7 @@ import typer
 
 from .. import __version__
 from .diagnose import diagnose
+from .env import env
 from .explain import explain
 from .init import init
 from .report import report
@@ -42,7 +43,7 @@ def main_callback(version: bool = typer.Option(False, "--version", callback=_ver
 
 
 # `--help` lists the commands in this order
-for command in (diagnose, report, scan, explain, schema, init):
+for command in (diagnose, report, scan, explain, schema, init, env):
     app.command()(command)
 
 
