@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from .. import __version__
+from .demo import demo
 from .diagnose import diagnose
 from .env import env
 from .explain import explain
@@ -43,7 +44,7 @@ def main_callback(version: bool = typer.Option(False, "--version", callback=_ver
 
 
 # `--help` lists the commands in this order
-for command in (diagnose, report, scan, explain, schema, init, env):
+for command in (diagnose, report, scan, explain, schema, init, env, demo):
     app.command()(command)
 
 
