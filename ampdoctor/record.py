@@ -194,13 +194,22 @@ def upgrade(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def exit_code(record: dict[str, Any]) -> int:
+    """The `diagnose` exit code a record stands for. A healthy record written under `--strict`
+    (`"strict": true`) with a warning (a `warning` finding, or a `warn` rung) is 1."""
     if record.get("verdict") == "healthy":
-        return 0
+        return 1 if record.get("strict") is True and _warned(record) else 0
     if record.get("verdict") == "failed":
         return 1
     err = record.get("error") or {}
     # only the codes an error can have: a record's own field never picks any other
     return 2 if isinstance(err, dict) and err.get("exit_code") == 2 else 3
+
+
+def _warned(record: dict[str, Any]) -> bool:
+    findings = record.get("findings") or []
+    rungs = record.get("rungs") or []
+    return (any(isinstance(f, dict) and f.get("severity") == "warning" for f in findings)
+            or any(isinstance(r, dict) and r.get("status") == "warn" for r in rungs))
 
 
 def atomic_write_text(path: Path, text: str) -> None:

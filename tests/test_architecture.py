@@ -18,7 +18,8 @@ higher one (cycles within a layer are caught by the cycle check):
               scan, the report (never any layer above: they must work without torch)
   maths       tensor maths without a run: compare, rng
   observe     probe/: the patched torch functions, the typed events, the Trace of one run
-  user code   loading/: the user's code, model, optimizers and data
+  user code   loading/: the user's code, model, optimizers and data; examples/: the loops
+              `ampdoctor demo` ships (user code, never imported by ampdoctor)
   reference   reference/: the fp32 teacher-forced gradients and the clipping the loop meant
   session     session: the runs of one diagnose (the loop under the probe, its references)
   judge       the judge: consumed gradient against the reference -> numbers and verdicts
@@ -49,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "ampdoctor.report.*")),
     ("maths", ("ampdoctor.compare", "ampdoctor.rng")),
     ("observe", ("ampdoctor.probe.*",)),
-    ("user code", ("ampdoctor.loading.*",)),
+    ("user code", ("ampdoctor.loading.*", "ampdoctor.examples.*")),
     ("reference", ("ampdoctor.reference.*",)),
     ("session", ("ampdoctor.session", "ampdoctor.dtype_errors")),
     ("judge", ("ampdoctor.judge", "ampdoctor.judge_step", "ampdoctor.judge_live")),

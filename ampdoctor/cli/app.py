@@ -10,7 +10,9 @@ from __future__ import annotations
 import typer
 
 from .. import __version__
+from .demo import demo
 from .diagnose import diagnose
+from .env import env
 from .explain import explain
 from .init import init
 from .report import report
@@ -20,12 +22,13 @@ from .schema import schema
 app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=None,
                   help="Triage PyTorch training that combines gradient accumulation with mixed "
                        "precision (fp16 + GradScaler, or bf16).",
-                  epilog="Exit codes (diagnose): 0 healthy (warnings allowed), 1 a rung failed, "
+                  epilog="Exit codes (diagnose, demo): 0 healthy (warnings allowed, unless "
+                         "--strict), 1 a rung failed, "
                          "2 bad spec or usage, 3 your model, data or loop could not run (or "
                          "hung, or exited), 4 an internal ampdoctor error; 128 + N after "
                          "signal N (Ctrl-C 130, SIGTERM 143). scan: 0 nothing found, 1 more "
-                         "than one loss-scale owner, 2 a bad path. report: 0 rendered, 2 a "
-                         "missing or invalid record.")
+                         "than one loss-scale owner (or, with --strict, a static hint), 2 a bad "
+                         "path. report: 0 rendered, 2 a missing or invalid record.")
 
 
 def _version(value: bool) -> None:
@@ -42,7 +45,7 @@ def main_callback(version: bool = typer.Option(False, "--version", callback=_ver
 
 
 # `--help` lists the commands in this order
-for command in (diagnose, report, scan, explain, schema, init):
+for command in (diagnose, report, scan, explain, schema, init, env, demo):
     app.command()(command)
 
 

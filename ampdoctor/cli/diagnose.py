@@ -20,6 +20,7 @@ from rich.console import Console
 
 from ..errors import AmpdoctorInterrupt, LaunchError, SpecError, UsageError, UserCodeError
 from ..safetext import inert
+from .ci_reports import CiOptions
 from .common import INTERNAL_ERROR, fail, internal, stderr_console, stdout_console
 from .progress_line import ProgressLine
 
@@ -45,16 +46,24 @@ def diagnose(
                                      "others are reported as skipped."),
     steps: int | None = typer.Option(None, "--steps", help="Override optimizer_steps (the "
                                      "slice must hold steps x K x b samples)."),
+    strict: bool = typer.Option(False, "--strict", help="Warnings fail the run too (exit 1), "
+                                "for CI."),
+    junit: Path | None = typer.Option(None, "--junit", metavar="FILE", help="Also write a "
+                                      "JUnit XML report to FILE (one test case per rung)."),
+    sarif: Path | None = typer.Option(None, "--sarif", metavar="FILE", help="Also write a "
+                                      "SARIF 2.1.0 report to FILE (one result per finding, at "
+                                      "your file:line)."),
 ) -> None:
     """Run the triage ladder on SPEC and report what is wrong, with numbers and file:line."""
     overrides = {"device": device, "precisions": _csv(precisions), "rungs": _csv(rungs),
                  "optimizer_steps": steps}
     raise typer.Exit(run_diagnose(spec, json_out, debug, out,
-                                  {k: v for k, v in overrides.items() if v is not None}))
+                                  {k: v for k, v in overrides.items() if v is not None},
+                                  ci=CiOptions(strict, junit, sarif)))
 
 
 def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
-                 overrides: dict[str, Any] | None = None) -> int:
+                 overrides: dict[str, Any] | None = None, ci: CiOptions | None = None) -> int:
     """Load the spec (with the command line's overrides) and diagnose it; the exit code."""
     from ..api import load
     try:
@@ -66,7 +75,7 @@ def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
 
     launched = launch.launched_rank()
     if launched is None:
-        return diagnose_here(spec, json_out, debug, out)
+        return diagnose_here(spec, json_out, debug, out, ci=ci)
     # torchrun supervises its own processes; the ranks share a store with this one
     # Under torchrun: rank 0 runs the ladder and reports; the others serve the ddp-sync rung.
     try:
@@ -79,7 +88,7 @@ def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
     launch.GROUP = group
     code = INTERNAL_ERROR
     try:
-        code = diagnose_here(spec, json_out, debug, out, isolate=False)
+        code = diagnose_here(spec, json_out, debug, out, isolate=False, ci=ci)
     finally:
         launch.GROUP = None
         group.finish(code)
@@ -113,16 +122,19 @@ def writable_out(out: Path | None) -> Path:
 
 
 def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
-                  isolate: bool = True) -> int:
+                  isolate: bool = True, ci: CiOptions | None = None) -> int:
     """Diagnose `spec` from this process (the loop in a child unless `isolate` is False or
-    AMPDOCTOR_IN_PROCESS is set), save and show the record; the exit code."""
+    AMPDOCTOR_IN_PROCESS is set), save and show the record (and the CI reports `ci` asks
+    for); the exit code."""
     from ..report.terminal import render
     from ..runner import error_record
     from ..supervise import ChildCrashed
 
     err = stderr_console()
+    ci = ci or CiOptions()
     try:
         folder = writable_out(out)
+        ci.check()
     except UsageError as exc:
         return fail(exc, debug)
     done: list[dict[str, Any]] = []
@@ -147,6 +159,7 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         interrupted = error_record(spec, error)
         interrupted["rungs"] = done
         err.print(f"ampdoctor: interrupted by {name}; the run was stopped.", markup=False)
+        ci.write(dict(interrupted, exit_code=128 + int(signum)), err)
         save_and_show(interrupted, folder, json_out, render, err, 128 + int(signum))
         return 128 + int(signum)
     except (SpecError, LaunchError) as exc:
@@ -161,11 +174,14 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         assert exception is not None
         return fail(exception, debug)
     from .. import record as records
+    ci.mark(record)
     code = records.exit_code(record)
     if exception is not None:
         code = fail(exception, debug)
     elif debug:
         _show_tracebacks(record, err)
+    if not ci.write(dict(record, exit_code=code), err):
+        code = UsageError.exit_code
     if not save_and_show(record, folder, json_out, render, err, code):
         return UsageError.exit_code
     return code

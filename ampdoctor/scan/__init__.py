@@ -25,6 +25,7 @@ from typing import Any
 from ampdoctor.safetext import FIELD_LIMIT, exc_text, safe_str
 from ampdoctor.scan.configs import scan_config, scan_shell
 from ampdoctor.scan.graph import Graph
+from ampdoctor.scan.hints import hint_findings
 from ampdoctor.scan.python_ast import scan_python
 from ampdoctor.scan.sites import (
     CONFIG_EXTS,
@@ -232,18 +233,20 @@ def scan_paths(
     runtime_owner: dict[str, Any] | None = None,
     display_base: str | None = None,
     missing_ok: bool = False,
+    strict: bool = False,
 ) -> ScanReport:
     """Search `paths` (files or folders) for loss-scale owners; see the module docstring.
 
     `runtime_owner` (`{"kind": "GradScaler", "file": ..., "line": ...}`) is the owner the fp16
     run saw; it counts as an owner in that file, merged with the static one at that line.
     A path that does not exist raises `ScanPathError` (a `FileNotFoundError`), or with
-    `missing_ok` is reported under `skipped`.
+    `missing_ok` is reported under `skipped`. The static hints of the Python files read are
+    `report.hints` (warnings; with `strict` they make the exit code 1).
     """
     started = time.perf_counter()
     given = [os.fspath(p) for p in paths]
     report = ScanReport(paths=given, runtime_owner=dict(runtime_owner) if runtime_owner else None,
-                        display_base=display_base)
+                        display_base=display_base, strict=strict)
     scans, roots, sizes = _collect(given, report, missing_ok)
 
     for path, scan in scans.items():
@@ -260,6 +263,7 @@ def scan_paths(
     report.infos = decision.infos
     report.groups = decision.groups
     report.findings = decision.findings
+    report.hints = hint_findings({p: s for p, s in scans.items() if not s.skipped})
     report.skipped.extend(
         {"file": s.path, "reason": s.skipped, **({"file_type": s.file_type} if s.file_type else {})}
         for s in sorted(scans.values(), key=lambda s: s.path)

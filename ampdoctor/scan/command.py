@@ -2,8 +2,9 @@
 
 Exit codes: 0 at most one loss-scale owner per training path (nothing found), 1 more than one
 loss-scale owner found (a `double-scaling` error or warning), 2 a path that does not exist or
-a usage error. `ampdoctor.cli` wires `run_scan` in; `python -m ampdoctor.scan.command` runs it
-without the rest of the CLI (and without torch).
+a usage error. The static hints (warnings) never change the exit code, unless `--strict`: then
+a hint is exit 1 too. `ampdoctor.cli` wires `run_scan` in; `python -m ampdoctor.scan.command`
+runs it without the rest of the CLI (and without torch).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ def _summary_line(report) -> str:
         where = (inert(f"{display_path(loc.file, report.display_base)}:{loc.line}",
                        multiline=False) if loc else "")
         parts.append(f"{finding.severity} {finding.kind} at {where}")
+    if report.hints:
+        parts.append(f"{len(report.hints)} static hint(s)")
     return "; ".join(parts)
 
 
@@ -40,6 +43,7 @@ def run_scan(
     fmt: str = "text",
     output: str | None = None,
     debug: bool = False,
+    strict: bool = False,
 ) -> int:
     """Scan `paths`, print the report (text, JSON or SARIF), return the exit code."""
     from ampdoctor.safetext import FIELD_LIMIT, exc_text, inert, safe_str
@@ -55,7 +59,7 @@ def run_scan(
         print("ampdoctor scan: give at least one PATH (a file or a folder)", file=sys.stderr)
         return 2
     try:
-        report = scan_paths(paths, display_base=os.getcwd())
+        report = scan_paths(paths, display_base=os.getcwd(), strict=strict)
     except ScanPathError as exc:
         _say(f"ampdoctor scan: {inert(safe_str(exc), limit=FIELD_LIMIT, multiline=False)}")
         return 2
@@ -99,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     parser.add_argument("--format", dest="fmt", default="text", choices=FORMATS)
     parser.add_argument("-o", "--output", default=None, help="write the report to this file")
+    parser.add_argument("--strict", action="store_true", help="a static hint fails (exit 1)")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
     return run_scan(args.paths, as_json=args.json, fmt=args.fmt, output=args.output,
-                    debug=args.debug)
+                    debug=args.debug, strict=args.strict)
 
 
 if __name__ == "__main__":

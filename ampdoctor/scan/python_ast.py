@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Sequence
 
 from ampdoctor.scan.configs import PATH_LIKE
+from ampdoctor.scan.hints import find_hints
 from ampdoctor.scan.python_literals import number
 from ampdoctor.scan.python_owners import OwnerCalls
 from ampdoctor.scan.python_scale import LossScale
@@ -62,7 +63,12 @@ def scan_python(path: str, data: bytes, scan: FileScan) -> None:
     except (ValueError, RecursionError, MemoryError) as exc:
         scan.skipped = f"does not parse: {type(exc).__name__}: {exc}"
         return
-    _Visitor(path, scan).run(tree)
+    visitor = _Visitor(path, scan)
+    visitor.run(tree)
+    try:
+        scan.hints = find_hints(tree, visitor.aliases)
+    except RecursionError:
+        scan.hints = []    # nested too deeply for the hints; the owners above still stand
 
 
 def _cheap_links(data: bytes, scan: FileScan) -> None:

@@ -95,15 +95,16 @@ def render_text(report: ScanReport, file: IO[str] | None = None, color: bool | N
         if skipped > 20:
             console.print(f"  ... and {skipped - 20} more (see --json)")
     for finding in report.findings:
-        colour = "red" if finding.severity == "error" else "yellow"
-        loc = finding.location
-        where = f" at {_one(display_path(loc.file, base))}:{_one(loc.line)}" if loc else ""
-        console.print(
-            f"\n[bold {colour}]{escape(_one(finding.severity.upper()))} "
-            f"{escape(_one(finding.kind))}[/]{escape(where)}: {escape(_one(finding.title))}"
-        )
-        console.print(f"  {escape(inert(finding.message, limit=MESSAGE_LIMIT))}")
-        console.print(f"  [bold]fix[/]: {escape(inert(finding.fix, limit=MESSAGE_LIMIT))}")
+        _print_finding(console, finding, base)
+    if report.hints:
+        console.print(f"\n[bold]Static hints ({len(report.hints)})[/]: patterns read in the code, "
+                      "not measured; `ampdoctor diagnose` measures what they cost")
+        for hint in report.hints:
+            _print_finding(console, hint, base, label="WARNING (hint)")
+    console.print(f"\nResult: {_verdict(report)} (exit {report.exit_code})")
+
+
+def _verdict(report: ScanReport) -> str:
     if report.findings:
         verdict = ("[red]double scaling[/]" if report.status == "fail"
                    else "[yellow]check the owners[/]")
@@ -111,7 +112,24 @@ def render_text(report: ScanReport, file: IO[str] | None = None, color: bool | N
         verdict = "[green]one loss-scale owner per training path[/]"
     else:
         verdict = "[green]nothing to report[/]"
-    console.print(f"\nResult: {verdict} (exit {report.exit_code})")
+    if report.hints:
+        strict = ", failing under --strict" if report.strict else ""
+        verdict += f"; [yellow]{len(report.hints)} static hint(s) (warnings{strict})[/]"
+    return verdict
+
+
+def _print_finding(console: Any, finding: Any, base: str | None, label: str = "") -> None:
+    from rich.markup import escape
+
+    colour = "red" if finding.severity == "error" else "yellow"
+    loc = finding.location
+    where = f" at {_one(display_path(loc.file, base))}:{_one(loc.line)}" if loc else ""
+    console.print(
+        f"\n[bold {colour}]{escape(_one(label or finding.severity.upper()))} "
+        f"{escape(_one(finding.kind))}[/]{escape(where)}: {escape(_one(finding.title))}"
+    )
+    console.print(f"  {escape(inert(finding.message, limit=MESSAGE_LIMIT))}")
+    console.print(f"  [bold]fix[/]: {escape(inert(finding.fix, limit=MESSAGE_LIMIT))}")
 
 
 def _uri(path: str, base: str) -> tuple[str, bool]:
@@ -145,13 +163,33 @@ def _text(value: Any) -> dict[str, str]:
     return {"text": inert(value, limit=MESSAGE_LIMIT)}
 
 
+#: For other SARIF writers (`diagnose --sarif`): a `physicalLocation` with a valid URI, and a
+#: message with its text made inert.
+physical_location = _physical
+sarif_text = _text
+
+
+def _rule(kind: str) -> dict[str, Any]:
+    """The SARIF rule of a static hint's kind (its catalogue text)."""
+    entry = CATALOGUE[kind]
+    return {
+        "id": kind,
+        "name": "".join(part.capitalize() for part in kind.split("-")),
+        "shortDescription": {"text": entry.title},
+        "fullDescription": {"text": entry.why},
+        "help": {"text": entry.fix},
+        "defaultConfiguration": {"level": "warning"},
+    }
+
+
 def to_sarif(report: ScanReport) -> str:
-    """SARIF 2.1.0 for code-scanning CI (one rule, `double-scaling`)."""
+    """SARIF 2.1.0 for code-scanning CI: the rule `double-scaling`, then one rule per kind of
+    static hint found (warnings)."""
     from ampdoctor import __version__
 
     base = report.display_base or os.getcwd()
     kind = CATALOGUE["double-scaling"]
-    results = []
+    results: list[dict[str, Any]] = []
     for finding in report.findings:
         owners = finding.evidence.get("owners", [])
         loc = finding.location
@@ -186,6 +224,20 @@ def to_sarif(report: ScanReport) -> str:
                 },
             }
         )
+    hint_kinds = sorted({h.kind for h in report.hints})
+    for hint in report.hints:
+        loc = hint.location
+        results.append(
+            {
+                "ruleId": hint.kind,
+                "ruleIndex": 1 + hint_kinds.index(hint.kind),
+                "level": "warning",
+                "message": _text(hint.message),
+                "locations": [{"physicalLocation": _physical(
+                    loc.file if loc else "", loc.line if loc else None, base)}],
+                "properties": {"static": True, "title": inert(hint.title, limit=FIELD_LIMIT)},
+            }
+        )
     notifications = [
         {
             "level": "note",
@@ -215,7 +267,7 @@ def to_sarif(report: ScanReport) -> str:
                                 "help": {"text": kind.fix},
                                 "defaultConfiguration": {"level": "error"},
                             }
-                        ],
+                        ] + [_rule(kind) for kind in hint_kinds],
                     }
                 },
                 "originalUriBaseIds": {"%SRCROOT%": {"uri": Path(base).as_uri().rstrip("/") + "/"}},

@@ -104,6 +104,7 @@ class FileScan:
     config_types: set[str] = field(default_factory=set)
     skipped: str | None = None
     file_type: str | None = None  # "FIFO", "socket"...: skipped as not a regular file
+    hints: list[Any] = field(default_factory=list)  # `scan.hints.Hint`s of a Python file
 
 
 @dataclass
@@ -113,11 +114,16 @@ class ScanReport:
     infos: list[Site] = field(default_factory=list)
     groups: list[dict[str, Any]] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    #: the static hints (`warning`s of other kinds: clipping before unscale_, a scheduler or
+    #: zero_grad on every micro-batch, a loss never divided by K); see `scan.hints`
+    hints: list[Finding] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
     files_scanned: int = 0
     runtime_owner: dict[str, Any] | None = None
     seconds: float = 0.0
     display_base: str | None = None
+    #: `--strict`: a hint fails the scan too (exit 1)
+    strict: bool = False
 
     @property
     def status(self) -> str:
@@ -125,8 +131,9 @@ class ScanReport:
 
     @property
     def exit_code(self) -> int:
-        """CONTRACT §6: 1 when more than one loss-scale owner was found, else 0."""
-        return 1 if self.findings else 0
+        """CONTRACT §6: 1 when more than one loss-scale owner was found, else 0. Hints never
+        change it, unless `strict`."""
+        return 1 if self.findings or (self.strict and self.hints) else 0
 
     def to_dict(self) -> dict[str, Any]:
         from ampdoctor import __version__
@@ -143,6 +150,8 @@ class ScanReport:
             "infos": [s.to_dict() for s in self.infos],
             "groups": self.groups,
             "findings": [f.to_dict() for f in self.findings],
+            "hints": [h.to_dict() for h in self.hints],
+            "strict": self.strict,
             "skipped": list(self.skipped),
             "runtime_owner": self.runtime_owner,
         }

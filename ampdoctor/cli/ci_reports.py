@@ -1,0 +1,262 @@
+"""What `diagnose` gives a CI system besides the record: `--strict`, `--junit FILE`,
+`--sarif FILE`.
+
+- `--strict`: a warning fails the run. The record gets `"strict": true`; a healthy record with a
+  warning (a finding of severity `warning`, or a rung `warn`) then exits 1 (`record.exit_code`
+  reads it, so `report --record-exit-code` agrees) and says so in a note the report shows.
+- `--junit FILE`: JUnit XML, one `<testcase>` per rung in ladder order: `<failure>` for `fail`
+  (and for `warn` under `--strict`), `<skipped>` for `skip` and `not-run`, the findings of the
+  rung (kind, message, the user's `file:line`, fix) in the failure's text or in `<system-out>`.
+  A run that stopped before any rung is one `<testcase name="setup">` with an `<error>`.
+- `--sarif FILE`: SARIF 2.1.0, one result per finding (rule = its kind, level `error` or
+  `warning`) at the user's `file:line` (a path under the working directory relative to
+  `%SRCROOT%`, others as `file:` URIs).
+
+The files are written after the run and before the record is shown; a FILE whose folder does
+not exist or cannot be written is a usage error (exit 2) before anything runs. Every text field
+from the record (the user's world: messages, paths, code) is made inert first: no control
+character reaches the XML (where most are not even allowed) or a SARIF viewer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+from ..safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
+
+#: A rung status -> what it is in JUnit (`warn` is `failure` only under --strict).
+_SKIPPED = ("skip", "not-run")
+
+
+def warnings_of(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The findings of severity `warning` (a `warn` rung's findings)."""
+    return [f for f in record.get("findings") or [] if isinstance(f, dict)
+            and f.get("severity") == "warning"]
+
+
+@dataclass(frozen=True)
+class CiOptions:
+    strict: bool = False
+    junit: Path | None = None
+    sarif: Path | None = None
+
+    def check(self) -> None:
+        """UsageError (exit 2, before anything runs) for a FILE that cannot be written."""
+        for option, path in (("--junit", self.junit), ("--sarif", self.sarif)):
+            if path is None:
+                continue
+            folder = Path(os.path.abspath(path)).parent
+            if Path(path).is_dir():
+                raise UsageError(f"{option} {path}: is a folder; give a file name.")
+            if not folder.is_dir():
+                raise UsageError(f"{option} {path}: the folder {folder} does not exist.")
+            if not os.access(folder, os.W_OK):
+                raise UsageError(f"{option} {path}: the folder {folder} cannot be written.")
+
+    def mark(self, record: dict[str, Any]) -> None:
+        """Under --strict: flag the record, and say when its warnings fail the run."""
+        if not self.strict:
+            return
+        record["strict"] = True
+        found = warnings_of(record)
+        warned = [r.get("id") for r in record.get("rungs") or [] if r.get("status") == "warn"]
+        if record.get("verdict") == "healthy" and (found or warned):
+            kinds = ", ".join(sorted({str(f.get("kind")) for f in found})) or "a warn rung"
+            note = (f"--strict: {len(found) or len(warned)} warning(s) ({kinds}) fail this run: "
+                    "exit 1")
+            record["notes"] = [note] + list(record.get("notes") or [])
+
+    def write(self, record: dict[str, Any], err: Any) -> bool:
+        """Write the asked-for files; False (and a clear line) when one could not be."""
+        for option, path, text in (("--junit", self.junit, junit_xml),
+                                   ("--sarif", self.sarif, sarif_json)):
+            if path is None:
+                continue
+            try:
+                Path(path).write_text(text(record), encoding="utf-8")
+            except OSError as exc:
+                err.print(inert(f"ampdoctor: usage error: {option} {path}: cannot be written "
+                                f"({exc.strerror or type(exc).__name__})"),
+                          markup=False, highlight=False, style="bold red")
+                return False
+            err.print(inert(f"{option[2:]} report written to {path}"), markup=False,
+                      highlight=False, style="dim")
+        return True
+
+
+# -- JUnit ---------------------------------------------------------------------------------------
+
+def _where(finding: dict[str, Any]) -> str:
+    loc = finding.get("location")
+    if isinstance(loc, dict) and loc.get("file"):
+        return f"{loc['file']}:{loc.get('line')}" if loc.get("line") is not None else loc["file"]
+    return ""
+
+
+def _finding_text(finding: dict[str, Any]) -> str:
+    where = _where(finding)
+    lines = [f"{finding.get('severity')}: {finding.get('kind')}: {finding.get('title', '')}",
+             str(finding.get("message", ""))]
+    if where:
+        lines.append(f"at {where}")
+    if finding.get("fix"):
+        lines.append(f"fix: {finding['fix']}")
+    return inert("\n".join(lines), limit=4 * MESSAGE_LIMIT)
+
+
+def junit_xml(record: dict[str, Any]) -> str:
+    """The record as JUnit XML (see the module docstring)."""
+    name = inert(record.get("name") or "run", limit=FIELD_LIMIT, multiline=False)
+    strict = bool(record.get("strict"))
+    rungs = [r for r in record.get("rungs") or [] if isinstance(r, dict)]
+    by_rung: dict[str, list[dict[str, Any]]] = {}
+    for finding in record.get("findings") or []:
+        if isinstance(finding, dict):
+            by_rung.setdefault(str(finding.get("rung")), []).append(finding)
+    suite = ET.Element("testsuite", name=f"ampdoctor.{name}")
+    props = ET.SubElement(suite, "properties")
+    for key in ("verdict", "exit_code", "failed_rung", "device", "spec", "strict"):
+        if record.get(key) is not None:
+            value = record[key]
+            text = json.dumps(value) if isinstance(value, bool) else value
+            ET.SubElement(props, "property", name=key,
+                          value=inert(text, limit=FIELD_LIMIT, multiline=False))
+    counts = {"tests": 0, "failures": 0, "skipped": 0, "errors": 0}
+    total = 0.0
+    for rung in rungs:
+        rid = inert(rung.get("id", ""), limit=FIELD_LIMIT, multiline=False)
+        seconds = _seconds(rung.get("seconds"))
+        total += seconds
+        case = ET.SubElement(suite, "testcase", classname=f"ampdoctor.{name}", name=rid,
+                             time=f"{seconds:.3f}")
+        counts["tests"] += 1
+        status = rung.get("status")
+        findings = by_rung.get(str(rung.get("id")), [])
+        summary = inert(rung.get("summary", ""), limit=MESSAGE_LIMIT)
+        if status == "fail" or (status == "warn" and strict):
+            first = next((f for f in findings if f.get("severity") == "error"), None) or \
+                (findings[0] if findings else {})
+            failure = ET.SubElement(case, "failure", type=inert(first.get("kind", status),
+                                                                multiline=False),
+                                    message=inert(first.get("title") or summary,
+                                                  limit=FIELD_LIMIT, multiline=False))
+            failure.text = "\n\n".join(_finding_text(f) for f in findings) or summary
+            counts["failures"] += 1
+        elif status in _SKIPPED:
+            ET.SubElement(case, "skipped", message=f"{status}: {summary}")
+            counts["skipped"] += 1
+        elif findings:
+            ET.SubElement(case, "system-out").text = "\n\n".join(_finding_text(f)
+                                                                   for f in findings)
+    error = record.get("error")
+    if not rungs and isinstance(error, dict):
+        case = ET.SubElement(suite, "testcase", classname=f"ampdoctor.{name}", name="setup",
+                             time="0.000")
+        element = ET.SubElement(case, "error", type=inert(error.get("type") or "error",
+                                                          multiline=False),
+                                message=inert(error.get("message", ""), limit=FIELD_LIMIT,
+                                              multiline=False))
+        element.text = inert(error.get("message", ""), limit=4 * MESSAGE_LIMIT)
+        counts["tests"] += 1
+        counts["errors"] += 1
+    for key, value in counts.items():
+        suite.set(key, str(value))
+    suite.set("time", f"{_seconds(record.get('seconds')) or total:.3f}")
+    root = ET.Element("testsuites", {"name": "ampdoctor", "time": suite.get("time", "0"),
+                                      **{k: str(v) for k, v in counts.items()}})
+    root.append(suite)
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def _seconds(value: Any) -> float:
+    try:
+        return max(0.0, float(value or 0.0))
+    except (TypeError, ValueError):
+        return 0.0
+
+
+# -- SARIF ---------------------------------------------------------------------------------------
+
+def _location_file(finding: dict[str, Any], record: dict[str, Any]) -> str | None:
+    """The user's file as an absolute path (a relative one is relative to the spec)."""
+    loc = finding.get("location")
+    if not isinstance(loc, dict) or not isinstance(loc.get("file"), str) or not loc["file"]:
+        return None
+    file = loc["file"]
+    if not os.path.isabs(file) and isinstance(record.get("spec"), str):
+        file = os.path.join(os.path.dirname(record["spec"]), file)
+    return os.path.abspath(file)
+
+
+def sarif_json(record: dict[str, Any], base: str | None = None) -> str:
+    """The record's findings as SARIF 2.1.0 (see the module docstring)."""
+    from .. import __version__
+    from ..findings import CATALOGUE
+    from ..scan.render import SARIF_SCHEMA, physical_location, sarif_text
+
+    base = base or os.getcwd()
+    findings = [f for f in record.get("findings") or [] if isinstance(f, dict)]
+    kinds = sorted({str(f.get("kind")) for f in findings})
+    rules = []
+    for kind in kinds:
+        entry = CATALOGUE.get(kind)
+        rule: dict[str, Any] = {"id": kind, "name": "".join(p.capitalize()
+                                                            for p in kind.split("-"))}
+        if entry is not None:
+            rule.update(shortDescription={"text": entry.title},
+                        fullDescription={"text": entry.why}, help={"text": entry.fix})
+        rules.append(rule)
+    results = []
+    for finding in findings:
+        kind = str(finding.get("kind"))
+        result: dict[str, Any] = {
+            "ruleId": kind,
+            "ruleIndex": kinds.index(kind),
+            "level": "error" if finding.get("severity") == "error" else "warning",
+            "message": sarif_text(f"{finding.get('title', '')}: {finding.get('message', '')}"),
+            "properties": {"rung": inert(finding.get("rung"), limit=FIELD_LIMIT),
+                           "evidence": _inert_tree(finding.get("evidence") or {})},
+        }
+        file = _location_file(finding, record)
+        if file is not None:
+            line = (finding.get("location") or {}).get("line")
+            result["locations"] = [{"physicalLocation": physical_location(
+                file, line if isinstance(line, int) and line > 0 else None, base)}]
+        results.append(result)
+    sarif = {
+        "$schema": SARIF_SCHEMA,
+        "version": "2.1.0",
+        "runs": [{
+            "tool": {"driver": {"name": "ampdoctor", "version": __version__,
+                                "informationUri": "https://github.com/ampdoctor/ampdoctor",
+                                "rules": rules}},
+            "originalUriBaseIds": {"%SRCROOT%": {"uri": Path(base).as_uri().rstrip("/") + "/"}},
+            "invocations": [{"executionSuccessful": record.get("verdict") != "error",
+                             "exitCode": record.get("exit_code")}],
+            "properties": {"verdict": record.get("verdict"),
+                           "failed_rung": record.get("failed_rung"),
+                           "spec": inert(record.get("spec"), limit=FIELD_LIMIT)},
+            "results": results,
+        }],
+    }
+    return json.dumps(sarif, indent=2, ensure_ascii=True) + "\n"
+
+
+def _inert_tree(value: Any) -> Any:
+    if isinstance(value, str):
+        return inert(value, limit=MESSAGE_LIMIT)
+    if isinstance(value, dict):
+        return {inert(k, limit=FIELD_LIMIT): _inert_tree(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_inert_tree(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)        # strict JSON has no NaN or Infinity
+    return value
