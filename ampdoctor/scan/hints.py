@@ -72,8 +72,8 @@ class _Window:
 def find_hints(tree: ast.Module, aliases: dict[str, str] | None = None) -> list[Hint]:
     """Every hint in one parsed file, in line order."""
     receivers = Receivers(tree)
-    functions: dict[str, ast.AST] = {n.name: n for n in ast.walk(tree)
-                 if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    functions: dict[str, ast.AST] = {
+        n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     found: dict[tuple[str, int], Hint] = {}
     for unit in flow.units(tree):
         name = getattr(unit, "name", None)
