@@ -6,6 +6,7 @@ the healthy shapes of popular scripts; none changes the exit code unless `--stri
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -95,7 +96,11 @@ def test_other_broken_recipes_give_no_hint_of_a_kind_they_do_not_have():
     for path in sorted(RECIPES.glob("broken_*.py")):
         if path.name in BROKEN:
             continue
-        assert hints_of(path) == [], path.name
+        # a recipe made for another rung may carry a hint's bug too: then the hint is at its
+        # `# BUG: <kind>` line (broken_missing_average_token_clip: no / K, as the scan says)
+        marked = {(kind, n) for n, line in enumerate(path.read_text().splitlines(), start=1)
+                  for kind in re.findall(r"# BUG: ([a-z-]+)", line)}
+        assert [h for h in hints_of(path) if h not in marked] == [], path.name
 
 
 # -- the shapes popular scripts write --------------------------------------------------------------
