@@ -16,13 +16,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .. import compare, deciders
+from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..findings import RUNG_IDS, Finding, RungResult, conclude, location
 from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
 from ..ladder.analysis import loop_error_finding, scheduler_findings
 from ..ladder.casts import weight_cast_finding
 from ..ladder.reproducibility import repeat_tolerance
+from ..probe.events import Backward, Clip, Scale, ZeroGrad
 from ..rules.scale_state import (
     SCALE_TRAJECTORY_KINDS,
     runtime_double_scaling,
@@ -141,11 +142,40 @@ def _without_reference(ss: ScriptSession, trace: ScriptTrace, rung: str) -> Rung
         double = runtime_double_scaling(ss.trace("fp32"), trace, rung)
         if double is not None:
             findings.append(double)
+    if trace.precision == "fp32":
+        inside = _zero_grad_inside(trace)
+        if inside is not None:
+            findings.append(inside)
     findings += scheduler_findings(ss, trace, rung)  # type: ignore[arg-type]
     if findings:
         return conclude(rung, findings, f"{len(trace.steps)} optimizer step(s) run; "
                         + _no_reference(ss))
     return RungResult(rung, "skip", _no_reference(ss))
+
+
+def _zero_grad_inside(trace: ScriptTrace) -> Finding | None:
+    """A zero_grad between two backwards of one window (read from the trace alone): the step
+    consumes only the micro-batches after it. Unmeasured without a reference: a warning."""
+    previous = -1
+    for step in trace.steps:
+        window = [e for e in trace.events if previous < e.seq < step.seq]
+        previous = step.seq
+        backwards = [e for e in window if isinstance(e, Backward)]
+        if len(backwards) < 2:
+            continue
+        zeros = [e for e in window if isinstance(e, ZeroGrad)
+                 and backwards[0].seq < e.seq < backwards[-1].seq]
+        if zeros:
+            after = sum(1 for b in backwards if b.seq > zeros[-1].seq)
+            return deciders.zero_grad_inside_accumulation(Observed(
+                "fp32-accum", "warning",
+                f"zero_grad ran between the backwards of one window: only the last {after} of "
+                f"its {len(backwards)} micro-batches reach the optimizer step. (No reference "
+                "was run, so the update itself was not compared.)",
+                evidence={"measured": after, "expected": len(backwards),
+                          "contributing_microbatches": after},
+                location=location(zeros[-1].site)))
+    return None
 
 
 def _autocast_requests(ss: ScriptSession) -> list[dict[str, Any]]:
@@ -194,9 +224,53 @@ def clip_space_rung(ss: ScriptSession) -> RungResult:
     rung = "clip-space"
     if "fp16" not in ss.traces:
         return RungResult(rung, "skip", "no fp16 run of the script (see fp16-scaler)")
+    if not ss.trace("fp16").events_of(Clip):
+        return RungResult(rung, "skip", "the script never clips its gradients")
     if not ss.has_reference:
-        return RungResult(rung, "skip", _no_reference(ss))
+        return _clip_space_from_trace(ss, ss.trace("fp16"))
     return clip_space.run(ss)  # type: ignore[arg-type]
+
+
+def _clip_space_from_trace(ss: ScriptSession, trace: ScriptTrace) -> RungResult:
+    """Without a reference: the norm each clip saw over the norm after unscale_ (1 in true
+    space, the loss scale S in scaled space), and what the clip did with it. A clip in scaled
+    space that shrank the gradient by another factor than the same threshold would in true
+    space changed the update: an error; one that did nothing either way, a warning."""
+    rung = "clip-space"
+    if trace.error is not None:
+        return RungResult(rung, "skip", "the fp16 run raised (see fp16-scaler)")
+    ratios = clip_space._clip_ratios(trace)
+    details = {"clip_ratios": [compare._round(r) for r in ratios]}
+    scales = [e.scale for e in trace.events_of(Scale) if e.scale]
+    scale = scales[-1] if scales else None
+    clips = [c for c in trace.events_of(Clip) if c.clip_kind == "norm" and c.total_norm
+             and c.max_norm]
+    if not ratios or scale is None or not clips:
+        return RungResult(rung, "skip", _no_reference(ss), details=details)
+    low, high = thresholds.SECOND_SCALE_BAND
+    scaled = [r for r in ratios if low <= r / scale <= high]
+    if not scaled:
+        shown = ", ".join(f"{r:.4g}" for r in ratios[:3])
+        return RungResult(rung, "pass", f"every clip saw the true gradient norm (norm ratio to "
+                          f"unscaled {shown}); " + _no_reference(ss), details=details)
+    clip = clips[0]
+    assert clip.total_norm is not None and clip.max_norm is not None
+    seen = min(1.0, clip.max_norm / clip.total_norm)
+    meant = min(1.0, clip.max_norm / (clip.total_norm / scale))
+    # (the same shrink as a clip that bites at all: thresholds.CLIP_BITES_BELOW)
+    changed = seen / meant < thresholds.CLIP_BITES_BELOW
+    finding = deciders.clip_before_unscale(Observed(rung, "error" if changed else "warning",
+        f"clip_grad_norm_ saw a gradient norm of {clip.total_norm:.6g}, {scale:g} times (the "
+        f"loss scale) the true norm: it ran before scaler.unscale_. It multiplied the gradient "
+        f"by {seen:.4g} where the threshold {clip.max_norm:g} in true space gives {meant:.4g}"
+        + (": the update is that much smaller than the script means." if changed else
+           ": the same update here, but the threshold is in the wrong space."),
+        evidence={"measured": compare._round(clip.total_norm / (clip.total_norm / scale)),
+                  "expected": 1.0, "scale": scale, "clip_coefficient": compare._round(seen),
+                  "meant_coefficient": compare._round(meant), "max_grad_norm": clip.max_norm},
+        location=location(clip.site)))
+    return conclude(rung, [finding], "", details)
+
 
 
 def skips_rung(ss: ScriptSession) -> RungResult:

@@ -363,6 +363,9 @@ class ScriptSession:
         """The fp32 reference gradient of `window` at `state` (unclipped): from the reference
         run teacher-forced to that run's weights, else one run of its own."""
         state = state if state is not None else self.initial_state
+        if not self.has_reference:   # nothing to read it from: no gradient (norm 0)
+            return WindowReference(full=dict.fromkeys(self.param_order), per_mb=None,
+                                   counts=None, weighted=False, mode="loop")
         grads = None if rng_seed is not None else self._refs.get(id(state))
         if grads is None:
             ref = self.run(self.job("fp32", reference=True, steps=window + 1,
