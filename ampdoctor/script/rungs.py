@@ -39,7 +39,10 @@ NO_REFERENCE = ("no reference to compare the updates with: give --reference-args
 def _no_reference(ss: ScriptSession) -> str:
     if ss.command.reference_args is None:
         return NO_REFERENCE
-    return f"the reference does not read the run's data ({ss.unaligned}): nothing compared"
+    return (f"the reference does not read the run's data ({ss.unaligned}): nothing compared. "
+            "The script draws or orders its data differently for another batch size (random "
+            "data per step, a shuffle without a seeded generator): seed it or turn shuffling "
+            "off in both argument lists")
 
 
 # --- reproducibility ---------------------------------------------------------------------

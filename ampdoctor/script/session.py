@@ -232,6 +232,8 @@ class ScriptSession:
         self.spec.accumulation_steps = self.K
         trace = replay(outcome, "fp32", self.K, self.finder, None)
         self.traces["fp32"] = trace
+        if outcome.steps and outcome.error is None:
+            self.prepare_references(trace)   # (and whether the reference reads the same data)
         return trace
 
     def _accumulation(self, outcome: Outcome) -> int:

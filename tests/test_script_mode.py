@@ -1,0 +1,153 @@
+"""Script mode end to end (CONTRACT §8): the real CLI on unmodified training scripts written as
+real ones are (recipes/scripts/), healthy and broken, with and without --reference-args.
+
+Each case runs `ampdoctor diagnose SCRIPT.py --json ... -- ARGS` in this process (the script
+itself in child processes) and checks the verdict, the rung, the kind and the script's line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPES, marked_line, run_cli
+
+SCRIPTS = RECIPES / "scripts"
+AMP = SCRIPTS / "amp_recipe.py"
+LOADER = SCRIPTS / "main_dataloader.py"
+NANOGPT = SCRIPTS / "nanogpt_style.py"
+MODULE = SCRIPTS / "module_loop.py"
+
+AMP_REF = "--accum-steps 1 --batch-size 32 --amp"
+LOADER_REF = "--grad-accum 1 --batch-size 32 --amp"
+MODULE_REF = "--accum 1 --bs 24"
+NANOGPT_REF = "--gradient_accumulation_steps=1 --batch_size=16"
+
+
+def diagnose(tmp_path: Path, script: Path, args: list[str], reference: str | None = None,
+             *options: str):
+    ref = ["--reference-args", reference] if reference is not None else []
+    return run_cli("diagnose", script, "--json", "--out", tmp_path / "runs", *ref, *options,
+                   "--", *args)
+
+
+def statuses(record: dict) -> dict[str, str]:
+    return {r["id"]: r["status"] for r in record["rungs"]}
+
+
+pytestmark = pytest.mark.xdist_group("script_mode")
+
+
+@pytest.mark.parametrize("script, args, reference, skipped", [
+    (AMP, ["--amp"], AMP_REF, {"ddp-sync"}),
+    (LOADER, ["--amp"], LOADER_REF, {"clip-space", "ddp-sync"}),
+    (NANOGPT, [], NANOGPT_REF, {"bf16-no-scaler", "fp16-scaler", "clip-space", "skips",
+                                "ddp-sync"}),
+    (MODULE, [], MODULE_REF, {"fp16-scaler", "clip-space", "skips", "ddp-sync"}),
+], ids=["amp-recipe", "main-dataloader", "nanogpt-style", "module-level-loop"])
+def test_healthy_scripts_pass_clean(tmp_path, script, args, reference, skipped):
+    result = diagnose(tmp_path, script, args, reference)
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["verdict"] == "healthy"
+    assert record["findings"] == []   # no error, no warning
+    assert record["script"] == str(script) and record["args"] == args
+    assert record["reference_args"] == reference.split()
+    got = statuses(record)
+    assert {r for r, s in got.items() if s == "skip"} == skipped
+    assert all(s == "pass" for r, s in got.items() if r not in skipped)
+    assert record["notes"] == []
+    assert record["accumulation_steps"] == record["found"]["accumulation_steps"]
+
+
+def test_found_says_what_the_script_is(tmp_path):
+    record = diagnose(tmp_path, AMP, ["--amp"], AMP_REF, "--steps", "2").record
+    assert record["found"]["text"] == ("found: 1 model (Sequential, 2,177 params), SGD, "
+                                       "GradScaler, autocast fp16, K = 4, micro-batch 8, "
+                                       "reference batch 32")
+    assert record["optimizer_steps"] == 2
+    fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
+    assert fp32["summary"].startswith("2 optimizer steps match the fp32 reference")
+
+
+@pytest.mark.parametrize("script, args, reference, rung, kind", [
+    (AMP, ["--amp", "--bug", "no-average"], AMP_REF, "fp32-accum",
+     "missing-accumulation-average"),
+    (AMP, ["--amp", "--bug", "zero-grad-inside"], AMP_REF, "fp32-accum",
+     "zero-grad-inside-accumulation"),
+    (AMP, ["--amp", "--bug", "clip-before-unscale"], AMP_REF, "fp16-scaler",
+     "clip-before-unscale"),
+    (LOADER, ["--amp", "--bug", "scheduler-per-microbatch"], LOADER_REF, "fp32-accum",
+     "scheduler-per-microbatch"),
+    (LOADER, ["--amp", "--bug", "step-per-microbatch"], LOADER_REF, "fp32-accum",
+     "step-per-microbatch"),
+    (MODULE, ["--no-average"], MODULE_REF, "fp32-accum", "missing-accumulation-average"),
+], ids=["no-average", "zero-grad-inside", "clip-before-unscale", "scheduler-per-microbatch",
+        "step-per-microbatch", "module-level-no-average"])
+def test_broken_scripts_name_kind_rung_and_line(tmp_path, script, args, reference, rung, kind):
+    result = diagnose(tmp_path, script, args, reference)
+    assert result.returncode == 1, result.stderr
+    record = result.record
+    assert record["verdict"] == "failed" and record["failed_rung"] == rung
+    first = record["findings"][0]
+    assert (first["rung"], first["kind"], first["severity"]) == (rung, kind, "error")
+    assert Path(first["location"]["file"]).resolve() == script.resolve()
+    assert first["location"]["line"] == marked_line(script, kind)
+
+
+def test_without_reference_the_trace_rungs_still_run(tmp_path):
+    record = diagnose(tmp_path, AMP, ["--amp", "--bug", "clip-before-unscale"]).record
+    got = statuses(record)
+    assert got["fp32-accum"] == "skip" and got["bf16-no-scaler"] == "skip"
+    assert "--reference-args" in next(r["summary"] for r in record["rungs"]
+                                      if r["id"] == "fp32-accum")
+    # the clip's norm over the unscaled norm is the loss scale: measured from the trace alone
+    assert record["failed_rung"] == "clip-space"
+    errors = [f for f in record["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["location"]["line"]) for f in errors] == [
+        ("clip-before-unscale", marked_line(AMP, "clip-before-unscale"))]
+    assert errors[0]["evidence"]["measured"] == pytest.approx(errors[0]["evidence"]["scale"])
+    assert any("no --reference-args" in n and "K = 4, micro-batch 8" in n
+               for n in record["notes"])
+
+
+def test_without_reference_a_healthy_script_is_healthy(tmp_path):
+    result = diagnose(tmp_path, LOADER, ["--amp"])
+    assert result.returncode == 0
+    assert result.record["findings"] == []
+    assert statuses(result.record)["skips"] == "pass"
+
+
+def test_data_the_reference_cannot_reproduce_is_said_not_judged(tmp_path):
+    result = diagnose(tmp_path, MODULE, ["--fresh-data"], MODULE_REF + " --fresh-data")
+    record = result.record
+    assert result.returncode == 0 and record["findings"] == []
+    fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
+    assert fp32["status"] == "skip"
+    assert "contents differ" in fp32["summary"] and "seed" in fp32["summary"]
+    assert any("does not read the run's micro-batches" in n for n in record["notes"])
+
+
+def test_script_usage_errors(tmp_path):
+    missing = run_cli("diagnose", tmp_path / "nope.py", "--out", tmp_path / "runs")
+    assert missing.returncode == 2 and "no such script" in missing.stderr
+    quoting = diagnose(tmp_path, AMP, [], '--batch-size "32')
+    assert quoting.returncode == 2 and "--reference-args" in quoting.stderr
+    spec_args = run_cli("diagnose", RECIPES.parent / "sample_configs" / "healthy_sgd.yaml",
+                        "--out", tmp_path / "runs", "--", "--lr", "1")
+    assert spec_args.returncode == 2 and "script mode" in spec_args.stderr
+
+
+def test_a_script_that_fails_before_stepping_is_exit_3_at_its_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n"
+                      "model = torch.nn.Linear(2, 1)\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "raise RuntimeError('no data found')\n")
+    result = diagnose(tmp_path, script, [])
+    assert result.returncode == 3
+    assert result.record["error"]["location"]["line"] == 4
+    assert "no data found" in result.record["error"]["message"]
+    bad_arg = diagnose(tmp_path, AMP, ["--no-such-flag"])
+    assert bad_arg.returncode == 3 and "exited" in bad_arg.record["error"]["message"]
