@@ -7,9 +7,11 @@ itself in child processes) and checks the verdict, the rung, the kind and the sc
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import RECIPES, marked_line, run_cli
 
@@ -151,3 +153,27 @@ def test_a_script_that_fails_before_stepping_is_exit_3_at_its_line(tmp_path):
     assert "no data found" in result.record["error"]["message"]
     bad_arg = diagnose(tmp_path, AMP, ["--no-such-flag"])
     assert bad_arg.returncode == 3 and "exited" in bad_arg.record["error"]["message"]
+
+
+def test_init_proposes_the_script_mode_command_and_it_runs(tmp_path):
+    result = run_cli("init", LOADER, "-o", tmp_path / "triage.yaml")
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.strip()
+    assert command == (f"ampdoctor diagnose {LOADER} --reference-args "
+                       "'--grad-accum 1 --batch-size 32' --")
+    assert "--grad-accum defaults to 4, --batch-size to 8" in " ".join(result.stderr.split())
+    words = shlex.split(command)[1:]
+    run = run_cli(*words[:2], "--json", "--out", tmp_path / "runs", *words[2:])
+    assert run.returncode == 0, run.stderr
+    assert run.record["findings"] == [] and run.record["accumulation_steps"] == 4
+
+
+def test_init_fills_the_spec_from_the_option_defaults(tmp_path):
+    assert run_cli("init", AMP, "-o", tmp_path / "a.yaml").returncode == 0
+    spec = yaml.safe_load((tmp_path / "a.yaml").read_text())
+    assert (spec["accumulation_steps"], spec["micro_batch_size"], spec["max_grad_norm"]) == (
+        4, 8, 1.0)
+    result = run_cli("init", NANOGPT, "-o", tmp_path / "n.yaml")
+    assert "--reference-args '--gradient_accumulation_steps=1 --batch_size=16' --" in \
+        result.stdout
+    assert yaml.safe_load((tmp_path / "n.yaml").read_text())["micro_batch_size"] == 4
