@@ -100,8 +100,8 @@ def run_child(job: Any, timeout_s: float, what: str) -> Any:
             if left <= 0:
                 raise UserCodeError(
                     f"the {what} of the script did not reach its last step within {timeout_s:g} "
-                    "s: ampdoctor stopped it. Give it fewer steps (--steps), a smaller model or "
-                    "batch, or a longer bound (--timeout).")
+                    "s: ampdoctor stopped it. Give it fewer steps (--steps) or a smaller model or "
+                    "batch through its arguments.")
             if receiver.poll(min(left, 0.5)):
                 try:
                     payload = receiver.recv_bytes()
