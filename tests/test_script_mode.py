@@ -78,6 +78,11 @@ def test_found_says_what_the_script_is(tmp_path):
      "missing-accumulation-average"),
     (AMP, ["--amp", "--bug", "zero-grad-inside"], AMP_REF, "fp32-accum",
      "zero-grad-inside-accumulation"),
+    # (a clip that bites in the reference but not on a quarter of the gradient would change the
+    # factor from step to step: the threshold is set out of reach)
+    (AMP, ["--amp", "--bug", "double-average", "--max-grad-norm", "100"],
+     AMP_REF + " --max-grad-norm 100", "fp32-accum", "double-average"),
+    (AMP, ["--amp", "--bug", "no-update"], AMP_REF, "fp16-scaler", "loop-error"),
     (AMP, ["--amp", "--bug", "clip-before-unscale"], AMP_REF, "fp16-scaler",
      "clip-before-unscale"),
     (LOADER, ["--amp", "--bug", "scheduler-per-microbatch"], LOADER_REF, "fp32-accum",
@@ -85,13 +90,15 @@ def test_found_says_what_the_script_is(tmp_path):
     (LOADER, ["--amp", "--bug", "step-per-microbatch"], LOADER_REF, "fp32-accum",
      "step-per-microbatch"),
     (MODULE, ["--no-average"], MODULE_REF, "fp32-accum", "missing-accumulation-average"),
-], ids=["no-average", "zero-grad-inside", "clip-before-unscale", "scheduler-per-microbatch",
+], ids=["no-average", "zero-grad-inside", "double-average", "step-without-update",
+        "clip-before-unscale", "scheduler-per-microbatch",
         "step-per-microbatch", "module-level-no-average"])
 def test_broken_scripts_name_kind_rung_and_line(tmp_path, script, args, reference, rung, kind):
     result = diagnose(tmp_path, script, args, reference)
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == (3 if kind == "loop-error" else 1), result.stderr
     record = result.record
-    assert record["verdict"] == "failed" and record["failed_rung"] == rung
+    assert record["verdict"] == ("error" if kind == "loop-error" else "failed")
+    assert record["failed_rung"] == rung
     first = record["findings"][0]
     assert (first["rung"], first["kind"], first["severity"]) == (rung, kind, "error")
     assert Path(first["location"]["file"]).resolve() == script.resolve()

@@ -42,7 +42,10 @@ for _epoch in range(args.epochs):
             loss = loss_fn(output, y)
         if args.bug != "no-average":
             loss = loss / K
-        scaler.scale(loss).backward()  # BUG: missing-accumulation-average (with --bug no-average)
+        if args.bug == "double-average":
+            loss = loss / K
+        # with --bug no-average / --bug double-average:
+        scaler.scale(loss).backward()  # BUG: missing-accumulation-average # BUG: double-average
         if (i + 1) % K == 0:
             if args.bug == "clip-before-unscale":
                 nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm)  # BUG: clip-before-unscale
@@ -50,6 +53,7 @@ for _epoch in range(args.epochs):
             else:
                 scaler.unscale_(opt)
                 nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm)
-            scaler.step(opt)
-            scaler.update()
+            scaler.step(opt)  # BUG: loop-error (with --bug no-update)
+            if args.bug != "no-update":
+                scaler.update()
             opt.zero_grad(set_to_none=True)
