@@ -43,7 +43,8 @@ pytestmark = pytest.mark.xdist_group("script_mode")
 
 @pytest.mark.parametrize("script, args, reference, skipped", [
     (AMP, ["--amp"], AMP_REF, {"ddp-sync"}),
-    (LOADER, ["--amp"], LOADER_REF, {"clip-space", "ddp-sync"}),
+    (LOADER, ["--amp", "--workers", "2"], LOADER_REF + " --workers 2",
+     {"clip-space", "ddp-sync"}),
     (NANOGPT, [], NANOGPT_REF, {"bf16-no-scaler", "fp16-scaler", "clip-space", "skips",
                                 "ddp-sync"}),
     (MODULE, [], MODULE_REF, {"fp16-scaler", "clip-space", "skips", "ddp-sync"}),
@@ -184,3 +185,21 @@ def test_init_fills_the_spec_from_the_option_defaults(tmp_path):
     assert "--reference-args '--gradient_accumulation_steps=1 --batch_size=16' --" in \
         result.stdout
     assert yaml.safe_load((tmp_path / "n.yaml").read_text())["micro_batch_size"] == 4
+
+
+def test_a_run_past_its_time_bound_is_stopped_exit_3(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text("import time\n"
+                      "import torch\n"
+                      "model = torch.nn.Linear(2, 1)\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "model(torch.ones(1, 2)).sum().backward()\n"
+                      "opt.step()\n"
+                      "time.sleep(60)\n")
+    result = run_cli("diagnose", script, "--json", "--out", tmp_path / "runs",
+                     env={"AMPDOCTOR_SCRIPT_TIMEOUT_S": "2"})
+    assert result.returncode == 3
+    assert "did not reach its last step within 2 s" in result.record["error"]["message"]
+    bad = run_cli("diagnose", script, "--out", tmp_path / "runs",
+                  env={"AMPDOCTOR_SCRIPT_TIMEOUT_S": "soon"})
+    assert bad.returncode == 2 and "AMPDOCTOR_SCRIPT_TIMEOUT_S" in bad.stderr

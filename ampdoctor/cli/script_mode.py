@@ -4,6 +4,7 @@ what they report, saves the record and shows it as a spec's."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -12,6 +13,24 @@ from typing import Any
 
 from ..errors import UsageError
 from .common import fail, internal, stderr_console
+
+
+#: The longest one run of the script may take (seconds), unless AMPDOCTOR_SCRIPT_TIMEOUT_S says.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def timeout_s() -> float:
+    """The time bound of one run of the script: AMPDOCTOR_SCRIPT_TIMEOUT_S, else the default."""
+    text = os.environ.get("AMPDOCTOR_SCRIPT_TIMEOUT_S", "").strip()
+    try:
+        value = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError as exc:
+        raise UsageError(f"AMPDOCTOR_SCRIPT_TIMEOUT_S={text!r}: give a number of seconds") \
+            from exc
+    if not value > 0:
+        raise UsageError(f"AMPDOCTOR_SCRIPT_TIMEOUT_S={text!r}: give a positive number of "
+                         "seconds")
+    return value
 
 
 def run_script_diagnose(script: Path, args: list[str], reference_args: str | None,
@@ -33,6 +52,7 @@ def run_script_diagnose(script: Path, args: list[str], reference_args: str | Non
                              "shell would: --reference-args \"--accum-steps 1 --batch-size "
                              "32\")") from exc
         folder = writable_out(out)
+        timeout_s()
     except UsageError as exc:
         return fail(exc, debug)
     from ..report.terminal import render
@@ -41,7 +61,8 @@ def run_script_diagnose(script: Path, args: list[str], reference_args: str | Non
     from ..script.spawn import ChildFailed
 
     err = stderr_console()
-    command = Command(str(script), list(args), reference, steps=steps or 3)
+    command = Command(str(script), list(args), reference, steps=steps or 3,
+                      timeout_s=timeout_s())
 
     def started(rung: str) -> None:
         if not json_out:

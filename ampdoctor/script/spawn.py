@@ -82,7 +82,7 @@ def run_child(job: Any, timeout_s: float, what: str) -> Any:
     a crash in native code)."""
     ctx = _context()
     receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child_main, args=(job, sender), daemon=True)
+    process = ctx.Process(target=_child_main, args=(job, sender))
     # The child must not import the parent's __main__ again (the CLI, a test runner, the
     # user's own program): it is shown an empty one while the process starts.
     main = sys.modules["__main__"]

@@ -29,6 +29,7 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--width", type=int, default=48)
     parser.add_argument("--amp", action="store_true")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--bug", default="none")
     return parser.parse_args()
 
@@ -40,7 +41,8 @@ def main():
     features = torch.randn(1024, 16)
     labels = (features[:, :4].argmax(1) + (features[:, 4] > 1).long()) % 4
     loader = DataLoader(TensorDataset(features, labels), batch_size=args.batch_size,
-                        shuffle=True, generator=torch.Generator().manual_seed(3))
+                        shuffle=True, generator=torch.Generator().manual_seed(3),
+                        num_workers=args.workers)
     model = MLP(args.width).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
