@@ -14,7 +14,6 @@ from typing import Any
 from ..errors import UsageError
 from .common import fail, internal, stderr_console
 
-
 #: The longest one run of the script may take (seconds), unless AMPDOCTOR_SCRIPT_TIMEOUT_S says.
 DEFAULT_TIMEOUT_S = 600.0
 
