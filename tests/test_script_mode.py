@@ -70,6 +70,10 @@ def test_found_says_what_the_script_is(tmp_path):
                                        "GradScaler, autocast fp16, K = 4, micro-batch 8, "
                                        "reference batch 32")
     assert record["optimizer_steps"] == 2
+    model = record["found"]["models"][0]
+    assert (model["type"], model["parameters"], model["line"]) == (
+        "Sequential", 2177, next(n for n, text in enumerate(AMP.read_text().splitlines(), 1)
+                                 if text.startswith("net = nn.Sequential(")))
     fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
     assert fp32["summary"].startswith("2 optimizer steps match the fp32 reference")
 

@@ -160,7 +160,19 @@ class ScriptProbe:
 
     # --- the model -----------------------------------------------------------------------
     def module_built(self, module: torch.nn.Module) -> None:
-        self.modules.append((weakref.ref(module), self.finder.from_frame(sys._getframe(1))))
+        self.modules.append((weakref.ref(module), self._built_at(sys._getframe(1))))
+
+    def _built_at(self, frame: Any) -> Site | None:
+        """The user's line that built a module: the first frame of the user's code outside an
+        `__init__` (a model class's own `super().__init__()` is not where the model is built)."""
+        here = frame
+        while here is not None:
+            library, _ = self.finder._classify(here.f_code.co_filename)
+            if not library and here.f_code.co_name != "__init__":
+                return Site(os.path.realpath(here.f_code.co_filename), here.f_lineno,
+                            here.f_code.co_name)
+            here = here.f_back
+        return self.finder.from_frame(frame)
 
     def optimizer_built(self, optimizer: torch.optim.Optimizer) -> None:
         slot = self.probe.optimizer_slot(optimizer)
