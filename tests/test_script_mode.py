@@ -207,3 +207,14 @@ def test_a_run_past_its_time_bound_is_stopped_exit_3(tmp_path):
     bad = run_cli("diagnose", script, "--out", tmp_path / "runs",
                   env={"AMPDOCTOR_SCRIPT_TIMEOUT_S": "soon"})
     assert bad.returncode == 2 and "AMPDOCTOR_SCRIPT_TIMEOUT_S" in bad.stderr
+
+
+@pytest.mark.parametrize("reference, said", [
+    ("--accum-steps 4 --batch-size 32", "accumulated 4 backwards"),
+    ("--accum-steps 1 --batch-size 8", "read 8 row(s)"),
+], ids=["reference-accumulates", "reference-batch-too-small"])
+def test_reference_args_that_are_not_the_full_batch_are_exit_2(tmp_path, reference, said):
+    result = diagnose(tmp_path, AMP, ["--amp"], reference)
+    assert result.returncode == 2
+    assert said in result.record["error"]["message"]
+    assert "ampdoctor: usage error: --reference-args" in result.stderr

@@ -80,7 +80,8 @@ def run_script_diagnose(script: Path, args: list[str], reference_args: str | Non
     code = records.exit_code(record)
     error: dict[str, Any] | None = record.get("error")
     if error:
-        err.print(f"ampdoctor: user code error: {error.get('message')}", markup=False,
+        label = "usage error" if error.get("exit_code") == 2 else "user code error"
+        err.print(f"ampdoctor: {label}: {error.get('message')}", markup=False,
                   highlight=False)
     elif record.get("found") and not json_out:
         err.print(record["found"]["text"], markup=False, highlight=False)

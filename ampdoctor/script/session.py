@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UserCodeError
+from ..errors import UsageError, UserCodeError
 from ..loading import AUTOCAST_DTYPES, RunSettings
 from ..probe import recorder
 from ..probe.callsite import CallSiteFinder
@@ -216,6 +216,12 @@ class ScriptSession:
                     f"step: {first.error.get('text')}", location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
+            if first.steps and first.steps[0].backwards > 1:
+                raise UsageError(
+                    f"--reference-args: the reference run accumulated "
+                    f"{first.steps[0].backwards} backwards before its first optimizer step; "
+                    "the reference must take one micro-batch per optimizer step (K = 1) "
+                    "holding the whole step's data: set the script's accumulation option to 1")
         outcome = self.run(self.job("fp32", min_samples=self.N * self.reference_rows),
                            "fp32 run")
         if outcome.param_shapes:
@@ -224,6 +230,7 @@ class ScriptSession:
         self.device = torch.device(outcome.device)
         self.initial_state = outcome.initial_state or {}
         self.K = self._accumulation(outcome)
+        self._check_reference_batch(outcome)
         b = outcome.forwards[0].rows if outcome.forwards else None
         clips = [e.max_norm for e in outcome.events
                  if isinstance(e, Clip) and e.max_norm is not None]
@@ -235,6 +242,20 @@ class ScriptSession:
         if outcome.steps and outcome.error is None:
             self.prepare_references(trace)   # (and whether the reference reads the same data)
         return trace
+
+    def _check_reference_batch(self, outcome: Outcome) -> None:
+        """The reference's window must hold the run's whole window: K x b rows."""
+        b = outcome.forwards[0].rows if outcome.forwards else 0
+        observed = outcome.steps[0].backwards if outcome.steps else 0
+        rows = self.reference_rows
+        if not rows or not b:
+            return
+        if rows % b or rows < observed * b:
+            raise UsageError(
+                f"--reference-args: the reference's optimizer step read {rows} row(s), the "
+                f"run's {observed} micro-batch(es) of {b} per step hold {observed * b}: give "
+                "the reference a batch K x b (here "
+                f"{observed * b}) with one micro-batch per optimizer step")
 
     def _accumulation(self, outcome: Outcome) -> int:
         """K: the reference's window over the run's micro-batch when the reference ran (what
