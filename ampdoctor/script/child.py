@@ -104,6 +104,10 @@ class Outcome:
     dropout: list[str] = field(default_factory=list)
 
 
+#: the stopped run's exception, kept with its traceback (see `run`)
+_STOPPED: list[BaseException] = []
+
+
 class StopScript(BaseException):
     """Raised inside the script at the forward after its last window: the run has given what
     it was for. A BaseException, so the script's own `except Exception` lets it through."""
@@ -284,8 +288,12 @@ def run(job: Job) -> Outcome:
         recorder.activate(probe.probe)
         try:
             runpy.run_path(script, run_name="__main__")
-        except StopScript:
+        except StopScript as exc:
             out.ended = "stopped"
+            # The stopped script's frames stay alive until this process exits (os._exit, no
+            # cleanup): a DataLoader iterator they hold would otherwise wait for its worker
+            # processes to shut down (seconds each) before the run can report.
+            _STOPPED.append(exc)
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 out.ended = f"exit {exc.code!r}"
