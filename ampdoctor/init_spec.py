@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import init_script
 from .errors import UsageError
 
 LOOP_PARAMS = ("model", "optimizer", "micro_batches", "run")
@@ -29,6 +30,7 @@ class Found:
     optimizer: str | None = None
     accumulation_steps: int | None = None
     max_grad_norm: float | None = None
+    micro_batch_size: int | None = None
     uses_fp16: bool = False
     uses_bf16: bool = False
     notes: list[str] = field(default_factory=list)
@@ -70,6 +72,15 @@ def inspect_file(path: Path) -> Found:
         _find_model_class(found, tree)
     for node in ast.walk(tree):
         _find_setting(found, node)
+    # what the literals did not give: the defaults of the script's own options
+    given = init_script.defaults(path)
+    k = given.get("accumulation_steps")
+    if found.accumulation_steps is None and k is not None and float(k).is_integer():
+        found.accumulation_steps = int(k)
+    if found.max_grad_norm is None and "max_grad_norm" in given:
+        found.max_grad_norm = float(given["max_grad_norm"])
+    if float(given.get("micro_batch_size", 0.5)).is_integer():
+        found.micro_batch_size = int(given["micro_batch_size"])
     return found
 
 
@@ -182,8 +193,8 @@ def starter_spec(found: Found | None, project_root: str) -> str:
     lines += [
         f"accumulation_steps: {k}   # K: micro-batches per optimizer step"
         + ("" if f and f.accumulation_steps else "   # TODO: your K"),
-        "micro_batch_size: 8   # b, when data returns tensors: the slice needs "
-        "optimizer_steps x K x b samples",
+        f"micro_batch_size: {f.micro_batch_size if f and f.micro_batch_size else 8}   # b, "
+        "when data returns tensors: the slice needs optimizer_steps x K x b samples",
         "optimizer_steps: 3   # optimizer steps per run",
     ]
     if f and f.max_grad_norm:

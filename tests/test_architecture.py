@@ -26,7 +26,8 @@ higher one (cycles within a layer are caught by the cycle check):
   explain     rules/: why a step is off (kind, numbers, file:line)
   ladder      ladder/ (one module per rung, the driver of the extra passes a rule asks for)
               and ddp/ (the ddp-sync rung's processes, each a small rung driver)
-  drivers     runner, api: one diagnose end to end
+  drivers     runner, api: one diagnose end to end; script/: one diagnose of a script
+              (script mode: its runs in child processes, its rungs, its record)
   entry       cli/ (one module per command), supervise (+ its records), worker, pytest_plugin,
               __main__
 """
@@ -46,7 +47,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "ampdoctor.kinds", "ampdoctor.deciders", "ampdoctor.progress",
                     "ampdoctor.memory", "ampdoctor.source_snippet", "ampdoctor.process_state")),
     ("static", ("ampdoctor.spec", "ampdoctor.spec_yaml", "ampdoctor.record",
-                "ampdoctor.record_model", "ampdoctor.init_spec", "ampdoctor.scan.*",
+                "ampdoctor.record_model", "ampdoctor.init_spec", "ampdoctor.init_script",
+                "ampdoctor.scan.*",
                 "ampdoctor.report.*")),
     ("maths", ("ampdoctor.compare", "ampdoctor.rng")),
     ("observe", ("ampdoctor.probe.*",)),
@@ -56,7 +58,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("judge", ("ampdoctor.judge", "ampdoctor.judge_step", "ampdoctor.judge_live")),
     ("explain", ("ampdoctor.rules.*",)),
     ("ladder", ("ampdoctor.ladder.*", "ampdoctor.ddp.*")),
-    ("drivers", ("ampdoctor.runner", "ampdoctor.api")),
+    ("drivers", ("ampdoctor.runner", "ampdoctor.api", "ampdoctor.script.*")),
     ("entry", ("ampdoctor.cli.*", "ampdoctor.supervise", "ampdoctor.supervise_records",
                "ampdoctor.worker",
                "ampdoctor.pytest_plugin", "ampdoctor.__main__")),

@@ -30,7 +30,13 @@ def _csv(value: str | None) -> list[str] | None:
 
 
 def diagnose(
-    spec: Path = typer.Argument(..., help="The YAML spec of the run to triage."),
+    spec: Path = typer.Argument(..., help="The YAML spec of the run to triage, or a training "
+                                "script (.py) to run as it is: script mode."),
+    script_args: list[str] | None = typer.Argument(None, help="Script mode: the script's own "
+                                                   "arguments, after `--`."),
+    reference_args: str | None = typer.Option(None, "--reference-args", help="Script mode: the "
+                                              "script's arguments for the fp32 full-batch "
+                                              "reference (K = 1, batch K x b), quoted."),
     json_out: bool = typer.Option(False, "--json", help="Print the run record as JSON on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks (the user's code's "
                                "full traceback too; the record keeps it either way)."),
@@ -55,6 +61,15 @@ def diagnose(
                                       "your file:line)."),
 ) -> None:
     """Run the triage ladder on SPEC and report what is wrong, with numbers and file:line."""
+    if spec.suffix == ".py":   # script mode (cli/script_mode.py)
+        from .script_mode import run_script_diagnose
+        raise typer.Exit(run_script_diagnose(spec, script_args or [], reference_args, steps,
+                                             json_out, debug, out, writable_out,
+                                             save_and_show))
+    if script_args or reference_args is not None:
+        raise typer.Exit(fail(UsageError("arguments after the spec and --reference-args are "
+                                         "for script mode (`ampdoctor diagnose train.py -- "
+                                         "ARGS`); a spec takes none"), debug))
     overrides = {"device": device, "precisions": _csv(precisions), "rungs": _csv(rungs),
                  "optimizer_steps": steps}
     raise typer.Exit(run_diagnose(spec, json_out, debug, out,

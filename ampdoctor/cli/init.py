@@ -25,6 +25,14 @@ def init(
     except UsageError as exc:
         raise typer.Exit(fail(exc, False)) from exc
     err = stderr_console()
+    if py_file is not None and found is not None and found.train_loop is None:
+        from ..init_script import script_command
+        proposal = script_command(py_file, str(py_file))
+        if proposal is not None:   # an inline loop: script mode needs no spec at all
+            command, how = proposal
+            err.print(inert(f"{py_file} trains inline (no train_loop function): diagnose it as "
+                            f"it is, in script mode ({how}):"), markup=False, highlight=False)
+            print(command)
     err.print(inert(f"wrote {target}"), markup=False, highlight=False)
     if found is not None:
         missing = [k for k in ("train_loop", "model", "data") if getattr(found, k) is None]

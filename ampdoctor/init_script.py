@@ -1,0 +1,134 @@
+"""What `ampdoctor init train.py` reads of a script's command line, without running it: its
+argparse options with their defaults (`parser.add_argument("--accum-steps", default=4)`), or a
+nanoGPT-style module-level configuration overridden as `--key=value`. From those, the
+script-mode command line for a script whose loop is inline (no `train_loop` to put in a spec):
+`--reference-args` with the accumulation flag set to 1 and the batch flag multiplied by K. No
+torch here."""
+
+from __future__ import annotations
+
+import ast
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: option names (dashes as underscores, lower case) that hold K, the micro-batch size, the clip
+K_FLAGS = ("accumulation_steps", "gradient_accumulation_steps", "grad_accum_steps",
+           "accum_iter", "accum_steps", "update_freq", "grad_accum", "accum",
+           "gradient_accumulation", "accumulate_grad_batches", "accumulation")
+BATCH_FLAGS = ("batch_size", "micro_batch_size", "bs", "per_device_train_batch_size",
+               "train_batch_size", "batch")
+CLIP_FLAGS = ("max_grad_norm", "clip_grad", "grad_clip", "clip_norm", "max_norm", "clip")
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One setting of the script's command line and its default."""
+
+    option: str          # as written on the command line: "--batch-size" or "--batch_size"
+    name: str            # normalised: "batch_size"
+    default: Any
+    configurator: bool   # nanoGPT style: passed as --name=value
+
+
+def _normal(option: str) -> str:
+    return option.lstrip("-").replace("-", "_").lower()
+
+
+def _constant(node: ast.AST | None) -> Any:
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)) \
+            and not isinstance(node.value, bool):
+        return node.value
+    return None
+
+
+def flags(tree: ast.Module) -> list[Flag]:
+    """The script's argparse options with a literal default, else (a module-level configuration
+    overridden from sys.argv through `globals()`) its module-level literal settings."""
+    found: list[Flag] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+            options = [a.value for a in node.args if isinstance(a, ast.Constant)
+                       and isinstance(a.value, str) and a.value.startswith("--")]
+            default = next((_constant(k.value) for k in node.keywords if k.arg == "default"),
+                           None)
+            if options and default is not None:
+                found.append(Flag(options[0], _normal(options[0]), default, False))
+    if found:
+        return found
+    source = ast.unparse(tree)
+    if "globals()" in source and "sys.argv" in source:
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                    isinstance(node.targets[0], ast.Name):
+                value = _constant(node.value)
+                if value is not None:
+                    name = node.targets[0].id
+                    found.append(Flag(f"--{name}", name.lower(), value, True))
+    return found
+
+
+def find(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:
+    for wanted in names:
+        for flag in all_flags:
+            if flag.name == wanted and isinstance(flag.default, (int, float)):
+                return flag
+    return None
+
+
+def has_inline_loop(tree: ast.Module) -> bool:
+    """The script calls .backward() itself (its loop is inline, not a train_loop function)."""
+    return any(isinstance(n, ast.Call) and getattr(n.func, "attr", None) == "backward"
+               for n in ast.walk(tree))
+
+
+def _arg(flag: Flag, value: Any) -> list[str]:
+    return [f"{flag.option}={value}"] if flag.configurator else [flag.option, str(value)]
+
+
+def reference_args(all_flags: list[Flag]) -> tuple[list[str] | None, str]:
+    """The arguments of the fp32 full-batch reference (K = 1, batch K x b) from the defaults,
+    and what was read (or what is missing)."""
+    k, batch = find(all_flags, K_FLAGS), find(all_flags, BATCH_FLAGS)
+    if k is None or batch is None:
+        missing = " and ".join(w for w, f in (("the accumulation steps", k),
+                                               ("the batch size", batch)) if f is None)
+        return None, f"no option with a default for {missing} was found"
+    K, b = int(k.default), int(batch.default)
+    return _arg(k, 1) + _arg(batch, K * b), (f"{k.option} defaults to {K}, {batch.option} to "
+                                             f"{b}: the reference is K = 1, batch {K * b}")
+
+
+def script_command(path: Path, shown: str) -> tuple[str, str] | None:
+    """For a script with an inline loop: the script-mode command line (with --reference-args
+    when the defaults give them) and a line on how it was made; None for any other file."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return None
+    if not has_inline_loop(tree):
+        return None
+    args, how = reference_args(flags(tree))
+    if args is None:
+        return (f"ampdoctor diagnose {shlex.quote(shown)} -- ARGS",
+                how + ": add --reference-args \"...\" with your arguments for one micro-batch "
+                "per optimizer step holding the whole step's data (K = 1, batch K x b)")
+    ref = shlex.quote(" ".join(args))
+    return f"ampdoctor diagnose {shlex.quote(shown)} --reference-args {ref} --", how
+
+
+def defaults(path: Path) -> dict[str, Any]:
+    """K, the micro-batch size and the clip threshold from the script's option defaults."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return {}
+    all_flags = flags(tree)
+    out: dict[str, Any] = {}
+    for key, names in (("accumulation_steps", K_FLAGS), ("micro_batch_size", BATCH_FLAGS),
+                       ("max_grad_norm", CLIP_FLAGS)):
+        flag = find(all_flags, names)
+        if flag is not None and flag.default > 0:
+            out[key] = flag.default
+    return out

@@ -1,0 +1,343 @@
+"""One run of the user's script, inside the child process that runs it (`spawn` starts it).
+
+The script runs as `__main__` (`runpy.run_path`, `sys.argv = [script, *args]`, its folder first
+on `sys.path`, the caller's working directory) with the probe recording and these switches:
+
+- every autocast it builds is forced to the run's precision (fp32: disabled; bf16/fp16: that
+  dtype, enabled) and every GradScaler is forced off (fp32, bf16) or on (fp16);
+- the model is found when an optimizer is built (the modules that hold its parameters), and
+  each top-level forward of it with gradients enabled is one micro-batch: its input rows are
+  digested (`align`), and the probe is told it consumed the next micro-batch;
+- the run stops (`StopScript`, caught at the runpy boundary) at the first such forward once
+  `steps` windows have ended (a scaler.step or a direct optimizer.step of the first optimizer)
+  and `min_samples` input rows were consumed;
+- `teacher`: at the first forward of window g the model's weights are set to `teacher[g]` (the
+  run under test's weights at its step g); `reference`: each window's gradient is kept as it
+  stands before any clip or step touches it (the fp32 reference's unclipped gradient);
+- `torch.save` writes nothing (the script's checkpoints are not ampdoctor's to write).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import runpy
+import sys
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import format_traceback
+from ..probe import patches, recorder, spill, wrappers
+from ..probe.callsite import CallSiteFinder, Site
+from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecord
+from ..probe.observer import ProbeSettings
+from ..probe.trace import WeightCast, weight_cast
+from ..safetext import exc_text, safe_str
+from . import forcing
+
+
+@dataclass
+class Job:
+    """What one child run does (pickled to the child)."""
+
+    script: str
+    args: list[str]
+    precision: str
+    steps: int
+    cwd: str
+    env: dict[str, str]
+    min_samples: int = 0
+    teacher: list[Mapping[str, torch.Tensor]] | None = None
+    reference: bool = False
+    #: stop at the first window past the teacher's states (False: go on from there untouched)
+    stop_after_teacher: bool = True
+    #: (window, K, backwards per window): an inf written into one gradient of that window
+    inject: tuple[int, int, int] | None = None
+    #: every norm clip of the script clips at this threshold instead of its own (clip-space)
+    clip_at: float | None = None
+    #: stop anyway after this many micro-batch forwards (a script that never steps)
+    max_forwards: int = 10_000
+
+
+@dataclass
+class ForwardInput:
+    """One micro-batch forward: its rows (first dimension of its first tensor), per tensor
+    argument in order the digest of each row, and the window it belongs to."""
+
+    rows: int
+    digests: list[list[str]]
+    window: int = 0
+
+
+@dataclass
+class Outcome:
+    """What one child run sends back (pickled)."""
+
+    events: list[Event] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    backward_count: int = 0
+    random_site: Site | None = None
+    param_names: dict[int, str] = field(default_factory=dict)
+    owners: dict[int, int] = field(default_factory=dict)
+    param_shapes: dict[str, torch.Size] = field(default_factory=dict)
+    initial_state: Mapping[str, torch.Tensor] | None = None
+    forwards: list[ForwardInput] = field(default_factory=list)
+    models: list[dict[str, Any]] = field(default_factory=list)
+    optimizers: list[dict[str, Any]] = field(default_factory=list)
+    scalers: list[dict[str, Any]] = field(default_factory=list)
+    autocasts: list[dict[str, Any]] = field(default_factory=list)
+    saves: list[Site | None] = field(default_factory=list)
+    device: str = "cpu"
+    #: how the script ended: "stopped" (after its steps), "finished", "exit N", "raised"
+    ended: str = "finished"
+    error: dict[str, Any] | None = None
+    ref_grads: list[dict[str, torch.Tensor | None]] = field(default_factory=list)
+    cast: WeightCast | None = None
+    injected: dict[str, Any] | None = None
+    dropout: list[str] = field(default_factory=list)
+
+
+#: the stopped run's exception, kept with its traceback (see `run`)
+_STOPPED: list[BaseException] = []
+
+
+class StopScript(BaseException):
+    """Raised inside the script at the forward after its last window: the run has given what
+    it was for. A BaseException, so the script's own `except Exception` lets it through."""
+
+
+def _row_digests(t: torch.Tensor) -> list[str]:
+    data = t.detach().to("cpu").contiguous()
+    if data.dim() == 0:
+        data = data.reshape(1)
+    rows = data.reshape(data.shape[0], -1)
+    raw = rows.view(torch.uint8) if rows.numel() else rows.to(torch.uint8)
+    arr = raw.numpy()
+    return [hashlib.blake2b(arr[i].tobytes(), digest_size=12).hexdigest()
+            for i in range(arr.shape[0])]
+
+
+def _tensors(value: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif depth < 6 and isinstance(value, (list, tuple)):
+        for item in value:
+            _tensors(item, out, depth + 1)
+    elif depth < 6 and isinstance(value, dict):
+        for item in value.values():
+            _tensors(item, out, depth + 1)
+    return out
+
+
+def _host(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return None if grad is None else grad.detach().to("cpu", torch.float32, copy=True)
+
+
+class ScriptProbe:
+    """The switches and bookkeeping of one child run around the probe (module docstring)."""
+
+    def __init__(self, job: Job, finder: CallSiteFinder):
+        self.job = job
+        self.finder = finder
+        self.probe = recorder.Probe(finder)
+        self.out = Outcome()
+        self.modules: list[tuple[weakref.ref, Site | None]] = []
+        self.roots: list[torch.nn.Module] = []
+        self.model: torch.nn.Module | None = None
+        self.hooked: set[int] = set()
+        self.seen_events = 0
+        self.windows = 0              # windows ended (scaler.step / direct step of slot 0)
+        self.samples = 0
+        self.loaded = -1              # the teacher state last loaded
+        self.captured = -1            # the window whose reference gradient was kept
+        self.current = 0              # the window of the last micro-batch forward
+
+    # --- the model -----------------------------------------------------------------------
+    def module_built(self, module: torch.nn.Module) -> None:
+        self.modules.append((weakref.ref(module), self._built_at(sys._getframe(1))))
+
+    def _built_at(self, frame: Any) -> Site | None:
+        """The user's line that built a module: the first frame of the user's code outside an
+        `__init__` (a model class's own `super().__init__()` is not where the model is built)."""
+        here = frame
+        while here is not None:
+            library, _ = self.finder._classify(here.f_code.co_filename)
+            if not library and here.f_code.co_name != "__init__":
+                return Site(os.path.realpath(here.f_code.co_filename), here.f_lineno,
+                            here.f_code.co_name)
+            here = here.f_back
+        return self.finder.from_frame(frame)
+
+    def optimizer_built(self, optimizer: torch.optim.Optimizer) -> None:
+        slot = self.probe.optimizer_slot(optimizer)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.out.optimizers.append({
+            "type": type(optimizer).__name__, "slot": slot,
+            "params": sum(p.numel() for p in params),
+            "site": self.finder.from_frame(sys._getframe(1))})
+        wanted = {id(p) for p in params} - {id(p) for m in self.roots for p in m.parameters()}
+        candidates = []
+        for ref, site in self.modules:
+            module = ref()
+            if module is not None:
+                owned = {id(p) for p in module.parameters()}
+                if owned & wanted:
+                    candidates.append((len(owned & wanted), len(owned), module, site))
+        while wanted and candidates:
+            candidates.sort(key=lambda c: (-len({id(p) for p in c[2].parameters()} & wanted),
+                                           -c[1]))
+            _, _, module, site = candidates.pop(0)
+            covered = {id(p) for p in module.parameters()} & wanted
+            if not covered:
+                break
+            wanted -= covered
+            self.roots.append(module)
+            self.out.models.append({"type": type(module).__name__, "site": site,
+                                    "params": sum(p.numel() for p in module.parameters()
+                                                  if p.requires_grad)})
+        if not self.roots:
+            return
+        self.model = (self.roots[0] if len(self.roots) == 1 else
+                      torch.nn.ModuleDict({f"m{i}": m for i, m in enumerate(self.roots)}))
+        self.probe.model = self.model
+        self.probe.param_names = {id(p): n for n, p in self.model.named_parameters()}
+        first = self.roots[0]
+        if id(first) not in self.hooked:
+            self.hooked.add(id(first))
+            first.register_forward_pre_hook(self.on_forward, with_kwargs=True)
+
+    # --- each micro-batch forward ---------------------------------------------------------
+    def _count_windows(self) -> None:
+        events = self.probe.events
+        for event in events[self.seen_events:]:
+            ended = (isinstance(event, ScalerStep)
+                     or (isinstance(event, OptimizerStep) and not event.via_scaler))
+            if ended and getattr(event, "optimizer", None) == 0:
+                self.windows += 1
+        self.seen_events = len(events)
+
+    def on_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if not torch.is_grad_enabled() or recorder.ACTIVE is not self.probe:
+            return
+        self._count_windows()
+        job = self.job
+        if self.windows >= job.steps and self.samples >= job.min_samples:
+            raise StopScript
+        if len(self.out.forwards) >= job.max_forwards:
+            raise StopScript
+        teacher = job.teacher
+        if teacher is not None and self.windows != self.loaded and (
+                self.windows < len(teacher) or job.stop_after_teacher):
+            if self.windows >= len(teacher):
+                raise StopScript
+            self.loaded = self.windows
+            assert self.model is not None
+            with torch.no_grad():
+                self.model.load_state_dict(dict(teacher[self.windows]), strict=False)
+        self.current = self.windows
+        tensors = _tensors((args, kwargs), [])
+        rows = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
+        self.samples += rows
+        self.out.forwards.append(ForwardInput(rows, [_row_digests(t) for t in tensors],
+                                              self.windows))
+        index = len(self.out.forwards) - 1
+        self.probe.on_microbatch(index)
+        self.probe.on_forward(index)
+
+    # --- the reference's unclipped gradient -------------------------------------------------
+    def keep_reference(self) -> None:
+        if not self.job.reference or self.model is None:
+            return
+        if self.captured == self.current:
+            return
+        self.captured = self.current
+        grads = {n: _host(p.grad) for n, p in self.model.named_parameters()}
+        while len(self.out.ref_grads) < self.current:
+            self.out.ref_grads.append({})
+        self.out.ref_grads.append(grads)
+
+
+def run(job: Job) -> Outcome:
+    """Run the script once as `job` says, in this (child) process; what it did."""
+    spill.SPILL_BYTES = 1 << 62   # everything goes back through the pipe, nothing to disk
+    os.chdir(job.cwd)
+    os.environ.clear()
+    os.environ.update(job.env)
+    script = os.path.abspath(job.script)
+    folder = os.path.dirname(script)
+    sys.argv = [job.script, *job.args]
+    sys.path.insert(0, folder)
+    finder = CallSiteFinder([Path(folder)])
+    probe = ScriptProbe(job, finder)
+    out = probe.out
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(patches.installed(wrappers.install))
+        stack.enter_context(patches.installed(lambda p: forcing.install(probe, p)))
+        stack.enter_context(recorder.observing(ProbeSettings(dropout_off=True)))
+        if job.inject is not None:
+            from ..ladder.skips import OverflowInjector
+            injector = OverflowInjector(*job.inject)
+            probe.probe.before_backward = injector
+        recorder.activate(probe.probe)
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except StopScript as exc:
+            out.ended = "stopped"
+            # The stopped script's frames stay alive until this process exits (os._exit, no
+            # cleanup): a DataLoader iterator they hold would otherwise wait for its worker
+            # processes to shut down (seconds each) before the run can report.
+            _STOPPED.append(exc)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                out.ended = f"exit {exc.code!r}"
+                out.error = _error(exc, finder)
+        except BaseException as exc:  # noqa: BLE001 - the script's failure, recorded
+            out.ended = "raised"
+            out.error = _error(exc, finder)
+        finally:
+            recorder.activate(None)
+        if job.inject is not None:
+            out.injected = {"fired": injector.fired, "param": injector.param_name}
+    return _finish(probe)
+
+
+def _error(exc: BaseException, finder: CallSiteFinder) -> dict[str, Any]:
+    return {"type": type(exc).__name__, "message": safe_str(exc), "text": exc_text(exc),
+            "traceback": format_traceback(exc), "site": finder.from_traceback(exc.__traceback__),
+            "frames": finder.user_sites(exc.__traceback__)}
+
+
+def _finish(probe: ScriptProbe) -> Outcome:
+    p, out = probe.probe, probe.out
+    out.events = list(p.events)
+    out.steps = list(p.steps)
+    out.snapshots = dict(p.snapshots)
+    out.backward_count = p.backward_count
+    out.random_site = p.random_site
+    model = probe.model
+    if model is not None:
+        out.param_names = {id(prm): n for n, prm in model.named_parameters()}
+        out.owners = {id(prm): slot for slot, opt in enumerate(p.optimizers)
+                      for g in opt.param_groups for prm in g["params"]}
+        out.param_shapes = {n: prm.shape for n, prm in model.named_parameters()}
+        first = next(iter(model.parameters()), None)
+        out.device = str(first.device) if first is not None else "cpu"
+        out.cast = weight_cast(model, [])
+        out.dropout = [f"{n or '(model)'} ({type(m).__name__}, p={m.p:g})"
+                       for n, m in model.named_modules()
+                       if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+    for step in out.steps:   # plain dicts of host tensors (a spilled mapping stays behind)
+        step.grads = {k: _host(v) for k, v in step.grads.items()}
+    out.snapshots = {g: Snapshot(s.group, {k: v.detach().to("cpu", copy=True)
+                                           for k, v in s.state.items()}, s.training)
+                     for g, s in out.snapshots.items()}
+    if out.snapshots:
+        out.initial_state = out.snapshots[min(out.snapshots)].state   # the same object
+    return out

@@ -1,0 +1,127 @@
+"""The switches a child run puts over the probe's own patches (`child`): every autocast the
+script builds forced to the run's precision, every GradScaler forced off or on, the modules and
+optimizers it builds seen (to find the model), its `torch.save` writing nothing, and, for
+clip-space, every norm clip at a given threshold; for a reference, the gradient kept before any
+clip or step touches it."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..probe import patches
+
+if TYPE_CHECKING:
+    from .child import ScriptProbe
+
+#: autocast dtype per forced precision (None: autocast disabled)
+FORCED_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
+    """The switches of module docstring, patched over the probe's own wrappers."""
+    from torch.amp import autocast_mode, grad_scaler
+
+    job = probe.job
+    dtype = FORCED_DTYPE[job.precision]
+    autocast_init = autocast_mode.autocast.__init__
+
+    @functools.wraps(autocast_init)
+    def autocast(self, device_type, *args, **kwargs):
+        bound = dict(zip(("dtype", "enabled", "cache_enabled"), args, strict=False))
+        bound.update(kwargs)
+        asked = bound.get("dtype")
+        probe.out.autocasts.append({
+            "device": str(device_type),
+            "dtype": None if asked is None else str(asked).replace("torch.", ""),
+            "enabled": bool(bound.get("enabled", True)),
+            "site": probe.finder.from_frame(sys._getframe(1))})
+        if dtype is None:
+            bound["enabled"] = False
+        else:
+            bound.update(dtype=dtype, enabled=True)
+        return autocast_init(self, device_type, **bound)
+
+    patcher.setattr(autocast_mode.autocast, "__init__", autocast)
+
+    scaler_init = grad_scaler.GradScaler.__init__
+
+    @functools.wraps(scaler_init)
+    def scaler(self, *args, **kwargs):
+        names = ("device", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
+                 "enabled")
+        bound = dict(zip(names, args, strict=False))
+        bound.update(kwargs)
+        probe.out.scalers.append({"enabled": bool(bound.get("enabled", True)),
+                                  "device": str(bound.get("device", "cuda")),
+                                  "site": probe.finder.from_frame(sys._getframe(1))})
+        bound["enabled"] = job.precision == "fp16"
+        return scaler_init(self, **bound)
+
+    patcher.setattr(grad_scaler.GradScaler, "__init__", scaler)
+
+    module_init = torch.nn.Module.__init__
+
+    @functools.wraps(module_init)
+    def module(self, *args, **kwargs):
+        module_init(self, *args, **kwargs)
+        probe.module_built(self)
+
+    patcher.setattr(torch.nn.Module, "__init__", module)
+
+    optimizer_init = torch.optim.Optimizer.__init__
+
+    @functools.wraps(optimizer_init)
+    def optimizer(self, *args, **kwargs):
+        optimizer_init(self, *args, **kwargs)
+        probe.optimizer_built(self)
+
+    patcher.setattr(torch.optim.Optimizer, "__init__", optimizer)
+
+    def save(*args, **kwargs):
+        probe.out.saves.append(probe.finder.from_frame(sys._getframe(1)))
+
+    patcher.setattr(torch, "save", save)
+    if job.clip_at is not None:
+        import torch.nn.utils as nn_utils
+        from torch.nn.utils import clip_grad
+        for name in ("clip_grad_norm_", "clip_grad_norm", "clip_grads_with_norm_"):
+            for owner in (clip_grad, nn_utils):
+                original = getattr(owner, name, None)
+                if original is not None:
+                    patcher.setattr(owner, name, _threshold(original, job.clip_at))
+    if job.reference:
+        import torch.nn.utils as nn_utils
+        from torch.nn.utils import clip_grad
+        for name in ("clip_grad_norm_", "clip_grad_value_", "clip_grad_norm",
+                     "clip_grads_with_norm_"):
+            for owner in (clip_grad, nn_utils):
+                original = getattr(owner, name, None)
+                if original is not None:
+                    patcher.setattr(owner, name, _before(original, probe.keep_reference))
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        patcher.add_handle(register_optimizer_step_pre_hook(
+            lambda opt, a, k: probe.keep_reference()))
+
+
+def _threshold(original, max_norm: float):
+    """A norm clip that clips at `max_norm`, whatever threshold the script passes."""
+    @functools.wraps(original)
+    def wrapper(parameters, *args, **kwargs):
+        if args:
+            args = (max_norm, *args[1:])
+        else:
+            kwargs["max_norm"] = max_norm
+        return original(parameters, *args, **kwargs)
+    return wrapper
+
+
+def _before(original, call):
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        call()
+        return original(*args, **kwargs)
+    return wrapper

@@ -1,0 +1,105 @@
+"""A run of the script as its child process reported it (`child.Outcome`), replayed as the
+`Trace` the judge and the rules read (`ScriptTrace`): its events, step records and weights, the
+exception it raised rebuilt from its type and text, stand-ins for its optimizers and scalers
+(which lived in the child)."""
+
+from __future__ import annotations
+
+import builtins
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..loading import AUTOCAST_DTYPES, RunSettings
+from ..probe import recorder
+from ..probe.callsite import CallSiteFinder
+from ..probe.events import ScalerInit
+from ..probe.trace import Trace
+from .child import Outcome
+
+
+class ScriptRaised(Exception):
+    """The script raised an exception that did not come back as itself (only its type name and
+    text did)."""
+
+
+def rebuilt_error(error: dict[str, Any]) -> BaseException:
+    """The script's exception from its type name and text: a builtin type as itself (torch's
+    refusals are RuntimeError / AssertionError), anything else as ScriptRaised."""
+    cls = getattr(builtins, str(error.get("type")), None)
+    message = str(error.get("message") or "")
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(message)
+        except Exception:  # noqa: BLE001 - a builtin with another signature
+            pass
+    if error.get("type") == "SystemExit":
+        return SystemExit(message)
+    return ScriptRaised(f"{error.get('type')}: {message}")
+
+
+class _Slot:
+    """Stands for an optimizer of a run that lived in its child process."""
+
+    param_groups: list[dict[str, Any]] = []
+
+
+class _ScalerSlot:
+    """Stands for a GradScaler of a run that lived in its child process (`ScalerInit`)."""
+
+    def __init__(self, init: ScalerInit):
+        self.init = init
+
+    def is_enabled(self) -> bool:
+        return bool(self.init.enabled)
+
+    def get_backoff_factor(self) -> float:
+        return float(self.init.backoff_factor or 0.5)
+
+
+@dataclass
+class ScriptTrace(Trace):
+    """A run of the script, as its child process reported it."""
+
+    outcome: Outcome = field(default_factory=Outcome)
+
+    def parameter_names(self) -> dict[int, str]:
+        return dict(self.outcome.param_names)
+
+    def parameter_owners(self) -> dict[int, int]:
+        return dict(self.outcome.owners)
+
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return None
+
+
+def replay(outcome: Outcome, precision: str, K: int, finder: CallSiteFinder,
+           max_grad_norm: float | None) -> ScriptTrace:
+    """The Trace of a child run (its events, steps and weights as the probe recorded them)."""
+    probe = recorder.Probe(finder)
+    probe.events = list(outcome.events)
+    probe.steps = list(outcome.steps)
+    probe.snapshots = dict(outcome.snapshots)
+    probe.backward_count = outcome.backward_count
+    probe.forward_matched = bool(outcome.forwards)
+    probe.random_site = outcome.random_site
+    slots = max([len(outcome.optimizers)] + [s.optimizer + 1 for s in outcome.steps])
+    for _ in range(slots):
+        probe.optimizer_slot(_Slot())
+    for init in outcome.events:
+        if isinstance(init, ScalerInit):
+            probe.scaler_slot(_ScalerSlot(init))
+    device = torch.device(outcome.device)
+    settings = RunSettings(precision=precision, device=device, device_type=device.type,
+                           autocast_dtype=AUTOCAST_DTYPES[precision], accumulation_steps=K,
+                           max_grad_norm=max_grad_norm,
+                           micro_batch_size=outcome.forwards[0].rows if outcome.forwards
+                           else None,
+                           optimizer_steps=len({s.group for s in outcome.steps}) or 1)
+    error = rebuilt_error(outcome.error) if outcome.error is not None else None
+    return ScriptTrace(precision, K, probe, settings, error=error,
+                       error_site=outcome.error.get("site") if outcome.error else None,
+                       optimizer_count=slots, microbatches=len(outcome.forwards),
+                       stopped=outcome.ended == "stopped", cast=outcome.cast, outcome=outcome)

@@ -1,0 +1,320 @@
+"""The ladder of a script (CONTRACT §3, §8): the same rungs, in the same order, with the same
+ids and kinds as a spec's; where a rung reads the judge, it is spec mode's own rung run on the
+`ScriptSession`.
+
+What only a script has: a rung whose precision the script cannot run is `skip` with the reason
+(it never enters autocast; fp16 without a GradScaler in a bf16 script), and without a usable
+reference (no `--reference-args`, or a reference that reads other data) the rungs keep what the
+runs' own traces say -- the step state machine, the scheduler, double scaling, the skips -- and
+say what they could not compare.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from .. import compare, deciders, thresholds
+from ..deciders import Observed
+from ..findings import RUNG_IDS, Finding, RungResult, conclude, location
+from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
+from ..ladder.analysis import loop_error_finding, scheduler_findings
+from ..ladder.casts import weight_cast_finding
+from ..ladder.reproducibility import repeat_tolerance
+from ..probe.events import Backward, Clip, Scale, ZeroGrad
+from ..rules.scale_state import (
+    SCALE_TRAJECTORY_KINDS,
+    runtime_double_scaling,
+    violation_findings,
+)
+from .session import ScriptSession, ScriptTrace
+
+NO_REFERENCE = ("no reference to compare the updates with: give --reference-args, the "
+                "script's arguments for one micro-batch per optimizer step holding the whole "
+                "step's data (K = 1, batch K x b)")
+
+
+def _no_reference(ss: ScriptSession) -> str:
+    if ss.command.reference_args is None:
+        return NO_REFERENCE
+    return (f"the reference does not read the run's data ({ss.unaligned}): nothing compared. "
+            "The script draws or orders its data differently for another batch size (random "
+            "data per step, a shuffle without a seeded generator): seed it or turn shuffling "
+            "off in both argument lists")
+
+
+# --- reproducibility ---------------------------------------------------------------------
+def reproducibility(ss: ScriptSession) -> RungResult:
+    """Two fp32 runs of the script from the same weights read the same data and consume the
+    same first update; two reference runs at those weights agree."""
+    rung = "reproducibility"
+    first = ss.trace("fp32")
+    if first.error is not None or not first.steps:
+        return RungResult(rung, "pass", "nothing to repeat: the fp32 run did not step (see "
+                          "fp32-accum)")
+    again = ss.run(ss.job("fp32", steps=1, teacher=[ss.initial_state], stop_after_teacher=False,
+                          min_samples=ss.reference_rows), "repeat fp32 run")
+    a, b = first.outcome.forwards, again.forwards
+    K = ss.K
+    if [f.digests for f in a[:K]] != [f.digests for f in b[:K]]:
+        reason = ("two runs of the same command read different data in their first window "
+                  f"({K} micro-batch(es)): the script draws or shuffles its data without a "
+                  "fixed seed")
+        ss.unaligned = ss.unaligned or reason
+        finding = deciders.nondeterministic_baseline(Observed(rung, "warning",
+            "Two runs of the script with the same arguments read different data in their "
+            "first window: it shuffles or draws its data without a fixed seed. Nothing can "
+            "be compared with a reference run; the rungs keep what needs no reference. Seed "
+            "the data (torch.manual_seed before the data is built, "
+            "DataLoader(..., generator=torch.Generator().manual_seed(0))) or turn shuffling "
+            "off for the triage.",
+            evidence={"measured": "different data", "expected": "the same data"},
+            location=location(first.outcome.events[0].site if first.outcome.events
+                              else None)))
+        return conclude(rung, [finding], "")
+    group = first.steps[0].group
+    steps_a = [s for s in first.steps if s.group == group]
+    steps_b = [s for s in again.steps if s.group == (again.steps[0].group if again.steps
+                                                      else -1)]
+    worst = None
+    for sa, sb in zip(steps_a, steps_b, strict=False):
+        names = [n for n in sa.grads if n in ss.param_shapes]
+        m = compare.metrics_of(sb.grads, sa.grads, names, ss.param_shapes, repeat_tolerance())
+        worst = m if worst is None or m.rel_err > worst.rel_err else worst
+    if len(steps_a) != len(steps_b) or (worst is not None and not worst.ok):
+        rel = worst.rel_err if worst is not None else float("nan")
+        site = first.random_site
+        finding = deciders.nondeterministic_baseline(Observed(rung, "error",
+            f"Two fp32 runs of the script from the same weights on the same data consumed "
+            f"different first updates (relative difference {rel:.3g}): something in the "
+            "script is random outside its data"
+            + (f" (it draws random numbers at {site.file}:{site.line})" if site else "")
+            + ", so later differences would mean nothing.",
+            evidence={"measured": compare._round(rel), "expected": 0.0,
+                      "tolerance": repeat_tolerance().rtol},
+            location=location(site)))
+        return RungResult(rung, "fail", "two fp32 runs of the script disagree", [finding])
+    summary = (f"two fp32 runs agree (max relative difference "
+               f"{worst.rel_err if worst else 0:.2g}) on the same data")
+    if ss.has_reference:
+        r1 = ss.reference(0, ss.initial_state, rng_seed=1)
+        r2 = ss.reference(0, ss.initial_state, rng_seed=2)
+        m = compare.metrics_of(r2.full, r1.full, ss.param_order, ss.param_shapes,
+                               repeat_tolerance())
+        if not m.ok:
+            finding = deciders.nondeterministic_baseline(Observed(rung, "error",
+                f"Two runs of the reference (--reference-args) at the same weights differ by "
+                f"{m.rel_err:.3g} (relative): the fp32 reference is not repeatable.",
+                evidence={"measured": compare._round(m.rel_err), "expected": 0.0}))
+            return RungResult(rung, "fail", "the fp32 reference is not repeatable", [finding])
+        ss.reference_repeatable = True
+        summary = "reference repeatable; " + summary
+    return RungResult(rung, "pass", summary, details={"reference_mode": "script"})
+
+
+# --- precision rungs ---------------------------------------------------------------------
+def fp32_accum_rung(ss: ScriptSession) -> RungResult:
+    rung = "fp32-accum"
+    if ss.has_reference:
+        return fp32_accum.run(ss)  # type: ignore[arg-type]
+    trace = ss.trace("fp32")
+    return _without_reference(ss, trace, rung)
+
+
+def _without_reference(ss: ScriptSession, trace: ScriptTrace, rung: str) -> RungResult:
+    """A rung's checks that read the run alone; its updates not compared (the reason said)."""
+    cast = weight_cast_finding(ss, trace, rung)  # type: ignore[arg-type]
+    if cast is not None:
+        return conclude(rung, [cast], "")
+    if trace.error is not None:
+        return conclude(rung, [loop_error_finding(trace, rung)], "")
+    findings: list[Finding] = []
+    if trace.precision != "fp32":
+        findings += amp.half_open_findings(ss, trace, rung)  # type: ignore[arg-type]
+    if trace.precision == "fp16" and not any(f.severity == "error" for f in findings):
+        for v in violation_findings(ss, trace, rung):  # type: ignore[arg-type]
+            if v.kind in SCALE_TRAJECTORY_KINDS:
+                findings.append(v)
+            else:   # a call order whose consequence was not measured: at most a warning
+                findings.append(deciders.decide(v.kind, Observed(
+                    v.rung, "warning", v.message + " (No reference was run, so whether the "
+                    "update differs was not measured.)", evidence=v.evidence,
+                    location=v.location)))
+        double = runtime_double_scaling(ss.trace("fp32"), trace, rung)
+        if double is not None:
+            findings.append(double)
+    if trace.precision == "fp32":
+        inside = _zero_grad_inside(trace)
+        if inside is not None:
+            findings.append(inside)
+    findings += scheduler_findings(ss, trace, rung)  # type: ignore[arg-type]
+    if findings:
+        return conclude(rung, findings, f"{len(trace.steps)} optimizer step(s) run; "
+                        + _no_reference(ss))
+    return RungResult(rung, "skip", _no_reference(ss))
+
+
+def _zero_grad_inside(trace: ScriptTrace) -> Finding | None:
+    """A zero_grad between two backwards of one window (read from the trace alone): the step
+    consumes only the micro-batches after it. Unmeasured without a reference: a warning."""
+    previous = -1
+    for step in trace.steps:
+        window = [e for e in trace.events if previous < e.seq < step.seq]
+        previous = step.seq
+        backwards = [e for e in window if isinstance(e, Backward)]
+        if len(backwards) < 2:
+            continue
+        zeros = [e for e in window if isinstance(e, ZeroGrad)
+                 and backwards[0].seq < e.seq < backwards[-1].seq]
+        if zeros:
+            after = sum(1 for b in backwards if b.seq > zeros[-1].seq)
+            return deciders.zero_grad_inside_accumulation(Observed(
+                "fp32-accum", "warning",
+                f"zero_grad ran between the backwards of one window: only the last {after} of "
+                f"its {len(backwards)} micro-batches reach the optimizer step. (No reference "
+                "was run, so the update itself was not compared.)",
+                evidence={"measured": after, "expected": len(backwards),
+                          "contributing_microbatches": after},
+                location=location(zeros[-1].site)))
+    return None
+
+
+def _autocast_requests(ss: ScriptSession) -> list[dict[str, Any]]:
+    return list(ss.trace("fp32").outcome.autocasts)
+
+
+def _scaler_requests(ss: ScriptSession) -> list[dict[str, Any]]:
+    return list(ss.trace("fp32").outcome.scalers)
+
+
+def precision_rung(precision: str) -> Callable[[ScriptSession], RungResult]:
+    rung = "bf16-no-scaler" if precision == "bf16" else "fp16-scaler"
+
+    def run(ss: ScriptSession) -> RungResult:
+        fp32 = ss.trace("fp32")
+        if fp32.error is not None:
+            return RungResult(rung, "skip", "the fp32 run raised (see fp32-accum)")
+        autocasts = _autocast_requests(ss)
+        if not autocasts:
+            return RungResult(rung, "skip", f"the script never enters autocast on "
+                              f"{ss.device.type}: it trains in fp32 only, so there is no "
+                              f"{precision} run to make of it")
+        if precision == "fp16" and not _scaler_requests(ss):
+            asked = {a["dtype"] for a in autocasts} - {None}
+            if "float16" not in asked:
+                dtype = ", ".join(sorted(asked)) or "its device's default"
+                return RungResult(rung, "skip", f"the script builds no GradScaler and asks "
+                                  f"autocast for {dtype}: it trains without loss scaling, so "
+                                  "it cannot run fp16 as written")
+        if precision == "bf16":
+            reason = amp.bf16_supported(ss)  # type: ignore[arg-type]
+            if reason:
+                return RungResult(rung, "skip", reason)
+        if ss.has_reference:
+            return amp.run_precision(ss, precision, rung)  # type: ignore[arg-type]
+        return _without_reference(ss, ss.trace(precision), rung)
+
+    return run
+
+
+def double_scaling(ss: ScriptSession) -> RungResult:
+    return precision_rungs.run_double_scaling(ss)
+
+
+def clip_space_rung(ss: ScriptSession) -> RungResult:
+    rung = "clip-space"
+    if "fp16" not in ss.traces:
+        return RungResult(rung, "skip", "no fp16 run of the script (see fp16-scaler)")
+    if not ss.trace("fp16").events_of(Clip):
+        return RungResult(rung, "skip", "the script never clips its gradients")
+    if not ss.has_reference:
+        return _clip_space_from_trace(ss, ss.trace("fp16"))
+    return clip_space.run(ss)  # type: ignore[arg-type]
+
+
+def _clip_space_from_trace(ss: ScriptSession, trace: ScriptTrace) -> RungResult:
+    """Without a reference: the norm each clip saw over the norm after unscale_ (1 in true
+    space, the loss scale S in scaled space), and what the clip did with it. A clip in scaled
+    space that shrank the gradient by another factor than the same threshold would in true
+    space changed the update: an error; one that did nothing either way, a warning."""
+    rung = "clip-space"
+    if trace.error is not None:
+        return RungResult(rung, "skip", "the fp16 run raised (see fp16-scaler)")
+    ratios = clip_space._clip_ratios(trace)
+    details = {"clip_ratios": [compare._round(r) for r in ratios]}
+    scales = [e.scale for e in trace.events_of(Scale) if e.scale]
+    scale = scales[-1] if scales else None
+    clips = [c for c in trace.events_of(Clip) if c.clip_kind == "norm" and c.total_norm
+             and c.max_norm]
+    if not ratios or scale is None or not clips:
+        return RungResult(rung, "skip", _no_reference(ss), details=details)
+    low, high = thresholds.SECOND_SCALE_BAND
+    scaled = [r for r in ratios if low <= r / scale <= high]
+    if not scaled:
+        shown = ", ".join(f"{r:.4g}" for r in ratios[:3])
+        return RungResult(rung, "pass", f"every clip saw the true gradient norm (norm ratio to "
+                          f"unscaled {shown}); " + _no_reference(ss), details=details)
+    clip = clips[0]
+    assert clip.total_norm is not None and clip.max_norm is not None
+    seen = min(1.0, clip.max_norm / clip.total_norm)
+    meant = min(1.0, clip.max_norm / (clip.total_norm / scale))
+    # (the same shrink as a clip that bites at all: thresholds.CLIP_BITES_BELOW)
+    changed = seen / meant < thresholds.CLIP_BITES_BELOW
+    finding = deciders.clip_before_unscale(Observed(rung, "error" if changed else "warning",
+        f"clip_grad_norm_ saw a gradient norm of {clip.total_norm:.6g}, {scale:g} times (the "
+        f"loss scale) the true norm: it ran before scaler.unscale_. It multiplied the gradient "
+        f"by {seen:.4g} where the threshold {clip.max_norm:g} in true space gives {meant:.4g}"
+        + (": the update is that much smaller than the script means." if changed else
+           ": the same update here, but the threshold is in the wrong space."),
+        evidence={"measured": compare._round(clip.total_norm / (clip.total_norm / scale)),
+                  "expected": 1.0, "scale": scale, "clip_coefficient": compare._round(seen),
+                  "meant_coefficient": compare._round(meant), "max_grad_norm": clip.max_norm},
+        location=location(clip.site)))
+    return conclude(rung, [finding], "", details)
+
+
+
+def skips_rung(ss: ScriptSession) -> RungResult:
+    if "fp16" not in ss.traces:
+        return RungResult("skips", "skip", "no fp16 run of the script (see fp16-scaler)")
+    return skips.run(ss)  # type: ignore[arg-type]
+
+
+def ddp_sync(ss: ScriptSession) -> RungResult:
+    return RungResult("ddp-sync", "skip", "script mode runs the script in one process; the "
+                      "ddp-sync rung needs a spec with `ddp`")
+
+
+RUNGS: dict[str, Callable[[ScriptSession], RungResult]] = {
+    "reproducibility": reproducibility,
+    "fp32-accum": fp32_accum_rung,
+    "bf16-no-scaler": precision_rung("bf16"),
+    "fp16-scaler": precision_rung("fp16"),
+    "double-scaling": double_scaling,
+    "clip-space": clip_space_rung,
+    "skips": skips_rung,
+    "ddp-sync": ddp_sync,
+}
+
+
+def run_ladder(ss: ScriptSession, on_start: Callable[[str], None] | None = None,
+               on_done: Callable[[RungResult], None] | None = None) -> list[RungResult]:
+    """Every rung in order; the first that fails stops the ladder (as `ladder.run_ladder`)."""
+    results: list[RungResult] = []
+    failed = False
+    for rung_id in RUNG_IDS:
+        if failed:
+            result = RungResult(rung_id, "not-run", "an earlier rung failed")
+        else:
+            if on_start is not None:
+                on_start(rung_id)
+            started = time.perf_counter()
+            result = RUNGS[rung_id](ss)
+            result = replace(result, seconds=time.perf_counter() - started)
+        results.append(result)
+        if on_done is not None:
+            on_done(result)
+        failed = failed or result.status == "fail"
+    return results

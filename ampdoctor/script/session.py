@@ -1,0 +1,367 @@
+"""The runs of one script-mode diagnose: each precision's run of the script (a child process
+each, `spawn`), what came back as a Trace (`ScriptTrace`), and the fp32 reference, the script
+run with `--reference-args` teacher-forced to each run's weights (`ScriptSession.reference`).
+
+`ScriptSession` offers what the judge and the rules read of a spec-mode `Session` (K, N, the
+windows, the parameter names and shapes, `reference(window, state)`, the traces), so a script's
+steps are judged and explained by the same code as a spec's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UsageError, UserCodeError
+from ..probe.callsite import CallSiteFinder
+from ..probe.events import Backward, Clip
+from ..probe.trace import Trace
+from ..reference import WindowReference
+from . import spawn
+from .child import Job, Outcome
+from .replay import ScriptTrace, replay
+
+
+@dataclass
+class Command:
+    """`ampdoctor diagnose SCRIPT.py [--steps N] [--reference-args ARGS] -- ARGS`."""
+
+    script: str
+    args: list[str]
+    reference_args: list[str] | None
+    steps: int = 3
+    timeout_s: float = 600.0
+    cwd: str = field(default_factory=os.getcwd)
+    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+
+
+@dataclass
+class ScriptSpec:
+    """What the rungs read of `session.spec`, for a script."""
+
+    script: str
+    max_grad_norm: float | None = None
+    micro_batch_size: int | None = None
+    optimizer_steps: int = 3
+    accumulation_steps: int = 1
+    timeout_s: float = 600.0
+    seed: int = 0
+    tolerances: dict[str, Any] = field(default_factory=dict)
+    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
+    rungs: list[str] | None = None
+    dropout: str = "off"
+    device: str = "auto"
+
+    def scan_paths(self) -> list[Path]:
+        return [Path(self.script)]
+
+
+class ScriptCode:
+    """What the rungs read of `session.code`: no train_loop, no loss, the script's source."""
+
+    train_loop = None
+    loss = None
+
+    def __init__(self, script: str):
+        self.script = script
+
+    def source_files(self) -> list[str]:
+        return [self.script]
+
+
+class ScriptSession:
+    """The runs of one script-mode diagnose (module docstring)."""
+
+    def __init__(self, command: Command):
+        self.command = command
+        self.script = os.path.abspath(os.path.join(command.cwd, command.script))
+        self.finder = CallSiteFinder([Path(self.script).parent])
+        self.spec = ScriptSpec(self.script, optimizer_steps=command.steps,
+                               timeout_s=command.timeout_s)
+        self.code = ScriptCode(self.script)
+        self.N = command.steps
+        self.K = 1
+        self.traces: dict[str, ScriptTrace] = {}
+        self.notes: set[str] = set()
+        self.charts: list[dict[str, Any]] = []
+        self.step_observer_for = None
+        self.injected: Any = None
+        self.reference_repeatable = False
+        self.device = torch.device("cpu")
+        self.param_shapes: dict[str, torch.Size] = {}
+        self.param_order: list[str] = []
+        self.initial_state: Mapping[str, torch.Tensor] = {}
+        #: rows of the reference's first window (its batch, K x b), when it ran
+        self.reference_rows = 0
+        self.reference_probe: Outcome | None = None
+        #: why the reference cannot be used (None: it can, or was not asked for)
+        self.unaligned: str | None = None
+        self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
+        self._pinned: list[Any] = []
+
+    # --- running the script ---------------------------------------------------------------
+    def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job:
+        cmd = self.command
+        args = cmd.reference_args if reference else cmd.args
+        assert args is not None
+        return Job(script=self.script, args=list(args), precision=precision,
+                   steps=extra.pop("steps", self.N), cwd=cmd.cwd, env=dict(cmd.env),
+                   reference=reference, **extra)
+
+    def run(self, job: Job, what: str) -> Outcome:
+        return spawn.run_child(job, self.command.timeout_s, what)
+
+    def start(self) -> ScriptTrace:
+        """The fp32 run of the script (and first the reference's first window, when asked
+        for, to learn K x b): what the rest of the diagnose is built on."""
+        if self.command.reference_args is not None:
+            first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
+            self.reference_probe = first
+            if first.error is not None:
+                raise UserCodeError(
+                    "the script run with --reference-args raised before its first optimizer "
+                    f"step: {first.error.get('text')}", location=_where(first.error))
+            window0 = [f for f in first.forwards if f.window == 0]
+            self.reference_rows = sum(f.rows for f in window0)
+            if first.steps and first.steps[0].backwards > 1:
+                raise UsageError(
+                    f"--reference-args: the reference run accumulated "
+                    f"{first.steps[0].backwards} backwards before its first optimizer step; "
+                    "the reference must take one micro-batch per optimizer step (K = 1) "
+                    "holding the whole step's data: set the script's accumulation option to 1")
+        outcome = self.run(self.job("fp32", min_samples=self.N * self.reference_rows),
+                           "fp32 run")
+        if outcome.param_shapes:
+            self.param_shapes = dict(outcome.param_shapes)
+            self.param_order = list(outcome.param_shapes)
+        self.device = torch.device(outcome.device)
+        self.initial_state = outcome.initial_state or {}
+        self.K = self._accumulation(outcome)
+        self._check_reference_batch(outcome)
+        b = outcome.forwards[0].rows if outcome.forwards else None
+        clips = [e.max_norm for e in outcome.events
+                 if isinstance(e, Clip) and e.max_norm is not None]
+        self.spec.max_grad_norm = clips[0] if clips else None
+        self.spec.micro_batch_size = b
+        self.spec.accumulation_steps = self.K
+        trace = replay(outcome, "fp32", self.K, self.finder, None)
+        self.traces["fp32"] = trace
+        if outcome.steps and outcome.error is None:
+            self.prepare_references(trace)   # (and whether the reference reads the same data)
+        return trace
+
+    def _check_reference_batch(self, outcome: Outcome) -> None:
+        """The reference's window must hold the run's whole window: K x b rows."""
+        b = outcome.forwards[0].rows if outcome.forwards else 0
+        observed = outcome.steps[0].backwards if outcome.steps else 0
+        rows = self.reference_rows
+        if not rows or not b:
+            return
+        if rows % b or rows < observed * b:
+            raise UsageError(
+                f"--reference-args: the reference's optimizer step read {rows} row(s), the "
+                f"run's {observed} micro-batch(es) of {b} per step hold {observed * b}: give "
+                "the reference a batch K x b (here "
+                f"{observed * b}) with one micro-batch per optimizer step")
+
+    def _accumulation(self, outcome: Outcome) -> int:
+        """K: the reference's window over the run's micro-batch when the reference ran (what
+        the script means), else the backwards before the run's first optimizer step."""
+        b = outcome.forwards[0].rows if outcome.forwards else 0
+        if self.reference_rows and b and self.reference_rows % b == 0:
+            return self.reference_rows // b
+        if outcome.steps:
+            return max(1, outcome.steps[0].backwards)
+        return 1
+
+    def trace(self, precision: str) -> ScriptTrace:
+        """The run of `precision` (fp32 first, see `start`), started from the fp32 run's initial
+        weights; run once and cached."""
+        if precision not in self.traces:
+            self.traces[precision] = self.fresh_run(precision)
+        return self.traces[precision]
+
+    def fresh_run(self, precision: str, inject: Any = None,
+                  clip_at: float | None = None) -> ScriptTrace:
+        """Another run of `precision` from the fp32 run's initial weights (the first window's
+        forward loads them), its references prepared when there is a reference."""
+        job = self.job(precision, min_samples=self.N * self.reference_rows,
+                       teacher=[self.initial_state] if self.initial_state else None,
+                       stop_after_teacher=False,
+                       inject=None if inject is None else (inject.window, inject.K,
+                                                           _per_window(inject)),
+                       clip_at=clip_at)
+        outcome = self.run(job, f"{precision} run")
+        trace = replay(outcome, precision, self.K, self.finder, clip_at)
+        fp32 = self.traces.get("fp32")
+        if fp32 is not None and not _same_first_input(fp32.outcome, outcome):
+            # the first loss of the two runs is not the same computation: no second scale
+            # can be read from their ratio (`rules.scale_state.runtime_double_scaling`)
+            trace.probe.events = [replace(e, value=None) if isinstance(e, Backward) else e
+                                  for e in trace.probe.events]
+        if inject is not None and outcome.injected is not None:
+            inject.fired = bool(outcome.injected.get("fired"))
+            inject.param_name = outcome.injected.get("param")
+        if self.has_reference:
+            self.prepare_references(trace)
+        return trace
+
+    def run_loop(self, precision: str, *, before_backward: Any = None,
+                 step_sink: Any = None, max_grad_norm: Any = "spec", **extra: Any) -> Trace:
+        """What a spec-mode rung asks of `Session.run_loop`, where a script can give it: another
+        plain run of a precision, with an overflow injected (`ladder.skips.OverflowInjector`),
+        its steps handed to `step_sink` after the run. A re-split window or another clip
+        threshold cannot be asked of a script: a run that raised NotImplementedError."""
+        unsupported = {k for k, v in extra.items()
+                       if v is not None and k not in ("rng_seed", "judge_as_it_runs", "capture")}
+        if unsupported or not (max_grad_norm == "spec" or isinstance(max_grad_norm, float)):
+            trace = replay(Outcome(), precision, self.K, self.finder, None)
+            trace.error = NotImplementedError("script mode runs the script as it is")
+            return trace
+        trace = self.fresh_run(precision, inject=before_backward,
+                               clip_at=None if max_grad_norm == "spec" else max_grad_norm)
+        if step_sink is not None:
+            for step in trace.steps:
+                if step_sink(step):
+                    break
+        return trace
+
+    # --- the reference --------------------------------------------------------------------
+    @property
+    def has_reference(self) -> bool:
+        return self.command.reference_args is not None and self.unaligned is None
+
+    def teacher_states(self, trace: ScriptTrace) -> list[tuple[Mapping[str, torch.Tensor], int]]:
+        """Per window, the weights the run saw at its first step there, and that step's group;
+        a window without a step takes the weights of the one before."""
+        first: dict[int, int] = {}
+        for ordinal, step in enumerate(trace.steps):
+            window = self.window_of(step, ordinal, trace)
+            first.setdefault(window, step.group)
+        states: list[tuple[Mapping[str, torch.Tensor], int]] = []
+        for window in range(self.N):
+            group = first.get(window)
+            snap = trace.snapshots.get(group) if group is not None else None
+            if snap is not None:
+                states.append((snap.state, group if group is not None else -1))
+            elif states:
+                states.append((states[-1][0], -1))
+            elif self.initial_state:
+                states.append((self.initial_state, -1))
+        return states
+
+    def prepare_references(self, trace: ScriptTrace) -> None:
+        """One reference run for every window of `trace`, teacher-forced to its weights; the
+        first (fp32) one also checks that the reference reads the run's data."""
+        states = self.teacher_states(trace)
+        if not states or self.command.reference_args is None:
+            return
+        ref = self.run(self.job("fp32", reference=True, steps=len(states),
+                                teacher=[s for s, _ in states]), "reference run")
+        if ref.error is not None:
+            raise UserCodeError(
+                "the script run with --reference-args (the fp32 reference) raised: "
+                f"{ref.error.get('text')}", location=_where(ref.error))
+        if self.unaligned is None and trace.precision == "fp32":
+            self.unaligned = self._misaligned(trace, ref)
+        for window, (state, group) in enumerate(states):
+            # (a window without a step borrowed the weights before it: not its reference)
+            if group >= 0 and window < len(ref.ref_grads) and ref.ref_grads[window]:
+                self._refs[id(state)] = ref.ref_grads[window]
+                self._pinned.append(state)
+
+    def _misaligned(self, trace: ScriptTrace, ref: Outcome) -> str | None:
+        """Why the reference's windows do not read the run's micro-batches, or None when every
+        window does (row by row, every tensor argument of the forwards)."""
+        run = trace.outcome.forwards
+        for window in range(self.N):
+            mine = run[window * self.K:(window + 1) * self.K]
+            theirs = [f for f in ref.forwards if f.window == window]
+            if not mine or not theirs:
+                break
+            rows_mine, rows_ref = sum(f.rows for f in mine), sum(f.rows for f in theirs)
+            same = rows_mine == rows_ref and _concat(mine) == _concat(theirs)
+            if not same:
+                return (f"window {window}: the reference read {rows_ref} row(s) in "
+                        f"{len(theirs)} forward(s), the run {rows_mine} in {len(mine)} "
+                        f"micro-batch(es) of {mine[0].rows}, and their contents differ")
+        return None
+
+    def reference(self, window: int, state: Mapping[str, torch.Tensor] | None = None,
+                  training: bool = True, per_mb: bool = False, weighting: Any = None,
+                  rng_seed: int | None = None, **_: Any) -> WindowReference:
+        """The fp32 reference gradient of `window` at `state` (unclipped): from the reference
+        run teacher-forced to that run's weights, else one run of its own."""
+        state = state if state is not None else self.initial_state
+        if not self.has_reference:   # nothing to read it from: no gradient (norm 0)
+            return WindowReference(full=dict.fromkeys(self.param_order), per_mb=None,
+                                   counts=None, weighted=False, mode="loop")
+        grads = None if rng_seed is not None else self._refs.get(id(state))
+        if grads is None:
+            ref = self.run(self.job("fp32", reference=True, steps=window + 1,
+                                    teacher=[state] * (window + 1)), "reference run")
+            if ref.error is not None or len(ref.ref_grads) <= window:
+                raise UserCodeError("the script run with --reference-args did not reach "
+                                    f"window {window}" + (f": {ref.error.get('text')}"
+                                                          if ref.error else ""))
+            grads = ref.ref_grads[window]
+            if rng_seed is None:
+                self._refs[id(state)] = grads
+                self._pinned.append(state)
+        return WindowReference(full=dict(grads), per_mb=None, counts=None, weighted=False,
+                               mode="loop")
+
+    def reference_for(self, *args: Any, **kwargs: Any) -> WindowReference:
+        raise NotImplementedError("script mode cannot re-split a window")
+
+    def adopt_weighting(self, weighting: str) -> None:
+        self.notes.add(f"the script weighs micro-batches by {weighting}")
+
+    # --- windows (as Session) -------------------------------------------------------------
+    @property
+    def micro_batches(self) -> list[Any]:
+        """Stands for the micro-batches of the N windows (the script holds the data)."""
+        return [None] * (self.N * self.K)
+
+    def window(self, index: int) -> list[Any]:
+        return []
+
+    def window_of(self, step: Any, ordinal: int = 0, trace: Trace | None = None) -> int:
+        window = (max(step.microbatch, 0) // self.K if trace is None
+                  else trace.window_of_event(step))
+        if window is None:
+            window = ordinal
+        return max(0, min(window, self.N - 1))
+
+    def rung_done(self, rung_id: str) -> None:
+        pass
+
+    def random_modules(self) -> list[str]:
+        fp32 = self.traces.get("fp32")
+        return list(fp32.outcome.dropout) if fp32 is not None else []
+
+
+def _per_window(injector: Any) -> int:
+    """The backwards per window an injector was built for (`OverflowInjector`)."""
+    window = max(injector.window, 0)
+    return max(1, (injector.last_backward // (window + 1)) if injector.last_backward else 1)
+
+
+def _same_first_input(a: Outcome, b: Outcome) -> bool:
+    return bool(a.forwards and b.forwards and a.forwards[0].digests == b.forwards[0].digests)
+
+
+def _concat(forwards: list[Any]) -> list[list[str]]:
+    """The row digests of consecutive forwards, tensor argument by tensor argument."""
+    width = min(len(f.digests) for f in forwards)
+    return [[d for f in forwards for d in f.digests[i]] for i in range(width)]
+
+
+def _where(error: dict[str, Any]) -> tuple[str, int] | None:
+    site = error.get("site")
+    return (site.file, site.line) if site is not None else None

@@ -1,0 +1,129 @@
+"""Start one run of the script in a child process and wait for what it did, within a time bound.
+
+Children are forked from a fork server (multiprocessing's `forkserver`) that imported torch and
+ampdoctor once and never ran a parallel region: a fork of a process whose OpenMP threads ran
+can hang in the child, and a fresh interpreter per run would import torch every time. Each run
+starts from that clean state: nothing one run of the script does (its globals, its imports,
+torch's settings) reaches the next. The child's stdout goes to stderr (`--json` keeps stdout
+for the record); it dies with this process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import sys
+import time
+import types
+from typing import Any
+
+from ..errors import UserCodeError
+
+_CONTEXT: Any = None
+
+
+def _context() -> Any:
+    global _CONTEXT
+    if _CONTEXT is None:
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() \
+            else "spawn"
+        _CONTEXT = multiprocessing.get_context(method)
+        if method == "forkserver":
+            _CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "ampdoctor.script.child",
+                                            "ampdoctor.script.spawn"])
+    return _CONTEXT
+
+
+def _child_main(job: Any, conn: Any) -> None:
+    """In the child: run the job, send back its outcome (pickled), leave without cleanup (a
+    thread the script left running cannot keep the child alive)."""
+    code = 0
+    try:
+        with contextlib.suppress(OSError):
+            os.dup2(2, 1)            # the script's prints: stderr
+        sys.stdout = sys.stderr
+        _die_with_parent()
+        from . import child
+        outcome = child.run(job)
+        try:
+            payload = pickle.dumps(("ok", outcome), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - an event the script made unpicklable
+            payload = pickle.dumps(("internal", f"could not send the run back: {exc!r}"))
+        conn.send_bytes(payload)
+    except BaseException as exc:  # noqa: BLE001 - ampdoctor's own failure in the child
+        import traceback
+        with contextlib.suppress(Exception):
+            conn.send_bytes(pickle.dumps(("internal", "".join(
+                traceback.format_exception(type(exc), exc, exc.__traceback__)))))
+        code = 1
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+
+
+class ChildFailed(Exception):
+    """ampdoctor's own code failed in the child (not the script): a bug to report."""
+
+
+def run_child(job: Any, timeout_s: float, what: str) -> Any:
+    """Run `job` (a `child.Job`) in a child process; its `child.Outcome`. UserCodeError (exit 3)
+    when it does not finish within `timeout_s` or the process died without a word (os._exit,
+    a crash in native code)."""
+    ctx = _context()
+    receiver, sender = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_child_main, args=(job, sender))
+    # The child must not import the parent's __main__ again (the CLI, a test runner, the
+    # user's own program): it is shown an empty one while the process starts.
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        process.start()
+    finally:
+        sys.modules["__main__"] = main
+    sender.close()
+    deadline = time.monotonic() + timeout_s
+    payload = None
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise UserCodeError(
+                    f"the {what} of the script did not reach its last step within {timeout_s:g} "
+                    "s: ampdoctor stopped it. Give it fewer steps (--steps) or a smaller model or "
+                    "batch through its arguments.")
+            if receiver.poll(min(left, 0.5)):
+                try:
+                    payload = receiver.recv_bytes()
+                except EOFError:
+                    payload = None
+                break
+            if not process.is_alive() and not receiver.poll(0):
+                break
+    finally:
+        receiver.close()
+        if process.is_alive():
+            process.join(5 if payload is not None else 0)
+        if process.is_alive():
+            process.kill()
+        process.join()
+    if payload is None:
+        code = process.exitcode
+        how = (f"was killed by signal {-code}" if code is not None and code < 0
+               else f"exited with status {code}")
+        raise UserCodeError(f"the {what} of the script {how} before it reported back "
+                            "(os._exit, or a crash in native code): nothing of it can be judged.")
+    status, value = pickle.loads(payload)
+    if status != "ok":
+        raise ChildFailed(value)
+    return value

@@ -1,0 +1,230 @@
+"""Script mode end to end (CONTRACT §8): the real CLI on unmodified training scripts written as
+real ones are (recipes/scripts/), healthy and broken, with and without --reference-args.
+
+Each case runs `ampdoctor diagnose SCRIPT.py --json ... -- ARGS` in this process (the script
+itself in child processes) and checks the verdict, the rung, the kind and the script's line.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import RECIPES, marked_line, run_cli
+
+SCRIPTS = RECIPES / "scripts"
+AMP = SCRIPTS / "amp_recipe.py"
+LOADER = SCRIPTS / "main_dataloader.py"
+NANOGPT = SCRIPTS / "nanogpt_style.py"
+MODULE = SCRIPTS / "module_loop.py"
+
+AMP_REF = "--accum-steps 1 --batch-size 32 --amp"
+LOADER_REF = "--grad-accum 1 --batch-size 32 --amp"
+MODULE_REF = "--accum 1 --bs 24"
+NANOGPT_REF = "--gradient_accumulation_steps=1 --batch_size=16"
+
+
+def diagnose(tmp_path: Path, script: Path, args: list[str], reference: str | None = None,
+             *options: str):
+    ref = ["--reference-args", reference] if reference is not None else []
+    return run_cli("diagnose", script, "--json", "--out", tmp_path / "runs", *ref, *options,
+                   "--", *args)
+
+
+def statuses(record: dict) -> dict[str, str]:
+    return {r["id"]: r["status"] for r in record["rungs"]}
+
+
+pytestmark = pytest.mark.xdist_group("script_mode")
+
+
+@pytest.mark.parametrize("script, args, reference, skipped", [
+    (AMP, ["--amp"], AMP_REF, {"ddp-sync"}),
+    (LOADER, ["--amp"], LOADER_REF, {"clip-space", "ddp-sync"}),
+    (NANOGPT, [], NANOGPT_REF, {"bf16-no-scaler", "fp16-scaler", "clip-space", "skips",
+                                "ddp-sync"}),
+    (MODULE, [], MODULE_REF, {"fp16-scaler", "clip-space", "skips", "ddp-sync"}),
+], ids=["amp-recipe", "main-dataloader", "nanogpt-style", "module-level-loop"])
+def test_healthy_scripts_pass_clean(tmp_path, script, args, reference, skipped):
+    result = diagnose(tmp_path, script, args, reference)
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["verdict"] == "healthy"
+    assert record["findings"] == []   # no error, no warning
+    assert record["script"] == str(script) and record["args"] == args
+    assert record["reference_args"] == reference.split()
+    got = statuses(record)
+    assert {r for r, s in got.items() if s == "skip"} == skipped
+    assert all(s == "pass" for r, s in got.items() if r not in skipped)
+    assert record["notes"] == []
+    assert record["accumulation_steps"] == record["found"]["accumulation_steps"]
+
+
+def test_found_says_what_the_script_is(tmp_path):
+    record = diagnose(tmp_path, AMP, ["--amp"], AMP_REF, "--steps", "2").record
+    assert record["found"]["text"] == ("found: 1 model (Sequential, 2,177 params), SGD, "
+                                       "GradScaler, autocast fp16, K = 4, micro-batch 8, "
+                                       "reference batch 32")
+    assert record["optimizer_steps"] == 2
+    model = record["found"]["models"][0]
+    assert (model["type"], model["parameters"], model["line"]) == (
+        "Sequential", 2177, next(n for n, text in enumerate(AMP.read_text().splitlines(), 1)
+                                 if text.startswith("net = nn.Sequential(")))
+    fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
+    assert fp32["summary"].startswith("2 optimizer steps match the fp32 reference")
+
+
+@pytest.mark.parametrize("script, args, reference, rung, kind", [
+    (AMP, ["--amp", "--bug", "no-average"], AMP_REF, "fp32-accum",
+     "missing-accumulation-average"),
+    (AMP, ["--amp", "--bug", "zero-grad-inside"], AMP_REF, "fp32-accum",
+     "zero-grad-inside-accumulation"),
+    # (a clip that bites in the reference but not on a quarter of the gradient would change the
+    # factor from step to step: the threshold is set out of reach)
+    (AMP, ["--amp", "--bug", "double-average", "--max-grad-norm", "100"],
+     AMP_REF + " --max-grad-norm 100", "fp32-accum", "double-average"),
+    (AMP, ["--amp", "--bug", "no-update"], AMP_REF, "fp16-scaler", "loop-error"),
+    (AMP, ["--amp", "--bug", "clip-before-unscale"], AMP_REF, "fp16-scaler",
+     "clip-before-unscale"),
+    (LOADER, ["--amp", "--bug", "scheduler-per-microbatch"], LOADER_REF, "fp32-accum",
+     "scheduler-per-microbatch"),
+    (LOADER, ["--amp", "--bug", "step-per-microbatch"], LOADER_REF, "fp32-accum",
+     "step-per-microbatch"),
+    (MODULE, ["--no-average"], MODULE_REF, "fp32-accum", "missing-accumulation-average"),
+], ids=["no-average", "zero-grad-inside", "double-average", "step-without-update",
+        "clip-before-unscale", "scheduler-per-microbatch",
+        "step-per-microbatch", "module-level-no-average"])
+def test_broken_scripts_name_kind_rung_and_line(tmp_path, script, args, reference, rung, kind):
+    result = diagnose(tmp_path, script, args, reference)
+    assert result.returncode == (3 if kind == "loop-error" else 1), result.stderr
+    record = result.record
+    assert record["verdict"] == ("error" if kind == "loop-error" else "failed")
+    assert record["failed_rung"] == rung
+    first = record["findings"][0]
+    assert (first["rung"], first["kind"], first["severity"]) == (rung, kind, "error")
+    assert Path(first["location"]["file"]).resolve() == script.resolve()
+    assert first["location"]["line"] == marked_line(script, kind)
+
+
+def test_without_reference_the_trace_rungs_still_run(tmp_path):
+    record = diagnose(tmp_path, AMP, ["--amp", "--bug", "clip-before-unscale"]).record
+    got = statuses(record)
+    assert got["fp32-accum"] == "skip" and got["bf16-no-scaler"] == "skip"
+    assert "--reference-args" in next(r["summary"] for r in record["rungs"]
+                                      if r["id"] == "fp32-accum")
+    # the clip's norm over the unscaled norm is the loss scale: measured from the trace alone
+    assert record["failed_rung"] == "clip-space"
+    errors = [f for f in record["findings"] if f["severity"] == "error"]
+    assert [(f["kind"], f["location"]["line"]) for f in errors] == [
+        ("clip-before-unscale", marked_line(AMP, "clip-before-unscale"))]
+    assert errors[0]["evidence"]["measured"] == pytest.approx(errors[0]["evidence"]["scale"])
+    assert any("no --reference-args" in n and "K = 4, micro-batch 8" in n
+               for n in record["notes"])
+
+
+def test_without_reference_a_healthy_script_is_healthy(tmp_path):
+    result = diagnose(tmp_path, LOADER, ["--amp"])
+    assert result.returncode == 0
+    assert result.record["findings"] == []
+    assert statuses(result.record)["skips"] == "pass"
+
+
+def test_dataloader_worker_processes_run_as_usual(tmp_path):
+    """The script's DataLoader workers are children of the process that runs it."""
+    # (no reference: each run of this script starts two worker processes, about a second)
+    result = diagnose(tmp_path, LOADER, ["--workers", "2"], None, "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.record["findings"] == []
+    got = statuses(result.record)
+    assert got["reproducibility"] == "pass" and got["skips"] == "pass"
+    assert result.record["found"]["micro_batch_size"] == 8
+
+
+def test_data_the_reference_cannot_reproduce_is_said_not_judged(tmp_path):
+    result = diagnose(tmp_path, MODULE, ["--fresh-data"], MODULE_REF + " --fresh-data")
+    record = result.record
+    assert result.returncode == 0 and record["findings"] == []
+    fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
+    assert fp32["status"] == "skip"
+    assert "contents differ" in fp32["summary"] and "seed" in fp32["summary"]
+    assert any("does not read the run's micro-batches" in n for n in record["notes"])
+
+
+def test_script_usage_errors(tmp_path):
+    missing = run_cli("diagnose", tmp_path / "nope.py", "--out", tmp_path / "runs")
+    assert missing.returncode == 2 and "no such script" in missing.stderr
+    quoting = diagnose(tmp_path, AMP, [], '--batch-size "32')
+    assert quoting.returncode == 2 and "--reference-args" in quoting.stderr
+    spec_args = run_cli("diagnose", RECIPES.parent / "sample_configs" / "healthy_sgd.yaml",
+                        "--out", tmp_path / "runs", "--", "--lr", "1")
+    assert spec_args.returncode == 2 and "script mode" in spec_args.stderr
+
+
+def test_a_script_that_fails_before_stepping_is_exit_3_at_its_line(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n"
+                      "model = torch.nn.Linear(2, 1)\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "raise RuntimeError('no data found')\n")
+    result = diagnose(tmp_path, script, [])
+    assert result.returncode == 3
+    assert result.record["error"]["location"]["line"] == 4
+    assert "no data found" in result.record["error"]["message"]
+    bad_arg = diagnose(tmp_path, AMP, ["--no-such-flag"])
+    assert bad_arg.returncode == 3 and "exited" in bad_arg.record["error"]["message"]
+
+
+def test_init_proposes_the_script_mode_command_and_it_runs(tmp_path):
+    result = run_cli("init", LOADER, "-o", tmp_path / "triage.yaml")
+    assert result.returncode == 0, result.stderr
+    command = result.stdout.strip()
+    assert command == (f"ampdoctor diagnose {LOADER} --reference-args "
+                       "'--grad-accum 1 --batch-size 32' --")
+    assert "--grad-accum defaults to 4, --batch-size to 8" in " ".join(result.stderr.split())
+    words = shlex.split(command)[1:]
+    run = run_cli(*words[:2], "--json", "--out", tmp_path / "runs", *words[2:])
+    assert run.returncode == 0, run.stderr
+    assert run.record["findings"] == [] and run.record["accumulation_steps"] == 4
+
+
+def test_init_fills_the_spec_from_the_option_defaults(tmp_path):
+    assert run_cli("init", AMP, "-o", tmp_path / "a.yaml").returncode == 0
+    spec = yaml.safe_load((tmp_path / "a.yaml").read_text())
+    assert (spec["accumulation_steps"], spec["micro_batch_size"], spec["max_grad_norm"]) == (
+        4, 8, 1.0)
+    result = run_cli("init", NANOGPT, "-o", tmp_path / "n.yaml")
+    assert "--reference-args '--gradient_accumulation_steps=1 --batch_size=16' --" in \
+        result.stdout
+    assert yaml.safe_load((tmp_path / "n.yaml").read_text())["micro_batch_size"] == 4
+
+
+def test_a_run_past_its_time_bound_is_stopped_exit_3(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text("import time\n"
+                      "import torch\n"
+                      "model = torch.nn.Linear(2, 1)\n"
+                      "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "model(torch.ones(1, 2)).sum().backward()\n"
+                      "opt.step()\n"
+                      "time.sleep(60)\n")
+    result = run_cli("diagnose", script, "--json", "--out", tmp_path / "runs",
+                     env={"AMPDOCTOR_SCRIPT_TIMEOUT_S": "2"})
+    assert result.returncode == 3
+    assert "did not reach its last step within 2 s" in result.record["error"]["message"]
+    bad = run_cli("diagnose", script, "--out", tmp_path / "runs",
+                  env={"AMPDOCTOR_SCRIPT_TIMEOUT_S": "soon"})
+    assert bad.returncode == 2 and "AMPDOCTOR_SCRIPT_TIMEOUT_S" in bad.stderr
+
+
+@pytest.mark.parametrize("reference, said", [
+    ("--accum-steps 4 --batch-size 32", "accumulated 4 backwards"),
+    ("--accum-steps 1 --batch-size 8", "read 8 row(s)"),
+], ids=["reference-accumulates", "reference-batch-too-small"])
+def test_reference_args_that_are_not_the_full_batch_are_exit_2(tmp_path, reference, said):
+    result = diagnose(tmp_path, AMP, ["--amp"], reference)
+    assert result.returncode == 2
+    assert said in result.record["error"]["message"]
+    assert "ampdoctor: usage error: --reference-args" in result.stderr
