@@ -118,6 +118,31 @@ def script_command(path: Path, shown: str) -> tuple[str, str] | None:
     return f"ampdoctor diagnose {shlex.quote(shown)} --reference-args {ref} --", how
 
 
+#: torch.optim classes `init` recognises in a script's own optimizer call
+OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam",
+              "RAdam", "LBFGS", "ASGD", "Rprop", "SparseAdam", "Adafactor")
+
+
+def optimizer(tree: ast.Module, all_flags: list[Flag]) -> dict[str, Any] | None:
+    """The script's `torch.optim.X(params, lr=...)` as a spec's `{name: X, lr: ...}`: the lr a
+    literal or an option's default (`lr=args.lr`, `lr=learning_rate`)."""
+    by_name = {f.name: f.default for f in all_flags}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in OPTIMIZERS):
+            continue
+        found: dict[str, Any] = {"name": node.func.attr}
+        lr = next((k.value for k in node.keywords if k.arg == "lr"), None)
+        value = _constant(lr)
+        if value is None and lr is not None:
+            named = getattr(lr, "attr", None) or getattr(lr, "id", None)
+            value = by_name.get(_normal(named)) if named else None
+        if isinstance(value, (int, float)):
+            found["lr"] = value
+        return found
+    return None
+
+
 def defaults(path: Path) -> dict[str, Any]:
     """K, the micro-batch size and the clip threshold from the script's option defaults."""
     try:
@@ -131,4 +156,7 @@ def defaults(path: Path) -> dict[str, Any]:
         flag = find(all_flags, names)
         if flag is not None and flag.default > 0:
             out[key] = flag.default
+    found = optimizer(tree, all_flags)
+    if found is not None:
+        out["optimizer"] = found
     return out

@@ -31,6 +31,8 @@ class Found:
     accumulation_steps: int | None = None
     max_grad_norm: float | None = None
     micro_batch_size: int | None = None
+    #: the script's own torch.optim call, as a spec mapping ({name: AdamW, lr: 0.001})
+    optimizer_call: dict | None = None
     uses_fp16: bool = False
     uses_bf16: bool = False
     notes: list[str] = field(default_factory=list)
@@ -81,6 +83,7 @@ def inspect_file(path: Path) -> Found:
         found.max_grad_norm = float(given["max_grad_norm"])
     if float(given.get("micro_batch_size", 0.5)).is_integer():
         found.micro_batch_size = int(given["micro_batch_size"])
+    found.optimizer_call = given.get("optimizer")
     return found
 
 
@@ -187,6 +190,11 @@ def starter_spec(found: Found | None, project_root: str) -> str:
                      "the weighting you intend")
     if f and f.optimizer:
         lines.append(f"optimizer: {f.module}:{f.optimizer}   # (model) -> optimizer(s)")
+    elif f and f.optimizer_call:
+        call = f.optimizer_call
+        shown = ", ".join(f"{k}: {v}" for k, v in call.items())   # (a class name, a number)
+        lines.append(f"optimizer: {{{shown}}}   # as your script builds it; or "
+                     "module:fn(model) -> optimizer(s)")
     else:
         lines.append("optimizer: {name: AdamW, lr: 1.0e-3}   # a torch.optim class and its "
                      "arguments, or module:fn(model) -> optimizer(s)")

@@ -195,10 +195,13 @@ def test_init_fills_the_spec_from_the_option_defaults(tmp_path):
     spec = yaml.safe_load((tmp_path / "a.yaml").read_text())
     assert (spec["accumulation_steps"], spec["micro_batch_size"], spec["max_grad_norm"]) == (
         4, 8, 1.0)
+    assert spec["optimizer"] == {"name": "SGD", "lr": 0.05}   # lr=args.lr: --lr's default
     result = run_cli("init", NANOGPT, "-o", tmp_path / "n.yaml")
     assert "--reference-args '--gradient_accumulation_steps=1 --batch_size=16' --" in \
         result.stdout
-    assert yaml.safe_load((tmp_path / "n.yaml").read_text())["micro_batch_size"] == 4
+    nanogpt = yaml.safe_load((tmp_path / "n.yaml").read_text())
+    assert nanogpt["micro_batch_size"] == 4
+    assert nanogpt["optimizer"] == {"name": "AdamW", "lr": 0.006}   # lr=learning_rate
 
 
 def test_a_run_past_its_time_bound_is_stopped_exit_3(tmp_path):
