@@ -198,16 +198,29 @@ def _git_commit(root) -> str | None:
 
 
 def new_record(spec: Spec, device: str) -> dict[str, Any]:
+    return blank_record(spec=str(spec.spec_path) if spec.spec_path else None, source={},
+                        name=spec.display_name, device=device,
+                        accumulation_steps=spec.accumulation_steps,
+                        optimizer_steps=spec.optimizer_steps,
+                        micro_batch_size=spec.micro_batch_size, environment=environment(spec))
+
+
+def blank_record(*, spec: str | None, source: dict[str, Any], name: str, device: str,
+                 accumulation_steps: int | None, optimizer_steps: int,
+                 micro_batch_size: int | None, environment: dict[str, Any]) -> dict[str, Any]:
+    """The record before any rung ran (verdict "error" until it is filled), for a spec or,
+    with `source` (script, args, reference_args) after `spec`, a script."""
     return {
         "record_version": 1,
         "ampdoctor_version": __version__,
-        "spec": str(spec.spec_path) if spec.spec_path else None,
-        "name": spec.display_name,
+        "spec": spec,
+        **source,
+        "name": name,
         "device": device,
         "cuda_available": device.startswith("cuda"),
-        "accumulation_steps": spec.accumulation_steps,
-        "optimizer_steps": spec.optimizer_steps,
-        "micro_batch_size": spec.micro_batch_size,
+        "accumulation_steps": accumulation_steps,
+        "optimizer_steps": optimizer_steps,
+        "micro_batch_size": micro_batch_size,
         "verdict": "error",
         "failed_rung": None,
         "rungs": [],
@@ -215,7 +228,7 @@ def new_record(spec: Spec, device: str) -> dict[str, Any]:
         "series": {"scale": [], "grad_norm_before_unscale": [], "grad_norm_after_unscale": [],
                    "skipped": []},
         "error": None,
-        "environment": environment(spec),
+        "environment": environment,
     }
 
 

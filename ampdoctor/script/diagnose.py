@@ -12,37 +12,21 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import __version__
 from ..errors import AmpdoctorError, UserCodeError, format_traceback
 from ..findings import RungResult
 from .session import Command, ScriptSession
 
 
 def new_record(command: Command) -> dict[str, Any]:
-    from ..runner import environment
-    return {
-        "record_version": 1,
-        "ampdoctor_version": __version__,
-        "spec": None,
-        "script": command.script,
-        "args": list(command.args),
-        "reference_args": (list(command.reference_args) if command.reference_args is not None
-                           else None),
-        "name": os.path.splitext(os.path.basename(command.script))[0],
-        "device": "unknown",
-        "cuda_available": False,
-        "accumulation_steps": None,
-        "optimizer_steps": command.steps,
-        "micro_batch_size": None,
-        "verdict": "error",
-        "failed_rung": None,
-        "rungs": [],
-        "findings": [],
-        "series": {"scale": [], "grad_norm_before_unscale": [], "grad_norm_after_unscale": [],
-                   "skipped": []},
-        "error": None,
-        "environment": environment(None),
-    }
+    from ..runner import blank_record, environment
+    return blank_record(
+        spec=None,
+        source={"script": command.script, "args": list(command.args),
+                "reference_args": (list(command.reference_args)
+                                   if command.reference_args is not None else None)},
+        name=os.path.splitext(os.path.basename(command.script))[0], device="unknown",
+        accumulation_steps=None, optimizer_steps=command.steps, micro_batch_size=None,
+        environment=environment(None))
 
 
 def _count(n: int) -> str:
