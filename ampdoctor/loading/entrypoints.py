@@ -77,7 +77,7 @@ def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., An
             if "train_sampling_strategy" not in known:
                 # a transformers without the option: the same in-order sampler, set on the
                 # Trainer object ampdoctor was handed for this run
-                trainer._get_train_sampler = (  # noqa: SLF001
+                trainer._get_train_sampler = (
                     lambda *a, **k: SequentialSampler(trainer.train_dataset))
             trainer.train()
 

@@ -15,10 +15,18 @@ from types import FrameType, TracebackType
 _AMPDOCTOR_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
+_TORCH_DIRS: list[str] = []
+
+
 def _torch_dir() -> str:
-    """torch's own Python files (skipped when asking who called a torch function)."""
-    torch_file = getattr(sys.modules.get("torch"), "__file__", None)
-    return str(Path(torch_file).resolve().parent) + os.sep if torch_file else "\0"
+    """torch's own Python files (skipped when asking who called a torch function); read once
+    torch is imported."""
+    if not _TORCH_DIRS:
+        torch_file = getattr(sys.modules.get("torch"), "__file__", None)
+        if not torch_file:
+            return "\0"
+        _TORCH_DIRS.append(str(Path(torch_file).resolve().parent) + os.sep)
+    return _TORCH_DIRS[0]
 
 
 def _library_dirs() -> tuple[str, ...]:
