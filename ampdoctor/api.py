@@ -46,8 +46,10 @@ Verdict = Literal["healthy", "failed", "error"]
 ALIASES = {"steps": "optimizer_steps", "K": "accumulation_steps"}
 
 
-def load(spec: SpecLike, **overrides: Any) -> Spec:
-    """The validated spec, with `overrides` (spec keys, or `steps=`) applied."""
+def load(spec: SpecLike, *, origins: dict[str, str] | None = None, **overrides: Any) -> Spec:
+    """The validated spec, with `overrides` (spec keys, or `steps=`) applied. `origins`: spec
+    key -> where its override came from (the CLI's flag); by default the keyword (`steps=`),
+    which messages name instead of the spec's line."""
     if isinstance(spec, Spec):
         resolved = spec
     elif isinstance(spec, (str, os.PathLike)):
@@ -55,12 +57,15 @@ def load(spec: SpecLike, **overrides: Any) -> Spec:
     else:
         raise SpecError(f"ampdoctor.diagnose() takes a Spec or the path of a YAML spec, not a "
                         f"{type(spec).__name__}.")
+    came_from = {ALIASES.get(k, k): f"{k}=" for k in overrides}
+    came_from.update(origins or {})
     overrides = {ALIASES.get(k, k): v for k, v in overrides.items() if v is not None}
     unknown = sorted(k for k in overrides if k not in Spec.model_fields or k == "spec_path")
     if unknown:
         raise SpecError(f"unknown override(s) {', '.join(unknown)}: an override is a spec key "
                         f"({', '.join(k for k in Spec.model_fields if k != 'spec_path')}).")
-    return resolved.with_overrides(**overrides)
+    return resolved.with_overrides(
+        origins={k: came_from[k] for k in overrides if k in came_from}, **overrides)
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,8 @@ class Spec(_Strict):
     spec_path: Path | None = Field(default=None, exclude=True)
     #: callables given in code, by key (their `CodeRef` is the key's value)
     _callables: dict[str, Any] = PrivateAttr(default_factory=dict)
+    #: keys whose value came from an override, not the file: key -> where ("--steps")
+    _origins: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -144,11 +146,14 @@ class Spec(_Strict):
         """The object given in code for `key`, or None when the key is a reference string."""
         return self._callables.get(key)
 
-    def with_overrides(self, **overrides: Any) -> Spec:
+    def with_overrides(self, origins: dict[str, str] | None = None, **overrides: Any) -> Spec:
         """This spec with some keys replaced (the CLI's --steps, --device, ...), validated
-        again; SpecError naming the key when a value is not valid."""
+        again; SpecError naming the key and where its value came from when it is not valid.
+        `origins`: key -> where the value came from ("--steps"); by default `the override
+        KEY=`. Messages about an overridden key name that, never the file's line."""
         if not overrides:
             return self
+        came_from = {key: (origins or {}).get(key, f"the override {key}=") for key in overrides}
         data = self.model_dump(exclude={"spec_path"}, exclude_unset=True)
         data.update(self._callables)
         data.update(overrides)
@@ -156,9 +161,21 @@ class Spec(_Strict):
             spec = Spec.model_validate(data)
         except ValidationError as exc:
             raise SpecError("\n".join(validation_messages(
-                exc, Path("override"), {})), cause=exc) from exc
+                exc, Path("override"), {}, origins=came_from)), cause=exc) from exc
         spec.spec_path = self.spec_path
+        spec._origins = {**self._origins, **came_from}
         return spec
+
+    def origin(self, key: str) -> str | None:
+        """Where an overridden key's value came from ("--steps"); None when the file (or the
+        code that built the spec) gave it."""
+        return self._origins.get(key.split(".")[0])
+
+    def overridden(self) -> str:
+        """The overrides in effect, as messages state them: `optimizer_steps = 5 (from
+        --steps)`, joined with '; ' ('' when none)."""
+        return "; ".join(f"{key} = {_shown_value(getattr(self, key))} (from {where})"
+                         for key, where in self._origins.items())
 
     @field_validator("model", "data", "train_loop", "loss", mode="before")
     @classmethod
@@ -233,6 +250,12 @@ def _describe_location(loc: tuple[Any, ...], lines: dict[str, int]) -> tuple[str
     return key, line
 
 
+def _shown_value(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def _paragraph(path: Path, key: str, line: int | None, what: str) -> str:
     where = f"{path}:{line}" if line else str(path)
     return f"{where}: spec key '{key}': {what}"
@@ -244,9 +267,11 @@ MAX_SPEC_KEYS = 200
 MAX_SPEC_ERRORS = 20
 
 
-def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int]) -> list[str]:
+def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int],
+                        origins: dict[str, str] | None = None) -> list[str]:
     """One sentence per problem, each naming the key and the line (at most MAX_SPEC_ERRORS;
-    the rest are counted in a last line)."""
+    the rest are counted in a last line). A key in `origins` is named by where its value came
+    from (`--steps: spec key 'optimizer_steps': ...`), not by a line of the file."""
     messages: list[str] = []
     seen: set[str] = set()
     known = list(Spec.model_fields.keys())
@@ -275,7 +300,9 @@ def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int])
             shown = "" if isinstance(got, dict) or kind == "unknown_optimizer" \
                 else f" (got {got!r})"
             text = f"{msg}{shown}."
-        paragraph = _paragraph(path, key, line, text)
+        origin = (origins or {}).get(key.split(".")[0])
+        paragraph = (f"{origin}: spec key '{key}': {text}" if origin
+                     else _paragraph(path, key, line, text))
         if paragraph not in seen:
             seen.add(paragraph)
             messages.append(paragraph)
@@ -372,7 +399,7 @@ def to_wire(spec: Spec) -> str:
                             "importable module (or give 'module:function').")
     data = spec.model_dump(mode="json", exclude={"spec_path"}, exclude_unset=True)
     return json.dumps({"path": str(spec.spec_path) if spec.spec_path else None, "keys": data,
-                       "cwd": str(Path.cwd())})
+                       "cwd": str(Path.cwd()), "origins": spec._origins})
 
 
 def from_wire(text: str) -> Spec:
@@ -386,6 +413,7 @@ def from_wire(text: str) -> Spec:
         os.chdir(wire["cwd"])   # a spec built in code: project_root is relative to it
     spec = Spec.model_validate(wire["keys"])
     spec.spec_path = Path(wire["path"]) if wire["path"] else None
+    spec._origins = dict(wire.get("origins") or {})
     return spec
 
 

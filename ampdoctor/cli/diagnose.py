@@ -77,12 +77,18 @@ def diagnose(
                                   ci=CiOptions(strict, junit, sarif)))
 
 
+#: the spec key each override flag sets: messages name the flag, not the spec's line
+FLAGS = {"device": "--device", "precisions": "--precisions", "rungs": "--rungs",
+         "optimizer_steps": "--steps"}
+
+
 def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
                  overrides: dict[str, Any] | None = None, ci: CiOptions | None = None) -> int:
     """Load the spec (with the command line's overrides) and diagnose it; the exit code."""
     from ..api import load
     try:
-        spec = load(spec_path, **(overrides or {}))
+        spec = load(spec_path, origins={k: FLAGS[k] for k in overrides or {} if k in FLAGS},
+                    **(overrides or {}))
     except SpecError as exc:
         return fail(exc, debug)
 

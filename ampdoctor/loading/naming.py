@@ -12,12 +12,21 @@ from ..spec import Spec, spec_line
 
 def spec_where(spec: Spec, key: str) -> str:
     """`spec.yaml:LINE: ` for a message about `key` (the file alone when the line is unknown;
-    nothing for a spec that has no file)."""
+    nothing for a spec that has no file). A key whose value came from an override is named
+    with it (`device = 'cuda' (from --device): `), never at the file's line; a message about
+    a key of the file says which overrides were in effect."""
+    origin = spec.origin(key)
+    if origin is not None:
+        # the value is not the file's: name where it came from, not the file's line
+        top = key.split(".")[0]
+        return f"{top} = {getattr(spec, top)!r} (from {origin}): "
     if spec.spec_path is None:
         return ""
     line = spec_line(spec, key) or (spec_line(spec, key.split(".")[0]) if "." in key else None)
     path = shown(spec.spec_path)
-    return f"{path}:{line}: " if line else f"{path}: "
+    overridden = spec.overridden()
+    also = f", with {overridden}" if overridden else ""
+    return f"{path}:{line}{also}: " if line else f"{path}{also}: "
 
 
 
