@@ -1,6 +1,8 @@
-"""Progress of a diagnose, for the CLI's stderr line: which rung, which precision, which
-optimizer step of the run in progress. The probe reports each optimizer step it sees through
-`step()`; nothing is reported (and nothing costs) when no listener is set."""
+"""Progress of a diagnose, for the CLI's stderr line: which rung (its place among the rungs
+that will run), which precision, which optimizer step of the run in progress, and an estimate
+of the time left from the rungs run so far. The probe reports each optimizer step it sees
+through `optimizer_stepped()`; nothing is reported (and nothing costs) when no listener is
+set."""
 
 from __future__ import annotations
 
@@ -26,9 +28,28 @@ def listening(listener: Callable[[dict[str, Any]], None] | None) -> Iterator[Non
         _listener = previous
 
 
+def plan(rung_ids: list[str]) -> None:
+    """The rungs this diagnose will run, in order (the others are skipped by the spec)."""
+    _state["plan"] = list(rung_ids)
+    _state["finished"] = []
+
+
 def rung(rung_id: str) -> None:
+    now = time.monotonic()
+    if "rung_started" in _state:        # the rung before this one has finished
+        _state.setdefault("finished", []).append(now - _state["rung_started"])
     _state["rung"] = rung_id
+    _state["rung_started"] = now
     _emit(precision=None, step=0, steps=None)
+
+
+def eta_s(finished: list[float], remaining: int, current_s: float) -> float | None:
+    """Seconds left: the mean time of the rungs finished so far for each rung not yet finished
+    (the current one included), less the time the current one has run; None before a rung
+    has finished (nothing to go by)."""
+    if not finished:
+        return None
+    return max(0.0, sum(finished) / len(finished) * remaining - current_s)
 
 
 def run_started(precision: str, steps: int | None) -> None:
@@ -49,7 +70,15 @@ def optimizer_stepped() -> None:
 def _emit(**fields: Any) -> None:
     if _listener is None:
         return
+    now = time.monotonic()
     event = {"rung": _state.get("rung"), **fields,
-             "elapsed_s": round(time.monotonic() - _state.get("started", time.monotonic()), 1)}
+             "elapsed_s": round(now - _state.get("started", now), 1)}
+    plan_ids = _state.get("plan") or []
+    if _state.get("rung") in plan_ids:
+        index = plan_ids.index(_state["rung"])
+        left = eta_s(_state.get("finished") or [], len(plan_ids) - index,
+                     now - _state.get("rung_started", now))
+        event.update(rung_index=index + 1, rungs=len(plan_ids),
+                     eta_s=None if left is None else round(left, 1))
     with contextlib.suppress(Exception):   # a broken progress display never stops a diagnose
         _listener(event)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -124,18 +125,29 @@ def test_overrides_change_the_run_and_bad_ones_are_usage_errors(tmp_path: Path) 
     assert bad.returncode == 2 and "5 x 4 x 8 = 160 are needed" in bad.stderr
 
 
-def test_progress_names_rung_precision_step_and_elapsed(tmp_path: Path) -> None:
-    # in a process of its own: the CLI shows at most one progress line a second, and a warm
-    # in-process run reaches step 0 within a second of the rung's own line
+def test_progress_in_a_log_is_one_line_per_rung_with_its_place_and_time_left(tmp_path: Path):
+    # stderr is not a terminal here: one line per rung that runs, none per optimizer step
     result = run_cli_process("diagnose", CONFIGS / "healthy_sgd.yaml", "--out", tmp_path,
-                     "--rungs", "fp32-accum")
+                             "--rungs", "reproducibility,fp32-accum,fp16-scaler")
     assert result.returncode == 0
-    lines = result.stderr.splitlines()
-    assert any(line.strip().startswith("rung fp32-accum") for line in lines)
-    progress = [line for line in lines if "optimizer step" in line]
-    assert progress, result.stderr
-    assert "rung fp32-accum  fp32  optimizer step 0/3" in progress[0]
-    assert progress[0].rstrip().endswith("s)")
+    progress = [line.strip() for line in result.stderr.splitlines()
+                if line.strip().startswith("rung ")]
+    assert [line.split(" · ")[0] for line in progress] == [
+        "rung 1/3 reproducibility", "rung 2/3 fp32-accum", "rung 3/3 fp16-scaler"]
+    assert progress[0].endswith("s so far")            # nothing finished to go by yet
+    assert all(re.search(r" · ~\d+ (s|min) left$", line) for line in progress[1:]), progress
+    assert not any("step" in line for line in progress)
+
+
+def test_the_live_line_names_the_step_and_the_time_left():
+    from ampdoctor.cli.progress_line import describe
+    from ampdoctor.progress import eta_s
+    event = {"rung": "bf16-no-scaler", "precision": "bf16", "step": 2, "steps": 3,
+             "rung_index": 3, "rungs": 7, "eta_s": 40.2, "elapsed_s": 12.0}
+    assert describe(event) == "rung 3/7 bf16-no-scaler · bf16 step 2/3 · ~40 s left"
+    # two rungs took 4 s and 6 s: five rungs left (the current one 1 s in) take ~24 s
+    assert eta_s([4.0, 6.0], 5, 1.0) == 24.0
+    assert eta_s([], 5, 1.0) is None
 
 
 def test_loop_error_names_the_innermost_frame_and_the_loops_line(tmp_path: Path) -> None:

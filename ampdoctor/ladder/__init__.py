@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from .. import progress
 from ..findings import RUNG_IDS, RungResult
 from .deadline import RungTimeout, deadline, timeout_result
 
@@ -34,6 +35,20 @@ RUNG_PRECISION = {"bf16-no-scaler": "bf16", "fp16-scaler": "fp16", "clip-space":
                   "skips": "fp16"}
 
 
+def _skipped(session, rung_id: str) -> RungResult | None:
+    """The skip of a rung the spec leaves out (`rungs`, or a precision it does not use)."""
+    wanted = RUNG_PRECISION.get(rung_id)
+    chosen = session.spec.rungs
+    if chosen is not None and rung_id not in chosen:
+        return RungResult(rung_id, "skip", f"not among the rungs asked for "
+                          f"({', '.join(chosen)})")
+    if wanted is not None and wanted not in session.spec.precisions:
+        return RungResult(rung_id, "skip", f"{wanted} is not in the spec's precisions "
+                          f"({', '.join(session.spec.precisions)}): this training does "
+                          f"not use it")
+    return None
+
+
 def run_ladder(session, on_start: Callable[[str], None] | None = None,
                on_done: Callable[[RungResult], None] | None = None) -> list[RungResult]:
     rungs = _rungs()
@@ -43,19 +58,14 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
     session.step_observer_for = StepJudge
     results: list[RungResult] = []
     failed = False
+    progress.plan([r for r in RUNG_IDS if _skipped(session, r) is None])
     for rung_id in RUNG_IDS:
         if failed:
             results.append(RungResult(rung_id, "not-run", "an earlier rung failed"))
             continue
-        wanted = RUNG_PRECISION.get(rung_id)
-        chosen = session.spec.rungs
-        if chosen is not None and rung_id not in chosen:
-            result = RungResult(rung_id, "skip", f"not among the rungs asked for "
-                                f"({', '.join(chosen)})")
-        elif wanted is not None and wanted not in session.spec.precisions:
-            result = RungResult(rung_id, "skip", f"{wanted} is not in the spec's precisions "
-                                f"({', '.join(session.spec.precisions)}): this training does "
-                                f"not use it")
+        skipped = _skipped(session, rung_id)
+        if skipped is not None:
+            result = skipped
         else:
             if on_start:
                 on_start(rung_id)
