@@ -61,7 +61,8 @@ def test_a_run_failing_at_fp32_accum_has_its_chart_and_source(tmp_path: Path) ->
     assert len(source["lines"]) == 7
     page = render_html(record)
     assert page.count("<svg") == 1             # the ratio chart of the one run that ran
-    assert "consumed / reference" in page and "gradient norm" in page and "optimizer step" in page
+    assert "update applied / reference update" in page and "optimizer step" in page
+    assert "ratio to the fp32 reference" in page
     assert 'class="hit"' in page
     # the terminal shows the same lines, the offending one marked
     text = run_cli("report", next(tmp_path.glob("*.json"))).stdout
@@ -142,9 +143,10 @@ def test_charts_are_deterministic_and_leave_rcparams_alone() -> None:
     assert dict(matplotlib.rcParams) == before
     assert "<script" not in first and "<?xml" not in first and "<!DOCTYPE svg" not in first
     # axes, units and the band are on the ratio chart; the scale axis is log2
-    for text in ("optimizer step", "consumed / reference", "gradient norm",
+    for text in ("optimizer step", "update applied / reference update",
+                 "ratio to the fp32 reference", "gradient L2 norm",
                  "tolerance band 0.95 to 1.05", "loss scale S (log2)", "step skipped (inf/NaN)",
-                 "before unscale_ (scaled: x S)", "after unscale_ (true)"):
+                 "at unscale_, before it (x S)", "at unscale_, after it (true)"):
         assert text in first, text
 
 

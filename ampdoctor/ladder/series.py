@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .. import thresholds
+from .. import compare, thresholds
 from ..judge import Judgement
+from ..judge_step import StepJudgement
 from ..probe.events import ScalerStep, Unscale, Update
 from ..session import Session, Trace
 
@@ -20,7 +21,8 @@ def _num(value: Any) -> float | None:
         number = float(value)
     except (TypeError, ValueError):
         return None
-    return round(number, 6) if math.isfinite(number) else None
+    # six significant digits, as a finding's evidence states them (a 1.5e-05 stays 1.5e-05)
+    return compare._round(number) if math.isfinite(number) else None
 
 
 def scaler_series(trace: Trace) -> dict[str, list[Any]]:
@@ -33,6 +35,20 @@ def scaler_series(trace: Trace) -> dict[str, list[Any]]:
         "grad_norm_after_unscale": [e.norm_after for e in unscales],
         "skipped": [bool(e.skipped) for e in trace.events_of(ScalerStep)],
     }
+
+
+def _seen(step: StepJudgement) -> float | None:
+    """The norm the last clip that bit saw (the one `preclip_ratio` divides), if one bit."""
+    if step.preclip_ratio is None:
+        return None
+    biting = [c for c in step.clips if c.bit]
+    return biting[-1].seen_true_norm if biting else None
+
+
+def _reference_norm(step: StepJudgement) -> float | None:
+    """The reference's unclipped norm that `preclip_ratio` divides by."""
+    seen = _seen(step)
+    return seen / step.preclip_ratio if seen and step.preclip_ratio else None
 
 
 def run_series(rung: str, trace: Trace, judgement: Judgement | None = None,
@@ -56,6 +72,11 @@ def run_series(rung: str, trace: Trace, judgement: Judgement | None = None,
             "bad": [bool(s.bad) for s in judgement.steps],
             # the step's ratio is the norm a clip that bit saw over the unclipped reference's
             "preclip": [s.preclip_ratio is not None for s in judgement.steps],
+            # what the step applied: the consumed update over the (clipped) reference's
+            "update_ratio": [_num(s.metrics.ratio) for s in judgement.steps],
+            # a clip that bit: the norm it saw (true space) and the reference's unclipped norm
+            "clip_norm": [_num(_seen(s)) for s in judgement.steps],
+            "reference_norm": [_num(_reference_norm(s)) for s in judgement.steps],
             "band": [round(1 - rtol, 6), round(1 + rtol, 6)],
         })
         if judgement.precision != "fp32":

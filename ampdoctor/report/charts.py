@@ -1,10 +1,14 @@
 """The postmortem's charts: matplotlib figures rendered to inline SVG (Agg, no display).
 
-Per judged run: the consumed/reference gradient-norm ratio of every optimizer step with the
-tolerance band; for runs with an enabled GradScaler, the loss scale on a log axis with the
-skipped steps marked, and the gradient norm before and after unscale_. Nothing from the
-record's text is drawn: titles and labels are fixed strings (the page shows the run's label as
-escaped HTML), the numbers are numbers. matplotlib is imported only here, only for --html.
+Per judged run: the update each optimizer step applied over the fp32 reference's (and, where a
+clip bit, the norm the clip saw over the reference's unclipped norm) with the tolerance band;
+for runs with an enabled GradScaler, the loss scale on a log axis with the skipped steps
+marked; and the gradient norms: the one a clip saw, the reference's, and the norm at unscale_
+before and after it. Each chart is first a `Chart` (what it plots, under which labels): the
+SVG is drawn from it and the page prints the same values under the chart, so a number the
+chart shows is the number the finding's text states. Nothing from the record's text is drawn:
+titles and labels are fixed strings (the page shows the run's label as escaped HTML), the
+numbers are numbers. matplotlib is imported only here, only for --html.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .. import thresholds
@@ -71,89 +76,183 @@ def _svg(fig) -> str:
     return text
 
 
-def ratio_chart(run: dict[str, Any]) -> str | None:
+@dataclass(frozen=True)
+class Series:
+    """One plotted series: its legend label and its (optimizer step, value) points. `style`:
+    "line", "steps" (a step line), "ring" (hollow markers), "cross" or "skip" (markers)."""
+
+    label: str
+    points: tuple[tuple[int, float], ...]
+    style: str = "line"
+    color: str = BLUE
+    marker: str = "o"
+
+
+@dataclass(frozen=True)
+class Chart:
+    title: str
+    xlabel: str
+    ylabel: str
+    series: tuple[Series, ...]
+    bands: tuple[tuple[str, float, float, str, float], ...] = ()  # label, low, high, color, alpha
+    reference_line: float | None = None
+    yscale: str = "linear"          # "linear", "log" or "log2"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def ratio_data(run: dict[str, Any]) -> Chart | None:
+    """The update each step applied over the reference's; a clip that bit adds the norm it
+    saw over the reference's unclipped norm (where the factor of the bug shows). A record from
+    before `update_ratio` has only `ratio`: the pre-clip ratio where a clip bit."""
     ratios = run.get("ratio") or []
-    steps = run.get("step") or list(range(len(ratios)))
-    points = [(steps[i] if i < len(steps) else i, v) for i, v in _finite(ratios)]
-    if not points:
-        return None
-    fig, ax = _figure()
-    band = run.get("band") or []
-    if len(band) == 2 and all(isinstance(b, (int, float)) for b in band):
-        ax.axhspan(band[0], band[1], color=GREEN, alpha=0.15,
-                   label=f"tolerance band {band[0]:g} to {band[1]:g}")
-    noise = run.get("noise_band") or []
-    if len(noise) == 2 and all(isinstance(b, (int, float)) for b in noise):
-        ax.axhspan(noise[0], noise[1], color=GREY, alpha=0.08,
-                   label=f"precision noise if cosine >= {thresholds.NOISE_MIN_COSINE:g}:\n"
-                         f"{noise[0]:g} to {noise[1]:g}")
-    ax.axhline(1.0, color=GREEN, linewidth=0.8, linestyle="--", label="reference (1.0)")
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    ax.plot(xs, ys, marker="o", color=BLUE, linewidth=1.4, label="consumed / reference")
     preclip = run.get("preclip") or []
-    clipped = [(x, y) for (i, y), x in zip(_finite(ratios), xs, strict=True)
-               if i < len(preclip) and preclip[i] is True]
-    if clipped:
-        ax.scatter([p[0] for p in clipped], [p[1] for p in clipped], marker="o", s=110,
-                   facecolors="none", edgecolors=GREY, zorder=3,
-                   label="norm a clip saw, before clipping")
+    update = run.get("update_ratio")
+    steps = run.get("step") or []
     bad = run.get("bad") or []
-    flagged = [(x, y) for (i, y), x in zip(_finite(ratios), xs, strict=True)
-               if i < len(bad) and bad[i]]
+    applied, seen, flagged = [], [], []
+    for i in range(max(len(ratios), len(update or []))):
+        x = steps[i] if i < len(steps) and isinstance(steps[i], int) else i
+        clipped = i < len(preclip) and preclip[i] is True
+        ratio = ratios[i] if i < len(ratios) and _finite([ratios[i]]) else None
+        if update:
+            applied_value = update[i] if i < len(update) and _finite([update[i]]) else None
+        else:
+            applied_value = None if clipped else ratio
+        point_applied = (x, float(applied_value)) if applied_value is not None else None
+        point_seen = (x, float(ratio)) if clipped and ratio is not None else None
+        if point_applied:
+            applied.append(point_applied)
+        if point_seen:
+            seen.append(point_seen)
+        # a bad step is marked on its update, unless the update is in the band and the judge
+        # found it bad on the norm a clip saw (the clip hid the factor)
+        mark = point_applied
+        if point_seen and (mark is None or _in_band(run, mark[1])):
+            mark = point_seen
+        if i < len(bad) and bad[i] and mark:
+            flagged.append(mark)
+    if not applied and not seen:
+        return None
+    series = []
+    if applied:
+        series.append(Series("update applied / reference update", tuple(applied)))
+    if seen:
+        series.append(Series("norm a clip saw / reference norm\n(before clipping)", tuple(seen),
+                             style="ring", color=GREY))
     if flagged:
-        ax.scatter([p[0] for p in flagged], [p[1] for p in flagged], marker="x", color=RED,
-                   s=60, zorder=3, label="judged bad")
-    span = ys + [1.0]   # the reference line is on the chart too
-    if min(span) > 0 and max(span) / min(span) > 20:
-        ax.set_yscale("log")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("consumed / reference\ngradient norm")
-    _legend(ax)
-    return _svg(fig)
+        series.append(Series("judged bad", tuple(flagged), style="cross", color=RED, marker="x"))
+    bands = []
+    band = run.get("band") or []
+    if len(band) == 2 and all(_number(b) for b in band):
+        bands.append((f"tolerance band {band[0]:g} to {band[1]:g}", band[0], band[1], GREEN, 0.15))
+    noise = run.get("noise_band") or []
+    if len(noise) == 2 and all(_number(b) for b in noise):
+        bands.append((f"precision noise if cosine >= {thresholds.NOISE_MIN_COSINE:g}:\n"
+                      f"{noise[0]:g} to {noise[1]:g}", noise[0], noise[1], GREY, 0.08))
+    span = [v for _, v in applied + seen] + [1.0]   # the reference line is on the chart too
+    log = min(span) > 0 and max(span) / min(span) > 20
+    return Chart("update per optimizer step, over the fp32 reference's", "optimizer step",
+                 "ratio to the fp32 reference\n(1.0 is right)", tuple(series), tuple(bands),
+                 reference_line=1.0, yscale="log" if log else "linear")
 
 
-def scale_chart(run: dict[str, Any]) -> str | None:
-    scale = _finite(run.get("scale") or [])
-    scale = [(i, v) for i, v in scale if v > 0]
+def _in_band(run: dict[str, Any], value: float) -> bool:
+    band = run.get("band") or []
+    return len(band) == 2 and all(_number(b) for b in band) and band[0] <= value <= band[1]
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _at_steps(run: dict[str, Any], values: list[Any]) -> list[tuple[int, float]]:
+    """(the step's ordinal, value) for every finite value of a per-step series."""
+    steps = run.get("step") or []
+    return [(steps[i] if i < len(steps) and isinstance(steps[i], int) else i, v)
+            for i, v in _finite(values)]
+
+
+def scale_data(run: dict[str, Any]) -> Chart | None:
+    scale = [(i, v) for i, v in _finite(run.get("scale") or []) if v > 0]
     if not scale:
         return None
-    fig, ax = _figure()
-    ax.plot([i for i, _ in scale], [v for _, v in scale], marker="o", color=BLUE,
-            drawstyle="steps-post", linewidth=1.4, label="loss scale after update()")
-    ax.set_yscale("log", base=2)
+    series = [Series("loss scale after update()", tuple(scale), style="steps")]
     skipped = run.get("skipped") or []
     values = dict(scale)
     marks = [(i, values.get(i, scale[0][1])) for i, s in enumerate(skipped) if s]
     if marks:
-        ax.scatter([i for i, _ in marks], [v for _, v in marks], marker="v", color=RED, s=70,
-                   zorder=3, label="step skipped (inf/NaN)")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss scale S (log2)")
-    _legend(ax)
-    return _svg(fig)
+        series.append(Series("step skipped (inf/NaN)", tuple(marks), style="skip", color=RED,
+                             marker="v"))
+    return Chart("loss scale, skipped steps marked", "optimizer step", "loss scale S (log2)",
+                 tuple(series), yscale="log2")
 
 
-def norm_chart(run: dict[str, Any]) -> str | None:
-    before = [(i, v) for i, v in _finite(run.get("grad_norm_before_unscale") or []) if v > 0]
-    after = [(i, v) for i, v in _finite(run.get("grad_norm_after_unscale") or []) if v > 0]
-    if not before and not after:
+def norm_data(run: dict[str, Any]) -> Chart | None:
+    """Gradient L2 norms: the one a clip that bit saw (in true space when it knew the scale,
+    else in the space it clipped in) and the reference's unclipped one, per step; and the norm
+    at each unscale_, before it (still x S) and after it."""
+    series = []
+    for key, label, color, marker in (
+            ("clip_norm", "norm a clip saw", GREY, "D"),
+            ("reference_norm", "reference's norm (unclipped)", GREEN, "^")):
+        points = [(x, v) for x, v in _at_steps(run, run.get(key) or []) if v > 0]
+        if points:
+            series.append(Series(label, tuple(points), color=color, marker=marker))
+    for key, label, color, marker in (
+            ("grad_norm_before_unscale", "at unscale_, before it (x S)", RED, "o"),
+            ("grad_norm_after_unscale", "at unscale_, after it (true)", BLUE, "s")):
+        points = [(i, v) for i, v in _finite(run.get(key) or []) if v > 0]
+        if points:
+            series.append(Series(label, tuple(points), color=color, marker=marker))
+    if not series:
         return None
+    return Chart("gradient norms: what a clip saw, the reference's, at unscale_",
+                 "optimizer step", "gradient L2 norm (log)", tuple(series), yscale="log")
+
+
+def draw(chart: Chart) -> str:
+    """The chart as SVG: exactly its series, bands and labels."""
     fig, ax = _figure()
-    if before:
-        ax.plot([i for i, _ in before], [v for _, v in before], marker="o", color=RED,
-                linewidth=1.2, label="before unscale_ (scaled: x S)")
-    if after:
-        ax.plot([i for i, _ in after], [v for _, v in after], marker="s", color=BLUE,
-                linewidth=1.2, label="after unscale_ (true)")
-    ax.set_yscale("log")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("gradient L2 norm (log)")
+    for label, low, high, color, alpha in chart.bands:
+        ax.axhspan(low, high, color=color, alpha=alpha, label=label)
+    if chart.reference_line is not None:
+        ax.axhline(chart.reference_line, color=GREEN, linewidth=0.8, linestyle="--",
+                   label=f"reference ({chart.reference_line:g})")
+    for s in chart.series:
+        xs, ys = [p[0] for p in s.points], [p[1] for p in s.points]
+        if s.style == "ring":
+            ax.scatter(xs, ys, marker="o", s=110, facecolors="none", edgecolors=s.color,
+                       zorder=3, label=s.label)
+        elif s.style in ("cross", "skip"):
+            ax.scatter(xs, ys, marker=s.marker, color=s.color, s=60 if s.style == "cross" else 70,
+                       zorder=3, label=s.label)
+        else:
+            ax.plot(xs, ys, marker=s.marker, color=s.color, linewidth=1.4, label=s.label,
+                    **({"drawstyle": "steps-post"} if s.style == "steps" else {}))
+    if chart.yscale == "log2":
+        ax.set_yscale("log", base=2)
+    elif chart.yscale == "log":
+        ax.set_yscale("log")
+    ax.set_xlabel(chart.xlabel)
+    ax.set_ylabel(chart.ylabel)
     _legend(ax)
     return _svg(fig)
+
+
+def values_table(chart: Chart) -> tuple[list[int], list[tuple[str, list[str]]]]:
+    """What the page prints under a chart: the steps, and each series' value at each step as a
+    finding's text formats a number (4 significant digits; "" where it has none)."""
+    steps = sorted({x for s in chart.series for x, _ in s.points})
+    rows = []
+    for s in chart.series:
+        at = dict(s.points)
+        rows.append((s.label.replace("\n", " "),
+                     [f"{at[x]:.4g}" if x in at else "" for x in steps]))
+    return steps, rows
 
 
 def run_charts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each run: its rung, label and the charts it has ([(title, svg)])."""
+    """For each run: its rung, label and the charts it has ([(Chart, svg)])."""
     _agg()
     import matplotlib
     with matplotlib.rc_context(RC):
@@ -162,15 +261,14 @@ def run_charts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _run_charts(run: dict[str, Any]) -> dict[str, Any] | None:
     charts = []
-    for title, make in (("consumed / reference gradient per optimizer step", ratio_chart),
-                        ("loss scale, skipped steps marked", scale_chart),
-                        ("gradient norm before and after unscale_", norm_chart)):
+    for make in (ratio_data, scale_data, norm_data):
         try:
-            svg = make(run)
+            chart = make(run)
+            svg = draw(chart) if chart is not None else None
         except (ValueError, TypeError, OverflowError):   # a hand-edited record
-            svg = None
-        if svg:
-            charts.append((title, svg))
+            chart, svg = None, None
+        if chart is not None and svg:
+            charts.append((chart, svg))
     if not charts:
         return None
     return {"rung": run.get("rung", ""), "label": run.get("label", ""), "charts": charts}

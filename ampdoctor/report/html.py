@@ -48,7 +48,7 @@ def render_html(record: dict[str, Any]) -> str:
                       finalize=_visible)
     env.filters["css"] = _css
     env.filters["oneline"] = _oneline
-    from .charts import run_charts
+    from .charts import run_charts, values_table
     runs = record.get("runs") or []
     series = record.get("series") or {}
     if not runs and any(series.get(k) for k in ("scale", "grad_norm_after_unscale")):
@@ -59,7 +59,9 @@ def render_html(record: dict[str, Any]) -> str:
     charted.sort(key=lambda run: run["rung"] != record.get("failed_rung"))
     for run in charted:
         # matplotlib's SVG: numbers and fixed labels only (charts.py), so it is markup
-        run["charts"] = [(title, Markup(svg)) for title, svg in run["charts"]]
+        run["charts"] = [{"title": chart.title, "xlabel": chart.xlabel.replace("\n", " "),
+                          "ylabel": chart.ylabel.replace("\n", " "), "svg": Markup(svg),
+                          "values": values_table(chart)} for chart, svg in run["charts"]]
     template = env.get_template("report.html.j2")
     return template.render(record=record, runs=charted)
 
