@@ -7,8 +7,8 @@ Each committed record in tests/golden/ (`<name>.record.json`, produced once by t
 the real CLI, in this process (no torch: `report` does not need it):
 
 - `ampdoctor report RECORD` with NO_COLOR=1 and COLUMNS=100: `<name>.terminal.txt`. Output that
-  is not a terminal (this test's, a CI log's) gets whole lines, never wrapped: the CLI renders
-  it at a fixed width of its own, whatever COLUMNS says.
+  is not a terminal (this test's, a CI log's) is laid out at COLUMNS (100 when unset), its
+  summaries wrapped between words.
 - `ampdoctor report RECORD --html -o FILE`: `<name>.html`, each chart's SVG replaced by a
   placeholder before the comparison (below).
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from rich.console import Console
@@ -16,12 +17,29 @@ def stderr_console() -> Console:
     return Console(stderr=True)
 
 
+#: the width of output that is not a terminal (a pipe, a CI log) when COLUMNS does not say
+PIPED_WIDTH = 100
+#: COLUMNS below this is not honoured for piped output (a table would be unreadable)
+MIN_PIPED_WIDTH = 60
+
+
+def piped_width() -> int:
+    """Output that is not a terminal is laid out at COLUMNS when it is set (at least
+    MIN_PIPED_WIDTH), else at PIPED_WIDTH: tables stay readable in a log or a pager."""
+    try:
+        columns = int(os.environ.get("COLUMNS", ""))
+    except ValueError:
+        return PIPED_WIDTH
+    return columns if columns >= MIN_PIPED_WIDTH else PIPED_WIDTH
+
+
 def stdout_console() -> Console:
-    """The terminal wraps what it shows; piped or redirected output gets whole lines (one
-    finding's message on one line, greppable), never a wrap at 80 columns."""
+    """The terminal lays out at its width; piped or redirected output at `piped_width()`,
+    without colour. Either way a path or a number is never cut in the middle
+    (`report/terminal.py` gives the summary column room for its longest word)."""
     if sys.stdout.isatty():
         return Console()
-    return Console(width=100_000, no_color=True)
+    return Console(width=piped_width(), no_color=True)
 
 
 def fail(exc: AmpdoctorError, debug: bool) -> int:
@@ -36,7 +54,10 @@ def fail(exc: AmpdoctorError, debug: bool) -> int:
               3: "user code error"}.get(exc.exit_code, "error"))
     err.print(f"[bold red]ampdoctor: {label}:[/] ", end="", highlight=False)
     # (a spec error lists up to 20 problems; a user exception quoted in it is already cut)
-    err.print(inert(exc.message, limit=4 * MESSAGE_LIMIT), markup=False, highlight=False)
+    # not wrapped by rich: a path or a number in the message is never cut (a terminal wraps
+    # the line itself; a log keeps it whole)
+    err.print(inert(exc.message, limit=4 * MESSAGE_LIMIT), markup=False, highlight=False,
+              soft_wrap=True)
     return exc.exit_code
 
 

@@ -290,7 +290,7 @@ def save_and_show(record: dict[str, Any], out: Path, json_out: bool,
         render(record, stdout_console())
     if saved:
         err.print(inert(f"record saved to {path}"), highlight=False, markup=False,
-                  style="dim")
+                  style="dim", soft_wrap=True)
     else:
         err.print(inert(problem), highlight=False, markup=False, style="bold red")
     return saved

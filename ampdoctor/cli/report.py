@@ -72,7 +72,8 @@ def show_record(record: Path | None, html: bool, output: Path | None, json_out: 
         from ..report.html import write_html
         target = output or Path(path).with_suffix(".html")
         write_html(data, target)
-        stderr_console().print(inert(f"HTML report written to {target}"), highlight=False,
+        stderr_console().print(inert(f"HTML report written to {target}"), soft_wrap=True,
+                               highlight=False,
                                markup=False)
     elif json_out:
         sys.stdout.write(records.dumps(data))

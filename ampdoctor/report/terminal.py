@@ -93,10 +93,13 @@ def render(record: dict[str, Any], console: Console) -> None:
         return
 
     table = Table(show_header=True, header_style="bold", expand=False)
-    table.add_column("rung")
-    table.add_column("status")
-    table.add_column("time", justify="right")
-    table.add_column("summary", overflow="fold")
+    table.add_column("rung", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("time", justify="right", no_wrap=True)
+    # the summary wraps between words, never inside one: its column is at least as wide as
+    # its longest word (a path, a number), so rich never has to fold one
+    table.add_column("summary", overflow="fold", min_width=_longest_word(
+        _many(rung.get("summary", "")) for rung in record.get("rungs", [])))
     for rung in record.get("rungs", []):
         status = rung.get("status", "")
         # every value from the record is text, never rich markup ("[/]" in a message)
@@ -114,6 +117,17 @@ def render(record: dict[str, Any], console: Console) -> None:
     if verdict == "healthy" and not record.get("findings"):
         console.print("[green]No finding: accumulation and mixed precision match the fp32 "
                       "reference on every rung that ran.[/]")
+
+
+def _longest_word(texts: Any) -> int:
+    """The longest run of non-space characters (at most LONGEST_WORD): a column this wide
+    never folds a path or a number."""
+    return min(LONGEST_WORD, max((len(word) for text in texts for word in str(text).split()),
+                                 default=1))
+
+
+#: a word longer than this (a pasted blob) may still be folded
+LONGEST_WORD = 60
 
 
 def _finding_panel(finding: dict[str, Any]) -> Panel:
