@@ -45,6 +45,8 @@ class FindingModel(_Open):
     location: LocationModel | None = None
     source: SourceModel | None = None
     traceback: str | None = None
+    #: --keep-going: found by a rung that ran after the first failure
+    after_failure: bool = False
 
 
 class RungModel(_Open):
@@ -52,6 +54,8 @@ class RungModel(_Open):
     status: str
     summary: str = ""
     seconds: float = 0.0
+    #: --keep-going: this rung ran (or was skipped) after the first failure
+    after_failure: bool = False
 
 
 class ErrorModel(_Open):
@@ -100,6 +104,8 @@ class RecordModel(_Open):
     verdict: Literal["healthy", "failed", "error"]
     exit_code: int | None = None
     failed_rung: str | None = None
+    #: --keep-going ran rungs after the first failure (present only then)
+    keep_going: bool = False
     accumulation_steps: int | str | None = None
     rungs: list[RungModel] = Field(default_factory=list)
     findings: list[FindingModel] = Field(default_factory=list)

@@ -233,14 +233,31 @@ def blank_record(*, spec: str | None, source: dict[str, Any], name: str, device:
 
 
 def fill_record(record: dict[str, Any], results: list[RungResult]) -> None:
+    """The rungs and findings into the record, and the verdict. Under keep_going the rungs
+    after the first failure are in it, each marked `after_failure` (and their findings too);
+    the verdict, `failed_rung` and so the exit code are the first failure's alone."""
     from .source_snippet import attach
-    record["rungs"] = [r.to_dict() for r in results]
-    record["findings"] = [f.to_dict() for r in results for f in r.findings]
-    for finding in record["findings"]:
-        attach(finding)
+    record["rungs"] = []
+    record["findings"] = []
+    for r in results:
+        rung = r.to_dict()
+        later = bool(rung["details"].pop("after_failure", False))
+        if later:
+            rung["after_failure"] = True
+        record["rungs"].append(rung)
+        for f in r.findings:
+            finding = f.to_dict()
+            if later:
+                finding["after_failure"] = True
+            attach(finding)
+            record["findings"].append(finding)
     failed = next((r for r in results if r.status == "fail"), None)
     record["failed_rung"] = failed.id if failed else None
-    loop_errors = [f for r in results for f in r.findings if f.kind == "loop-error"]
+    if any(r.get("after_failure") for r in record["rungs"]):
+        record["keep_going"] = True
+    # the verdict is the first failure's: what ran after it does not change it
+    decided = results[:results.index(failed) + 1] if failed else results
+    loop_errors = [f for r in decided for f in r.findings if f.kind == "loop-error"]
     if loop_errors:
         record["verdict"] = "error"
     else:

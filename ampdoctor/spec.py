@@ -88,6 +88,8 @@ class Spec(_Strict):
 
     #: the rungs to run (default: all); the others are reported as skipped
     rungs: list[str] | None = Field(default=None, min_length=1)
+    #: run every rung even after one failed (each later one marked "after a failure")
+    keep_going: bool = False
 
     # Filled in by load_spec, not by the user.
     spec_path: Path | None = Field(default=None, exclude=True)

@@ -52,6 +52,9 @@ def diagnose(
                                      "others are reported as skipped."),
     steps: int | None = typer.Option(None, "--steps", help="Override optimizer_steps (the "
                                      "slice must hold steps x K x b samples)."),
+    keep_going: bool = typer.Option(False, "--keep-going", help="Run every rung even after "
+                                    "one fails (each later rung marked 'after a failure'); "
+                                    "the exit code and failed_rung stay the first failure's."),
     strict: bool = typer.Option(False, "--strict", help="Warnings fail the run too (exit 1), "
                                 "for CI."),
     junit: Path | None = typer.Option(None, "--junit", metavar="FILE", help="Also write a "
@@ -71,7 +74,7 @@ def diagnose(
                                          "for script mode (`ampdoctor diagnose train.py -- "
                                          "ARGS`); a spec takes none"), debug))
     overrides = {"device": device, "precisions": _csv(precisions), "rungs": _csv(rungs),
-                 "optimizer_steps": steps}
+                 "optimizer_steps": steps, "keep_going": True if keep_going else None}
     raise typer.Exit(run_diagnose(spec, json_out, debug, out,
                                   {k: v for k, v in overrides.items() if v is not None},
                                   ci=CiOptions(strict, junit, sarif)))
@@ -79,7 +82,7 @@ def diagnose(
 
 #: the spec key each override flag sets: messages name the flag, not the spec's line
 FLAGS = {"device": "--device", "precisions": "--precisions", "rungs": "--rungs",
-         "optimizer_steps": "--steps"}
+         "optimizer_steps": "--steps", "keep_going": "--keep-going"}
 
 
 def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,

@@ -1,4 +1,6 @@
-"""The ladder (CONTRACT §3): rungs in order; the first that fails stops the ladder.
+"""The ladder (CONTRACT §3): rungs in order; the first that fails stops the ladder, unless
+the spec's `keep_going` (`--keep-going`) asks for every rung: then each rung after the first
+failure runs and is marked `after_failure` (its summary says so too).
 
 Each rung is `run(session) -> RungResult`. "Stop at the first failure" lives here only.
 """
@@ -58,9 +60,10 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
     session.step_observer_for = StepJudge
     results: list[RungResult] = []
     failed = False
+    keep_going = bool(getattr(session.spec, "keep_going", False))
     progress.plan([r for r in RUNG_IDS if _skipped(session, r) is None])
     for rung_id in RUNG_IDS:
-        if failed:
+        if failed and not keep_going:
             results.append(RungResult(rung_id, "not-run", "an earlier rung failed"))
             continue
         skipped = _skipped(session, rung_id)
@@ -84,8 +87,18 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
                 if torch.cuda.is_available() and torch.cuda.is_initialized():
                     result.details["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
             session.rung_done(rung_id)
+        if failed:
+            result = after_failure(result)
         results.append(result)
         if on_done:
             on_done(result)
-        failed = result.status == "fail"
+        failed = failed or result.status == "fail"
     return results
+
+
+def after_failure(result: RungResult) -> RungResult:
+    """A rung run (or skipped) after an earlier one failed, under keep_going: marked, so a
+    reader knows what it ran on (a loop already known to be wrong)."""
+    details = dict(result.details, after_failure=True)
+    summary = f"after a failure: {result.summary}" if result.summary else "after a failure"
+    return replace(result, summary=summary, details=details)
