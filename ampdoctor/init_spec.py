@@ -9,13 +9,18 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import init_script
+from . import init_loss, init_script
 from .errors import UsageError
 
 LOOP_PARAMS = ("model", "optimizer", "micro_batches", "run")
 K_NAMES = ("accumulation_steps", "gradient_accumulation_steps", "grad_accum_steps",
            "accum_iter", "accum_steps", "update_freq", "grad_accum")
 CLIP_NAMES = ("max_grad_norm", "clip_grad", "grad_clip", "clip_norm", "max_norm")
+#: what a spec without `loss` gives up, as init says it
+WITHOUT_LOSS = ("without `loss` the reference re-runs your loop at K = 1: it states no intended "
+                "weighting, and each step's weights and gradient are kept to be judged after "
+                "the run instead of inside its optimizer step")
+BATCH_NAMES = ("micro_batch_size", "batch_size", "per_device_train_batch_size")
 
 
 @dataclass
@@ -33,6 +38,8 @@ class Found:
     micro_batch_size: int | None = None
     #: the script's own torch.optim call, as a spec mapping ({name: AdamW, lr: 0.001})
     optimizer_call: dict | None = None
+    #: no loss function in the file: the one init proposes from the loop's own loss
+    loss_proposal: init_loss.LossProposal | None = None
     uses_fp16: bool = False
     uses_bf16: bool = False
     notes: list[str] = field(default_factory=list)
@@ -81,9 +88,11 @@ def inspect_file(path: Path) -> Found:
         found.accumulation_steps = int(k)
     if found.max_grad_norm is None and "max_grad_norm" in given:
         found.max_grad_norm = float(given["max_grad_norm"])
-    if float(given.get("micro_batch_size", 0.5)).is_integer():
+    if found.micro_batch_size is None and float(given.get("micro_batch_size", 0.5)).is_integer():
         found.micro_batch_size = int(given["micro_batch_size"])
     found.optimizer_call = given.get("optimizer")
+    if found.loss is None:
+        found.loss_proposal = init_loss.propose(tree)
     return found
 
 
@@ -122,6 +131,10 @@ def _find_setting(found: Found, node: ast.AST) -> None:
     if isinstance(node, (ast.Assign, ast.AnnAssign)):
         _find_assigned(found, node)
     elif isinstance(node, ast.Call):
+        # DataLoader(batch_size=8), TrainingArguments(gradient_accumulation_steps=4, ...)
+        for keyword in node.keywords:
+            if keyword.arg is not None:
+                _found_value(found, keyword.arg.lower(), _constant(keyword.value))
         callee = getattr(node.func, "attr", None) or getattr(node.func, "id", None)
         if callee in ("clip_grad_norm_", "clip_grads_with_norm_") and found.max_grad_norm is None:
             value = _constant(node.args[1] if len(node.args) > 1 else next(
@@ -143,14 +156,23 @@ def _find_assigned(found: Found, node: ast.Assign | ast.AnnAssign) -> None:
     value = _constant(node.value)
     for target in targets:
         named = getattr(target, "id", None) or getattr(target, "attr", None)
-        if value is None or named is None:
-            continue
-        name = named.lower()
-        if name in K_NAMES and found.accumulation_steps is None and value >= 1 \
-                and float(value).is_integer():
-            found.accumulation_steps = int(value)
-        if name in CLIP_NAMES and found.max_grad_norm is None and value > 0:
-            found.max_grad_norm = float(value)
+        if named is not None:
+            _found_value(found, named.lower(), value)
+
+
+def _found_value(found: Found, name: str, value: float | None) -> None:
+    """A literal K, micro-batch size or clip threshold under one of its usual names (the
+    first one found stays)."""
+    if value is None:
+        return
+    if name in K_NAMES and found.accumulation_steps is None and value >= 1 \
+            and float(value).is_integer():
+        found.accumulation_steps = int(value)
+    if name in BATCH_NAMES and found.micro_batch_size is None and value >= 1 \
+            and float(value).is_integer():
+        found.micro_batch_size = int(value)
+    if name in CLIP_NAMES and found.max_grad_norm is None and value > 0:
+        found.max_grad_norm = float(value)
 
 
 def starter_spec(found: Found | None, project_root: str) -> str:
@@ -185,6 +207,12 @@ def starter_spec(found: Found | None, project_root: str) -> str:
     if f and f.loss:
         lines.append(f"loss: {f.module}:{f.loss}   # (model, micro_batch) -> loss, or "
                      "(loss_sum, weight_sum): the weighting you intend")
+    elif f and f.loss_proposal:
+        lines += [f"# loss: {f.module}:{init_loss.NAME}   # proposed: add the function below "
+                  f"to {f.module}.py, then uncomment",
+                  f"#   ({WITHOUT_LOSS})",
+                  *[f"#   {line}" if line else "#" for line in
+                    f.loss_proposal.code.rstrip().splitlines()]]
     else:
         lines.append("# loss: models:loss_fn   # optional: (model, micro_batch) -> loss; states "
                      "the weighting you intend")

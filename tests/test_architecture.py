@@ -49,6 +49,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("static", ("ampdoctor.spec", "ampdoctor.spec_sections", "ampdoctor.spec_yaml",
                 "ampdoctor.record",
                 "ampdoctor.record_model", "ampdoctor.init_spec", "ampdoctor.init_script",
+                "ampdoctor.init_loss",
                 "ampdoctor.scan.*",
                 "ampdoctor.report.*")),
     ("maths", ("ampdoctor.compare", "ampdoctor.rng")),

@@ -34,6 +34,13 @@ def init(
                             f"it is, in script mode ({how}):"), markup=False, highlight=False)
             print(command)
     err.print(inert(f"wrote {target}"), markup=False, highlight=False)
+    if found is not None and found.loss_proposal is not None:
+        from ..init_spec import WITHOUT_LOSS
+        err.print(inert(f"proposed `loss` ({found.loss_proposal.source}): add this function to "
+                        f"{py_file}, then uncomment `loss:` in {target} ({WITHOUT_LOSS})."),
+                  markup=False, highlight=False, soft_wrap=True)
+        err.print(inert(found.loss_proposal.code, multiline=True), markup=False,
+                  highlight=False, soft_wrap=True)
     if found is not None:
         missing = [k for k in ("train_loop", "model", "data") if getattr(found, k) is None]
         if missing:
