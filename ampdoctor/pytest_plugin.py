@@ -9,6 +9,10 @@ or, without the fixture, `ampdoctor.assert_healthy(spec)` anywhere. A loop that 
 fails the test with the diagnosis as its whole message: kind, rung, evidence, the loop's
 file:line and the fix (no traceback through ampdoctor's own frames).
 
+A spec given as a relative path is found beside the test file first, then under pytest's
+rootdir, whatever the working directory (a test that names the spec next to it passes from
+any folder); a spec found in neither fails the test naming both paths tried.
+
 `--ampdoctor-records DIR` keeps every run record of the session in DIR (default: the test's
 tmp_path). Nothing here imports torch until a check runs.
 """
@@ -30,27 +34,54 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 class AmpdoctorFixture:
-    """What the `ampdoctor` fixture gives a test: the API, saving records in one folder."""
+    """What the `ampdoctor` fixture gives a test: the API, saving records in one folder, with
+    a relative spec path found beside the test file, then under the rootdir."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, test_dir: Path | None = None, rootdir: Path | None = None):
         self.out = out
+        self.bases = [b for b in (test_dir, rootdir) if b is not None]
+
+    def spec_path(self, spec: Any) -> Any:
+        """`spec` as the API takes it: a relative path resolved beside the test file, then
+        under the rootdir (the first that exists); a Spec or an absolute path as it is.
+        Fails the test, naming the paths tried, when neither holds it."""
+        if not isinstance(spec, (str, os.PathLike)) or Path(spec).is_absolute():
+            return spec
+        tried = []
+        for base in self.bases:
+            candidate = base / spec
+            if candidate.is_file():
+                return candidate
+            if candidate not in tried:
+                tried.append(candidate)
+        if not tried:
+            return spec
+        places = " or ".join(f"{p} ({why})" for p, why in zip(
+            tried, ("beside the test file", "under the rootdir"), strict=False))
+        pytest.fail(f"ampdoctor: spec {os.fspath(spec)!r} not found: looked for {places}; a "
+                    "relative spec path is read beside the test file, then under the rootdir, "
+                    "never the working directory", pytrace=False)
 
     def diagnose(self, spec: Any, **overrides: Any):
         """`ampdoctor.diagnose(spec, **overrides)`, the record saved under `self.out`."""
         from .api import diagnose
-        return diagnose(spec, out=self.out, **overrides)
+        return diagnose(self.spec_path(spec), out=self.out, **overrides)
 
     def assert_healthy(self, spec: Any, *, allow_warnings: bool = True, **overrides: Any):
         """Fail the test, with the diagnosis as the message, unless `spec` is healthy."""
         from .api import assert_healthy
-        return assert_healthy(spec, allow_warnings=allow_warnings, out=self.out, **overrides)
+        return assert_healthy(self.spec_path(spec), allow_warnings=allow_warnings, out=self.out,
+                              **overrides)
 
 
 @pytest.fixture
 def ampdoctor(request: pytest.FixtureRequest, tmp_path: Path) -> AmpdoctorFixture:
     """Diagnose a training loop from a test: `ampdoctor.assert_healthy("triage.yaml")`."""
     chosen = request.config.getoption("ampdoctor_records")
-    return AmpdoctorFixture(Path(chosen) if chosen else tmp_path / "ampdoctor-runs")
+    test_file = getattr(request, "path", None)
+    return AmpdoctorFixture(Path(chosen) if chosen else tmp_path / "ampdoctor-runs",
+                            Path(test_file).parent if test_file else None,
+                            Path(request.config.rootpath))
 
 
 def _is_unhealthy(exc: BaseException) -> bool:

@@ -85,3 +85,38 @@ def test_plugin_registers_through_the_entry_point(pytester: pytest.Pytester) -> 
     result.assert_outcomes(passed=1)
     help_text = pytester.runpytest_subprocess("--help").stdout.str()
     assert "--ampdoctor-records" in help_text
+
+
+def test_a_relative_spec_is_found_beside_the_test_file_then_under_the_rootdir(tmp_path,
+                                                                            monkeypatch):
+    from ampdoctor.pytest_plugin import AmpdoctorFixture
+    tests_dir, root = tmp_path / "proj" / "tests", tmp_path / "proj"
+    tests_dir.mkdir(parents=True)
+    (tests_dir / "near.yaml").write_text("x")
+    (root / "near.yaml").write_text("x")
+    (root / "top.yaml").write_text("x")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "cwd_only.yaml").write_text("x")
+    monkeypatch.chdir(elsewhere)             # the working directory is never looked in
+    fixture = AmpdoctorFixture(tmp_path / "runs", tests_dir, root)
+    assert fixture.spec_path("near.yaml") == tests_dir / "near.yaml"   # the test file's first
+    assert fixture.spec_path("top.yaml") == root / "top.yaml"
+    assert fixture.spec_path(str(root / "top.yaml")) == str(root / "top.yaml")   # absolute
+    with pytest.raises(pytest.fail.Exception) as missing:
+        fixture.spec_path("cwd_only.yaml")
+    message = str(missing.value)
+    assert f"{tests_dir / 'cwd_only.yaml'} (beside the test file)" in message
+    assert f"{root / 'cwd_only.yaml'} (under the rootdir)" in message
+
+
+def test_a_missing_spec_fails_the_test_naming_the_paths_tried(pytester: pytest.Pytester):
+    sub = pytester.mkdir("checks")
+    (sub / "test_missing.py").write_text(
+        "def test_missing(ampdoctor):\n    ampdoctor.assert_healthy('nowhere.yaml')\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "spec 'nowhere.yaml' not found" in text
+    assert str(sub / "nowhere.yaml") in text and str(pytester.path / "nowhere.yaml") in text
+    assert "Traceback" not in text
