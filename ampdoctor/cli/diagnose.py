@@ -22,6 +22,7 @@ from ..errors import AmpdoctorInterrupt, LaunchError, SpecError, UsageError, Use
 from ..safetext import inert
 from .ci_reports import CiOptions
 from .common import INTERNAL_ERROR, fail, internal, stderr_console, stdout_console
+from .completion import complete_rungs
 from .progress_line import ProgressLine
 
 
@@ -49,7 +50,8 @@ def diagnose(
                                           "e.g. fp32,bf16."),
     rungs: str | None = typer.Option(None, "--rungs", help="Run only these rungs, "
                                      "comma-separated, e.g. fp32-accum,fp16-scaler; the "
-                                     "others are reported as skipped."),
+                                     "others are reported as skipped.",
+                                     autocompletion=complete_rungs),
     steps: int | None = typer.Option(None, "--steps", help="Override optimizer_steps (the "
                                      "slice must hold steps x K x b samples)."),
     keep_going: bool = typer.Option(False, "--keep-going", help="Run every rung even after "

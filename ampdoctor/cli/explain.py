@@ -11,11 +11,13 @@ from rich.console import Console
 
 from ..errors import UsageError
 from .common import fail
+from .completion import complete_kind
 
 
 def explain(
     kind: str | None = typer.Argument(None, help="A diagnosis kind, e.g. clip-before-unscale "
-                                      "(none: list every kind)."),
+                                      "(none: list every kind).",
+                                      autocompletion=complete_kind),
     json_out: bool = typer.Option(False, "--json", help="Print the explanation as JSON."),
     list_all: bool = typer.Option(False, "--list", help="List every kind (with --json: every "
                                   "kind's full entry, `decided_in` included)."),
