@@ -98,8 +98,9 @@ def _loop_error(rung: str, message: str, evidence: dict[str, Any],
     """The `loop-error` finding of a child that hung or died, as its record holds it (the keys
     of a finding the child would have written itself)."""
     from .deciders import Observed, loop_error
+    from .enums import Severity
     from .findings import Location
-    seen = Observed(rung, "error", message, evidence=evidence,
+    seen = Observed(rung, Severity.ERROR, message, evidence=evidence,
                     location=Location(**location) if location else None, title=title, fix=fix)
     return loop_error(seen).to_dict()
 

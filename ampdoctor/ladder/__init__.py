@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+from ..enums import Status
 from ..findings import RUNG_IDS, RungResult
 from .deadline import RungTimeout, deadline, timeout_result
 
@@ -45,15 +46,15 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
     failed = False
     for rung_id in RUNG_IDS:
         if failed:
-            results.append(RungResult(rung_id, "not-run", "an earlier rung failed"))
+            results.append(RungResult(rung_id, Status.NOT_RUN, "an earlier rung failed"))
             continue
         wanted = RUNG_PRECISION.get(rung_id)
         chosen = session.spec.rungs
         if chosen is not None and rung_id not in chosen:
-            result = RungResult(rung_id, "skip", f"not among the rungs asked for "
+            result = RungResult(rung_id, Status.SKIP, f"not among the rungs asked for "
                                 f"({', '.join(chosen)})")
         elif wanted is not None and wanted not in session.spec.precisions:
-            result = RungResult(rung_id, "skip", f"{wanted} is not in the spec's precisions "
+            result = RungResult(rung_id, Status.SKIP, f"{wanted} is not in the spec's precisions "
                                 f"({', '.join(session.spec.precisions)}): this training does "
                                 f"not use it")
         else:

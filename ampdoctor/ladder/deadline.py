@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import deciders
 from ..deciders import Observed
+from ..enums import RungId, Severity, Status
 from ..errors import AmpdoctorInterrupt
 from ..findings import RungResult, location
 from ..probe import recorder
@@ -57,7 +58,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def timeout_result(rung: str, session, exc: RungTimeout) -> RungResult:
+def timeout_result(rung: RungId, session, exc: RungTimeout) -> RungResult:
     seconds = session.spec.timeout_s
     site = session.finder.from_frame(exc.frame)
     last = exc.last
@@ -70,10 +71,10 @@ def timeout_result(rung: str, session, exc: RungTimeout) -> RungResult:
                 f"backward pass(es).")
         evidence.update(last_event=last.kind, backwards=last.backwards,
                         microbatch=last.microbatch)
-    finding = deciders.loop_error(Observed(rung, "error",
+    finding = deciders.loop_error(Observed(rung, Severity.ERROR,
                       f"The {rung} rung did not finish within timeout_s = {seconds:g} s and was "
                       f"stopped.{where}{seen} A loop that never ends (a `while True` without "
                       "its exit, an iterator that never runs out) or a very slow one: raise "
                       "`timeout_s` in the spec if it is only slow.",
                       evidence=evidence, location=location(site)))
-    return RungResult(rung, "fail", f"stopped after {seconds:g} s (timeout_s)", [finding])
+    return RungResult(rung, Status.FAIL, f"stopped after {seconds:g} s (timeout_s)", [finding])

@@ -12,6 +12,7 @@ import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import Severity
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..probe.events import Backward, Clip, Event, Scale, ZeroGrad, of_type
@@ -92,7 +93,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         numbers = {"measured": compare._round(m.ratio), "expected": 1.0,
                    "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
                    "window": window, "accumulation_steps": K, "precision": precision}
-        return deciders.gradient_mismatch(Observed(rung, "error",
+        return deciders.gradient_mismatch(Observed(rung, Severity.ERROR,
                        f"Step {ordinal}: the optimizer consumed a gradient {m.rel_err:.3g} "
                        f"(relative) from the {precision} reference (norm ratio "
                        f"{m.ratio:.4g}, cosine {m.cosine:.4f}).",
@@ -165,7 +166,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         evidence.update({"measured": contributing, "expected": K,
                          "contributing_microbatches": contributing,
                          "norm_ratio": compare._round(measured_ratio)})
-        return deciders.zero_grad_inside_accumulation(Observed(rung, "error",
+        return deciders.zero_grad_inside_accumulation(Observed(rung, Severity.ERROR,
                        f"Step {ordinal}: zero_grad ran inside the accumulation window, so only "
                        f"{contributing} of {K} micro-batches reached the optimizer step "
                        f"({'before clipping, ' if clip_norm is not None else ''}gradient norm "
@@ -238,7 +239,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         if party is not None:
             evidence["framework"] = party[0]
             message += " " + party[1][0].upper() + party[1][1:]
-        return deciders.decide(kind, Observed(rung, "error", message, evidence=evidence,
+        return deciders.decide(kind, Observed(rung, Severity.ERROR, message, evidence=evidence,
                                               location=location(site), fix=fix))
     carried = carried_over(session, trace, step, names, user_u, full, cand_tol)
     if carried is not None:
@@ -251,7 +252,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         site = zero_grads[-1].site if partial and zero_grads else step.site
         which = (f"{len(carried)} of {len(names)} parameters ({', '.join(carried[:4])}"
                  + (", ..." if len(carried) > 4 else "") + ")") if partial else "every parameter"
-        return deciders.missing_zero_grad(Observed(rung, "error",
+        return deciders.missing_zero_grad(Observed(rung, Severity.ERROR,
                        f"Step {ordinal}: for {which} the optimizer consumed this window's "
                        f"reference gradient plus what step {ordinal - 1} already applied: .grad "
                        "is not cleared after an optimizer step"
@@ -268,7 +269,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         if counted is not None:
             count, what = counted
             evidence.update({"factor": compare._round(measured_ratio), "count": count})
-            return deciders.reduction_mismatch(Observed(rung, "error",
+            return deciders.reduction_mismatch(Observed(rung, Severity.ERROR,
                            f"Step {ordinal}: the gradient is {measured_ratio:.4g}x the reference "
                            f"({what}) with cosine {m.cosine:.5f}: the loss sums over "
                            "samples/elements instead of averaging.",
@@ -277,7 +278,8 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
     varying = varying_divisor(judgement, evidence, ordinal, measured_ratio)
     if varying is not None:
-        return deciders.reduction_mismatch(Observed(rung, "error", varying, evidence=evidence,
+        return deciders.reduction_mismatch(Observed(
+                       rung, Severity.ERROR, varying, evidence=evidence,
                        location=location(last_backward_site),
                        fix="Count the tokens (or samples) of the whole optimizer step once, "
                            "over all K micro-batches before the window, and divide every "
@@ -288,7 +290,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
         decider = (deciders.double_average if measured_ratio < 1
                    else deciders.missing_accumulation_average)
         evidence["factor"] = compare._round(measured_ratio)
-        return decider(Observed(rung, "error",
+        return decider(Observed(rung, Severity.ERROR,
                        f"Step {ordinal}: the optimizer consumed {measured_ratio:.4g}x the "
                        f"reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
                        f"{K / measured_ratio:.4g} instead of K={K}.",
@@ -301,13 +303,13 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                                                 full, rerun, cand_tol)
         if sums is not None:
             evidence.update(unaveraged.evidence(sums))
-            return deciders.missing_accumulation_average(Observed(rung, "error",
+            return deciders.missing_accumulation_average(Observed(rung, Severity.ERROR,
                            unaveraged.message(ordinal, K, sums, clip_norm,
                                               _clip_threshold(window_events),
                                               evidence.get("ratio_after_clip")),
                            evidence=evidence, location=location(last_backward_site),
                            fix=unaveraged.FIX if sums.weighting_differs else ""))
-    return deciders.gradient_mismatch(Observed(rung, "error",
+    return deciders.gradient_mismatch(Observed(rung, Severity.ERROR,
                    f"Step {ordinal} (window {window}) of the {precision} run: the gradient the "
                    f"optimizer consumed differs from the fp32 reference by {m.rel_err:.3g} "
                    f"(relative; tolerance {tol.rtol:g}), norm ratio {measured_ratio:.4g}, cosine "

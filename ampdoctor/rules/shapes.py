@@ -12,6 +12,7 @@ import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import Severity
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..loading import micro_batch_counts, micro_batch_size_of
@@ -45,7 +46,7 @@ def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, cal
                    f"loss scale {call.scale:g}), so the threshold {call.threshold:g} was applied "
                    f"in scaled space and the update is {m.ratio:.4g}x the reference clipped at "
                    f"{call.threshold:g}.")
-    return deciders.clip_before_unscale(Observed(rung, "error", message, evidence=evidence,
+    return deciders.clip_before_unscale(Observed(rung, Severity.ERROR, message, evidence=evidence,
                    location=location(call.site)))
 
 

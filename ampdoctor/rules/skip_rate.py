@@ -14,6 +14,7 @@ import math
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import Severity
 from ..findings import Finding, location
 from ..probe.events import ScalerInit, ScalerStep, Update
 from ..session import Trace
@@ -91,7 +92,7 @@ def frequent_skips(plain: Trace, rung: str) -> Finding | None:  # noqa: C901 - t
             before = (f" (the {first_ok} skip(s) before it were the scale settling, not counted "
                       "here" + (f"; {excess} of them more than its halvings needed, a slow "
                                 "backoff_factor" if excess else "") + ")")
-        return deciders.frequent_skips(Observed(rung, "error",
+        return deciders.frequent_skips(Observed(rung, Severity.ERROR,
             f"After its first real update (step {first_ok}) the fp16 run skipped "
             f"{skipped_after} of the {len(after)} steps that followed "
             f"({skipped_after / len(after):.0%}, threshold "
@@ -100,7 +101,7 @@ def frequent_skips(plain: Trace, rung: str) -> Finding | None:  # noqa: C901 - t
             + before
             + (f"; the scale fell to {min(scales):g}" if collapsed else "") + ".",
             evidence=evidence, location=location(site)))
-    return deciders.frequent_skips(Observed(rung, "warning",
+    return deciders.frequent_skips(Observed(rung, Severity.WARNING,
         f"The fp16 run skipped {len(skipped)} of {len(steps)} optimizer steps "
         f"({rate:.0%}, threshold {thresholds.SKIP_RATE_THRESHOLD:.0%})"
         + (f" and the scale fell to {min(scales):g}" if collapsed else "")

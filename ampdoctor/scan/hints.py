@@ -35,6 +35,7 @@ from typing import Any
 
 from ampdoctor import deciders
 from ampdoctor.deciders import Observed
+from ampdoctor.enums import Severity
 from ampdoctor.findings import Finding, Location
 from ampdoctor.scan import hints_flow as flow
 from ampdoctor.scan.hints_flow import Assigns, Receivers
@@ -373,7 +374,7 @@ def hint_findings(scans: Any) -> list[Finding]:
     for path in sorted(scans):
         for hint in scans[path].hints:
             out.append(deciders.decide(hint.kind, Observed(
-                HINT_RUNG, "warning", hint.message, evidence=dict(hint.evidence),
+                HINT_RUNG, Severity.WARNING, hint.message, evidence=dict(hint.evidence),
                 location=Location(path, hint.line, hint.function, hint.code),
                 title=hint.title)))
     return out
