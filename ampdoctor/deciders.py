@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .findings import Finding, KindId, Location, Severity
+from .findings import Evidence, Finding, KindId, Location, Severity
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Observed:
     rung: str
     severity: Severity
     message: str
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence = field(default_factory=lambda: Evidence())
     location: Location | None = None
     title: str = ""
     fix: str = ""

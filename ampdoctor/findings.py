@@ -14,10 +14,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .enums import KindId, RungId, Severity, Status
+from .evidence import Evidence
 from .kinds import CATALOGUE, KINDS, RULES, Kind, Rule
 
 __all__ = ["Severity", "Status", "KindId", "RungId", "RUNG_IDS", "RUNG_STATUSES", "Kind",
-           "KINDS", "CATALOGUE", "Rule", "RULES", "Location", "location", "Finding",
+           "KINDS", "CATALOGUE", "Rule", "RULES", "Evidence", "Location", "location", "Finding",
            "RungResult", "conclude", "status_from_findings"]
 
 #: The rung ids, in ladder order (the order of `RungId`).
@@ -55,7 +56,7 @@ class Finding:
     kind: KindId
     severity: Severity
     message: str
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence = field(default_factory=lambda: Evidence())
     location: Location | None = None
     title: str = ""
     fix: str = ""

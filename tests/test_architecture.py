@@ -12,9 +12,9 @@ The layers, lowest first; a module may import from its own layer or a lower one,
 higher one (cycles within a layer are caught by the cycle check):
 
   foundation  pure Python, no torch: errors, safetext, limits, thresholds, the string enums
-              (enums), the findings types, the kind catalogue and the one decider per kind
-              (deciders), progress, memory, source_snippet, process_state, and the root package
-              (its `__version__`)
+              (enums), the typed evidence, the findings types, the kind catalogue and the one
+              decider per kind (deciders), progress, memory, source_snippet, process_state, and
+              the root package (its `__version__`)
   static      what runs without torch or the user's loop: the spec, the record, the static
               scan, the report (never any layer above: they must work without torch)
   maths       tensor maths without a run: compare, rng
@@ -45,9 +45,9 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("ampdoctor", "ampdoctor.errors", "ampdoctor.safetext", "ampdoctor.limits",
                     "ampdoctor.thresholds", "ampdoctor.findings", "ampdoctor.findings.*",
-                    "ampdoctor.kinds", "ampdoctor.enums", "ampdoctor.deciders",
-                    "ampdoctor.progress",
-                    "ampdoctor.memory", "ampdoctor.source_snippet", "ampdoctor.process_state")),
+                    "ampdoctor.kinds", "ampdoctor.enums", "ampdoctor.evidence",
+                    "ampdoctor.deciders", "ampdoctor.progress", "ampdoctor.memory",
+                    "ampdoctor.source_snippet", "ampdoctor.process_state")),
     ("static", ("ampdoctor.spec", "ampdoctor.spec_yaml", "ampdoctor.record",
                 "ampdoctor.record_model", "ampdoctor.init_spec", "ampdoctor.init_script",
                 "ampdoctor.scan.*",

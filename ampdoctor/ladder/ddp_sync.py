@@ -23,6 +23,7 @@ from ..ddp import launch
 from ..deciders import Observed
 from ..enums import RungId, Severity, Status
 from ..errors import LaunchError
+from ..evidence import Evidence
 from ..findings import Location, RungResult, conclude, location
 from ..probe.callsite import Site
 from ..spec import to_wire
@@ -228,7 +229,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     rank, r = min(bad_ranks.items()) if bad_ranks else (0, r0)
     first: Any = next((s for s in r["judged"] if s["bad"]),
                       r["judged"][apart[0]] if apart else None)
-    evidence = {"rank": rank, "step": r["judged"].index(first) if first else None,
+    evidence: Evidence = {"rank": rank, "step": r["judged"].index(first) if first else None,
                 "ratio": first and round(first["ratio"], 6),
                 "cosine": first and round(first["cosine"], 6),
                 "relative_error": first and round(first["relative_error"], 6),

@@ -18,6 +18,7 @@ from .. import deciders
 from ..deciders import Observed
 from ..enums import RungId, Severity, Status
 from ..errors import AmpdoctorInterrupt
+from ..evidence import Evidence
 from ..findings import RungResult, location
 from ..probe import recorder
 
@@ -64,13 +65,13 @@ def timeout_result(rung: RungId, session, exc: RungTimeout) -> RungResult:
     last = exc.last
     where = f" The loop was at {site.file}:{site.line} ({site.function})." if site else ""
     seen = ""
-    evidence: dict[str, Any] = {"timeout_s": seconds, "measured": seconds, "expected": None}
+    evidence: Evidence = {"timeout_s": seconds, "measured": seconds, "expected": None}
     if last is not None:
         at = f" at {last.site.file}:{last.site.line}" if last.site else ""
         seen = (f" The last call ampdoctor saw was {last.kind}{at}, after {last.backwards} "
                 f"backward pass(es).")
-        evidence.update(last_event=last.kind, backwards=last.backwards,
-                        microbatch=last.microbatch)
+        evidence.update({"last_event": last.kind, "backwards": last.backwards,
+                         "microbatch": last.microbatch})
     finding = deciders.loop_error(Observed(rung, Severity.ERROR,
                       f"The {rung} rung did not finish within timeout_s = {seconds:g} s and was "
                       f"stopped.{where}{seen} A loop that never ends (a `while True` without "

@@ -8,6 +8,7 @@ from collections import Counter
 from .. import compare, deciders
 from ..deciders import Observed
 from ..enums import RungId, Severity, Status
+from ..evidence import Evidence
 from ..findings import Finding, RungResult, conclude
 from ..probe.events import AutocastEntered, Backward
 from ..session import Session
@@ -99,7 +100,8 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
     first = entered[0]
     bad = judgement.first_bad
     dtype = first.dtype
-    evidence = {"measured": dtype, "expected": "no autocast", "autocast_entered": len(entered)}
+    evidence: Evidence = {"measured": dtype, "expected": "no autocast",
+                          "autocast_entered": len(entered)}
     severity: Severity
     if bad is not None:
         evidence.update({"step": bad.ordinal, "relative_error": compare._round(bad.metrics.rel_err),

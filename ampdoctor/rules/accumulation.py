@@ -6,13 +6,13 @@ does), and it never runs the user's loop (a re-split pass is asked of the rung d
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..enums import Severity
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..probe.events import Backward, Clip, Event, Scale, ZeroGrad, of_type
@@ -90,7 +90,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
     if snapshot is None:
         # judged as it happened in a group whose weights were gone by then (a second step of
         # the same optimizer without a backward between): the numbers, no explanation
-        numbers = {"measured": compare._round(m.ratio), "expected": 1.0,
+        numbers: Evidence = {"measured": compare._round(m.ratio), "expected": 1.0,
                    "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
                    "window": window, "accumulation_steps": K, "precision": precision}
         return deciders.gradient_mismatch(Observed(rung, Severity.ERROR,
@@ -143,7 +143,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
     found = compare.classify(user_u, full, hyps, cand_tol)
     measured_ratio = float(torch.linalg.vector_norm(user_u.double())) / max(
         float(torch.linalg.vector_norm(full.double())), 1e-30)
-    evidence: dict[str, Any] = {
+    evidence: Evidence = {
         "measured": compare._round(measured_ratio), "expected": 1.0,
         "tolerance": tol.rtol, **m.as_evidence(),
         "step": ordinal, "window": window, "accumulation_steps": K,
@@ -188,7 +188,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
                 if decided != found.kind:
                     hyp = tied[0]
                     found = compare.Classification(hyp.kind, hyp.label, found.rel_err,
-                                                   hyp.factor, dict(hyp.extra))
+                                                   hyp.factor, hyp.extra.copy())
     if found is not None:
         kind = found.kind
         if (kind in ("double-average", "weighted-average-mismatch") and ref.mode == "loop"

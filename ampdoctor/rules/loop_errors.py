@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from .. import deciders
 from ..deciders import Observed
 from ..enums import Severity
 from ..errors import exc_text, format_traceback, safe_repr, safe_str
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..probe.events import Backward, Event, OptimizerStep, ScalerStep, Unscale, Update
 from ..session import Trace
@@ -52,7 +52,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
             first = earlier[-1].site if earlier else None
             also = (f" The first call was at {first.file}:{first.line}; keep one of the two."
                     if first is not None and first != site else "")
-            evidence: dict[str, Any] = {"error": text, "measured": 2, "expected": 1,
+            evidence: Evidence = {"error": text, "measured": 2, "expected": 1,
                                         "unscale_calls_in_step": 2}
             if first is not None:
                 evidence["first_unscale"] = f"{first.file}:{first.line}"

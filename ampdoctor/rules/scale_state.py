@@ -6,13 +6,13 @@ trajectory itself (an update per micro-batch, a second scale) is the consequence
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..enums import Severity
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import judged_live
 from ..probe.callsite import Site
@@ -75,7 +75,7 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
         event = v.event
         window = min(trace.window_of_event(event) or 0, session.N - 1)
         scale = _last_scale_before(trace, event.seq)
-        evidence: dict[str, Any] = {"scale": scale, "window": window}
+        evidence: Evidence = {"scale": scale, "window": window}
         if v.kind == "clip-before-unscale":
             seen_norm = v.data.get("total_norm")
             true_norm = _reference_norm(session, trace, window)

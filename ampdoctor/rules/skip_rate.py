@@ -15,6 +15,7 @@ import math
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..enums import Severity
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..probe.events import ScalerInit, ScalerStep, Update
 from ..session import Trace
@@ -72,7 +73,7 @@ def frequent_skips(plain: Trace, rung: str) -> Finding | None:  # noqa: C901 - t
     if not (never_settled or unsettled or collapsed):
         return None
     site = inits[0].site if inits else (skipped[0].site if skipped else None)
-    evidence = {"measured": compare._round(rate), "expected": 0.0,
+    evidence: Evidence = {"measured": compare._round(rate), "expected": 0.0,
                 "threshold": thresholds.SKIP_RATE_THRESHOLD, "skipped": len(skipped),
                 "initial_search_skips": first_ok, "search_skips_beyond_halvings": excess,
                 "skipped_after_first_update": skipped_after,
