@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import thresholds
+from .evidence import Evidence
 
 #: Gradients (or weights) by parameter name; read only here.
 Grads = Mapping[str, "torch.Tensor | None"]
@@ -91,7 +92,7 @@ class Metrics:
     ok: bool
     allowed: float
 
-    def as_evidence(self) -> dict[str, float]:
+    def as_evidence(self) -> Evidence:
         return {"ratio": _round(self.ratio), "cosine": _round(self.cosine),
                 "relative_error": _round(self.rel_err), "norm_user": _round(self.norm_user),
                 "norm_reference": _round(self.norm_ref)}
@@ -234,7 +235,7 @@ class Hypothesis:
     label: str
     vector: torch.Tensor
     factor: float | None = None
-    extra: dict = field(default_factory=dict)
+    extra: Evidence = field(default_factory=lambda: Evidence())
 
 
 @dataclass
@@ -243,7 +244,7 @@ class Classification:
     label: str
     rel_err: float
     factor: float | None
-    extra: dict
+    extra: Evidence
 
 
 def window_hypotheses(per_mb: list[torch.Tensor], counts: list[float], weighted: bool,
@@ -288,7 +289,7 @@ def window_hypotheses(per_mb: list[torch.Tensor], counts: list[float], weighted:
         tail_eq = torch.stack(per_mb[j:]).sum(0) / K
         tail_plain = torch.stack(per_mb[j:]).sum(0)
         label = f"only micro-batches {j}..{K - 1} of the window"
-        extra = {"contributing_microbatches": K - j}
+        extra: Evidence = {"contributing_microbatches": K - j}
         out.append(Hypothesis("zero-grad-inside-accumulation", label + " (each / K)", tail_eq,
                               None, extra))
         out.append(Hypothesis("zero-grad-inside-accumulation", label, tail_plain, None, extra))
@@ -326,7 +327,7 @@ def classify(user: torch.Tensor, reference: torch.Tensor, hypotheses: list[Hypot
             continue
         err = float(torch.linalg.vector_norm(user.double() - target)) / norm_t
         if err <= tolerance and (best is None or err < best.rel_err):
-            best = Classification(hyp.kind, hyp.label, err, hyp.factor, dict(hyp.extra))
+            best = Classification(hyp.kind, hyp.label, err, hyp.factor, hyp.extra.copy())
     return best
 
 

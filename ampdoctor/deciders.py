@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .findings import Finding, Location, Severity
+from .findings import Evidence, Finding, KindId, Location, Severity
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Observed:
     rung: str
     severity: Severity
     message: str
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence = field(default_factory=lambda: Evidence())
     location: Location | None = None
     title: str = ""
     fix: str = ""
@@ -43,133 +43,133 @@ class Observed:
 
 def nondeterministic_baseline(seen: Observed) -> Finding:
     """`nondeterministic-baseline`: the fp32 reference is not repeatable."""
-    return Finding(seen.rung, "nondeterministic-baseline", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.NONDETERMINISTIC_BASELINE, seen.severity, **seen.fields())
 
 
 def missing_accumulation_average(seen: Observed) -> Finding:
     """`missing-accumulation-average`: the loss is not divided by the accumulation steps."""
-    return Finding(seen.rung, "missing-accumulation-average", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.MISSING_ACCUMULATION_AVERAGE, seen.severity, **seen.fields())
 
 
 def double_average(seen: Observed) -> Finding:
     """`double-average`: the gradient is averaged twice."""
-    return Finding(seen.rung, "double-average", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.DOUBLE_AVERAGE, seen.severity, **seen.fields())
 
 
 def reduction_mismatch(seen: Observed) -> Finding:
     """`reduction-mismatch`: the loss reduction does not match the averaging factor."""
-    return Finding(seen.rung, "reduction-mismatch", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.REDUCTION_MISMATCH, seen.severity, **seen.fields())
 
 
 def weighted_average_mismatch(seen: Observed) -> Finding:
     """`weighted-average-mismatch`: micro-batches are weighted equally although the loss is
     token/sample weighted."""
-    return Finding(seen.rung, "weighted-average-mismatch", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.WEIGHTED_AVERAGE_MISMATCH, seen.severity, **seen.fields())
 
 
 def step_per_microbatch(seen: Observed) -> Finding:
     """`step-per-microbatch`: the optimizer steps on every micro-batch."""
-    return Finding(seen.rung, "step-per-microbatch", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.STEP_PER_MICROBATCH, seen.severity, **seen.fields())
 
 
 def zero_grad_inside_accumulation(seen: Observed) -> Finding:
     """`zero-grad-inside-accumulation`: gradients are zeroed inside the accumulation window."""
-    return Finding(seen.rung, "zero-grad-inside-accumulation", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.ZERO_GRAD_INSIDE_ACCUMULATION, seen.severity, **seen.fields())
 
 
 def missing_no_sync(seen: Observed) -> Finding:
     """`missing-no-sync`: dDP synchronises gradients on the wrong micro-batches."""
-    return Finding(seen.rung, "missing-no-sync", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.MISSING_NO_SYNC, seen.severity, **seen.fields())
 
 
 def half_open_amp(seen: Observed) -> Finding:
     """`half-open-amp`: mixed precision is only half switched on (or off)."""
-    return Finding(seen.rung, "half-open-amp", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.HALF_OPEN_AMP, seen.severity, **seen.fields())
 
 
 def clip_before_unscale(seen: Observed) -> Finding:
     """`clip-before-unscale`: gradients are clipped while still scaled."""
-    return Finding(seen.rung, "clip-before-unscale", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.CLIP_BEFORE_UNSCALE, seen.severity, **seen.fields())
 
 
 def missing_unscale(seen: Observed) -> Finding:
     """`missing-unscale`: an optimizer steps on scaled gradients."""
-    return Finding(seen.rung, "missing-unscale", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.MISSING_UNSCALE, seen.severity, **seen.fields())
 
 
 def unscale_twice(seen: Observed) -> Finding:
     """`unscale-twice`: gradients are unscaled twice."""
-    return Finding(seen.rung, "unscale-twice", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.UNSCALE_TWICE, seen.severity, **seen.fields())
 
 
 def update_per_microbatch(seen: Observed) -> Finding:
     """`update-per-microbatch`: `scaler.update()` runs on every micro-batch."""
-    return Finding(seen.rung, "update-per-microbatch", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.UPDATE_PER_MICROBATCH, seen.severity, **seen.fields())
 
 
 def double_scaling(seen: Observed) -> Finding:
     """`double-scaling`: two loss-scale state machines on one loss."""
-    return Finding(seen.rung, "double-scaling", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.DOUBLE_SCALING, seen.severity, **seen.fields())
 
 
 def scheduler_per_microbatch(seen: Observed) -> Finding:
     """`scheduler-per-microbatch`: the LR scheduler steps on every micro-batch."""
-    return Finding(seen.rung, "scheduler-per-microbatch", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.SCHEDULER_PER_MICROBATCH, seen.severity, **seen.fields())
 
 
 def scheduler_steps_on_skip(seen: Observed) -> Finding:
     """`scheduler-steps-on-skip`: the LR scheduler steps when the optimizer step was skipped."""
-    return Finding(seen.rung, "scheduler-steps-on-skip", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.SCHEDULER_STEPS_ON_SKIP, seen.severity, **seen.fields())
 
 
 def no_zero_grad_after_skip(seen: Observed) -> Finding:
     """`no-zero-grad-after-skip`: gradients are not cleared after a skipped step."""
-    return Finding(seen.rung, "no-zero-grad-after-skip", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.NO_ZERO_GRAD_AFTER_SKIP, seen.severity, **seen.fields())
 
 
 def missing_zero_grad(seen: Observed) -> Finding:
     """`missing-zero-grad`: gradients are carried from one optimizer step into the next."""
-    return Finding(seen.rung, "missing-zero-grad", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.MISSING_ZERO_GRAD, seen.severity, **seen.fields())
 
 
 def frequent_skips(seen: Observed) -> Finding:
     """`frequent-skips`: fp16 skips updates too often."""
-    return Finding(seen.rung, "frequent-skips", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.FREQUENT_SKIPS, seen.severity, **seen.fields())
 
 
 def gradient_mismatch(seen: Observed) -> Finding:
     """`gradient-mismatch`: the update differs from the reference in no known shape."""
-    return Finding(seen.rung, "gradient-mismatch", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.GRADIENT_MISMATCH, seen.severity, **seen.fields())
 
 
 def loop_error(seen: Observed) -> Finding:
     """`loop-error`: the training loop raised an error."""
-    return Finding(seen.rung, "loop-error", seen.severity, **seen.fields())
+    return Finding(seen.rung, KindId.LOOP_ERROR, seen.severity, **seen.fields())
 
 
 #: kind -> its decider, for the observations that carry a kind as data.
 DECIDERS: dict[str, Callable[[Observed], Finding]] = {
-    "nondeterministic-baseline": nondeterministic_baseline,
-    "missing-accumulation-average": missing_accumulation_average,
-    "double-average": double_average,
-    "reduction-mismatch": reduction_mismatch,
-    "weighted-average-mismatch": weighted_average_mismatch,
-    "step-per-microbatch": step_per_microbatch,
-    "zero-grad-inside-accumulation": zero_grad_inside_accumulation,
-    "missing-no-sync": missing_no_sync,
-    "half-open-amp": half_open_amp,
-    "clip-before-unscale": clip_before_unscale,
-    "missing-unscale": missing_unscale,
-    "unscale-twice": unscale_twice,
-    "update-per-microbatch": update_per_microbatch,
-    "double-scaling": double_scaling,
-    "scheduler-per-microbatch": scheduler_per_microbatch,
-    "scheduler-steps-on-skip": scheduler_steps_on_skip,
-    "no-zero-grad-after-skip": no_zero_grad_after_skip,
-    "missing-zero-grad": missing_zero_grad,
-    "frequent-skips": frequent_skips,
-    "gradient-mismatch": gradient_mismatch,
-    "loop-error": loop_error,
+    KindId.NONDETERMINISTIC_BASELINE: nondeterministic_baseline,
+    KindId.MISSING_ACCUMULATION_AVERAGE: missing_accumulation_average,
+    KindId.DOUBLE_AVERAGE: double_average,
+    KindId.REDUCTION_MISMATCH: reduction_mismatch,
+    KindId.WEIGHTED_AVERAGE_MISMATCH: weighted_average_mismatch,
+    KindId.STEP_PER_MICROBATCH: step_per_microbatch,
+    KindId.ZERO_GRAD_INSIDE_ACCUMULATION: zero_grad_inside_accumulation,
+    KindId.MISSING_NO_SYNC: missing_no_sync,
+    KindId.HALF_OPEN_AMP: half_open_amp,
+    KindId.CLIP_BEFORE_UNSCALE: clip_before_unscale,
+    KindId.MISSING_UNSCALE: missing_unscale,
+    KindId.UNSCALE_TWICE: unscale_twice,
+    KindId.UPDATE_PER_MICROBATCH: update_per_microbatch,
+    KindId.DOUBLE_SCALING: double_scaling,
+    KindId.SCHEDULER_PER_MICROBATCH: scheduler_per_microbatch,
+    KindId.SCHEDULER_STEPS_ON_SKIP: scheduler_steps_on_skip,
+    KindId.NO_ZERO_GRAD_AFTER_SKIP: no_zero_grad_after_skip,
+    KindId.MISSING_ZERO_GRAD: missing_zero_grad,
+    KindId.FREQUENT_SKIPS: frequent_skips,
+    KindId.GRADIENT_MISMATCH: gradient_mismatch,
+    KindId.LOOP_ERROR: loop_error,
 }
 
 

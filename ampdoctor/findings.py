@@ -1,4 +1,4 @@
-"""The `Finding` / `RungResult` data every rung returns, and the rung ids.
+"""The `Finding` / `RungResult` data every rung returns, and the rung ids (`RungId`).
 
 What each kind means and how to fix it is said in one place, `kinds` (`ampdoctor explain KIND`
 prints it; `KINDS`, `CATALOGUE`, `RULES` are importable from here too); the rungs only decide
@@ -11,30 +11,20 @@ This module must not import torch: `report` and `explain` run without it.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
+from .enums import KindId, RungId, Severity, Status
+from .evidence import Evidence
 from .kinds import CATALOGUE, KINDS, RULES, Kind, Rule
 
-__all__ = ["Severity", "Status", "RUNG_IDS", "RUNG_STATUSES", "Kind", "KINDS", "CATALOGUE",
-           "Rule", "RULES", "Location", "location", "Finding", "RungResult", "conclude",
-           "status_from_findings"]
+__all__ = ["Severity", "Status", "KindId", "RungId", "RUNG_IDS", "RUNG_STATUSES", "Kind",
+           "KINDS", "CATALOGUE", "Rule", "RULES", "Evidence", "Location", "location", "Finding",
+           "RungResult", "conclude", "status_from_findings"]
 
-Severity = Literal["error", "warning"]
-Status = Literal["pass", "fail", "warn", "skip", "not-run"]
+#: The rung ids, in ladder order (the order of `RungId`).
+RUNG_IDS: tuple[RungId, ...] = tuple(RungId)
 
-#: The rung ids of CONTRACT §3, in ladder order.
-RUNG_IDS: tuple[str, ...] = (
-    "reproducibility",
-    "fp32-accum",
-    "bf16-no-scaler",
-    "fp16-scaler",
-    "double-scaling",
-    "clip-space",
-    "skips",
-    "ddp-sync",
-)
-
-RUNG_STATUSES: tuple[str, ...] = get_args(Status)
+RUNG_STATUSES: tuple[Status, ...] = tuple(Status)
 
 
 @dataclass(frozen=True)
@@ -61,11 +51,12 @@ def location(site: Any) -> Location | None:
 class Finding:
     """One diagnosis: a kind from the catalogue plus the numbers of this run."""
 
+    #: a `RungId`, or "scan" for a finding of the static scan
     rung: str
-    kind: str
+    kind: KindId
     severity: Severity
     message: str
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence = field(default_factory=lambda: Evidence())
     location: Location | None = None
     title: str = ""
     fix: str = ""
@@ -75,14 +66,18 @@ class Finding:
     def __post_init__(self) -> None:
         if self.kind not in CATALOGUE:
             raise ValueError(f"unknown finding kind {self.kind!r}")
-        if self.severity not in get_args(Severity):
+        if self.severity not in tuple(Severity):
             raise ValueError(f"unknown severity {self.severity!r}")
+        # a kind or severity given as its plain string (a record read back) becomes the member
+        object.__setattr__(self, "kind", KindId(self.kind))
+        object.__setattr__(self, "severity", Severity(self.severity))
         entry = CATALOGUE[self.kind]
         object.__setattr__(self, "title", self.title or entry.title)
         object.__setattr__(self, "fix", self.fix or entry.fix)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["kind"], data["severity"] = self.kind.value, self.severity.value
         if self.traceback is None:
             del data["traceback"]
         if self.location is not None:
@@ -94,32 +89,37 @@ class Finding:
 class RungResult:
     """What a rung established: its status, a one-line summary and its findings."""
 
-    id: str
+    id: RungId
     status: Status
     summary: str = ""
     findings: list[Finding] = field(default_factory=list)
     seconds: float = 0.0
     details: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # an id or status given as its plain string becomes the member (ValueError if unknown)
+        object.__setattr__(self, "id", RungId(self.id))
+        object.__setattr__(self, "status", Status(self.status))
+
     def to_dict(self) -> dict[str, Any]:
         return {
-            "id": self.id,
-            "status": self.status,
+            "id": self.id.value,
+            "status": self.status.value,
             "seconds": round(self.seconds, 3),
             "summary": self.summary,
             "details": self.details,
         }
 
 
-def conclude(rung: str, findings: list[Finding], summary_ok: str,
+def conclude(rung: RungId, findings: list[Finding], summary_ok: str,
              details: dict[str, Any] | None = None) -> RungResult:
     """A rung's result from its findings: failed on the first error (the summary names it),
     `warn` with the count of warnings, else `pass` with `summary_ok`."""
     status = status_from_findings(findings)
-    if status == "fail":
-        first = next(f for f in findings if f.severity == "error")
+    if status is Status.FAIL:
+        first = next(f for f in findings if f.severity is Severity.ERROR)
         summary = f"{first.kind}: {first.message}"   # whole: the terminal wraps it
-    elif status == "warn":
+    elif status is Status.WARN:
         summary = f"{summary_ok}; {len(findings)} warning(s)"
     else:
         summary = summary_ok
@@ -128,8 +128,8 @@ def conclude(rung: str, findings: list[Finding], summary_ok: str,
 
 def status_from_findings(findings: list[Finding]) -> Status:
     """`fail` on any error, `warn` on warnings only, else `pass`."""
-    if any(f.severity == "error" for f in findings):
-        return "fail"
+    if any(f.severity is Severity.ERROR for f in findings):
+        return Status.FAIL
     if findings:
-        return "warn"
-    return "pass"
+        return Status.WARN
+    return Status.PASS

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .enums import KindId
+
 
 @dataclass(frozen=True)
 class Kind:
     """One diagnosis kind: what it is, why it matters, and the fix."""
 
-    name: str
+    name: KindId
     title: str
     why: str
     fix: str
@@ -25,7 +27,7 @@ class Kind:
 #: Every diagnosis kind, in the order `ampdoctor explain` lists them.
 KINDS: tuple[Kind, ...] = (
     Kind(
-        "nondeterministic-baseline",
+        KindId.NONDETERMINISTIC_BASELINE,
         "The fp32 reference is not repeatable",
         "Two fp32 runs from identical weights and data give different gradients, so any later "
         "difference could be noise. Usually the loop (or the loss) draws random numbers outside "
@@ -44,7 +46,7 @@ KINDS: tuple[Kind, ...] = (
         "        loss = criterion(model(x), y) / K",
     ),
     Kind(
-        "missing-accumulation-average",
+        KindId.MISSING_ACCUMULATION_AVERAGE,
         "The loss is not divided by the accumulation steps",
         "K micro-batch gradients are summed, so the optimizer sees K times the full-batch "
         "gradient: "
@@ -60,7 +62,7 @@ KINDS: tuple[Kind, ...] = (
         "        scaler.step(optimizer); scaler.update(); optimizer.zero_grad()",
     ),
     Kind(
-        "double-average",
+        KindId.DOUBLE_AVERAGE,
         "The gradient is averaged twice",
         "The loss is divided by K and the gradient (or the loss again) is divided by K once more, "
         "so the update is K times too small. Under DDP: the loss divided by the world size on "
@@ -78,7 +80,7 @@ KINDS: tuple[Kind, ...] = (
         "    scaler.step(optimizer); scaler.update(); optimizer.zero_grad()",
     ),
     Kind(
-        "reduction-mismatch",
+        KindId.REDUCTION_MISMATCH,
         "The loss reduction does not match the averaging factor",
         "The loss sums over samples or tokens (`reduction='sum'`, `.sum()`) while the loop "
         "divides only by K, so the gradient is scaled by the number of samples (or tokens) per "
@@ -93,7 +95,7 @@ KINDS: tuple[Kind, ...] = (
         "scaler.scale(loss).backward()",
     ),
     Kind(
-        "weighted-average-mismatch",
+        KindId.WEIGHTED_AVERAGE_MISMATCH,
         "Micro-batches are weighted equally although the loss is token/sample weighted",
         "Each micro-batch loss is a weighted mean over its own tokens, then the K means are "
         "averaged "
@@ -109,7 +111,7 @@ KINDS: tuple[Kind, ...] = (
         "    scaler.scale(loss).backward()",
     ),
     Kind(
-        "step-per-microbatch",
+        KindId.STEP_PER_MICROBATCH,
         "The optimizer steps on every micro-batch",
         "The optimizer steps K times per window instead of once: each update uses one micro-batch, "
         "the effective batch is b instead of K*b and the scheduler and scaler run K times too "
@@ -125,7 +127,7 @@ KINDS: tuple[Kind, ...] = (
         "        optimizer.zero_grad()",
     ),
     Kind(
-        "zero-grad-inside-accumulation",
+        KindId.ZERO_GRAD_INSIDE_ACCUMULATION,
         "Gradients are zeroed inside the accumulation window",
         "`zero_grad` runs before the window is complete, so only the last micro-batch(es) reach "
         "the "
@@ -140,7 +142,7 @@ KINDS: tuple[Kind, ...] = (
         "        scaler.step(optimizer); scaler.update()",
     ),
     Kind(
-        "missing-no-sync",
+        KindId.MISSING_NO_SYNC,
         "DDP synchronises gradients on the wrong micro-batches",
         "Without `no_sync()` (or `require_backward_grad_sync = False`, or FSDP's "
         "`set_requires_gradient_sync(False)`) on the first K-1 micro-batches, DDP all-reduces K "
@@ -159,7 +161,7 @@ KINDS: tuple[Kind, ...] = (
         "    loss.backward()",
     ),
     Kind(
-        "half-open-amp",
+        KindId.HALF_OPEN_AMP,
         "Mixed precision is only half switched on (or off)",
         "The precision the run asks for and what the code does disagree: a GradScaler left enabled "
         "in bf16, autocast never entered, autocast with another dtype, fp16 without a scaler, or "
@@ -175,7 +177,7 @@ KINDS: tuple[Kind, ...] = (
         "    scaler.scale(loss).backward()",
     ),
     Kind(
-        "clip-before-unscale",
+        KindId.CLIP_BEFORE_UNSCALE,
         "Gradients are clipped while still scaled",
         "`clip_grad_norm_` runs before `scaler.unscale_`, so it sees gradients multiplied by the "
         "loss "
@@ -192,7 +194,7 @@ KINDS: tuple[Kind, ...] = (
         "    optimizer.zero_grad()",
     ),
     Kind(
-        "missing-unscale",
+        KindId.MISSING_UNSCALE,
         "An optimizer steps on scaled gradients",
         "The optimizer's `.step()` runs while its gradients are still multiplied by the loss scale "
         "(e.g. a second optimizer stepped directly instead of through `scaler.step`): its update "
@@ -207,7 +209,7 @@ KINDS: tuple[Kind, ...] = (
         "scaler.update()",
     ),
     Kind(
-        "unscale-twice",
+        KindId.UNSCALE_TWICE,
         "Gradients are unscaled twice",
         "`unscale_` (or a hand-written division by the scale) runs twice on the same gradients in "
         "one optimizer step, so they are divided by S twice.",
@@ -222,7 +224,7 @@ KINDS: tuple[Kind, ...] = (
         "scaler.step(optimizer)",
     ),
     Kind(
-        "update-per-microbatch",
+        KindId.UPDATE_PER_MICROBATCH,
         "`scaler.update()` runs on every micro-batch",
         "The scale is updated K times per optimizer step, so one overflowing micro-batch backs the "
         "scale off K times and growth happens K times too fast.",
@@ -236,7 +238,7 @@ KINDS: tuple[Kind, ...] = (
         "        optimizer.zero_grad()",
     ),
     Kind(
-        "double-scaling",
+        KindId.DOUBLE_SCALING,
         "Two loss-scale state machines on one loss",
         "The loss is scaled twice (two GradScalers, a GradScaler inside "
         "DeepSpeed/Trainer/accelerate/"
@@ -253,7 +255,7 @@ KINDS: tuple[Kind, ...] = (
         "scaler.scale(loss * static_loss_scale).backward()",
     ),
     Kind(
-        "scheduler-per-microbatch",
+        KindId.SCHEDULER_PER_MICROBATCH,
         "The LR scheduler steps on every micro-batch",
         "The scheduler advances K times per optimizer step, so warmup and decay run K times too "
         "fast.",
@@ -267,7 +269,7 @@ KINDS: tuple[Kind, ...] = (
         "        scaler.step(optimizer); scaler.update(); optimizer.zero_grad()",
     ),
     Kind(
-        "scheduler-steps-on-skip",
+        KindId.SCHEDULER_STEPS_ON_SKIP,
         "The LR scheduler steps when the optimizer step was skipped",
         "GradScaler skipped the update (inf/NaN gradients) but the scheduler still advanced, so "
         "the "
@@ -283,7 +285,7 @@ KINDS: tuple[Kind, ...] = (
         "    optimizer.zero_grad()",
     ),
     Kind(
-        "no-zero-grad-after-skip",
+        KindId.NO_ZERO_GRAD_AFTER_SKIP,
         "Gradients are not cleared after a skipped step",
         "After GradScaler skipped a step, the inf/NaN gradients stay in `.grad` and poison the "
         "next "
@@ -302,7 +304,7 @@ KINDS: tuple[Kind, ...] = (
         "optimizer.zero_grad()",
     ),
     Kind(
-        "missing-zero-grad",
+        KindId.MISSING_ZERO_GRAD,
         "Gradients are carried from one optimizer step into the next",
         "`.grad` is not cleared after an optimizer step (no `zero_grad`, or one that covers only "
         "part of the model), so every step re-applies the gradients of the windows before it: "
@@ -317,7 +319,7 @@ KINDS: tuple[Kind, ...] = (
         "    head.zero_grad()      # clears the head only (or no zero_grad at all)",
     ),
     Kind(
-        "frequent-skips",
+        KindId.FREQUENT_SKIPS,
         "fp16 skips updates too often",
         "Many optimizer steps are skipped for overflow, or the scale collapses: fewer real updates "
         "than the schedule assumes.",
@@ -329,7 +331,7 @@ KINDS: tuple[Kind, ...] = (
         "                              growth_interval=1)  # grows into overflow",
     ),
     Kind(
-        "gradient-mismatch",
+        KindId.GRADIENT_MISMATCH,
         "The update differs from the reference in no known shape",
         "The gradient the optimizer consumed differs from the fp32 full-batch reference beyond the "
         "tolerance, and the difference matches none of the known shapes (a factor K, 1/K, b, "
@@ -345,7 +347,7 @@ KINDS: tuple[Kind, ...] = (
         "        scaler.step(optimizer); scaler.update(); optimizer.zero_grad()",
     ),
     Kind(
-        "loop-error",
+        KindId.LOOP_ERROR,
         "The training loop raised an error",
         "The loop raised an exception ampdoctor does not recognise as one of the known mistakes "
         "(or hung past `timeout_s`, or a DDP rank raised or hung).",
@@ -369,7 +371,7 @@ class Rule:
     """Where a kind is decided and what its `evidence.measured` counts (the rule table: find a
     kind here, then open its decider)."""
 
-    kind: str
+    kind: KindId
     measured: str
     #: the one function that builds this kind's findings, importable as `module:function`
     decided_in: str
@@ -383,46 +385,49 @@ class Rule:
 #: rung measures it). tests/test_rules_table.py checks, by reading the source, that each kind's
 #: findings are built in its decider and nowhere else.
 RULES: dict[str, Rule] = {r.kind: r for r in [
-    Rule("nondeterministic-baseline", "relative difference of two fp32 runs at the same weights",
+    Rule(KindId.NONDETERMINISTIC_BASELINE,
+         "relative difference of two fp32 runs at the same weights",
          "ampdoctor.deciders:nondeterministic_baseline"),
-    Rule("missing-accumulation-average", "consumed / reference gradient norm (K)",
+    Rule(KindId.MISSING_ACCUMULATION_AVERAGE, "consumed / reference gradient norm (K)",
          "ampdoctor.deciders:missing_accumulation_average"),
-    Rule("double-average", "consumed / reference gradient norm (1/K; under DDP 1/world_size)",
+    Rule(KindId.DOUBLE_AVERAGE, "consumed / reference gradient norm (1/K; under DDP 1/world_size)",
          "ampdoctor.deciders:double_average"),
-    Rule("reduction-mismatch", "consumed / reference gradient norm (b, a token count)",
+    Rule(KindId.REDUCTION_MISMATCH, "consumed / reference gradient norm (b, a token count)",
          "ampdoctor.deciders:reduction_mismatch"),
-    Rule("weighted-average-mismatch", "consumed / reference gradient norm",
+    Rule(KindId.WEIGHTED_AVERAGE_MISMATCH, "consumed / reference gradient norm",
          "ampdoctor.deciders:weighted_average_mismatch"),
-    Rule("step-per-microbatch", "optimizer steps for the run's windows",
+    Rule(KindId.STEP_PER_MICROBATCH, "optimizer steps for the run's windows",
          "ampdoctor.deciders:step_per_microbatch"),
-    Rule("zero-grad-inside-accumulation", "micro-batches of the window that reached the step",
+    Rule(KindId.ZERO_GRAD_INSIDE_ACCUMULATION, "micro-batches of the window that reached the step",
          "ampdoctor.deciders:zero_grad_inside_accumulation"),
-    Rule("missing-no-sync", "syncs per window (bytes), the backward that synced, rank drift",
+    Rule(KindId.MISSING_NO_SYNC, "syncs per window (bytes), the backward that synced, rank drift",
          "ampdoctor.deciders:missing_no_sync"),
-    Rule("half-open-amp", "autocast entered/enabled (dtype)",
+    Rule(KindId.HALF_OPEN_AMP, "autocast entered/enabled (dtype)",
          "ampdoctor.deciders:half_open_amp"),
-    Rule("clip-before-unscale", "norm the clip saw / true norm (the loss scale S)",
+    Rule(KindId.CLIP_BEFORE_UNSCALE, "norm the clip saw / true norm (the loss scale S)",
          "ampdoctor.deciders:clip_before_unscale"),
-    Rule("missing-unscale", "consumed / reference gradient norm (S); steps on non-finite grads",
+    Rule(KindId.MISSING_UNSCALE,
+         "consumed / reference gradient norm (S); steps on non-finite grads",
          "ampdoctor.deciders:missing_unscale"),
-    Rule("unscale-twice", "unscale_ calls per step, or consumed / reference (1/S)",
+    Rule(KindId.UNSCALE_TWICE, "unscale_ calls per step, or consumed / reference (1/S)",
          "ampdoctor.deciders:unscale_twice"),
-    Rule("update-per-microbatch", "scale backoffs for one overflowing window",
+    Rule(KindId.UPDATE_PER_MICROBATCH, "scale backoffs for one overflowing window",
          "ampdoctor.deciders:update_per_microbatch"),
-    Rule("double-scaling", "effective loss scale; loss-scale owners on one path",
+    Rule(KindId.DOUBLE_SCALING, "effective loss scale; loss-scale owners on one path",
          "ampdoctor.deciders:double_scaling"),
-    Rule("scheduler-per-microbatch", "scheduler steps per optimizer step (LR off the schedule)",
+    Rule(KindId.SCHEDULER_PER_MICROBATCH,
+         "scheduler steps per optimizer step (LR off the schedule)",
          "ampdoctor.deciders:scheduler_per_microbatch"),
-    Rule("scheduler-steps-on-skip", "scheduler steps for the real optimizer steps",
+    Rule(KindId.SCHEDULER_STEPS_ON_SKIP, "scheduler steps for the real optimizer steps",
          "ampdoctor.deciders:scheduler_steps_on_skip"),
-    Rule("no-zero-grad-after-skip", "windows skipped after the injected one",
+    Rule(KindId.NO_ZERO_GRAD_AFTER_SKIP, "windows skipped after the injected one",
          "ampdoctor.deciders:no_zero_grad_after_skip"),
-    Rule("frequent-skips", "fraction of fp16 steps skipped",
+    Rule(KindId.FREQUENT_SKIPS, "fraction of fp16 steps skipped",
          "ampdoctor.deciders:frequent_skips"),
-    Rule("missing-zero-grad", "parameters whose .grad carried over a step",
+    Rule(KindId.MISSING_ZERO_GRAD, "parameters whose .grad carried over a step",
          "ampdoctor.deciders:missing_zero_grad"),
-    Rule("gradient-mismatch", "consumed / reference gradient norm, first bad step",
+    Rule(KindId.GRADIENT_MISMATCH, "consumed / reference gradient norm, first bad step",
          "ampdoctor.deciders:gradient_mismatch"),
-    Rule("loop-error", "the exception the loop raised",
+    Rule(KindId.LOOP_ERROR, "the exception the loop raised",
          "ampdoctor.deciders:loop_error"),
 ]}

@@ -8,9 +8,10 @@ import os
 import re
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
+    from .evidence import Evidence
     from .supervise import Watch
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
@@ -93,13 +94,14 @@ def _close_ladder(record: dict[str, Any], rung: str, summary: str,
     record["verdict"] = "error"
 
 
-def _loop_error(rung: str, message: str, evidence: dict[str, Any],
+def _loop_error(rung: str, message: str, evidence: Evidence,
                 location: dict[str, Any] | None, title: str, fix: str) -> dict[str, Any]:
     """The `loop-error` finding of a child that hung or died, as its record holds it (the keys
     of a finding the child would have written itself)."""
     from .deciders import Observed, loop_error
+    from .enums import Severity
     from .findings import Location
-    seen = Observed(rung, "error", message, evidence=evidence,
+    seen = Observed(rung, Severity.ERROR, message, evidence=evidence,
                     location=Location(**location) if location else None, title=title, fix=fix)
     return loop_error(seen).to_dict()
 
@@ -117,11 +119,12 @@ def hung_record(watch: Watch, elapsed: float, stacks: str) -> dict[str, Any]:
         steps = f"/{progress['steps']}" if progress.get("steps") else ""
         seen = (f" Its last progress was the {progress['precision']} run at optimizer step "
                 f"{progress.get('step', 0)}{steps}.")
-    evidence: dict[str, Any] = {key: timeout, "measured": round(elapsed, 1), "expected": None,
-                                "killed_after_s": round(elapsed, 1)}
+    # the bound is keyed by its own name: `timeout_s`, `ddp.timeout_s` or ampdoctor's start bound
+    evidence = cast("Evidence", {key: timeout, "measured": round(elapsed, 1), "expected": None,
+                                 "killed_after_s": round(elapsed, 1)})
     if progress:
-        evidence.update(last_precision=progress.get("precision"),
-                        last_step=progress.get("step"))
+        evidence.update({"last_precision": progress.get("precision"),
+                         "last_step": progress.get("step")})
     location = {"file": site[0], "line": site[1]} if site else None
     if watch.phase in ("starting", "loading", "finishing"):
         what = {"starting": "ampdoctor's start (the interpreter, importing torch)",

@@ -5,9 +5,9 @@ The contract's kinds are the table of docs/kinds.md (the user-facing copy); the 
 the registry (`RULES`) must hold exactly those. The source of ampdoctor/ is read with `ast`
 (nothing of it runs): every `Finding(...)` call, every finding record written as a dict with a
 literal `"kind"`, and every `replace(..., kind=...)` is a place that builds a finding. Each must
-name its kind as a literal and stand in the registered decider of that kind; a second place, a
-kind read from a variable, or a decider that never builds its kind fails with the kind and the
-file:line.
+name its kind as a literal (a string or `KindId.NAME`) and stand in the registered decider of
+that kind; a second place, a kind read from a variable, or a decider that never builds its kind
+fails with the kind and the file:line.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ampdoctor.deciders import Observed
-from ampdoctor.findings import CATALOGUE, RULES, Finding
+from ampdoctor.findings import CATALOGUE, RULES, Finding, KindId
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ampdoctor"
@@ -79,7 +79,14 @@ class Built:
 
 
 def _literal(node: ast.expr | None) -> str | None:
-    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+    """A string written in the source: a constant, or a member of `KindId` named as
+    `KindId.NAME` (its value)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "KindId" and node.attr in KindId.__members__):
+        return KindId[node.attr].value
+    return None
 
 
 def _called(call: ast.Call) -> str | None:
@@ -202,8 +209,8 @@ def test_a_kind_from_a_variable_or_a_hand_written_record_fails():
 def test_a_decider_that_builds_another_kind_fails_for_both_kinds():
     sources = package_sources()
     text = sources["ampdoctor/deciders.py"]
-    wrong = text.replace('Finding(seen.rung, "double-average"',
-                         'Finding(seen.rung, "missing-accumulation-average"', 1)
+    wrong = text.replace("Finding(seen.rung, KindId.DOUBLE_AVERAGE",
+                         "Finding(seen.rung, KindId.MISSING_ACCUMULATION_AVERAGE", 1)
     assert wrong != text
     sources["ampdoctor/deciders.py"] = wrong
     found = problems(sources)

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from ..enums import RungId
 from ..safetext import exc_text
 
-RUNG = "ddp-sync"
+RUNG = RungId.DDP_SYNC
 #: Calls per rank kept for the comparison of the ranks' call sequences.
 MAX_CALLS = 20_000
 

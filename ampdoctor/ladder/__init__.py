@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from .. import progress
+from ..enums import RungId, Status
 from ..findings import RUNG_IDS, RungResult
 from .deadline import RungTimeout, deadline, timeout_result
 
@@ -37,15 +38,15 @@ RUNG_PRECISION = {"bf16-no-scaler": "bf16", "fp16-scaler": "fp16", "clip-space":
                   "skips": "fp16"}
 
 
-def _skipped(session, rung_id: str) -> RungResult | None:
+def _skipped(session, rung_id: RungId) -> RungResult | None:
     """The skip of a rung the spec leaves out (`rungs`, or a precision it does not use)."""
     wanted = RUNG_PRECISION.get(rung_id)
     chosen = session.spec.rungs
     if chosen is not None and rung_id not in chosen:
-        return RungResult(rung_id, "skip", f"not among the rungs asked for "
+        return RungResult(rung_id, Status.SKIP, f"not among the rungs asked for "
                           f"({', '.join(chosen)})")
     if wanted is not None and wanted not in session.spec.precisions:
-        return RungResult(rung_id, "skip", f"{wanted} is not in the spec's precisions "
+        return RungResult(rung_id, Status.SKIP, f"{wanted} is not in the spec's precisions "
                           f"({', '.join(session.spec.precisions)}): this training does "
                           f"not use it")
     return None
@@ -64,7 +65,7 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
     progress.plan([r for r in RUNG_IDS if _skipped(session, r) is None])
     for rung_id in RUNG_IDS:
         if failed and not keep_going:
-            results.append(RungResult(rung_id, "not-run", "an earlier rung failed"))
+            results.append(RungResult(rung_id, Status.NOT_RUN, "an earlier rung failed"))
             continue
         skipped = _skipped(session, rung_id)
         if skipped is not None:

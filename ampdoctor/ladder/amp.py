@@ -19,6 +19,7 @@ import torch
 from .. import deciders, thresholds
 from ..compare import _round as compare_round
 from ..deciders import Observed
+from ..enums import RungId, Severity, Status
 from ..findings import Finding, RungResult, conclude
 from ..judge import tolerance
 from ..probe.callsite import Site
@@ -76,7 +77,7 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                  else loop_location(session, AUTOCAST_TEXT))
         seen = (f"autocast was entered {len(on_device)} time(s) but never enabled"
                 if on_device else "autocast was never entered")
-        findings.append(deciders.half_open_amp(Observed(rung, "error",
+        findings.append(deciders.half_open_amp(Observed(rung, Severity.ERROR,
             f"The {precision} run asked for autocast({want}) but {seen} on "
             f"{session.device.type}: every forward ran in fp32, so this 'mixed precision' run "
             "is really fp32" + (" with a loss scaler on top." if scalers else "."),
@@ -87,7 +88,7 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
         wrong = [e for e in enabled if e.dtype != want]
         if wrong:
             e = wrong[0]
-            findings.append(deciders.half_open_amp(Observed(rung, "error",
+            findings.append(deciders.half_open_amp(Observed(rung, Severity.ERROR,
                 f"The {precision} run entered autocast with dtype {e.dtype}, not "
                 f"{want}: the loop ignores run.autocast_dtype"
                 + (" and runs fp16 without the scaler it needs." if e.dtype == "float16"
@@ -96,7 +97,7 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                 location=location(e.site))))
     if precision == "bf16" and scalers:
         scaler = scalers[0]
-        findings.append(deciders.half_open_amp(Observed(rung, "warning",
+        findings.append(deciders.half_open_amp(Observed(rung, Severity.WARNING,
             "A GradScaler is enabled in the bf16 run. bf16 has fp32's exponent range and needs no "
             "loss scaling: the scaler only multiplies and divides, and its skipped steps hide real "
             "overflow. Enable it for fp16 only.",
@@ -107,7 +108,7 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     if precision == "fp16" and enabled and not scalers and not findings:
         e = enabled[0]
         inits = trace.events_of(ScalerInit)
-        findings.append(deciders.half_open_amp(Observed(rung, "error",
+        findings.append(deciders.half_open_amp(Observed(rung, Severity.ERROR,
             "The fp16 run enters autocast(float16) but no enabled GradScaler scales the loss: "
             "small fp16 gradients underflow to zero and overflow is never detected.",
             evidence={"measured": "no enabled scaler", "expected": "GradScaler enabled"},
@@ -127,7 +128,7 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
         first = direct[0]
         ratio = step_ratio(session, trace, first)
         scale = next((e.scale for e in trace.events_of(Scale) if e.scale), None)
-        return deciders.missing_unscale(Observed(rung, "error",
+        return deciders.missing_unscale(Observed(rung, Severity.ERROR,
                        f"optimizer.step() was called directly, never scaler.step(): the step "
                        f"applied gradients still multiplied by the loss scale {scale:g}"
                        + (f" ({ratio:.6g}x the reference)" if ratio else "")
@@ -142,7 +143,7 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
         site: Site | None = updates[-1].site if updates else trace.error_site
         last_step = max((e.seq for e in trace.events_of(ScalerStep)), default=-1)
         early = [e for e in trace.events_of(Update) if e.seq > last_step]
-        return deciders.update_per_microbatch(Observed(rung, "error",
+        return deciders.update_per_microbatch(Observed(rung, Severity.ERROR,
                        "scaler.update() was called again before any unscale_/step of the window: "
                        "torch refused it ('No inf checks were recorded prior to update'). The "
                        "scale must be updated once per optimizer step, not per micro-batch.",
@@ -190,7 +191,7 @@ def _backend_cannot(session: Session, trace: Trace) -> bool:
     return bool(_BACKEND_LIMITS.search(safe_str(exc)))
 
 
-def run_precision(session: Session, precision: str, rung: str) -> RungResult:
+def run_precision(session: Session, precision: str, rung: RungId) -> RungResult:
     trace = session.trace(precision)
     details: dict[str, Any] = {}
     if precision == "fp16":
@@ -200,21 +201,22 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
         details["series"] = series
     cast = weight_cast_finding(session, trace, rung)
     if cast is not None:   # explains an error it caused (GradScaler refusing fp16 gradients)
-        return RungResult(rung, "fail", f"the {precision} loop casts the model's weights to "
+        return RungResult(rung, Status.FAIL, f"the {precision} loop casts the model's weights to "
                           f"{cast.evidence['measured']} ({cast.kind})", [cast], details=details)
     if trace.error is not None and _backend_cannot(session, trace):
-        return RungResult(rung, "skip", f"torch on {session.device.type} cannot run this model in "
-                          f"{precision}: {(safe_str(trace.error).splitlines() or [''])[0][:160]}",
+        first = (safe_str(trace.error).splitlines() or [''])[0][:160]
+        return RungResult(rung, Status.SKIP, f"torch on {session.device.type} cannot run this "
+                          f"model in {precision}: {first}",
                           details=details)
     if trace.error is not None:
         finding = _map_loop_error(session, trace, rung)
-        return RungResult(rung, "fail", f"the {precision} loop raised ({finding.kind})",
+        return RungResult(rung, Status.FAIL, f"the {precision} loop raised ({finding.kind})",
                           [finding], details=details)
     changed = framework_change(trace)
     if changed is not None:
         reason, framework = changed
         details["framework_precision"] = framework
-        return RungResult(rung, "skip", reason, details=details)
+        return RungResult(rung, Status.SKIP, reason, details=details)
     findings = half_open_findings(session, trace, rung)
     if any(f.severity == "error" for f in findings):
         return conclude(rung, findings, "", details)
@@ -255,7 +257,7 @@ def run_precision(session: Session, precision: str, rung: str) -> RungResult:
         ok += f"; {skipped} step(s) skipped by the scaler"
     if not comparisons and skipped and not findings:
         # Nothing was compared: a pass would claim what was never checked.
-        return RungResult(rung, "skip", f"every optimizer step ({skipped}) was skipped by the "
+        return RungResult(rung, Status.SKIP, f"every optimizer step ({skipped}) was skipped by the "
                           "scaler for overflow: no update to compare (see the skips rung)",
                           details=details)
     return conclude(rung, findings, ok, details)
@@ -271,9 +273,9 @@ def bf16_supported(session: Session) -> str | None:
 def run_bf16(session: Session) -> RungResult:
     reason = bf16_supported(session)
     if reason:
-        return RungResult("bf16-no-scaler", "skip", reason)
-    return run_precision(session, "bf16", "bf16-no-scaler")
+        return RungResult(RungId.BF16_NO_SCALER, Status.SKIP, reason)
+    return run_precision(session, "bf16", RungId.BF16_NO_SCALER)
 
 
 def run_fp16(session: Session) -> RungResult:
-    return run_precision(session, "fp16", "fp16-scaler")
+    return run_precision(session, "fp16", RungId.FP16_SCALER)

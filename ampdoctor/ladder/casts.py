@@ -15,6 +15,7 @@ import re
 
 from .. import deciders
 from ..deciders import Observed
+from ..enums import Severity
 from ..errors import exc_text
 from ..findings import Finding, Location, location
 from ..session import Session, Trace
@@ -67,7 +68,7 @@ def weight_cast_finding(session: Session, trace: Trace, rung: str) -> Finding | 
             " Small updates round away in low-precision weights.")
     error = (f" The loop then raised {exc_text(trace.error, 300).rstrip('.')}."
              if trace.error is not None else "")
-    return deciders.half_open_amp(Observed(rung, "error",
+    return deciders.half_open_amp(Observed(rung, Severity.ERROR,
         f"The {trace.precision} run cast the model's weights to {dtype}{call}: "
         f"{len(cast.names)} of {cast.parameters} trainable parameter tensor(s) ({names}) were "
         f"{dtype} when the loop returned, so the optimizer updates {dtype} weights with no fp32 "

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from .. import compare, thresholds
+from ..enums import RungId, Status
 from ..findings import RungResult, conclude
 from ..probe.events import Clip, Scale, Unscale, Update
 from ..session import Session, flat
 from .analysis import compare_trace, loop_error_finding
 
-RUNG = "clip-space"
+RUNG = RungId.CLIP_SPACE
 
 
 def _clip_ratios(trace) -> list[float]:
@@ -84,13 +85,14 @@ def _shared_with_skips(session: Session, plain, threshold: float | None):
 def run(session: Session) -> RungResult:
     trace = session.trace("fp16")
     if trace.error is not None:   # fp16-scaler skipped it: the backend cannot run fp16 here
-        return RungResult(RUNG, "skip", "the fp16 run cannot run on this device (see fp16-scaler)")
+        return RungResult(RUNG, Status.SKIP,
+                          "the fp16 run cannot run on this device (see fp16-scaler)")
     clips = trace.events_of(Clip)
     if not clips:
         reason = ("no max_grad_norm in the spec and the loop never clips" if
                   session.spec.max_grad_norm is None else
                   "the loop never called clip_grad_norm_ / clip_grad_value_ in the fp16 run")
-        return RungResult(RUNG, "skip", reason)
+        return RungResult(RUNG, Status.SKIP, reason)
     passed = sorted({e.max_norm for e in clips if e.max_norm})
     details: dict[str, Any] = {"clip_ratios": [compare._round(r) for r in _clip_ratios(trace)],
                                "loop_thresholds": [compare._round(t) for t in passed]}
@@ -110,7 +112,7 @@ def run(session: Session) -> RungResult:
                                             judge_as_it_runs="fp16")
         if forced.error is not None:
             finding = loop_error_finding(forced, RUNG)
-            return RungResult(RUNG, "fail", "the fp16 clipping pass raised", [finding],
+            return RungResult(RUNG, Status.FAIL, "the fp16 clipping pass raised", [finding],
                               details=details)
     else:
         details["forced_threshold"] = compare._round(threshold)
@@ -119,7 +121,7 @@ def run(session: Session) -> RungResult:
                                             judge_as_it_runs="fp16")
         if forced.error is not None:
             finding = loop_error_finding(forced, RUNG)
-            return RungResult(RUNG, "fail", "the forced-clipping fp16 pass raised", [finding],
+            return RungResult(RUNG, Status.FAIL, "the forced-clipping fp16 pass raised", [finding],
                               details=details)
         scales = [e.scale or 1.0 for e in forced.events_of(Scale)] or [1.0]
         meant = [e.max_norm / s for e in forced.events_of(Clip) if e.max_norm
@@ -143,7 +145,7 @@ def run(session: Session) -> RungResult:
                 "the loop meant: " + finding.message))
         findings.append(finding)
     if not judgement.steps:
-        return RungResult(RUNG, "skip", "no clipped update to compare: every fp16 step of the "
+        return RungResult(RUNG, Status.SKIP, "no clipped update to compare: every fp16 step of the "
                           "clipping pass was skipped", details=details)
     shown = ", ".join(f"{r:.4g}" for r in details["clip_ratios"][:3]) or "n/a"
     where = (f"with clipping forced at {threshold:.3g}" if threshold is not None else

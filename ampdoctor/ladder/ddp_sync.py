@@ -21,12 +21,14 @@ from typing import Any
 from .. import deciders, thresholds
 from ..ddp import launch
 from ..deciders import Observed
+from ..enums import RungId, Severity, Status
 from ..errors import LaunchError
+from ..evidence import Evidence
 from ..findings import Location, RungResult, conclude, location
 from ..probe.callsite import Site
 from ..spec import to_wire
 
-RUNG = "ddp-sync"
+RUNG = RungId.DDP_SYNC
 
 #: How each wrapper names its gradient sync and the switch that turns it off.
 WORDS = {
@@ -74,8 +76,8 @@ def _rank_error(results: dict[int, dict[str, Any]], world_size: int, timeout_s: 
         # a collective ("Connection reset by peer").
         err = min(errors, key=lambda r: (r.get("error_time", float("inf")), r["rank"]))
         where = _loc(err.get("error_site"))
-        return RungResult(RUNG, "fail", f"the loop raised on rank {err['rank']} under DDP", [
-            deciders.loop_error(Observed(RUNG, "error",
+        return RungResult(RUNG, Status.FAIL, f"the loop raised on rank {err['rank']} under DDP", [
+            deciders.loop_error(Observed(RUNG, Severity.ERROR,
                     f"The loop raised on rank {err['rank']} of {world_size} in the DDP run: "
                     f"{err['error']}. Every other rank was stopped.",
                     evidence={"error": err["error"], "rank": err["rank"],
@@ -105,8 +107,8 @@ def _rank_error(results: dict[int, dict[str, Any]], world_size: int, timeout_s: 
     if in_loop and waiting:
         text += (f"; rank(s) {', '.join(map(str, waiting))} had left the loop and waited for "
                  "the others")
-    return RungResult(RUNG, "fail", f"the DDP run did not finish within {timeout_s:g} s", [
-        deciders.loop_error(Observed(RUNG, "error", text + ".",
+    return RungResult(RUNG, Status.FAIL, f"the DDP run did not finish within {timeout_s:g} s", [
+        deciders.loop_error(Observed(RUNG, Severity.ERROR, text + ".",
                 evidence={"measured": len(in_loop or missing), "expected": 0,
                           "ranks_in_the_loop": in_loop, "ranks_past_the_loop": waiting,
                           "timeout_s": timeout_s, "world_size": world_size},
@@ -150,14 +152,14 @@ def run(session) -> RungResult:
     spec = session.spec
     group = launch.GROUP
     if spec.ddp is None and group is None:
-        return RungResult(RUNG, "skip", "no `ddp` in the spec")
+        return RungResult(RUNG, Status.SKIP, "no `ddp` in the spec")
     world_size = group.world_size if group is not None else spec.ddp.world_size
     timeout_s = spec.ddp.timeout_s if spec.ddp is not None else launch.DEFAULT_TIMEOUT_S
     if world_size < 2:
-        return RungResult(RUNG, "skip", "ddp.world_size is 1: there is nothing to synchronise")
+        return RungResult(RUNG, Status.SKIP, "ddp.world_size is 1: there is nothing to synchronise")
     uneven = _uneven(session, world_size)
     if uneven:
-        return RungResult(RUNG, "skip", uneven)
+        return RungResult(RUNG, Status.SKIP, uneven)
     results = _run_ranks(session, world_size, timeout_s)
     failed = _rank_error(results, world_size, timeout_s, session.finder)
     if failed is not None:
@@ -199,7 +201,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                        "too." if r0["no_syncs"] else
                        f" The first K-1={per_window - 1} micro-batches of each window need "
                        f"{words['switch']}.")
-        finding = deciders.missing_no_sync(Observed(RUNG, "error",
+        finding = deciders.missing_no_sync(Observed(RUNG, Severity.ERROR,
             f"{words['who']} {words['verb']} gradients on {len(synced_backwards)} of "
             f"{len(r0['backwards'])} "
             f"backward passes for {windows} optimizer steps ({per_step:.3g} per step): "
@@ -227,7 +229,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     rank, r = min(bad_ranks.items()) if bad_ranks else (0, r0)
     first: Any = next((s for s in r["judged"] if s["bad"]),
                       r["judged"][apart[0]] if apart else None)
-    evidence = {"rank": rank, "step": r["judged"].index(first) if first else None,
+    evidence: Evidence = {"rank": rank, "step": r["judged"].index(first) if first else None,
                 "ratio": first and round(first["ratio"], 6),
                 "cosine": first and round(first["cosine"], 6),
                 "relative_error": first and round(first["relative_error"], 6),
@@ -242,14 +244,14 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     if first and ratio != first["ratio"]:
         evidence["ratio_before_clip"] = round(ratio, 6)
     if not synced_backwards:
-        finding = deciders.gradient_mismatch(Observed(RUNG, "error",
+        finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
             f"{words['who']} never {words['verb']} a gradient: every backward ran with "
             f"{words['switch']}, so each rank stepped on its own shard and the ranks' "
             f"parameters ended {r0.get('parameter_difference', 0):.3g} apart (relative).",
             evidence={"measured": 0, "expected": windows, **evidence},
             location=_switch_site(r0)))
     elif wrong_position:
-        finding = deciders.missing_no_sync(Observed(RUNG, "error",
+        finding = deciders.missing_no_sync(Observed(RUNG, Severity.ERROR,
             f"{words['who']} {words['verb']} once per window, but on backward "
             f"{wrong_position[0]} of {per_window}, not the last: the later micro-batches' "
             "gradients stayed rank-local and out of the window's update. "
@@ -273,7 +275,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                  else _loc(r0["judged"][apart[0]]["site"]) if r0["judged"] else None)
         how = (f" Rank 0 and rank {other['rank']} part ways at {parted[0]} "
                f"({parted[1][0]}:{parted[1][1]})." if parted and parted[1] else "")
-        finding = deciders.gradient_mismatch(Observed(RUNG, "error",
+        finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
             f"The ranks consumed different gradients ({max(diffs):.3g} apart, relative, first "
             f"at step {apart[0]}) although {words['who']} {words['verb']} once per window on "
             "its last backward: something in the loop is rank-dependent (a clip, a scale or a "
@@ -283,7 +285,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
             location=where))
     elif (first and abs(ratio * world_size - 1) <= thresholds.WORLD_SIZE_RATIO_RTOL
           and first["cosine"] > thresholds.WORLD_SIZE_MIN_COSINE):
-        finding = deciders.double_average(Observed(RUNG, "error",
+        finding = deciders.double_average(Observed(RUNG, Severity.ERROR,
             f"Every rank consumed {ratio:.4g}x the reference gradient of the global "
             f"batch: 1/world_size (={1 / world_size:g}). {words['who']} already averages "
             "gradients over "

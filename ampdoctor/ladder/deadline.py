@@ -16,7 +16,9 @@ from typing import Any
 
 from .. import deciders
 from ..deciders import Observed
+from ..enums import RungId, Severity, Status
 from ..errors import AmpdoctorInterrupt
+from ..evidence import Evidence
 from ..findings import RungResult, location
 from ..probe import recorder
 
@@ -57,23 +59,23 @@ def deadline(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def timeout_result(rung: str, session, exc: RungTimeout) -> RungResult:
+def timeout_result(rung: RungId, session, exc: RungTimeout) -> RungResult:
     seconds = session.spec.timeout_s
     site = session.finder.from_frame(exc.frame)
     last = exc.last
     where = f" The loop was at {site.file}:{site.line} ({site.function})." if site else ""
     seen = ""
-    evidence: dict[str, Any] = {"timeout_s": seconds, "measured": seconds, "expected": None}
+    evidence: Evidence = {"timeout_s": seconds, "measured": seconds, "expected": None}
     if last is not None:
         at = f" at {last.site.file}:{last.site.line}" if last.site else ""
         seen = (f" The last call ampdoctor saw was {last.kind}{at}, after {last.backwards} "
                 f"backward pass(es).")
-        evidence.update(last_event=last.kind, backwards=last.backwards,
-                        microbatch=last.microbatch)
-    finding = deciders.loop_error(Observed(rung, "error",
+        evidence.update({"last_event": last.kind, "backwards": last.backwards,
+                         "microbatch": last.microbatch})
+    finding = deciders.loop_error(Observed(rung, Severity.ERROR,
                       f"The {rung} rung did not finish within timeout_s = {seconds:g} s and was "
                       f"stopped.{where}{seen} A loop that never ends (a `while True` without "
                       "its exit, an iterator that never runs out) or a very slow one: raise "
                       "`timeout_s` in the spec if it is only slow.",
                       evidence=evidence, location=location(site)))
-    return RungResult(rung, "fail", f"stopped after {seconds:g} s (timeout_s)", [finding])
+    return RungResult(rung, Status.FAIL, f"stopped after {seconds:g} s (timeout_s)", [finding])

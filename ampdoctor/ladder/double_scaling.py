@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ampdoctor.enums import RungId
 from ampdoctor.findings import RungResult, status_from_findings
 from ampdoctor.scan import describe, scan_paths
 
-RUNG = "double-scaling"
+RUNG = RungId.DOUBLE_SCALING
 
 
 def _base(paths: list[str]) -> str | None:

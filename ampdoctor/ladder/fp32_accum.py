@@ -7,7 +7,9 @@ from collections import Counter
 
 from .. import compare, deciders
 from ..deciders import Observed
-from ..findings import Finding, RungResult, Severity, conclude
+from ..enums import RungId, Severity, Status
+from ..evidence import Evidence
+from ..findings import Finding, RungResult, conclude
 from ..probe.events import AutocastEntered, Backward
 from ..session import Session
 from .analysis import (
@@ -19,28 +21,28 @@ from .analysis import (
 )
 from .casts import weight_cast_finding
 
-RUNG = "fp32-accum"
+RUNG = RungId.FP32_ACCUM
 
 
 def run(session: Session) -> RungResult:
     trace = session.trace("fp32")
     cast = weight_cast_finding(session, trace, RUNG)
     if cast is not None:   # the "fp32" run was not fp32: nothing in it can be compared
-        return RungResult(RUNG, "fail", f"the fp32 loop casts the model's weights to "
+        return RungResult(RUNG, Status.FAIL, f"the fp32 loop casts the model's weights to "
                           f"{cast.evidence['measured']} ({cast.kind})", [cast])
     if trace.error is not None:
         finding = loop_error_finding(trace, RUNG)
-        return RungResult(RUNG, "fail", f"the fp32 loop raised ({finding.kind})", [finding])
+        return RungResult(RUNG, Status.FAIL, f"the fp32 loop raised ({finding.kind})", [finding])
     findings = scheduler_findings(session, trace, RUNG)
     count = step_count_finding(session, trace, RUNG)
     if count is not None:
         what = ("the optimizer steps on every micro-batch" if count.kind == "step-per-microbatch"
                 else "the optimizer steps off the window boundaries (off by one)")
-        return RungResult(RUNG, "fail", what, [count] + findings)
+        return RungResult(RUNG, Status.FAIL, what, [count] + findings)
     taken, total = trace.microbatches_taken, len(session.micro_batches)
     if taken == 0:
         backwards = trace.events_of(Backward)
-        finding = deciders.loop_error(Observed(RUNG, "error",
+        finding = deciders.loop_error(Observed(RUNG, Severity.ERROR,
             f"The fp32 loop never took a micro-batch from `micro_batches` (0 of {total}) but ran "
             f"{len(backwards)} backward pass(es) and {len(trace.steps)} optimizer step(s): it "
             "builds its own data, so nothing it does can be compared with the reference. "
@@ -48,14 +50,14 @@ def run(session: Session) -> RungResult:
             evidence={"measured": 0, "expected": total, "backwards": len(backwards),
                       "optimizer_steps": len(trace.steps)},
             location=location(backwards[0].site if backwards else None)))
-        return RungResult(RUNG, "fail", "the loop ignores `micro_batches`", [finding])
+        return RungResult(RUNG, Status.FAIL, "the loop ignores `micro_batches`", [finding])
     if not trace.steps:
-        finding = deciders.gradient_mismatch(Observed(RUNG, "error",
+        finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
                           f"The fp32 loop took {taken} of {total} micro-batches and never called "
                           "optimizer.step().",
                           evidence={"measured": 0, "expected": session.N,
                                     "microbatches_taken": taken}))
-        return RungResult(RUNG, "fail", "the loop never stepped the optimizer", [finding])
+        return RungResult(RUNG, Status.FAIL, "the loop never stepped the optimizer", [finding])
     steps_per_optimizer = Counter(s.optimizer for s in trace.steps)
     most = max(steps_per_optimizer.values())
     if most < session.N:
@@ -63,7 +65,7 @@ def run(session: Session) -> RungResult:
         # leftover `return`/`break`) or its window condition never fires for the last windows.
         # (One optimizer stepping less often than another, a GAN's n_critic, is not this.)
         last = trace.steps[-1]
-        finding = deciders.gradient_mismatch(Observed(RUNG, "error",
+        finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
             f"The fp32 loop took {most} optimizer step(s) for the {session.N} windows of "
             f"K={session.K} micro-batches in the spec (it took {taken} of {total} "
             "micro-batches): it stops early or never steps for the last windows, so those "
@@ -71,7 +73,7 @@ def run(session: Session) -> RungResult:
             evidence={"measured": most, "expected": session.N, "microbatches_taken": taken,
                       "microbatches": total},
             location=location(last.site)))
-        return RungResult(RUNG, "fail", f"{most} optimizer step(s) for {session.N} windows",
+        return RungResult(RUNG, Status.FAIL, f"{most} optimizer step(s) for {session.N} windows",
                           [finding] + findings)
     mismatch, judgement = compare_trace(session, trace, RUNG, "fp32")
     comparisons = judgement.steps
@@ -98,7 +100,8 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
     first = entered[0]
     bad = judgement.first_bad
     dtype = first.dtype
-    evidence = {"measured": dtype, "expected": "no autocast", "autocast_entered": len(entered)}
+    evidence: Evidence = {"measured": dtype, "expected": "no autocast",
+                          "autocast_entered": len(entered)}
     severity: Severity
     if bad is not None:
         evidence.update({"step": bad.ordinal, "relative_error": compare._round(bad.metrics.rel_err),
@@ -111,12 +114,12 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
                    f"reference by {bad.metrics.rel_err:.3g} (relative; tolerance "
                    f"{judgement.tolerance.rtol:g}, norm ratio {bad.metrics.ratio:.4g}, cosine "
                    f"{bad.metrics.cosine:.5f}): rounding, not a factor.")
-        severity = "error"
+        severity = Severity.ERROR
     else:
         message = (f"The fp32 run entered autocast({dtype}) {len(entered)} time(s) although "
                    "run.autocast_dtype is None: the updates still matched the fp32 reference "
                    "here, but the loop ignores the precision it is asked for.")
-        severity = "warning"
+        severity = Severity.WARNING
     # the line that chose the dtype: where the autocast was built, if not where it was entered
     return deciders.half_open_amp(Observed(RUNG, severity, message, evidence=evidence,
                    location=location(first.created_at or first.site)))

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import RungId, Severity, Status
 from ..findings import Finding, RungResult, status_from_findings
 from ..session import Session, WeightsCast
 from .analysis import location
 
-RUNG = "reproducibility"
+RUNG = RungId.REPRODUCIBILITY
 
 
 def repeat_tolerance() -> compare.Tolerance:
@@ -42,7 +43,7 @@ def _nondeterministic(session: Session, what: str, m: compare.Metrics,
     else:
         named = " No dropout-like layer was found: the loss or the loop draws random numbers."
         site = None
-    return deciders.nondeterministic_baseline(Observed(RUNG, "error",
+    return deciders.nondeterministic_baseline(Observed(RUNG, Severity.ERROR,
                    f"{what} differ by {m.rel_err:.3g} (relative) under a different RNG state "
                    f"(cosine {m.cosine:.5f}).{named}",
                    evidence={"measured": compare._round(m.rel_err), "expected": 0.0,
@@ -63,14 +64,14 @@ def run(session: Session) -> RungResult:
         cast = exc.trace.cast
         assert cast is not None   # (raised for a cast only)
         dtype = cast.dtypes[0].removeprefix("torch.")
-        return RungResult(RUNG, "skip", f"no fp32 reference from the loop: it casts the "
+        return RungResult(RUNG, Status.SKIP, f"no fp32 reference from the loop: it casts the "
                           f"model's weights to {dtype} (see fp32-accum)")
     m = compare.metrics_of(second.full, first.full, names, session.param_shapes,
                            repeat_tolerance())
     if not m.ok:
         finding = _nondeterministic(session, "Two fp32 reference gradients at the same weights",
                                     m)
-        return RungResult(RUNG, "fail", "the fp32 reference is not repeatable", [finding])
+        return RungResult(RUNG, Status.FAIL, "the fp32 reference is not repeatable", [finding])
     session.reference_repeatable = True
     if m.rel_err == 0:
         session.remember_reference(0, second)   # the judge's first reference, already computed
@@ -79,7 +80,7 @@ def run(session: Session) -> RungResult:
 
     run_a = session.trace("fp32")
     if run_a.error is not None:
-        return RungResult(RUNG, "pass", "the fp32 reference is repeatable (the loop itself "
+        return RungResult(RUNG, Status.PASS, "the fp32 reference is repeatable (the loop itself "
                           "raised; see fp32-accum)", [],
                           details={"reference_mode": mode})
     worst = None
@@ -112,7 +113,7 @@ def run(session: Session) -> RungResult:
         site = run_a.random_site or run_b.random_site
         finding = _nondeterministic(session, "Two fp32 runs of the loop from the same weights", m,
                                     site)
-        return RungResult(RUNG, "fail", "two fp32 runs of the loop disagree", [finding])
+        return RungResult(RUNG, Status.FAIL, "two fp32 runs of the loop disagree", [finding])
     findings: list[Finding] = []
     summary = (f"reference repeatable ({mode} mode); two fp32 runs agree "
                f"(max relative difference {worst.rel_err if worst else 0:.2g})")

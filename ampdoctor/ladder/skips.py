@@ -17,6 +17,7 @@ import torch
 
 from .. import deciders, thresholds
 from ..deciders import Observed
+from ..enums import RungId, Severity, Status
 from ..findings import Finding, RungResult, conclude
 from ..probe.events import (
     Backward,
@@ -36,7 +37,7 @@ from ..session import Session, Trace
 from .analysis import last_unscale_pair, location, loop_error_finding, update_missing
 from .series import keep, run_series
 
-RUNG = "skips"
+RUNG = RungId.SKIPS
 
 
 class OverflowInjector:
@@ -165,7 +166,7 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
     zero_grads = plain.events_of(ZeroGrad)
     updates = plain.events_of(Update)
     site = (zero_grads[-1].site if zero_grads else updates[-1].site if updates else failing.site)
-    return deciders.no_zero_grad_after_skip(Observed(RUNG, "error",
+    return deciders.no_zero_grad_after_skip(Observed(RUNG, Severity.ERROR,
         f"An inf injected into {injector.param_name}.grad sent the loop down its own skip path, "
         "which left the step without scaler.update() and without zero_grad(): the inf stayed in "
         ".grad and torch refused the next window's unscale_() "
@@ -191,7 +192,7 @@ def _backoffs(updates: list[Update], backoff: float,
     details["scale_before_after"] = [before, after]
     if backoffs <= 1:
         return None
-    return deciders.update_per_microbatch(Observed(RUNG, "error",
+    return deciders.update_per_microbatch(Observed(RUNG, Severity.ERROR,
         f"One overflowing micro-batch backed the scale off {backoffs} times "
         f"({before:g} -> {after:g}, backoff factor {backoff:g}): scaler.update() runs "
         "more than once per optimizer step.",
@@ -211,7 +212,8 @@ def _scheduler_on_skip(trace: Trace, plain: Trace, in_window: list[Event], injec
     real_steps = len(trace.steps)
     sched_steps = len(trace.events_of(SchedulerStep))
     warmup = _lr_rising(plain, sched[0].optimizer)
-    return deciders.scheduler_steps_on_skip(Observed(RUNG, "error" if warmup else "warning",
+    severity = Severity.ERROR if warmup else Severity.WARNING
+    return deciders.scheduler_steps_on_skip(Observed(RUNG, severity,
         f"The scheduler ({sched[0].scheduler_type}) stepped in window {inject_window} "
         f"although the optimizer step was skipped: {sched_steps} scheduler steps for "
         f"{len({s.group for s in trace.steps})} real optimizer steps."
@@ -255,10 +257,11 @@ def injected_run(session: Session, max_grad_norm: float | None | str = "spec",
 def run(session: Session) -> RungResult:
     plain = session.trace("fp16")
     if plain.error is not None:   # fp16-scaler skipped it: the backend cannot run fp16 here
-        return RungResult(RUNG, "skip", "the fp16 run cannot run on this device (see fp16-scaler)")
+        return RungResult(RUNG, Status.SKIP,
+                          "the fp16 run cannot run on this device (see fp16-scaler)")
     scaler = scaler_of(plain)
     if scaler is None or not scaler.is_enabled():
-        return RungResult(RUNG, "skip", "the fp16 run has no enabled GradScaler")
+        return RungResult(RUNG, Status.SKIP, "the fp16 run has no enabled GradScaler")
     findings: list[Finding] = []
     N = session.N
     injected = session.injected or injected_run(session)   # windows and events only
@@ -272,10 +275,10 @@ def run(session: Session) -> RungResult:
     keep(session, run_series(RUNG, trace, label=label))
     if trace.error is not None:
         finding = _skip_path_left_open(trace, plain, injector) or loop_error_finding(trace, RUNG)
-        return RungResult(RUNG, "fail", "the fp16 run with an injected overflow raised",
+        return RungResult(RUNG, Status.FAIL, "the fp16 run with an injected overflow raised",
                           [finding], details=details)
     if not injector.fired:
-        return RungResult(RUNG, "skip", f"micro-batch {target_mb} never reached backward; "
+        return RungResult(RUNG, Status.SKIP, f"micro-batch {target_mb} never reached backward; "
                           "nothing was injected", details=details)
     details["injected_parameter"] = injector.param_name
     in_window = _window_events(trace, inject_window)
@@ -297,7 +300,7 @@ def run(session: Session) -> RungResult:
     details["steps_on_nonfinite_gradients"] = len(poisoned)
     if poisoned:
         direct = [s for s in poisoned if s.via_scaler is None]
-        findings.append(deciders.missing_unscale(Observed(RUNG, "error",
+        findings.append(deciders.missing_unscale(Observed(RUNG, Severity.ERROR,
             f"An inf was injected into {injector.param_name}.grad in window {inject_window} and "
             f"{len(poisoned)} optimizer step(s) consumed it: the step bypassed scaler.step's inf "
             "check" + (" (optimizer.step() called directly)." if direct else "."),
@@ -320,7 +323,7 @@ def run(session: Session) -> RungResult:
         zero_grads = plain.events_of(ZeroGrad) or trace.events_of(ZeroGrad)
         site = (zero_grads[-1].site if zero_grads
                 else scaler_steps[-1].site if scaler_steps else None)
-        findings.append(deciders.no_zero_grad_after_skip(Observed(RUNG, "error",
+        findings.append(deciders.no_zero_grad_after_skip(Observed(RUNG, Severity.ERROR,
             f"After the injected overflow in window {inject_window} the next {in_a_row} "
             "window(s) were skipped too: the inf stayed in .grad and poisoned the following "
             "window(s). Gradients must be cleared after a skipped step as after a good one.",
@@ -339,7 +342,7 @@ def run(session: Session) -> RungResult:
         summary = ("the plain fp16 run applied no update at all (every step overflowed), so the "
                    "injected overflow cannot be told apart")
         if not findings:
-            return RungResult(RUNG, "skip", summary, details=details)
+            return RungResult(RUNG, Status.SKIP, summary, details=details)
         return conclude(RUNG, findings, summary, details)
     later = any(w > inject_window for w in applied_plain)
     return conclude(RUNG, findings, f"overflow injected in window {inject_window} was skipped, "

@@ -1,51 +1,22 @@
-"""The wrappers around torch that feed the active probe (DESIGN §2). Each is inert while no
-probe is active, and always calls the original; `install` patches them in through a `Patcher`,
-which restores torch exactly on any exit."""
+"""The wrappers around torch that feed the active probe: backward, zero_grad, the clipping
+functions, LR schedulers, autocast and the optimizer step (the GradScaler's are in
+`scaler_wrappers`). Each is inert while no probe is active, and always calls the original;
+`install` patches them all in through a `Patcher`, which restores torch exactly on any exit."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 import warnings
 from typing import Any
 
 import torch
 
-from ..safetext import MESSAGE_LIMIT, cut, safe_str
-from . import randomness, recorder
-from .events import (
-    AutocastEntered,
-    Clip,
-    GetScale,
-    Scale,
-    ScalerInit,
-    ScalerStep,
-    SchedulerStep,
-    Unscale,
-    Update,
-    ZeroGrad,
-)
+from . import randomness, scaler_wrappers
+from .events import AutocastEntered, Clip, SchedulerStep, ZeroGrad
 from .patches import Patcher
-from .recorder import Probe, optimizer_params
-
-
-def _active() -> Probe | None:
-    return recorder.ACTIVE
-
-
-def _caller(depth: int):
-    return sys._getframe(depth)
-
-
-def _grad_norm(params: list[torch.Tensor]) -> float:
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    with torch.no_grad():
-        total = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
-    return float(total)
+from .recorder import Probe
+from .wrapping import active, caller
 
 
 def _backward_site(probe: Probe, frame):
@@ -66,10 +37,10 @@ def _backward_site(probe: Probe, frame):
 def _wrap_backward(original):
     @functools.wraps(original)
     def backward(self, *args, **kwargs):
-        probe = _active()
+        probe = active()
         if probe is None or probe.inside("backward"):
             return original(self, *args, **kwargs)
-        probe.on_backward(self, _backward_site(probe, _caller(2)))
+        probe.on_backward(self, _backward_site(probe, caller(2)))
         if probe.before_backward is not None:
             probe.before_backward(probe, self)
         probe.enter("backward")
@@ -83,11 +54,11 @@ def _wrap_backward(original):
 def _wrap_autograd_backward(original):
     @functools.wraps(original)
     def backward(tensors, *args, **kwargs):
-        probe = _active()
+        probe = active()
         if probe is None or probe.inside("backward"):
             return original(tensors, *args, **kwargs)
         first = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
-        site = _backward_site(probe, _caller(2))
+        site = _backward_site(probe, caller(2))
         if isinstance(first, torch.Tensor):
             probe.on_backward(first, site)
             if probe.before_backward is not None:
@@ -100,165 +71,13 @@ def _wrap_autograd_backward(original):
     return backward
 
 
-def _scale_value(scaler) -> float | None:
-    """The scaler's current scale through its public API (None when disabled)."""
-    if not scaler.is_enabled():
-        return None
-    probe = _active()
-    if probe is not None:
-        probe.enter("internal")
-    try:
-        return float(scaler.get_scale())
-    finally:
-        if probe is not None:
-            probe.leave("internal")
-
-
-def _wrap_get_scale(original):
-    @functools.wraps(original)
-    def get_scale(self):
-        result = original(self)
-        probe = _active()
-        if probe is not None and not probe.inside("internal") and not probe.inside("scaler_step"):
-            probe.record(GetScale, scaler=probe.scaler_slot(self),
-                         site=probe.finder.from_frame(_caller(2)), scale=float(result))
-        return result
-    return get_scale
-
-
-def _wrap_scaler_init(original):
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        probe = _active()
-        if probe is None:
-            return
-        slot = probe.scaler_slot(self)
-        enabled = bool(self.is_enabled())
-        settings: dict[str, Any] = {}
-        start_scale = recorder.current_settings().start_scale
-        if enabled and start_scale is not None and self._scale is None:
-            self._init_scale = start_scale   # read lazily at the first scale()
-        if enabled:  # a disabled GradScaler does not even keep its settings
-            settings = dict(init_scale=_scale_value(self),
-                            growth_interval=self.get_growth_interval(),
-                            backoff_factor=self.get_backoff_factor(),
-                            growth_factor=self.get_growth_factor())
-        probe.record(ScalerInit, scaler=slot, enabled=enabled, **settings)
-    return __init__
-
-
-def _wrap_scale(original):
-    @functools.wraps(original)
-    def scale(self, outputs):
-        probe = _active()
-        if probe is None:
-            return original(self, outputs)
-        slot = probe.scaler_slot(self)
-        already = (getattr(outputs, "_ampdoctor_scale", None)
-                   if isinstance(outputs, torch.Tensor) else None)
-        result = original(self, outputs)
-        seen = probe.scales_seen.get(slot)
-        current = getattr(self, "_scale", None)   # a disabled scaler has none
-        if seen is not None and current is not None and seen[0] is current:
-            value = seen[1]   # no update() since: the same scale, without a device sync
-        else:
-            value = _scale_value(self)
-            probe.scales_seen[slot] = (current, value)
-        probe.record(Scale, scaler=slot, scale=value, enabled=bool(self.is_enabled()),
-                     input_already_scaled=already)
-        if isinstance(result, torch.Tensor) and value is not None:
-            with contextlib.suppress(AttributeError, RuntimeError):
-                result._ampdoctor_scale = value * (already or 1.0)
-        return result
-    return scale
-
-
-def _wrap_unscale(original):
-    @functools.wraps(original)
-    def unscale_(self, optimizer):
-        probe = _active()
-        if probe is None:
-            return original(self, optimizer)
-        slot = probe.scaler_slot(self)
-        opt_slot = probe.optimizer_slot(optimizer)
-        params = optimizer_params(optimizer)
-        before = _grad_norm(params) if self.is_enabled() else None
-        event = probe.record(Unscale, scaler=slot, optimizer=opt_slot, scale=_scale_value(self),
-                             enabled=bool(self.is_enabled()),
-                             inside_step=probe.inside("scaler_step"), norm_before=before)
-        try:
-            result = original(self, optimizer)
-        except RuntimeError as exc:
-            probe.complete(event, error=cut(safe_str(exc), MESSAGE_LIMIT))
-            raise
-        probe.complete(event, norm_after=_grad_norm(params) if self.is_enabled() else None)
-        return result
-    return unscale_
-
-
-def _wrap_scaler_step(original):
-    @functools.wraps(original)
-    def step(self, optimizer, *args, **kwargs):
-        probe = _active()
-        if probe is None:
-            return original(self, optimizer, *args, **kwargs)
-        slot = probe.scaler_slot(self)
-        opt_slot = probe.optimizer_slot(optimizer)
-        site = probe.finder.from_frame(_caller(2))
-        event = probe.record(ScalerStep, site=site, scaler=slot, optimizer=opt_slot,
-                             scale=_scale_value(self), enabled=bool(self.is_enabled()))
-        before = probe.optimizer_step_count
-        previous, probe._scaler_step_slot = probe._scaler_step_slot, slot
-        probe.enter("scaler_step")
-        try:
-            return original(self, optimizer, *args, **kwargs)
-        finally:
-            probe.leave("scaler_step")
-            probe._scaler_step_slot = previous
-            probe.complete(event, skipped=probe.optimizer_step_count == before)
-    return step
-
-
-def _wrap_update(original):
-    @functools.wraps(original)
-    def update(self, new_scale=None):
-        probe = _active()
-        if probe is None:
-            return original(self, new_scale)
-        slot = probe.scaler_slot(self)
-        before = _scale_value(self)
-        event = probe.record(Update, scaler=slot, site=probe.finder.from_frame(_caller(2)),
-                             scale_before=before)
-        try:
-            result = original(self, new_scale)
-        except Exception as exc:
-            probe.complete(event, error=cut(safe_str(exc), MESSAGE_LIMIT))
-            raise
-        after = _scale_value(self)
-        probe.scales_seen[slot] = (getattr(self, "_scale", None), after)
-        probe.complete(event, scale_after=after)
-        return result
-    return update
-
-
-def _wrap_scaler_load_state_dict(original):
-    @functools.wraps(original)
-    def load_state_dict(self, state_dict):
-        probe = _active()
-        if probe is not None:
-            probe.scales_seen.pop(probe.scaler_slot(self), None)   # the scale is overwritten
-        return original(self, state_dict)
-    return load_state_dict
-
-
 def _wrap_zero_grad(original, owner: str):
     @functools.wraps(original)
     def zero_grad(self, *args, **kwargs):
-        probe = _active()
+        probe = active()
         if probe is not None and not probe.inside("zero_grad"):
             opt = probe.optimizer_slot(self) if owner == "optimizer" else None
-            probe.record(ZeroGrad, site=probe.finder.from_frame(_caller(2)), optimizer=opt,
+            probe.record(ZeroGrad, site=probe.finder.from_frame(caller(2)), optimizer=opt,
                          owner=owner)
         if probe is None:
             return original(self, *args, **kwargs)
@@ -273,11 +92,11 @@ def _wrap_zero_grad(original, owner: str):
 def _wrap_clip(original, kind: str):
     @functools.wraps(original)
     def clip(parameters, *args, **kwargs):
-        probe = _active()
+        probe = active()
         if probe is None or probe.inside("clip"):
             return original(parameters, *args, **kwargs)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        site = probe.finder.from_frame(_caller(2))
+        site = probe.finder.from_frame(caller(2))
         probe.enter("clip")
         try:
             result = original(params, *args, **kwargs)
@@ -299,7 +118,7 @@ def _wrap_total_norm(original):
     its norm type for the `clip_grads_with_norm_` that uses the norm (nothing is recorded)."""
     @functools.wraps(original)
     def get_total_norm(tensors, *args, **kwargs):
-        probe = _active()
+        probe = active()
         if probe is None or probe.inside("clip"):
             return original(tensors, *args, **kwargs)
         grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -333,11 +152,11 @@ def _wrap_clip_with_norm(original):
     two-step clip: one Clip of kind "norm", as `clip_grad_norm_` gives."""
     @functools.wraps(original)
     def clip_grads_with_norm_(parameters, *args, **kwargs):
-        probe = _active()
+        probe = active()
         if probe is None or probe.inside("clip"):
             return original(parameters, *args, **kwargs)
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        site = probe.finder.from_frame(_caller(2))
+        site = probe.finder.from_frame(caller(2))
         max_norm = args[0] if args else kwargs.get("max_norm")
         total_norm = args[1] if len(args) > 1 else kwargs.get("total_norm")
         norm_type = _norm_type_of(probe, total_norm, params)
@@ -361,10 +180,10 @@ _REPLAYED: set[tuple[Any, ...]] = set()
 def _wrap_scheduler_step(original):
     @functools.wraps(original)
     def step(self, *args, **kwargs):
-        probe = _active()
+        probe = active()
         if probe is None or probe.inside("scheduler") or probe.inside("scheduler_init"):
             return original(self, *args, **kwargs)
-        site = probe.finder.from_frame(_caller(2))
+        site = probe.finder.from_frame(caller(2))
         optimizer = getattr(self, "optimizer", None)
         slot = probe.optimizer_slot(optimizer) if optimizer is not None else None
         lr_before = None
@@ -398,7 +217,7 @@ def _wrap_scheduler_step(original):
 def _wrap_initial_step(original):
     @functools.wraps(original)
     def _initial_step(self, *args, **kwargs):
-        probe = _active()
+        probe = active()
         if probe is None:
             return original(self, *args, **kwargs)
         probe.enter("scheduler_init")
@@ -413,7 +232,7 @@ def _wrap_autocast_enter(original):
     @functools.wraps(original)
     def __enter__(self):
         result = original(self)
-        probe = _active()
+        probe = active()
         if probe is not None:
             device_type = getattr(self, "device", None)
             enabled = dtype = None
@@ -430,16 +249,16 @@ def _wrap_autocast_init(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        probe = _active()
+        probe = active()
         if probe is not None:
             # where the dtype was chosen: an autocast built once and entered in the loop
             with contextlib.suppress(AttributeError):
-                self._ampdoctor_site = probe.finder.from_frame(_caller(2))
+                self._ampdoctor_site = probe.finder.from_frame(caller(2))
     return __init__
 
 
 def _step_pre_hook(optimizer, args, kwargs):
-    probe = _active()
+    probe = active()
     if probe is None:
         return None
     closure = kwargs.get("closure", args[0] if args else None)
@@ -453,7 +272,7 @@ def _step_pre_hook(optimizer, args, kwargs):
 
     def closure_then_observe():
         result = closure()
-        if not seen and _active() is probe:
+        if not seen and active() is probe:
             seen.append(True)
             probe.on_optimizer_step(optimizer)
         return result
@@ -464,9 +283,10 @@ def _step_pre_hook(optimizer, args, kwargs):
 
 
 def install(patcher: Patcher) -> None:
-    """Patch torch so that an active probe sees every event of DESIGN §2."""
+    """Patch torch so that an active probe sees every call it records (GradScaler's through
+    `scaler_wrappers.install`)."""
     import torch.nn.utils as nn_utils
-    from torch.amp import autocast_mode, grad_scaler
+    from torch.amp import autocast_mode
     from torch.nn.utils import clip_grad
     from torch.optim import lr_scheduler
     from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -474,15 +294,7 @@ def install(patcher: Patcher) -> None:
     patcher.setattr(torch.Tensor, "backward", _wrap_backward(torch.Tensor.backward))
     patcher.setattr(torch.autograd, "backward", _wrap_autograd_backward(torch.autograd.backward))
 
-    scaler_cls = grad_scaler.GradScaler
-    patcher.setattr(scaler_cls, "__init__", _wrap_scaler_init(scaler_cls.__init__))
-    patcher.setattr(scaler_cls, "scale", _wrap_scale(scaler_cls.scale))
-    patcher.setattr(scaler_cls, "unscale_", _wrap_unscale(scaler_cls.unscale_))
-    patcher.setattr(scaler_cls, "step", _wrap_scaler_step(scaler_cls.step))
-    patcher.setattr(scaler_cls, "update", _wrap_update(scaler_cls.update))
-    patcher.setattr(scaler_cls, "get_scale", _wrap_get_scale(scaler_cls.get_scale))
-    patcher.setattr(scaler_cls, "load_state_dict",
-                    _wrap_scaler_load_state_dict(scaler_cls.load_state_dict))
+    scaler_wrappers.install(patcher)
 
     patcher.setattr(torch.optim.Optimizer, "zero_grad",
                     _wrap_zero_grad(torch.optim.Optimizer.zero_grad, "optimizer"))

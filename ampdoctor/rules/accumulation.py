@@ -5,17 +5,19 @@ does), and it never runs the user's loop (a re-split pass is asked of the rung d
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import Severity
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
-from ..probe.events import Backward, Clip, Event, Scale, ZeroGrad, of_type
-from ..session import Session, Trace, flat
+from ..probe.events import ZeroGrad, of_type
+from ..session import Session, Trace
 from . import unaveraged
 from .frameworks import who_divided
 from .shapes import (
@@ -28,33 +30,10 @@ from .shapes import (
     varying_divisor,
 )
 from .sites import NORM_OR_CLIP, grad_division_between, line_between, second_unscale_site
+from .step_case import StepCase, build_case, clip_threshold, clip_would_bite, unclipped
 
-
-def unclipped(user: torch.Tensor, events: list[Event]) -> tuple[torch.Tensor, float | None]:
-    """Undo a clip that bit on these gradients, from the norm clip_grad_norm_ returned."""
-    clips = [e for e in of_type(events, Clip) if e.clip_kind == "norm"]
-    if not clips:
-        return user, None
-    clip = clips[-1]
-    total, max_norm = clip.total_norm, clip.max_norm
-    if total is None or max_norm is None or not math.isfinite(total):
-        return user, total
-    coef = max_norm / (total + thresholds.CLIP_EPSILON)
-    if coef < 1.0:
-        return user / coef, total
-    return user, total
-
-
-def _clip_threshold(events: list[Event]) -> float | None:
-    """The threshold of the window's last norm clip (the one `unclipped` undoes)."""
-    clips = [e for e in of_type(events, Clip) if e.clip_kind == "norm"]
-    return clips[-1].max_norm if clips else None
-
-
-def clip_would_bite(coefficient: float) -> bool:
-    """A clip coefficient that shrinks the gradient enough to tell the clip-before-unscale
-    hypothesis from unscale-twice (thresholds.CLIP_BITES_BELOW)."""
-    return coefficient < thresholds.CLIP_BITES_BELOW
+__all__ = ["classify_step", "SHAPES", "MESSAGES", "direction_holds", "summed_over_count",
+           "wrong_divisor", "unclipped", "clip_would_bite"]
 
 
 def direction_holds(cosine: float) -> bool:
@@ -77,242 +56,285 @@ def wrong_divisor(cosine: float, ratio: float) -> bool:
             and abs(ratio - 1) > thresholds.RATIO_NEAR_ONE)
 
 
-def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,  # noqa: C901 - one branch per known shape of a mismatch, tried in order
+def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,
                   judged: StepJudgement, rerun: Resplit | None = None) -> Finding:
     """Explain the judge's first bad step. `rerun` is the rung driver's extra fp32 pass
-    (`shapes.Resplit`)."""
-    K = session.K
-    precision, tol = judgement.precision, judgement.tolerance
-    ordinal, window, step, m = judged.ordinal, judged.window, judged.step, judged.metrics
-    window_events = list(judged.events)
+    (`shapes.Resplit`). Each known shape of a mismatch is tried in the order of `SHAPES`; the
+    first that matches builds the finding, and `_no_known_shape` reports the numbers."""
+    step = judged.step
     snapshot = trace.snapshots.get(step.group)
     if snapshot is None:
-        # judged as it happened in a group whose weights were gone by then (a second step of
-        # the same optimizer without a backward between): the numbers, no explanation
-        numbers = {"measured": compare._round(m.ratio), "expected": 1.0,
-                   "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
-                   "window": window, "accumulation_steps": K, "precision": precision}
-        return deciders.gradient_mismatch(Observed(rung, "error",
-                       f"Step {ordinal}: the optimizer consumed a gradient {m.rel_err:.3g} "
-                       f"(relative) from the {precision} reference (norm ratio "
-                       f"{m.ratio:.4g}, cosine {m.cosine:.4f}).",
-                       evidence=numbers, location=location(step.site)))
+        return _unexplained(session, rung, judgement, judged)
     names = [n for n in step.grads if n in session.param_shapes]
-    user = flat(session, step.grads, names)
-    ref = session.reference(window, snapshot.state, snapshot.training, per_mb=True)
-    full = flat(session, ref.full, names)
+    ref = session.reference(judged.window, snapshot.state, snapshot.training, per_mb=True)
     scaled_clip = next((c for c in judged.clips if c.scale is not None and not c.scaled_threshold),
                        None)
     if scaled_clip is not None:
-        return clip_in_scaled_space(session, rung, judged, scaled_clip, ref.full, tol.rtol)
-    per_mb = [flat(session, g, names) for g in ref.per_mb or []]
-    user_u, clip_norm = unclipped(user, window_events)
-    backwards = of_type(window_events, Backward)
-    first_backward_seq = backwards[0].seq if backwards else -1
-    inside_zero = [e for e in of_type(window_events, ZeroGrad) if e.seq > first_backward_seq
-                   and (e.optimizer is None or e.optimizer == step.optimizer
-                        or e.owner == "module")]
-    contributing_from = None
-    if inside_zero:
-        last_zero = inside_zero[-1]
-        after = sum(1 for e in backwards if e.seq > last_zero.seq)
-        contributing_from = K - after
-    scale = None
-    scale_events = [e for e in of_type(window_events, Scale) if e.scale]
-    if scale_events:
-        scale = scale_events[-1].scale
-    hyps = compare.window_hypotheses(per_mb, ref.counts or [1.0] * len(per_mb), ref.weighted,
-                                     full, K, None) if per_mb else []
-    hyps += compare.scale_hypotheses(full, scale)
-    max_norm = session.spec.max_grad_norm
-    if scale and scale != 1.0 and max_norm is not None:
-        # A hand-written clip whose norm was taken before unscale_: the threshold met S x the
-        # true norm, so the clipped update is 1/S of the reference's clipped update.
-        total = float(torch.linalg.vector_norm(
-            flat(session, ref.full, session.param_order).double()))
-        coef = min(1.0, max_norm / (total + thresholds.CLIP_EPSILON))
-        if clip_would_bite(coef):
-            hyps.append(compare.Hypothesis(
-                "clip-before-unscale",
-                f"the reference clipped at max_grad_norm={max_norm:g} and divided by the loss "
-                f"scale S={scale:g} (the clip compared the threshold with S x the true norm)",
-                full * (coef / scale), coef / scale, {"scale": scale, "clip_coefficient":
-                                                      compare._round(coef)}))
-    cand_tol = compare.hypothesis_tolerance(tol.rtol)
-    found = compare.classify(user_u, full, hyps, cand_tol)
-    measured_ratio = float(torch.linalg.vector_norm(user_u.double())) / max(
-        float(torch.linalg.vector_norm(full.double())), 1e-30)
-    evidence: dict[str, Any] = {
-        "measured": compare._round(measured_ratio), "expected": 1.0,
-        "tolerance": tol.rtol, **m.as_evidence(),
-        "step": ordinal, "window": window, "accumulation_steps": K,
-        "precision": precision,
-    }
-    if session.spec.micro_batch_size:
-        evidence["micro_batch_size"] = session.spec.micro_batch_size
-    if clip_norm is not None:
-        evidence["clip_total_norm"] = compare._round(clip_norm)
-        if user_u is not user:
-            # the clip bit: the factor shows before it, not after (both were clipped to max_norm)
-            evidence["ratio_after_clip"] = evidence["ratio"]
-            evidence["ratio"] = compare._round(measured_ratio)
-    last_backward_site = backwards[-1].site if backwards else None
+        return clip_in_scaled_space(session, rung, judged, scaled_clip, ref.full,
+                                    judgement.tolerance.rtol)
+    case = build_case(session, trace, rung, judgement, judged, rerun, snapshot, names, ref)
+    for shape in SHAPES:
+        finding = shape(case)
+        if finding is not None:
+            return finding
+    return _no_known_shape(case)
 
-    if inside_zero and (found is None or found.kind in ("zero-grad-inside-accumulation",
-                                                         "double-average",
-                                                         "weighted-average-mismatch")):
-        contributing = K - (contributing_from or 0)
-        evidence.update({"measured": contributing, "expected": K,
-                         "contributing_microbatches": contributing,
-                         "norm_ratio": compare._round(measured_ratio)})
-        return deciders.zero_grad_inside_accumulation(Observed(rung, "error",
-                       f"Step {ordinal}: zero_grad ran inside the accumulation window, so only "
-                       f"{contributing} of {K} micro-batches reached the optimizer step "
-                       f"({'before clipping, ' if clip_norm is not None else ''}gradient norm "
-                       f"ratio {measured_ratio:.4g} to the reference, cosine "
-                       f"{m.cosine:.4f}).",
-                       evidence=evidence, location=location(inside_zero[-1].site)))
-    if found is not None and found.kind in SIZE_FACTOR_KINDS:
-        rival = SIZE_FACTOR_KINDS[found.kind]
-        tied = [h for h in hyps if h.kind == rival and float(torch.linalg.vector_norm(
-            user_u.double() - h.vector.double())) <= cand_tol * float(torch.linalg.vector_norm(
-                h.vector.double()))]
-        if tied:
-            # K equal to the micro-batch size makes "no average" and "sum reduction" the same
-            # factor: cut the same window differently and see which factor moves.
-            decided, resplit = (disambiguate(session, window, snapshot, names, rerun)
-                               if rerun is not None else (None, {}))
-            if decided is not None:
-                evidence["resplit"] = resplit
-                if decided != found.kind:
-                    hyp = tied[0]
-                    found = compare.Classification(hyp.kind, hyp.label, found.rel_err,
-                                                   hyp.factor, dict(hyp.extra))
-    if found is not None:
-        kind = found.kind
-        if (kind in ("double-average", "weighted-average-mismatch") and ref.mode == "loop"
-                and per_mb):
-            # Relative to the loop's own K = 1 run a sum reduction divided by K looks like a
-            # second average; the full-batch gradient being the *sum* of micro-batch gradients
-            # says the loss sums over samples.
-            summed = torch.stack(per_mb).sum(0)
-            if compare.metrics(full, summed, compare.Tolerance(cand_tol, 0)).ok:
-                kind = "reduction-mismatch"
-                found = compare.Classification(
-                    kind, "the loss sums over samples (the full-batch gradient is the sum of the "
-                    "micro-batch gradients) and the loop divides by K only", found.rel_err,
-                    found.factor, {})
-        evidence["hypothesis"] = found.label
-        evidence["hypothesis_error"] = compare._round(found.rel_err)
-        if found.factor is not None:
-            evidence["factor"] = compare._round(found.factor)
-        evidence.update(found.extra)
-        site = last_backward_site
-        if kind == "missing-unscale":
-            site = step.site
-        elif kind == "unscale-twice":
-            site = second_unscale_site(window_events) or step.site
-        elif kind == "double-average":
-            site = grad_division_between(last_backward_site, step.site) or site
-        elif kind == "clip-before-unscale":
-            site = line_between(last_backward_site, step.site, NORM_OR_CLIP) or step.site
-            # as the clip-space rung measures it: how many times the true norm the clip saw
-            if m.ratio > 0:
-                evidence["measured"] = compare._round(1.0 / m.ratio)
-            measured_ratio = m.ratio
-        fix = ""
-        message = MESSAGES.get(kind, "{label}").format(
-            step=ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
-            precision=precision, tol=tol.rtol, factor=found.factor or 0)
-        if (kind == "missing-accumulation-average" and per_mb
-                and unaveraged.weighting_differs(per_mb, full, cand_tol)):
-            # the sum of K equal-weight micro-batch means, against a reference that weighs
-            # them otherwise: the size says K only against that sum, not against the reference
-            equal_sums = unaveraged.summed_equal_weights(user_u, per_mb, full)
-            fix = unaveraged.FIX
-            evidence.update(unaveraged.evidence(equal_sums))
-            message = unaveraged.message(ordinal, K, equal_sums, clip_norm,
-                                         _clip_threshold(window_events),
-                                         evidence.get("ratio_after_clip"))
-        party = who_divided(trace, kind)
-        if party is not None:
-            evidence["framework"] = party[0]
-            message += " " + party[1][0].upper() + party[1][1:]
-        return deciders.decide(kind, Observed(rung, "error", message, evidence=evidence,
-                                              location=location(site), fix=fix))
-    carried = carried_over(session, trace, step, names, user_u, full, cand_tol)
-    if carried is not None:
-        partial = len(carried) < len(names)
-        evidence.update({"measured": len(carried), "expected": 0,
-                         "parameters_not_cleared": len(carried), "parameters": len(names),
-                         "norm_ratio": compare._round(measured_ratio)})
-        zero_grads = of_type(window_events, ZeroGrad) or \
-            [e for e in trace.events_of(ZeroGrad) if e.seq < step.seq]
-        site = zero_grads[-1].site if partial and zero_grads else step.site
-        which = (f"{len(carried)} of {len(names)} parameters ({', '.join(carried[:4])}"
-                 + (", ..." if len(carried) > 4 else "") + ")") if partial else "every parameter"
-        return deciders.missing_zero_grad(Observed(rung, "error",
-                       f"Step {ordinal}: for {which} the optimizer consumed this window's "
-                       f"reference gradient plus what step {ordinal - 1} already applied: .grad "
-                       "is not cleared after an optimizer step"
-                       + (" (the zero_grad call covers only part of the model)" if partial else "")
-                       + ", so every step re-applies earlier windows, and an overflow, once in "
-                       ".grad, poisons every later window. Clear all gradients after each step, "
-                       "skipped or not.",
-                       evidence=evidence, location=location(site)))
-    # No known shape: say so, with the numbers.
+
+def _unexplained(session: Session, rung: str, judgement: Judgement,
+                 judged: StepJudgement) -> Finding:
+    """A step judged as it happened in a group whose weights were gone by then (a second step
+    of the same optimizer without a backward between): the numbers, no explanation."""
+    m, tol, precision = judged.metrics, judgement.tolerance, judgement.precision
+    ordinal = judged.ordinal
+    numbers: Evidence = {"measured": compare._round(m.ratio), "expected": 1.0,
+                         "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
+                         "window": judged.window, "accumulation_steps": session.K,
+                         "precision": precision}
+    return deciders.gradient_mismatch(Observed(rung, Severity.ERROR,
+                   f"Step {ordinal}: the optimizer consumed a gradient {m.rel_err:.3g} "
+                   f"(relative) from the {precision} reference (norm ratio "
+                   f"{m.ratio:.4g}, cosine {m.cosine:.4f}).",
+                   evidence=numbers, location=location(judged.step.site)))
+
+
+# --- the shapes, in the order they are tried -------------------------------------------------
+
+
+def _zero_grad_inside(case: StepCase) -> Finding | None:
+    """A zero_grad inside the window, when no hypothesis or one of its look-alikes matched."""
+    found, K, m = case.found, case.K, case.m
+    if not case.inside_zero or (found is not None and found.kind not in (
+            "zero-grad-inside-accumulation", "double-average", "weighted-average-mismatch")):
+        return None
+    contributing = K - (case.contributing_from or 0)
+    case.evidence.update({"measured": contributing, "expected": K,
+                          "contributing_microbatches": contributing,
+                          "norm_ratio": compare._round(case.measured_ratio)})
+    return deciders.zero_grad_inside_accumulation(Observed(case.rung, Severity.ERROR,
+                   f"Step {case.judged.ordinal}: zero_grad ran inside the accumulation window, "
+                   f"so only {contributing} of {K} micro-batches reached the optimizer step "
+                   f"({'before clipping, ' if case.clip_norm is not None else ''}gradient norm "
+                   f"ratio {case.measured_ratio:.4g} to the reference, cosine "
+                   f"{m.cosine:.4f}).",
+                   evidence=case.evidence, location=location(case.inside_zero[-1].site)))
+
+
+def _settle_size_factor_tie(case: StepCase) -> None:
+    """K equal to the micro-batch size makes "no average" and "sum reduction" the same factor:
+    cut the same window differently (the driver's re-split pass) and see which factor moves."""
+    found = case.found
+    if found is None or found.kind not in SIZE_FACTOR_KINDS:
+        return
+    rival = SIZE_FACTOR_KINDS[found.kind]
+    tied = [h for h in case.hyps if h.kind == rival and float(torch.linalg.vector_norm(
+        case.user_u.double() - h.vector.double())) <= case.cand_tol * float(
+            torch.linalg.vector_norm(h.vector.double()))]
+    if not tied:
+        return
+    decided, resplit = (disambiguate(case.session, case.judged.window, case.snapshot, case.names,
+                                     case.rerun) if case.rerun is not None else (None, {}))
+    if decided is None:
+        return
+    case.evidence["resplit"] = resplit
+    if decided != found.kind:
+        hyp = tied[0]
+        case.found = compare.Classification(hyp.kind, hyp.label, found.rel_err, hyp.factor,
+                                            hyp.extra.copy())
+
+
+def _loop_sums_over_samples(case: StepCase,
+                            found: compare.Classification) -> compare.Classification:
+    """Relative to the loop's own K = 1 run a sum reduction divided by K looks like a second
+    average; the full-batch gradient being the *sum* of micro-batch gradients says the loss sums
+    over samples."""
+    if (found.kind in ("double-average", "weighted-average-mismatch") and case.ref.mode == "loop"
+            and case.per_mb):
+        summed = torch.stack(case.per_mb).sum(0)
+        if compare.metrics(case.full, summed, compare.Tolerance(case.cand_tol, 0)).ok:
+            return compare.Classification(
+                "reduction-mismatch", "the loss sums over samples (the full-batch gradient is "
+                "the sum of the micro-batch gradients) and the loop divides by K only",
+                found.rel_err, found.factor, {})
+    return found
+
+
+def _site_of(case: StepCase, kind: str) -> Any:
+    """The user's line a matched hypothesis points at."""
+    window_events, step_site = case.window_events, case.judged.step.site
+    last_backward_site = case.last_backward_site
+    if kind == "missing-unscale":
+        return step_site
+    if kind == "unscale-twice":
+        return second_unscale_site(window_events) or step_site
+    if kind == "double-average":
+        return grad_division_between(last_backward_site, step_site) or last_backward_site
+    if kind == "clip-before-unscale":
+        return line_between(last_backward_site, step_site, NORM_OR_CLIP) or step_site
+    return last_backward_site
+
+
+def _named_shape(case: StepCase) -> Finding | None:
+    """A hypothesis of the catalogue matched (after a size-factor tie is settled)."""
+    _settle_size_factor_tie(case)
+    if case.found is None:
+        return None
+    found = _loop_sums_over_samples(case, case.found)
+    kind, evidence, m, K = found.kind, case.evidence, case.m, case.K
+    measured_ratio = case.measured_ratio
+    evidence["hypothesis"] = found.label
+    evidence["hypothesis_error"] = compare._round(found.rel_err)
+    if found.factor is not None:
+        evidence["factor"] = compare._round(found.factor)
+    evidence.update(found.extra)
+    if kind == "clip-before-unscale":
+        # as the clip-space rung measures it: how many times the true norm the clip saw
+        if m.ratio > 0:
+            evidence["measured"] = compare._round(1.0 / m.ratio)
+        measured_ratio = m.ratio
+    fix = ""
+    message = MESSAGES.get(kind, "{label}").format(
+        step=case.judged.ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
+        precision=case.judgement.precision, tol=case.judgement.tolerance.rtol,
+        factor=found.factor or 0)
+    if (kind == "missing-accumulation-average" and case.per_mb
+            and unaveraged.weighting_differs(case.per_mb, case.full, case.cand_tol)):
+        # the sum of K equal-weight micro-batch means, against a reference that weighs
+        # them otherwise: the size says K only against that sum, not against the reference
+        equal_sums = unaveraged.summed_equal_weights(case.user_u, case.per_mb, case.full)
+        fix = unaveraged.FIX
+        evidence.update(unaveraged.evidence(equal_sums))
+        message = unaveraged.message(case.judged.ordinal, K, equal_sums, case.clip_norm,
+                                     clip_threshold(case.window_events),
+                                     evidence.get("ratio_after_clip"))
+    party = who_divided(case.trace, kind)
+    if party is not None:
+        evidence["framework"] = party[0]
+        message += " " + party[1][0].upper() + party[1][1:]
+    return deciders.decide(kind, Observed(case.rung, Severity.ERROR, message, evidence=evidence,
+                                          location=location(_site_of(case, kind)), fix=fix))
+
+
+def _carried_over(case: StepCase) -> Finding | None:
+    """.grad not cleared after the previous optimizer step."""
+    step, names, ordinal = case.judged.step, case.names, case.judged.ordinal
+    carried = carried_over(case.session, case.trace, step, names, case.user_u, case.full,
+                           case.cand_tol)
+    if carried is None:
+        return None
+    partial = len(carried) < len(names)
+    case.evidence.update({"measured": len(carried), "expected": 0,
+                          "parameters_not_cleared": len(carried), "parameters": len(names),
+                          "norm_ratio": compare._round(case.measured_ratio)})
+    zero_grads = of_type(case.window_events, ZeroGrad) or \
+        [e for e in case.trace.events_of(ZeroGrad) if e.seq < step.seq]
+    site = zero_grads[-1].site if partial and zero_grads else step.site
+    which = (f"{len(carried)} of {len(names)} parameters ({', '.join(carried[:4])}"
+             + (", ..." if len(carried) > 4 else "") + ")") if partial else "every parameter"
+    return deciders.missing_zero_grad(Observed(case.rung, Severity.ERROR,
+                   f"Step {ordinal}: for {which} the optimizer consumed this window's "
+                   f"reference gradient plus what step {ordinal - 1} already applied: .grad "
+                   "is not cleared after an optimizer step"
+                   + (" (the zero_grad call covers only part of the model)" if partial else "")
+                   + ", so every step re-applies earlier windows, and an overflow, once in "
+                   ".grad, poisons every later window. Clear all gradients after each step, "
+                   "skipped or not.",
+                   evidence=case.evidence, location=location(site)))
+
+
+def _summed_over_a_count(case: StepCase) -> Finding | None:
+    """Right direction, a size equal to a count every micro-batch shares: a sum reduction."""
+    m, measured_ratio = case.m, case.measured_ratio
+    if not summed_over_count(m.cosine, measured_ratio):
+        return None
+    counted = summed_count(case.session.window(case.judged.window), measured_ratio,
+                           case.session.spec.micro_batch_size)
+    if counted is None:
+        return None
+    count, what = counted
+    case.evidence.update({"factor": compare._round(measured_ratio), "count": count})
+    return deciders.reduction_mismatch(Observed(case.rung, Severity.ERROR,
+                   f"Step {case.judged.ordinal}: the gradient is {measured_ratio:.4g}x the "
+                   f"reference ({what}) with cosine {m.cosine:.5f}: the loss sums over "
+                   "samples/elements instead of averaging.",
+                   evidence=case.evidence, location=location(case.last_backward_site)))
+
+
+def _varying_divisor(case: StepCase) -> Finding | None:
+    """A size that changes from step to step: a divisor that varies."""
+    varying = varying_divisor(case.judgement, case.evidence, case.judged.ordinal,
+                              case.measured_ratio)
+    if varying is None:
+        return None
+    return deciders.reduction_mismatch(Observed(
+                   case.rung, Severity.ERROR, varying, evidence=case.evidence,
+                   location=location(case.last_backward_site),
+                   fix="Count the tokens (or samples) of the whole optimizer step once, "
+                       "over all K micro-batches before the window, and divide every "
+                       "micro-batch's summed loss by that one total."))
+
+
+def _wrong_divisor(case: StepCase) -> Finding | None:
+    """Right direction, wrong size, no catalogue factor: the loss is divided by the wrong
+    number (a hard-coded 8 for K=4, K*K): averaged too much or too little."""
+    m, measured_ratio, K = case.m, case.measured_ratio, case.K
+    if not wrong_divisor(m.cosine, measured_ratio):
+        return None
+    decider = (deciders.double_average if measured_ratio < 1
+               else deciders.missing_accumulation_average)
+    case.evidence["factor"] = compare._round(measured_ratio)
+    return decider(Observed(case.rung, Severity.ERROR,
+                   f"Step {case.judged.ordinal}: the optimizer consumed {measured_ratio:.4g}x "
+                   f"the reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
+                   f"{K / measured_ratio:.4g} instead of K={K}.",
+                   evidence=case.evidence, location=location(case.last_backward_site)))
+
+
+def _loop_sums_unaveraged(case: StepCase) -> Finding | None:
+    """The reference's per-micro-batch gradients explain nothing: the loop weighs tokens or
+    samples inside a micro-batch its own way. Its own gradient of each micro-batch alone still
+    tells whether the window sums them without dividing by K."""
+    if case.rerun is None or case.ref.mode != "loss":
+        return None
+    sums = unaveraged.summed_loop_gradients(case.session, case.judged.window, case.snapshot,
+                                            case.names, case.user_u, case.full, case.rerun,
+                                            case.cand_tol)
+    if sums is None:
+        return None
+    case.evidence.update(unaveraged.evidence(sums))
+    return deciders.missing_accumulation_average(Observed(case.rung, Severity.ERROR,
+                   unaveraged.message(case.judged.ordinal, case.K, sums, case.clip_norm,
+                                      clip_threshold(case.window_events),
+                                      case.evidence.get("ratio_after_clip")),
+                   evidence=case.evidence, location=location(case.last_backward_site),
+                   fix=unaveraged.FIX if sums.weighting_differs else ""))
+
+
+def _no_known_shape(case: StepCase) -> Finding:
+    """No known shape: say so, with the numbers."""
+    m, judged, tol = case.m, case.judged, case.judgement.tolerance
     hint = ""
-    if summed_over_count(m.cosine, measured_ratio):
-        counted = summed_count(session.window(window), measured_ratio,
-                                session.spec.micro_batch_size)
-        if counted is not None:
-            count, what = counted
-            evidence.update({"factor": compare._round(measured_ratio), "count": count})
-            return deciders.reduction_mismatch(Observed(rung, "error",
-                           f"Step {ordinal}: the gradient is {measured_ratio:.4g}x the reference "
-                           f"({what}) with cosine {m.cosine:.5f}: the loss sums over "
-                           "samples/elements instead of averaging.",
-                           evidence=evidence, location=location(last_backward_site)))
     if direction_holds(m.cosine):
         hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
-    varying = varying_divisor(judgement, evidence, ordinal, measured_ratio)
-    if varying is not None:
-        return deciders.reduction_mismatch(Observed(rung, "error", varying, evidence=evidence,
-                       location=location(last_backward_site),
-                       fix="Count the tokens (or samples) of the whole optimizer step once, "
-                           "over all K micro-batches before the window, and divide every "
-                           "micro-batch's summed loss by that one total."))
-    if wrong_divisor(m.cosine, measured_ratio):
-        # Right direction, wrong size, no catalogue factor: the loss is divided by the wrong
-        # number (a hard-coded 8 for K=4, K*K): averaged too much or too little.
-        decider = (deciders.double_average if measured_ratio < 1
-                   else deciders.missing_accumulation_average)
-        evidence["factor"] = compare._round(measured_ratio)
-        return decider(Observed(rung, "error",
-                       f"Step {ordinal}: the optimizer consumed {measured_ratio:.4g}x the "
-                       f"reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
-                       f"{K / measured_ratio:.4g} instead of K={K}.",
-                       evidence=evidence, location=location(last_backward_site)))
-    if rerun is not None and ref.mode == "loss":
-        # The reference's per-micro-batch gradients explain nothing: the loop weighs tokens or
-        # samples inside a micro-batch its own way. Its own gradient of each micro-batch alone
-        # still tells whether the window sums them without dividing by K.
-        sums = unaveraged.summed_loop_gradients(session, window, snapshot, names, user_u,
-                                                full, rerun, cand_tol)
-        if sums is not None:
-            evidence.update(unaveraged.evidence(sums))
-            return deciders.missing_accumulation_average(Observed(rung, "error",
-                           unaveraged.message(ordinal, K, sums, clip_norm,
-                                              _clip_threshold(window_events),
-                                              evidence.get("ratio_after_clip")),
-                           evidence=evidence, location=location(last_backward_site),
-                           fix=unaveraged.FIX if sums.weighting_differs else ""))
-    return deciders.gradient_mismatch(Observed(rung, "error",
-                   f"Step {ordinal} (window {window}) of the {precision} run: the gradient the "
-                   f"optimizer consumed differs from the fp32 reference by {m.rel_err:.3g} "
-                   f"(relative; tolerance {tol.rtol:g}), norm ratio {measured_ratio:.4g}, cosine "
+    return deciders.gradient_mismatch(Observed(case.rung, Severity.ERROR,
+                   f"Step {judged.ordinal} (window {judged.window}) of the "
+                   f"{case.judgement.precision} run: the gradient the optimizer consumed differs "
+                   f"from the fp32 reference by {m.rel_err:.3g} (relative; tolerance "
+                   f"{tol.rtol:g}), norm ratio {case.measured_ratio:.4g}, cosine "
                    f"{m.cosine:.4f}, matching no known mistake.{hint}",
-                   evidence=evidence, location=location(step.site)))
+                   evidence=case.evidence, location=location(judged.step.site)))
+
+
+#: The known shapes of a mismatch, in the order they are tried: each returns its finding, or
+#: None when the step does not have its shape.
+SHAPES: tuple[Callable[[StepCase], Finding | None], ...] = (
+    _zero_grad_inside,
+    _named_shape,
+    _carried_over,
+    _summed_over_a_count,
+    _varying_divisor,
+    _wrong_divisor,
+    _loop_sums_unaveraged,
+)
 
 
 MESSAGES = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from .. import deciders
 from ..deciders import Observed
+from ..enums import Severity
 from ..findings import Finding, location
 from ..probe.events import StepRecord
 from ..session import Session, Trace
@@ -21,7 +22,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
         if len(steps) > session.N:
             mb_before_first = steps[0].backwards
             per_window = len(steps) / session.N
-            return deciders.step_per_microbatch(Observed(rung, "error",
+            return deciders.step_per_microbatch(Observed(rung, Severity.ERROR,
                 f"The optimizer stepped {len(steps)} times for {session.N} windows of "
                 f"K={session.K} micro-batches in the {trace.precision} run "
                 f"({per_window:.3g} steps per window; the first step came after "
@@ -40,7 +41,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
         off = [(s, n) for s, n in zip(steps, consumed, strict=True) if n % session.K != 0]
         if off:
             step, n = off[0]
-            return deciders.gradient_mismatch(Observed(rung, "error",
+            return deciders.gradient_mismatch(Observed(rung, Severity.ERROR,
                 f"The optimizer stepped after {n} micro-batch(es), not on a boundary of "
                 f"K={session.K}: the accumulation condition is off by one (e.g. "
                 "`i % K == 0` with i counted from 0), so the first window holds "

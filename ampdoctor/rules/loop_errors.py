@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from .. import deciders
 from ..deciders import Observed
+from ..enums import Severity
 from ..errors import exc_text, format_traceback, safe_repr, safe_str
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..probe.events import Backward, Event, OptimizerStep, ScalerStep, Unscale, Update
 from ..session import Trace
@@ -32,7 +33,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
         updates = trace.events_of(Update)
         # Point at the update() that exists but was skipped on this path, else at the step.
         site = (updates[-1].site if updates else steps[-1].site if steps else trace.error_site)
-        return deciders.loop_error(Observed(rung, "error",
+        return deciders.loop_error(Observed(rung, Severity.ERROR,
                        f"In the {trace.precision} run torch refused unscale_(): the previous "
                        "window never reached scaler.update() (a skip path that returns early, "
                        "or no update at all), so the next window's unscale_ counts as a second "
@@ -51,18 +52,18 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
             first = earlier[-1].site if earlier else None
             also = (f" The first call was at {first.file}:{first.line}; keep one of the two."
                     if first is not None and first != site else "")
-            evidence: dict[str, Any] = {"error": text, "measured": 2, "expected": 1,
+            evidence: Evidence = {"error": text, "measured": 2, "expected": 1,
                                         "unscale_calls_in_step": 2}
             if first is not None:
                 evidence["first_unscale"] = f"{first.file}:{first.line}"
-            return decider(Observed(rung, "error",
+            return decider(Observed(rung, Severity.ERROR,
                            f"In the {trace.precision} run torch refused a second unscale_() of "
                            "the same optimizer in one step: the gradients would be divided by "
                            f"the scale twice.{also}",
                            evidence=evidence, location=location(site)))
     if isinstance(exc, SystemExit):
         text = f"sys.exit({safe_repr(exc.code)})"
-        return deciders.loop_error(Observed(rung, "error",
+        return deciders.loop_error(Observed(rung, Severity.ERROR,
                        f"The loop called {text} in the {trace.precision} run: it must return "
                        "to its caller (ampdoctor runs it several times in one process), so its "
                        "run could not be judged.",
@@ -87,7 +88,7 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
         evidence["user_frames"] = [f"{f.file}:{f.line} in {f.function}" for f in frames]
         called_from = (f" (in {frames[-1].function}(), called from the loop at "
                        f"{os.path.basename(outer.file)}:{outer.line})")
-    return deciders.loop_error(Observed(rung, "error",
+    return deciders.loop_error(Observed(rung, Severity.ERROR,
                    f"The loop raised in the {trace.precision} run: {text}{called_from}",
                    evidence=evidence, location=location(trace.error_site),
                    traceback=format_traceback(trace.error)))

@@ -6,12 +6,13 @@ trajectory itself (an update per micro-batch, a second scale) is the consequence
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import Severity
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import judged_live
 from ..probe.callsite import Site
@@ -74,7 +75,7 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
         event = v.event
         window = min(trace.window_of_event(event) or 0, session.N - 1)
         scale = _last_scale_before(trace, event.seq)
-        evidence: dict[str, Any] = {"scale": scale, "window": window}
+        evidence: Evidence = {"scale": scale, "window": window}
         if v.kind == "clip-before-unscale":
             seen_norm = v.data.get("total_norm")
             true_norm = _reference_norm(session, trace, window)
@@ -136,8 +137,8 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
         else:
             evidence.update({"measured": 2, "expected": 1})
             message = v.detail
-        findings.append(deciders.decide(v.kind, Observed(rung, "error", message, evidence=evidence,
-                                location=location(event.site))))
+        findings.append(deciders.decide(v.kind, Observed(
+            rung, Severity.ERROR, message, evidence=evidence, location=location(event.site))))
     return findings
 
 
@@ -176,7 +177,7 @@ def explain_with_calls(mismatch: list[Finding], violations: list[Finding],
     fragile = []
     for v in relevant:
         why = _FRAGILE.get(v.kind, v.message)
-        fragile.append(deciders.decide(v.kind, Observed(v.rung, "warning",
+        fragile.append(deciders.decide(v.kind, Observed(v.rung, Severity.WARNING,
                                f"Every fp16 update matched the reference, but {why}. "
                                f"({v.message})", evidence=v.evidence, location=v.location)))
     return [], fragile
@@ -229,7 +230,7 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
     low, high = thresholds.SECOND_SCALE_BAND
     if low <= abs(extra) <= high:
         return None
-    return deciders.double_scaling(Observed(rung, "error",
+    return deciders.double_scaling(Observed(rung, Severity.ERROR,
         f"The loss reaching backward is {abs(extra):.6g}x what the scaler alone would give "
         f"(fp32 loss {v32:.6g} x scale {scale:g} = {v32 * scale:.6g}, got {v16:.6g}): a second, "
         f"hand-written loss scale sits on top of the GradScaler. Effective scale "

@@ -8,6 +8,7 @@ from typing import Any
 
 from .. import deciders, thresholds
 from ..deciders import Observed
+from ..enums import Severity
 from ..findings import Finding, location
 from ..judge import step_groups
 from ..probe.events import Backward, Forward, OptimizerStep, ScalerStep, SchedulerStep
@@ -45,7 +46,7 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
         step, used, meant = drift
         per_step = len(events) / optimizer_steps
         first = events[0]
-        return [deciders.scheduler_per_microbatch(Observed(rung, "error",
+        return [deciders.scheduler_per_microbatch(Observed(rung, Severity.ERROR,
             f"The LR scheduler ({first.scheduler_type}) stepped {len(events)} times for "
             f"{optimizer_steps} optimizer steps in the {trace.precision} run, up to {worst} "
             f"times between two optimizer steps: optimizer step {step} used lr {used:.6g} where "

@@ -12,6 +12,8 @@ import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import Severity
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..loading import micro_batch_counts, micro_batch_size_of
@@ -27,7 +29,7 @@ def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, cal
     true_norm = reference_norm(reference, call)
     seen = call.total_norm
     m = judged.metrics
-    evidence: dict[str, Any] = {
+    evidence: Evidence = {
         "measured": compare._round(seen / true_norm) if seen and true_norm else None,
         "expected": 1.0, "scale": call.scale, "norm_seen_by_clip": seen,
         "true_norm": compare._round(true_norm), "max_grad_norm": call.threshold,
@@ -45,11 +47,11 @@ def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, cal
                    f"loss scale {call.scale:g}), so the threshold {call.threshold:g} was applied "
                    f"in scaled space and the update is {m.ratio:.4g}x the reference clipped at "
                    f"{call.threshold:g}.")
-    return deciders.clip_before_unscale(Observed(rung, "error", message, evidence=evidence,
+    return deciders.clip_before_unscale(Observed(rung, Severity.ERROR, message, evidence=evidence,
                    location=location(call.site)))
 
 
-def varying_divisor(judgement: Judgement, evidence: dict[str, Any], ordinal: int,
+def varying_divisor(judgement: Judgement, evidence: Evidence, ordinal: int,
                      ratio: float) -> str | None:
     """Right direction at every step, but a size that changes from step to step: the loss is
     normalised by a count that varies (a token count overwritten per micro-batch), not by a

@@ -11,101 +11,166 @@ or growth_interval that grows the scale into overflow again and again)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import Severity
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..probe.events import ScalerInit, ScalerStep, Update
 from ..session import Trace
 
 
-def frequent_skips(plain: Trace, rung: str) -> Finding | None:  # noqa: C901 - the phases of one scale trajectory, each with its count
-    """The finding for the plain fp16 run's skips, or None when they are what GradScaler
-    costs anyway."""
+@dataclass(frozen=True)
+class _Skips:
+    """The plain fp16 run's scale trajectory, cut into its two phases."""
+
+    steps: int                    # scaler.step calls
+    skipped: list[ScalerStep]     # the skipped ones
+    scales: list[float]           # the scale after each update
+    flags: list[bool]             # skipped or not, per step
+    first_ok: int                 # the first real update (len(flags) if none)
+    excess: int                   # search skips beyond the halvings the search needed
+    inits: list[ScalerInit]       # the enabled scalers' settings
+    grew_into_overflow: bool      # a skip right after the scale grew
+
+    @property
+    def rate(self) -> float:
+        return len(self.skipped) / self.steps if self.steps else 0.0
+
+    @property
+    def collapsed(self) -> bool:
+        return bool(self.scales) and min(self.scales) < thresholds.MIN_SCALE
+
+    @property
+    def after(self) -> list[bool]:
+        """The steps after the first real update."""
+        return self.flags[self.first_ok + 1:]
+
+    @property
+    def skipped_after(self) -> int:
+        return sum(self.after)
+
+    @property
+    def never_settled(self) -> bool:
+        return len(self.flags) >= 2 and self.first_ok == len(self.flags)
+
+    @property
+    def growth_interval(self) -> int | None:
+        return self.inits[0].growth_interval if self.inits else None
+
+    @property
+    def sawtooth(self) -> bool:
+        """Growing into overflow once per growth_interval is already more than the threshold
+        (the sawtooth of growth_interval=1)."""
+        return (self.grew_into_overflow and self.growth_interval is not None
+                and 1.0 / (self.growth_interval + 1) > thresholds.SKIP_RATE_THRESHOLD)
+
+    def frequent(self, count: int, out_of: int) -> bool:
+        enough = count >= thresholds.MIN_COUNTED_SKIPS or (count >= 1 and self.sawtooth)
+        return enough and out_of > 0 and count / out_of > thresholds.SKIP_RATE_THRESHOLD
+
+    @property
+    def dropping(self) -> bool:
+        """Skips after the first real update alone: updates the reference makes and this run
+        drops."""
+        return self.frequent(self.skipped_after, len(self.after))
+
+    @property
+    def unsettled(self) -> bool:
+        counted = self.skipped_after + (self.excess if not self.never_settled else 0)
+        return self.frequent(counted, len(self.after) + self.excess)
+
+
+def _skips(plain: Trace) -> _Skips:
     steps = plain.events_of(ScalerStep)
-    skipped = [e for e in steps if e.skipped]
-    scales = [e.scale_after for e in plain.events_of(Update)
-              if e.scale_after is not None]
-    rate = len(skipped) / len(steps) if steps else 0.0
-    collapsed = bool(scales) and min(scales) < thresholds.MIN_SCALE
+    updates = plain.events_of(Update)
     flags = [bool(e.skipped) for e in steps]
     # Leading skips are the scaler searching down from init_scale: normal at the start of
     # training. What counts is skipping once it has found a scale that works, or never finding
     # one within the run.
     first_ok = flags.index(False) if False in flags else len(flags)
-    after = flags[first_ok + 1:]
-    skipped_after = sum(after)
-    never_settled = len(flags) >= 2 and first_ok == len(flags)
-    # A search halves the scale per skip (the default backoff 0.5): it may take as many skips
-    # as halvings between init_scale and the scale that worked. Skips beyond that (a timid
-    # backoff_factor such as 0.9) are slow searching, and count.
-    updates = plain.events_of(Update)
-    search = first_ok
+    # A skip right after the scale grew is the scaler growing into overflow: once per
+    # growth_interval in steady state, so one such skip already says "frequent" when that
+    # interval is short.
+    grew_into_overflow = any(
+        flag and i > 0 and _grew(updates[i - 1].scale_before, updates[i].scale_before)
+        for i, flag in enumerate(flags[:len(updates)]))
+    return _Skips(len(steps), [e for e in steps if e.skipped],
+                  [e.scale_after for e in updates if e.scale_after is not None], flags,
+                  first_ok, first_ok - _search_skips(first_ok, updates),
+                  [e for e in plain.events_of(ScalerInit) if e.enabled], grew_into_overflow)
+
+
+def _search_skips(first_ok: int, updates: list[Update]) -> int:
+    """The leading skips a search needed: it halves the scale per skip (the default backoff
+    0.5), so it may take as many skips as halvings between init_scale and the scale that
+    worked. Skips beyond that (a timid backoff_factor such as 0.9) are slow searching, and
+    count."""
     if 0 < first_ok < len(updates):
         init = updates[0].scale_before
         found = updates[first_ok].scale_before
         if init and found and 0 < found <= init:
-            search = min(first_ok, math.ceil(math.log2(init / found)
-                                             - thresholds.SEARCH_HALVINGS_SLACK))
-    excess = first_ok - search
-    counted = skipped_after + (excess if not never_settled else 0)
-    considered = len(after) + excess
-    inits = [e for e in plain.events_of(ScalerInit) if e.enabled]
-    growth_interval = inits[0].growth_interval if inits else None
-    # A skip right after the scale grew is the scaler growing into overflow: once per
-    # growth_interval in steady state, so one such skip already says "frequent" when that
-    # interval is short (the sawtooth of growth_interval=1).
-    grew_into_overflow = any(
-        flag and i > 0 and _grew(updates[i - 1].scale_before, updates[i].scale_before)
-        for i, flag in enumerate(flags[:len(updates)]))
-    sawtooth = (grew_into_overflow and growth_interval is not None
-                and 1.0 / (growth_interval + 1) > thresholds.SKIP_RATE_THRESHOLD)
+            return min(first_ok, math.ceil(math.log2(init / found)
+                                           - thresholds.SEARCH_HALVINGS_SLACK))
+    return first_ok
 
-    def frequent(count: int, out_of: int) -> bool:
-        enough = count >= thresholds.MIN_COUNTED_SKIPS or (count >= 1 and sawtooth)
-        return enough and out_of > 0 and count / out_of > thresholds.SKIP_RATE_THRESHOLD
 
-    # Skips after the first real update alone: updates the reference makes and this run drops.
-    dropping = frequent(skipped_after, len(after))
-    unsettled = frequent(counted, considered)
-    if not (never_settled or unsettled or collapsed):
+def frequent_skips(plain: Trace, rung: str) -> Finding | None:
+    """The finding for the plain fp16 run's skips, or None when they are what GradScaler
+    costs anyway."""
+    s = _skips(plain)
+    if not (s.never_settled or s.unsettled or s.collapsed):
         return None
-    site = inits[0].site if inits else (skipped[0].site if skipped else None)
-    evidence = {"measured": compare._round(rate), "expected": 0.0,
-                "threshold": thresholds.SKIP_RATE_THRESHOLD, "skipped": len(skipped),
-                "initial_search_skips": first_ok, "search_skips_beyond_halvings": excess,
-                "skipped_after_first_update": skipped_after,
-                "steps_after_first_update": len(after),
-                "skip_rate_after_first_update": (compare._round(skipped_after / len(after))
-                                                 if after else 0.0),
-                "steps": len(steps), "scale": scales, "growth_interval": growth_interval,
-                "growth_factor": inits[0].growth_factor if inits else None}
-    if dropping:
-        every = ("every good step" if growth_interval == 1
-                 else f"every {growth_interval} good steps")
-        grow = (f" (growth_factor {inits[0].growth_factor:g} after {every} grows the scale "
-                "back into overflow)" if grew_into_overflow and inits and inits[0].growth_factor
-                else "")
-        before = ""
-        if first_ok:
-            before = (f" (the {first_ok} skip(s) before it were the scale settling, not counted "
-                      "here" + (f"; {excess} of them more than its halvings needed, a slow "
-                                "backoff_factor" if excess else "") + ")")
-        return deciders.frequent_skips(Observed(rung, "error",
-            f"After its first real update (step {first_ok}) the fp16 run skipped "
+    site = s.inits[0].site if s.inits else (s.skipped[0].site if s.skipped else None)
+    after, skipped_after = s.after, s.skipped_after
+    evidence: Evidence = {"measured": compare._round(s.rate), "expected": 0.0,
+                          "threshold": thresholds.SKIP_RATE_THRESHOLD, "skipped": len(s.skipped),
+                          "initial_search_skips": s.first_ok,
+                          "search_skips_beyond_halvings": s.excess,
+                          "skipped_after_first_update": skipped_after,
+                          "steps_after_first_update": len(after),
+                          "skip_rate_after_first_update": (
+                              compare._round(skipped_after / len(after)) if after else 0.0),
+                          "steps": s.steps, "scale": s.scales,
+                          "growth_interval": s.growth_interval,
+                          "growth_factor": s.inits[0].growth_factor if s.inits else None}
+    fell = f"the scale fell to {min(s.scales):g}" if s.collapsed else ""
+    if s.dropping:
+        return deciders.frequent_skips(Observed(rung, Severity.ERROR,
+            f"After its first real update (step {s.first_ok}) the fp16 run skipped "
             f"{skipped_after} of the {len(after)} steps that followed "
             f"({skipped_after / len(after):.0%}, threshold "
-            f"{thresholds.SKIP_RATE_THRESHOLD:.0%}){grow}: the scaler had found a scale that "
-            f"works, and each of these skips drops an update the fp32 reference makes"
-            + before
-            + (f"; the scale fell to {min(scales):g}" if collapsed else "") + ".",
+            f"{thresholds.SKIP_RATE_THRESHOLD:.0%}){_growth_note(s)}: the scaler had found a "
+            f"scale that works, and each of these skips drops an update the fp32 reference makes"
+            + _settling_note(s) + (f"; {fell}" if fell else "") + ".",
             evidence=evidence, location=location(site)))
-    return deciders.frequent_skips(Observed(rung, "warning",
-        f"The fp16 run skipped {len(skipped)} of {len(steps)} optimizer steps "
-        f"({rate:.0%}, threshold {thresholds.SKIP_RATE_THRESHOLD:.0%})"
-        + (f" and the scale fell to {min(scales):g}" if collapsed else "")
+    return deciders.frequent_skips(Observed(rung, Severity.WARNING,
+        f"The fp16 run skipped {len(s.skipped)} of {s.steps} optimizer steps "
+        f"({s.rate:.0%}, threshold {thresholds.SKIP_RATE_THRESHOLD:.0%})"
+        + (f" and {fell}" if fell else "")
         + ": fewer real updates than the schedule assumes.",
         evidence=evidence, location=location(site)))
+
+
+def _growth_note(s: _Skips) -> str:
+    """What grew the scale back into overflow, when it did."""
+    if not (s.grew_into_overflow and s.inits and s.inits[0].growth_factor):
+        return ""
+    every = ("every good step" if s.growth_interval == 1
+             else f"every {s.growth_interval} good steps")
+    return (f" (growth_factor {s.inits[0].growth_factor:g} after {every} grows the scale "
+            "back into overflow)")
+
+
+def _settling_note(s: _Skips) -> str:
+    """The leading skips, not counted: the scale settling (and how many were a slow search)."""
+    if not s.first_ok:
+        return ""
+    return (f" (the {s.first_ok} skip(s) before it were the scale settling, not counted here"
+            + (f"; {s.excess} of them more than its halvings needed, a slow backoff_factor"
+               if s.excess else "") + ")")
 
 
 def _grew(before: float | None, after: float | None) -> bool:

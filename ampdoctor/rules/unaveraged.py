@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .. import compare, thresholds
+from ..evidence import Evidence
 from ..probe.events import Snapshot
 from ..session import Session, flat
 from .shapes import Resplit
@@ -120,9 +120,9 @@ FIX = ("Normalise the whole optimizer step once, the way the reference does: for
        "by accumulation_steps.")
 
 
-def evidence(summed: Summed) -> dict[str, Any]:
+def evidence(summed: Summed) -> Evidence:
     m = summed.mean_vs_reference
-    out: dict[str, Any] = {"measured": compare._round(summed.factor),
+    out: Evidence = {"measured": compare._round(summed.factor),
                            "factor": compare._round(summed.factor),
                            "weighting_ratio": compare._round(m.ratio),
                            "weighting_cosine": compare._round(m.cosine)}

@@ -35,6 +35,8 @@ from typing import Any
 
 from ampdoctor import deciders
 from ampdoctor.deciders import Observed
+from ampdoctor.enums import Severity
+from ampdoctor.evidence import Evidence
 from ampdoctor.findings import Finding, Location
 from ampdoctor.scan import hints_flow as flow
 from ampdoctor.scan.hints_flow import Assigns, Receivers
@@ -56,7 +58,7 @@ class Hint:
     line: int
     title: str
     message: str
-    evidence: dict[str, Any] = field(default_factory=dict)
+    evidence: Evidence = field(default_factory=lambda: Evidence())
     function: str | None = None
     code: str | None = None
 
@@ -167,7 +169,7 @@ def _window_hints(window: _Window, assigns: Assigns, opaque: set[str], receivers
     k_text = ast.unparse(window.divisor) if window.divisor is not None else "K"
     context = (f"in the accumulation loop at line {loop_line}, where the optimizer steps "
                f"{window.where}")
-    evidence: dict[str, Any] = {"static": True, "loop_line": loop_line,
+    evidence: Evidence = {"static": True, "loop_line": loop_line,
                                 "accumulation": k_text if window.divisor is not None else None}
     hints = []
     for call in window.every:
@@ -179,14 +181,14 @@ def _window_hints(window: _Window, assigns: Assigns, opaque: set[str], receivers
                 "scheduler.step() on every micro-batch",
                 f"`{ast.unparse(call)}` at line {call.lineno} runs on every micro-batch {context}"
                 f": the schedule advances {k_text} times per optimizer step, so warmup and decay "
-                f"run {k_text} times too fast.", dict(evidence), code=ast.unparse(call)))
+                f"run {k_text} times too fast.", evidence.copy(), code=ast.unparse(call)))
         elif receivers.zero_grad(call):
             hints.append(Hint(
                 "zero-grad-inside-accumulation", call.lineno,
                 "zero_grad() on every micro-batch of the accumulation window",
                 f"`{ast.unparse(call)}` at line {call.lineno} runs on every micro-batch {context}"
                 ": it wipes the gradients the window's earlier micro-batches accumulated, so the "
-                "optimizer step sees only the last one.", dict(evidence), code=ast.unparse(call)))
+                "optimizer step sees only the last one.", evidence.copy(), code=ast.unparse(call)))
     if window.divisor is None:
         return hints
     k_names = {n.id for n in ast.walk(window.divisor) if isinstance(n, ast.Name)}
@@ -202,7 +204,7 @@ def _window_hints(window: _Window, assigns: Assigns, opaque: set[str], receivers
             f"is divided by nothing on the way: each optimizer step gets the sum of {k_text} "
             f"micro-batch gradients, {k_text} times the mean. Divide it by {k_text} before "
             "backward (or confirm that what builds it already does).",
-            dict(evidence), code=ast.unparse(call)))
+            evidence.copy(), code=ast.unparse(call)))
     return hints
 
 
@@ -373,7 +375,7 @@ def hint_findings(scans: Any) -> list[Finding]:
     for path in sorted(scans):
         for hint in scans[path].hints:
             out.append(deciders.decide(hint.kind, Observed(
-                HINT_RUNG, "warning", hint.message, evidence=dict(hint.evidence),
+                HINT_RUNG, Severity.WARNING, hint.message, evidence=hint.evidence.copy(),
                 location=Location(path, hint.line, hint.function, hint.code),
                 title=hint.title)))
     return out

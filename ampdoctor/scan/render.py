@@ -191,7 +191,7 @@ def to_sarif(report: ScanReport) -> str:
     kind = CATALOGUE["double-scaling"]
     results: list[dict[str, Any]] = []
     for finding in report.findings:
-        owners = finding.evidence.get("owners", [])
+        owners: list[dict[str, Any]] = finding.evidence.get("owners", [])
         loc = finding.location
         related = []
         for index, owner in enumerate(owners):

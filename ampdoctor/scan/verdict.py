@@ -30,11 +30,12 @@ from typing import Any
 
 from ampdoctor import deciders
 from ampdoctor.deciders import Observed
+from ampdoctor.enums import RungId, Severity
 from ampdoctor.findings import Finding, Location
 from ampdoctor.scan.graph import Graph
 from ampdoctor.scan.sites import DELEGATING_FRAMEWORKS, SINGLETON_FRAMEWORKS, FileScan, Site
 
-RUNG = "double-scaling"
+RUNG = RungId.DOUBLE_SCALING
 
 
 def _exclusive(a: tuple, b: tuple) -> bool:
@@ -242,7 +243,7 @@ def _same_path_findings(
         decision.findings.append(
             deciders.double_scaling(Observed(
                 rung=RUNG,
-                severity="error",
+                severity=Severity.ERROR,
                 message=(
                     f"{len(groups)} loss-scale owners on one training path (entry point "
                     f"{_short(entry, base)}): {names}."
@@ -281,7 +282,7 @@ def _separate_paths_warning(
     decision.findings.append(
         deciders.double_scaling(Observed(
             rung=RUNG,
-            severity="warning",
+            severity=Severity.WARNING,
             message=(
                 f"{len(groups)} loss-scale owners of different kinds in separate entry "
                 f"points: {names}. No scanned file runs them together; check that no "

@@ -18,6 +18,7 @@ from typing import Any
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import RungId, Severity, Status
 from ..findings import RUNG_IDS, Finding, RungResult, conclude, location
 from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
 from ..ladder.analysis import loop_error_finding, scheduler_findings
@@ -49,10 +50,10 @@ def _no_reference(ss: ScriptSession) -> str:
 def reproducibility(ss: ScriptSession) -> RungResult:
     """Two fp32 runs of the script from the same weights read the same data and consume the
     same first update; two reference runs at those weights agree."""
-    rung = "reproducibility"
+    rung = RungId.REPRODUCIBILITY
     first = ss.trace("fp32")
     if first.error is not None or not first.steps:
-        return RungResult(rung, "pass", "nothing to repeat: the fp32 run did not step (see "
+        return RungResult(rung, Status.PASS, "nothing to repeat: the fp32 run did not step (see "
                           "fp32-accum)")
     again = ss.run(ss.job("fp32", steps=1, teacher=[ss.initial_state], stop_after_teacher=False,
                           min_samples=ss.reference_rows), "repeat fp32 run")
@@ -63,7 +64,7 @@ def reproducibility(ss: ScriptSession) -> RungResult:
                   f"({K} micro-batch(es)): the script draws or shuffles its data without a "
                   "fixed seed")
         ss.unaligned = ss.unaligned or reason
-        finding = deciders.nondeterministic_baseline(Observed(rung, "warning",
+        finding = deciders.nondeterministic_baseline(Observed(rung, Severity.WARNING,
             "Two runs of the script with the same arguments read different data in their "
             "first window: it shuffles or draws its data without a fixed seed. Nothing can "
             "be compared with a reference run; the rungs keep what needs no reference. Seed "
@@ -86,7 +87,7 @@ def reproducibility(ss: ScriptSession) -> RungResult:
     if len(steps_a) != len(steps_b) or (worst is not None and not worst.ok):
         rel = worst.rel_err if worst is not None else float("nan")
         site = first.random_site
-        finding = deciders.nondeterministic_baseline(Observed(rung, "error",
+        finding = deciders.nondeterministic_baseline(Observed(rung, Severity.ERROR,
             f"Two fp32 runs of the script from the same weights on the same data consumed "
             f"different first updates (relative difference {rel:.3g}): something in the "
             "script is random outside its data"
@@ -95,7 +96,7 @@ def reproducibility(ss: ScriptSession) -> RungResult:
             evidence={"measured": compare._round(rel), "expected": 0.0,
                       "tolerance": repeat_tolerance().rtol},
             location=location(site)))
-        return RungResult(rung, "fail", "two fp32 runs of the script disagree", [finding])
+        return RungResult(rung, Status.FAIL, "two fp32 runs of the script disagree", [finding])
     summary = (f"two fp32 runs agree (max relative difference "
                f"{worst.rel_err if worst else 0:.2g}) on the same data")
     if ss.has_reference:
@@ -104,26 +105,26 @@ def reproducibility(ss: ScriptSession) -> RungResult:
         m = compare.metrics_of(r2.full, r1.full, ss.param_order, ss.param_shapes,
                                repeat_tolerance())
         if not m.ok:
-            finding = deciders.nondeterministic_baseline(Observed(rung, "error",
+            finding = deciders.nondeterministic_baseline(Observed(rung, Severity.ERROR,
                 f"Two runs of the reference (--reference-args) at the same weights differ by "
                 f"{m.rel_err:.3g} (relative): the fp32 reference is not repeatable.",
                 evidence={"measured": compare._round(m.rel_err), "expected": 0.0}))
-            return RungResult(rung, "fail", "the fp32 reference is not repeatable", [finding])
+            return RungResult(rung, Status.FAIL, "the fp32 reference is not repeatable", [finding])
         ss.reference_repeatable = True
         summary = "reference repeatable; " + summary
-    return RungResult(rung, "pass", summary, details={"reference_mode": "script"})
+    return RungResult(rung, Status.PASS, summary, details={"reference_mode": "script"})
 
 
 # --- precision rungs ---------------------------------------------------------------------
 def fp32_accum_rung(ss: ScriptSession) -> RungResult:
-    rung = "fp32-accum"
+    rung = RungId.FP32_ACCUM
     if ss.has_reference:
         return fp32_accum.run(ss)  # type: ignore[arg-type]
     trace = ss.trace("fp32")
     return _without_reference(ss, trace, rung)
 
 
-def _without_reference(ss: ScriptSession, trace: ScriptTrace, rung: str) -> RungResult:
+def _without_reference(ss: ScriptSession, trace: ScriptTrace, rung: RungId) -> RungResult:
     """A rung's checks that read the run alone; its updates not compared (the reason said)."""
     cast = weight_cast_finding(ss, trace, rung)  # type: ignore[arg-type]
     if cast is not None:
@@ -139,7 +140,7 @@ def _without_reference(ss: ScriptSession, trace: ScriptTrace, rung: str) -> Rung
                 findings.append(v)
             else:   # a call order whose consequence was not measured: at most a warning
                 findings.append(deciders.decide(v.kind, Observed(
-                    v.rung, "warning", v.message + " (No reference was run, so whether the "
+                    v.rung, Severity.WARNING, v.message + " (No reference was run, so whether the "
                     "update differs was not measured.)", evidence=v.evidence,
                     location=v.location)))
         double = runtime_double_scaling(ss.trace("fp32"), trace, rung)
@@ -153,7 +154,7 @@ def _without_reference(ss: ScriptSession, trace: ScriptTrace, rung: str) -> Rung
     if findings:
         return conclude(rung, findings, f"{len(trace.steps)} optimizer step(s) run; "
                         + _no_reference(ss))
-    return RungResult(rung, "skip", _no_reference(ss))
+    return RungResult(rung, Status.SKIP, _no_reference(ss))
 
 
 def _zero_grad_inside(trace: ScriptTrace) -> Finding | None:
@@ -171,7 +172,7 @@ def _zero_grad_inside(trace: ScriptTrace) -> Finding | None:
         if zeros:
             after = sum(1 for b in backwards if b.seq > zeros[-1].seq)
             return deciders.zero_grad_inside_accumulation(Observed(
-                "fp32-accum", "warning",
+                "fp32-accum", Severity.WARNING,
                 f"zero_grad ran between the backwards of one window: only the last {after} of "
                 f"its {len(backwards)} micro-batches reach the optimizer step. (No reference "
                 "was run, so the update itself was not compared.)",
@@ -190,28 +191,28 @@ def _scaler_requests(ss: ScriptSession) -> list[dict[str, Any]]:
 
 
 def precision_rung(precision: str) -> Callable[[ScriptSession], RungResult]:
-    rung = "bf16-no-scaler" if precision == "bf16" else "fp16-scaler"
+    rung = RungId.BF16_NO_SCALER if precision == "bf16" else RungId.FP16_SCALER
 
     def run(ss: ScriptSession) -> RungResult:
         fp32 = ss.trace("fp32")
         if fp32.error is not None:
-            return RungResult(rung, "skip", "the fp32 run raised (see fp32-accum)")
+            return RungResult(rung, Status.SKIP, "the fp32 run raised (see fp32-accum)")
         autocasts = _autocast_requests(ss)
         if not autocasts:
-            return RungResult(rung, "skip", f"the script never enters autocast on "
+            return RungResult(rung, Status.SKIP, f"the script never enters autocast on "
                               f"{ss.device.type}: it trains in fp32 only, so there is no "
                               f"{precision} run to make of it")
         if precision == "fp16" and not _scaler_requests(ss):
             asked = {a["dtype"] for a in autocasts} - {None}
             if "float16" not in asked:
                 dtype = ", ".join(sorted(asked)) or "its device's default"
-                return RungResult(rung, "skip", f"the script builds no GradScaler and asks "
+                return RungResult(rung, Status.SKIP, f"the script builds no GradScaler and asks "
                                   f"autocast for {dtype}: it trains without loss scaling, so "
                                   "it cannot run fp16 as written")
         if precision == "bf16":
             reason = amp.bf16_supported(ss)  # type: ignore[arg-type]
             if reason:
-                return RungResult(rung, "skip", reason)
+                return RungResult(rung, Status.SKIP, reason)
         if ss.has_reference:
             return amp.run_precision(ss, precision, rung)  # type: ignore[arg-type]
         return _without_reference(ss, ss.trace(precision), rung)
@@ -224,11 +225,11 @@ def double_scaling(ss: ScriptSession) -> RungResult:
 
 
 def clip_space_rung(ss: ScriptSession) -> RungResult:
-    rung = "clip-space"
+    rung = RungId.CLIP_SPACE
     if "fp16" not in ss.traces:
-        return RungResult(rung, "skip", "no fp16 run of the script (see fp16-scaler)")
+        return RungResult(rung, Status.SKIP, "no fp16 run of the script (see fp16-scaler)")
     if not ss.trace("fp16").events_of(Clip):
-        return RungResult(rung, "skip", "the script never clips its gradients")
+        return RungResult(rung, Status.SKIP, "the script never clips its gradients")
     if not ss.has_reference:
         return _clip_space_from_trace(ss, ss.trace("fp16"))
     return clip_space.run(ss)  # type: ignore[arg-type]
@@ -239,9 +240,9 @@ def _clip_space_from_trace(ss: ScriptSession, trace: ScriptTrace) -> RungResult:
     space, the loss scale S in scaled space), and what the clip did with it. A clip in scaled
     space that shrank the gradient by another factor than the same threshold would in true
     space changed the update: an error; one that did nothing either way, a warning."""
-    rung = "clip-space"
+    rung = RungId.CLIP_SPACE
     if trace.error is not None:
-        return RungResult(rung, "skip", "the fp16 run raised (see fp16-scaler)")
+        return RungResult(rung, Status.SKIP, "the fp16 run raised (see fp16-scaler)")
     ratios = clip_space._clip_ratios(trace)
     details = {"clip_ratios": [compare._round(r) for r in ratios]}
     scales = [e.scale for e in trace.events_of(Scale) if e.scale]
@@ -249,20 +250,21 @@ def _clip_space_from_trace(ss: ScriptSession, trace: ScriptTrace) -> RungResult:
     clips = [c for c in trace.events_of(Clip) if c.clip_kind == "norm" and c.total_norm
              and c.max_norm]
     if not ratios or scale is None or not clips:
-        return RungResult(rung, "skip", _no_reference(ss), details=details)
+        return RungResult(rung, Status.SKIP, _no_reference(ss), details=details)
     low, high = thresholds.SECOND_SCALE_BAND
     scaled = [r for r in ratios if low <= r / scale <= high]
     if not scaled:
         shown = ", ".join(f"{r:.4g}" for r in ratios[:3])
-        return RungResult(rung, "pass", f"every clip saw the true gradient norm (norm ratio to "
-                          f"unscaled {shown}); " + _no_reference(ss), details=details)
+        return RungResult(rung, Status.PASS, f"every clip saw the true gradient norm (norm ratio "
+                          f"to unscaled {shown}); " + _no_reference(ss), details=details)
     clip = clips[0]
     assert clip.total_norm is not None and clip.max_norm is not None
     seen = min(1.0, clip.max_norm / clip.total_norm)
     meant = min(1.0, clip.max_norm / (clip.total_norm / scale))
     # (the same shrink as a clip that bites at all: thresholds.CLIP_BITES_BELOW)
     changed = seen / meant < thresholds.CLIP_BITES_BELOW
-    finding = deciders.clip_before_unscale(Observed(rung, "error" if changed else "warning",
+    severity = Severity.ERROR if changed else Severity.WARNING
+    finding = deciders.clip_before_unscale(Observed(rung, severity,
         f"clip_grad_norm_ saw a gradient norm of {clip.total_norm:.6g}, {scale:g} times (the "
         f"loss scale) the true norm: it ran before scaler.unscale_. It multiplied the gradient "
         f"by {seen:.4g} where the threshold {clip.max_norm:g} in true space gives {meant:.4g}"
@@ -278,13 +280,13 @@ def _clip_space_from_trace(ss: ScriptSession, trace: ScriptTrace) -> RungResult:
 
 def skips_rung(ss: ScriptSession) -> RungResult:
     if "fp16" not in ss.traces:
-        return RungResult("skips", "skip", "no fp16 run of the script (see fp16-scaler)")
+        return RungResult(RungId.SKIPS, Status.SKIP, "no fp16 run of the script (see fp16-scaler)")
     return skips.run(ss)  # type: ignore[arg-type]
 
 
 def ddp_sync(ss: ScriptSession) -> RungResult:
-    return RungResult("ddp-sync", "skip", "script mode runs the script in one process; the "
-                      "ddp-sync rung needs a spec with `ddp`")
+    return RungResult(RungId.DDP_SYNC, Status.SKIP, "script mode runs the script in one process; "
+                      "the ddp-sync rung needs a spec with `ddp`")
 
 
 RUNGS: dict[str, Callable[[ScriptSession], RungResult]] = {
@@ -306,7 +308,7 @@ def run_ladder(ss: ScriptSession, on_start: Callable[[str], None] | None = None,
     failed = False
     for rung_id in RUNG_IDS:
         if failed:
-            result = RungResult(rung_id, "not-run", "an earlier rung failed")
+            result = RungResult(rung_id, Status.NOT_RUN, "an earlier rung failed")
         else:
             if on_start is not None:
                 on_start(rung_id)
