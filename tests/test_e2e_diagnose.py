@@ -150,6 +150,9 @@ BROKEN = {
                                     (0.9 * 65536, 1.1 * 65536), "broken_step_bypasses_scaler.py"),
     "broken_unscale_twice": ("fp16-scaler", "unscale-twice", "measured", (2, 2),
                              "broken_unscale_twice.py"),
+    "broken_backward_unscaled_loss": ("fp16-scaler", "unscale-twice", "measured",
+                                      (0.9 / 65536, 1.1 / 65536),
+                                      "broken_backward_unscaled_loss.py"),
     "broken_manual_unscale_twice": ("fp16-scaler", "unscale-twice", "measured",
                                     (0.9 / 65536, 1.1 / 65536), "broken_manual_unscale_twice.py"),
     # unscale_ after every backward: refused inside the window, not a missing update
@@ -501,3 +504,16 @@ def test_one_natural_overflow_is_not_frequent_skips(diagnosed):
     assert record["series"]["skipped"] == [False, True, False]
     assert record["findings"] == []
     assert _rung(record, "skips")["status"] == "pass"
+
+
+@pytest.mark.xdist_group("broken_backward_unscaled_loss")
+def test_an_unused_scaled_loss_is_named_not_a_second_unscale(diagnosed):
+    """1/S with no second unscale_: the backward ran on the plain loss. The message says so and
+    names the unused scaler.scale line; a real double unscale_ keeps its own words."""
+    finding = diagnosed("broken_backward_unscaled_loss").record["findings"][0]
+    scale_line = marked_line(RECIPES / "broken_backward_unscaled_loss.py", "unscale-twice") - 2
+    assert "backward ran on the unscaled loss" in finding["message"]
+    assert f"scaler.scale(loss) at line {scale_line}" in finding["message"]
+    assert "scaler.scale(loss).backward()" in finding["fix"]
+    twice = diagnosed("broken_manual_unscale_twice").record["findings"][0]
+    assert "divided by the scale twice" in twice["message"]

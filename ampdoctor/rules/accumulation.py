@@ -29,7 +29,13 @@ from .shapes import (
     summed_count,
     varying_divisor,
 )
-from .sites import NORM_OR_CLIP, grad_division_between, line_between, second_unscale_site
+from .sites import (
+    NORM_OR_CLIP,
+    grad_division_between,
+    line_between,
+    second_unscale_site,
+    unscaled_backward,
+)
 from .step_case import StepCase, build_case, clip_threshold, clip_would_bite, unclipped
 
 __all__ = ["classify_step", "SHAPES", "MESSAGES", "direction_holds", "summed_over_count",
@@ -165,6 +171,9 @@ def _site_of(case: StepCase, kind: str) -> Any:
     if kind == "missing-unscale":
         return step_site
     if kind == "unscale-twice":
+        unused = unscaled_backward(window_events)
+        if unused is not None:
+            return unused[0].site
         return second_unscale_site(window_events) or step_site
     if kind == "double-average":
         return grad_division_between(last_backward_site, step_site) or last_backward_site
@@ -206,6 +215,17 @@ def _named_shape(case: StepCase) -> Finding | None:
         message = unaveraged.message(case.judged.ordinal, K, equal_sums, case.clip_norm,
                                      clip_threshold(case.window_events),
                                      evidence.get("ratio_after_clip"))
+    unused = unscaled_backward(case.window_events) if kind == "unscale-twice" else None
+    if unused is not None:
+        scale_site = location(unused[1].site)
+        message = message.replace(
+            "the gradients were divided by the scale twice.",
+            "backward ran on the unscaled loss (the result of scaler.scale(loss)"
+            + (f" at line {scale_site.line}" if scale_site else "") + " was never "
+            "backpropagated), so unscale_ divided gradients that were never multiplied by the "
+            "scale.")
+        fix = ("Backpropagate the scaled loss: `scaler.scale(loss).backward()`, not "
+               "`loss.backward()` after `scaler.scale(loss)`.")
     party = who_divided(case.trace, kind)
     if party is not None:
         evidence["framework"] = party[0]

@@ -7,7 +7,7 @@ import linecache
 import re
 
 from ..probe.callsite import Site
-from ..probe.events import Event, GetScale, Unscale, of_type
+from ..probe.events import Backward, Event, GetScale, Scale, Unscale, of_type
 
 
 def grad_division_between(first: Site | None, last: Site | None) -> Site | None:
@@ -28,6 +28,17 @@ def line_between(first: Site | None, last: Site | None, pattern: re.Pattern) -> 
 
 #: A line that measures or clips gradient norms (a hand-written clip).
 NORM_OR_CLIP = re.compile(r"norm|clip", re.I)
+
+
+def unscaled_backward(events: list[Event]) -> tuple[Backward, Scale] | None:
+    """A window whose loss was scaled (`scaler.scale(loss)` ran, enabled) while every backward
+    ran on a tensor that was not its result: the first such backward and the unused scale.
+    unscale_ then divides gradients that were never multiplied by the scale."""
+    scales = [e for e in of_type(events, Scale) if e.enabled]
+    backwards = list(of_type(events, Backward))
+    if not scales or not backwards or any(b.scaled_by for b in backwards):
+        return None
+    return backwards[0], scales[0]
 
 
 def second_unscale_site(events: list[Event]) -> Site | None:
