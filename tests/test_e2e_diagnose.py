@@ -150,6 +150,8 @@ BROKEN = {
                                     (0.9 * 65536, 1.1 * 65536), "broken_step_bypasses_scaler.py"),
     "broken_unscale_twice": ("fp16-scaler", "unscale-twice", "measured", (2, 2),
                              "broken_unscale_twice.py"),
+    "broken_clip_after_step": ("fp32-accum", "gradient-mismatch", "measured", (8.7, 8.8),
+                               "broken_clip_after_step.py"),
     "broken_backward_unscaled_loss": ("fp16-scaler", "unscale-twice", "measured",
                                       (0.9 / 65536, 1.1 / 65536),
                                       "broken_backward_unscaled_loss.py"),

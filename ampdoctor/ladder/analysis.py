@@ -19,6 +19,7 @@ from ..rules import (
     step_count_finding,
     update_missing,
 )
+from ..rules.clip_order import clip_after_step
 from ..rules.shapes import Resplit
 from ..session import Session, Trace
 from . import series
@@ -37,8 +38,9 @@ def compare_trace(session: Session, trace: Trace, rung: str,
         session.adopt_weighting(judgement.weighting)
     series.keep(session, series.run_series(rung, trace, judgement))
     bad = judgement.first_bad
-    if bad is None:
-        return [], judgement
+    if bad is None:   # every update matched: a clip after its step never touched the update
+        late = clip_after_step(trace, rung, judgement.tolerance.rtol)
+        return ([late] if late is not None else []), judgement
     return [classify_step(session, trace, rung, judgement, bad, rerun_for(session))], judgement
 
 
