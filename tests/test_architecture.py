@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "ampdoctor.record_model", "ampdoctor.init_spec", "ampdoctor.init_script",
                 "ampdoctor.scan.*",
                 "ampdoctor.report.*")),
-    ("maths", ("ampdoctor.compare", "ampdoctor.rng")),
+    ("maths", ("ampdoctor.compare", "ampdoctor.rng", "ampdoctor.shards")),
     ("observe", ("ampdoctor.probe.*",)),
     ("user code", ("ampdoctor.loading.*", "ampdoctor.examples.*")),
     ("reference", ("ampdoctor.reference.*",)),
