@@ -248,12 +248,11 @@ def _agreement(session, judgement, model: torch.nn.Module, observer) -> dict[str
 
     from ..probe.recorder import full_tensor
     from ..session import flat
-    from ..shards import place_of
 
     counts: list[Any] = [None] * dist.get_world_size()   # each rank's step count, gathered
     dist.all_gather_object(counts, len(judgement.steps))
     steps = judgement.steps[:min(counts)]
-    sharded = any(place_of(g) is not None for s in steps for g in s.step.grads.values())
+    sharded = isinstance(observer, ShardObserver) and SHARD_WISE
     if sharded:
         replicas = observer.replica_group()
         grads = [torch.cat([g.reshape(-1) for g in s.step.grads.values() if g is not None]
@@ -332,6 +331,9 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
         finally:
             observer.recording = False
             observer.restore()
+        if isinstance(observer, ShardObserver):
+            # FSDP over every rank, or HSDP's (replicas, shards per replica)
+            result["mesh"] = list(observer.hsdp or (world_size,))
         result.update(buckets=observer.buckets, toggles=observer.toggles,
                       no_syncs=observer.no_syncs,
                       backwards=[_site(e.site) for e in trace.events_of(Backward)],

@@ -254,7 +254,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
         "parameter_difference_between_ranks": r0.get("parameter_difference"),
         "dropout": "off on the ranks and in the reference",
         # sharded (FSDP2): each rank judged its own piece of every gradient, summing scalars
-        "shard_wise": bool(r0.get("shard_wise")),
+        "shard_wise": bool(r0.get("shard_wise")), "device_mesh": r0.get("mesh"),
         "comparison_bytes_per_rank": [results[k].get("comparison_bytes", {}).get("total")
                                       for k in sorted(results)]}
     tol = r0.get("tolerance", thresholds.RANKS_APART_RTOL)
