@@ -110,3 +110,24 @@ def test_healthy_fsdp_no_sync_pattern_stays_clean(records_dir):
     rung = _ddp_rung(record)
     assert rung["status"] == "pass"
     assert rung["details"]["syncing_backwards"] == [4, 8, 12]
+
+
+@pytest.mark.slow
+def test_hsdp_all_reduce_never_turned_back_on_says_no_rank_stepped(records_dir):
+    """HSDP on a 2 x 2 mesh (4 spawned ranks, taken as 2 nodes of 2): the reduce-scatters run
+    inside each node, the all-reduce across the nodes never does."""
+    name = "broken_hsdp_all_reduce_never_on"
+    result = run_cli("diagnose", CONFIGS / f"{name}.yaml", "--json", "--out", records_dir)
+    assert result.returncode == 1, result.stderr
+    record = result.record
+    details = _ddp_rung(record)["details"]
+    assert (details["wrapper"], details["device_mesh"]) == ("HSDP", [2, 2])
+    assert details["replica_all_reduces"] == []
+    assert details["syncing_backwards"] == list(range(1, 13))
+    finding = record["findings"][0]
+    assert (finding["kind"], finding["severity"]) == ("gradient-mismatch", "error")
+    assert finding["evidence"]["steps_with_a_gradient"] == 0
+    assert finding["evidence"]["windows_not_all_reduced"] == [0, 1, 2]
+    assert "never all-reduced across the replicas" in finding["message"]
+    assert "no rank stepped at all" in finding["message"]
+    _at_marker(finding, f"{name}.py", "gradient-mismatch")

@@ -100,4 +100,5 @@ def test_hsdp_shards_inside_a_node_and_replicates_across_nodes(tmp_path, records
     details = _healthy_across_two_nodes(*_two_nodes(spec, records_dir, 2), records_dir, 4)
     assert details["wrapper"] == "HSDP" and details["shard_wise"] is True
     assert details["device_mesh"] == [2, 2]      # 2 nodes (replicas) x 2 ranks (shards)
+    assert details["replica_all_reduces"] == [4, 8, 12]    # across the nodes, once a window
     assert details["parameter_difference_between_ranks"] == 0.0

@@ -126,6 +126,13 @@ class ShardObserver(SyncObserver):
     hsdp: tuple[int, int] | None = None
     mesh: Any = None
 
+    def __init__(self, finder, device: torch.device):
+        super().__init__(finder, device)
+        #: HSDP: the backward ordinal of each all-reduce across the replicas
+        self.replica_reduces: list[int] = []
+        #: HSDP: [value, site, backwards before it] for each set_requires_all_reduce
+        self.all_reduce_toggles: list[list[Any]] = []
+
     def shard(self, model: torch.nn.Module) -> None:
         from torch.distributed.fsdp import fully_shard
 
@@ -172,8 +179,41 @@ class ShardObserver(SyncObserver):
 
         setattr(dist, name, counting)
         self.restore = lambda: setattr(dist, name, collective)
+        if self.mesh is not None:
+            self._watch_replicas(sharded, probe)
         self.recording = True
         return model
+
+    def _watch_replicas(self, sharded: Any, probe) -> None:
+        """HSDP: record each all-reduce across the replicas (after a reduce-scatter) and each
+        `set_requires_all_reduce` the loop calls, with its line."""
+        import torch.distributed as dist
+
+        observer, group = self, self.replica_group()
+        original = sharded.set_requires_all_reduce
+
+        def set_requires_all_reduce(requires_all_reduce: bool, *args, **kwargs):
+            if observer.recording:
+                site = observer.finder.from_frame(sys._getframe(1))
+                observer.all_reduce_toggles.append([bool(requires_all_reduce), _site(site),
+                                                    probe.backward_count])
+            return original(requires_all_reduce, *args, **kwargs)
+
+        sharded.set_requires_all_reduce = set_requires_all_reduce
+        all_reduce, restore = dist.all_reduce, self.restore
+
+        def counting(tensor, *args, **kwargs):
+            if kwargs.get("group") is group and observer.recording:
+                observer.replica_reduces.append(probe.backward_count)
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+
+        def restore_both() -> None:
+            restore()
+            dist.all_reduce = all_reduce
+
+        self.restore = restore_both
 
 
 def _relative_differences(vectors: list[torch.Tensor]) -> tuple[list[float], int]:
@@ -334,6 +374,9 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
         if isinstance(observer, ShardObserver):
             # FSDP over every rank, or HSDP's (replicas, shards per replica)
             result["mesh"] = list(observer.hsdp or (world_size,))
+            if observer.mesh is not None:
+                result.update(replica_reduces=observer.replica_reduces,
+                              all_reduce_toggles=observer.all_reduce_toggles)
         result.update(buckets=observer.buckets, toggles=observer.toggles,
                       no_syncs=observer.no_syncs,
                       backwards=[_site(e.site) for e in trace.events_of(Backward)],

@@ -212,6 +212,38 @@ def _too_many_syncs(r0: dict[str, Any], words: dict[str, str], windows: int,
         sharded=sharded, update_right=update_right and not last_missed)
 
 
+def _replicas_not_reduced(r0: dict[str, Any], windows: int, per_window: int,
+                          missed: list[int], evidence: dict[str, Any]) -> Finding:
+    """HSDP reduce-scattered inside each node, but a window's last backward did not all-reduce
+    across the replicas: FSDP2 holds a reduce-scatter's output aside until the next all-reduce."""
+    reduced = sorted(set(r0["replica_reduces"]))
+    toggles = r0.get("all_reduce_toggles") or []
+    where = next((_loc(t[1]) for t in toggles if t[1]), None) or _switch_site(r0)
+    numbers = {"replica_all_reduces": len(reduced), "windows_not_all_reduced": missed,
+               **evidence}
+    if not reduced:
+        stepped = sum(1 for s in r0["judged"] if s["ratio"] > 0)
+        return deciders.gradient_mismatch(Observed(RUNG, "error",
+            "HSDP reduce-scattered inside each node but never all-reduced across the "
+            "replicas (set_requires_all_reduce(False), never turned back on): FSDP2 holds each "
+            "reduce-scatter's output aside until an all-reduce, so the sharded .grad stayed "
+            f"None and no rank stepped at all (rank 0 consumed a gradient at {stepped} of its "
+            f"{len(r0['judged'])} optimizer steps).",
+            evidence={"measured": 0, "expected": windows, "steps_with_a_gradient": stepped,
+                      **numbers},
+            location=where,
+            fix="Turn the all-reduce back on for the last micro-batch of every window, before "
+                "its forward: model.set_requires_all_reduce(i % K == K - 1)."))
+    position = ((reduced[0] - 1) % per_window) + 1
+    return deciders.missing_no_sync(Observed(RUNG, "error",
+        f"HSDP all-reduced across the replicas on backward {position} of {per_window}, not the "
+        "window's last (window(s) " + ", ".join(map(str, missed)) + "): the later "
+        "micro-batches' reduce-scattered gradients were held aside and carried into the next "
+        "window's all-reduce, out of this window's update.",
+        evidence={"measured": position, "expected": per_window, **numbers},
+        location=where))
+
+
 def run(session) -> RungResult:
     spec = session.spec
     group = launch.GROUP
@@ -255,6 +287,7 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
         "dropout": "off on the ranks and in the reference",
         # sharded (FSDP2): each rank judged its own piece of every gradient, summing scalars
         "shard_wise": bool(r0.get("shard_wise")), "device_mesh": r0.get("mesh"),
+        "replica_all_reduces": sorted(set(r0.get("replica_reduces", []))),
         "comparison_bytes_per_rank": [results[k].get("comparison_bytes", {}).get("total")
                                       for k in sorted(results)]}
     tol = r0.get("tolerance", thresholds.RANKS_APART_RTOL)
@@ -291,6 +324,10 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                 "first_step_ranks_differ": apart[0] if apart else None,
                 "parameter_difference_between_ranks": r0.get("parameter_difference"),
                 "world_size": world_size}
+    # HSDP: the windows whose last backward did not all-reduce across the replicas
+    replica_reduced = set(r0.get("replica_reduces", []))
+    hsdp_missed = ([w for w in range(windows) if (w + 1) * per_window not in replica_reduced]
+                   if "replica_reduces" in r0 else [])
     # (several syncs per window: the one that matters is the window's last backward's)
     wrong_position = ([p for p in positions if p != per_window]
                       if len(synced_backwards) <= windows else [])
@@ -330,6 +367,8 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
             evidence={"measured": wrong_position[0], "expected": per_window,
                       "synced_backward_in_window": positions, **evidence},
             location=_switch_site(r0) or _loc(r0["backwards"][synced_backwards[0] - 1])))
+    elif hsdp_missed:
+        finding = _replicas_not_reduced(r0, windows, per_window, hsdp_missed, evidence)
     elif apart:
         # One sync per window, on its last backward, yet the ranks consumed different
         # gradients: the loop does something per rank (a clip, a scale, a branch on rank).
