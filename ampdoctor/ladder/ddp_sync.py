@@ -43,7 +43,7 @@ WORDS = {
 }
 WORDS["hsdp"] = {**WORDS["fsdp"], "who": "HSDP"}
 #: the wrappers whose gradient sync reduces into sharded gradients (FSDP2's fully_shard)
-SHARDED = ("fsdp", "hsdp")
+SHARDED = ("FSDP", "HSDP")
 
 
 def _loc(site: list[Any] | None) -> Location | None:
@@ -263,12 +263,12 @@ def run(session) -> RungResult:
             **failed.details, "world_size": world_size,
             "launch": "torchrun" if launch.GROUP else "spawned"})
     wrapper = spec.ddp.wrapper if spec.ddp is not None else "ddp"
-    return _judge(session, results, world_size, wrapper)
+    return _judge(session, results, world_size, WORDS[wrapper])
 
 
 def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
-           wrapper: str) -> RungResult:
-    words, sharded = WORDS[wrapper], wrapper in SHARDED
+           words: dict[str, str]) -> RungResult:
+    sharded = words["who"] in SHARDED
     r0 = results[0]
     windows = len(r0["judged"]) or len(r0["steps"]) or session.N
     total_bytes = sum(n for _, n in r0["buckets"])
