@@ -125,6 +125,8 @@ class ShardObserver(SyncObserver):
     #: the device mesh of HSDP's 2-D sharding (replicate, shard); None: FSDP over every rank
     hsdp: tuple[int, int] | None = None
     mesh: Any = None
+    #: judge each rank's own piece of every gradient (`shards`), not the gathered whole
+    shard_wise = SHARD_WISE
 
     def __init__(self, finder, device: torch.device):
         super().__init__(finder, device)
@@ -152,7 +154,7 @@ class ShardObserver(SyncObserver):
     def wrap(self, model: torch.nn.Module, probe) -> torch.nn.Module:
         import torch.distributed as dist
 
-        probe.shard_wise = SHARD_WISE
+        probe.shard_wise = self.shard_wise
         observer = self
         # fully_shard swapped the module's class for an FSDPModule subclass at run time
         sharded: Any = model
@@ -292,7 +294,7 @@ def _agreement(session, judgement, model: torch.nn.Module, observer) -> dict[str
     counts: list[Any] = [None] * dist.get_world_size()   # each rank's step count, gathered
     dist.all_gather_object(counts, len(judgement.steps))
     steps = judgement.steps[:min(counts)]
-    sharded = isinstance(observer, ShardObserver) and SHARD_WISE
+    sharded = isinstance(observer, ShardObserver) and observer.shard_wise
     if sharded:
         replicas = observer.replica_group()
         grads = [torch.cat([g.reshape(-1) for g in s.step.grads.values() if g is not None]
@@ -335,7 +337,7 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
     """The rank's whole job, inside an initialised default process group. Fills `result`."""
     from ..judge import judge
     from ..ladder.analysis import rerun_for
-    from ..loading import UserCode, cut_micro_batches, resolve_device
+    from ..loading import UserCode, cut_micro_batches, merge_micro_batches, resolve_device
     from ..probe import patches, wrappers
     from ..probe.callsite import CallSiteFinder
     from ..probe.events import Backward, Forward, MicroBatchFetched
@@ -360,6 +362,10 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
         if wrapper in ("fsdp", "hsdp"):
             observer = ShardObserver(finder, device)
             observer.hsdp = hsdp_shape(world_size) if wrapper == "hsdp" else None
+            # without a `loss`, micro-batches that cannot form one batch make the judge guess
+            # their weighting on the whole gradient: judged gathered, as a plain run is
+            observer.shard_wise = SHARD_WISE and (
+                code.loss is not None or merge_micro_batches(session.micro_batches) is not None)
         distributed = Distributed(
             rank=rank, world_size=world_size,
             shards=[shard(mb, rank, world_size) for mb in session.micro_batches],
