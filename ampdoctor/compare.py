@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import thresholds
+from . import shards, thresholds
 from .evidence import Evidence
 
 #: Gradients (or weights) by parameter name; read only here.
@@ -177,12 +177,26 @@ def _chunked(user: torch.Tensor, ref: torch.Tensor):
 def metrics_of(user: Grads, ref: Grads, names: Sequence[str], shapes: dict[str, torch.Size],
                tol: Tolerance) -> Metrics:
     """`metrics` of the two gradients flattened over `names` (`flatten`: a missing or None
-    gradient is zeros), computed tensor by tensor: no flat copy of either is made."""
+    gradient is zeros), computed tensor by tensor: no flat copy of either is made.
+
+    A user gradient that is a rank's piece of a sharded one (`shards.piece`) is compared with
+    the same piece of the reference, and the sums over every rank's piece are added up
+    (`shards.all_sum`): the numbers of the whole, each rank holding its own piece only. Every
+    rank of the sharded run then makes the same calls (the judge walks the same steps)."""
     su = sr = sd = dot = 0.0
     numel = 0
+    pieces = [0.0, 0.0, 0.0, 0.0]    # sums over this rank's pieces, added up over the ranks
+    replicas = 0
     for name in names:
         numel += math.prod(shapes[name])
         u, r = user.get(name), ref.get(name)
+        place = shards.place_of(u)
+        if place is not None and u is not None:
+            replicas = place.replicas
+            here = shards.region(r, place, u.shape) if r is not None else torch.zeros_like(u)
+            (a, b, c), d = _chunked(u.detach().cpu(), here.detach().cpu())
+            pieces = [pieces[0] + a, pieces[1] + b, pieces[2] + c, pieces[3] + d]
+            continue
         if u is None and r is None:
             continue
         if u is None or r is None:   # against zeros: the difference is the other one
@@ -196,6 +210,9 @@ def metrics_of(user: Grads, ref: Grads, names: Sequence[str], shapes: dict[str, 
                 sr += squares
             continue
         (a, b, c), d = _chunked(u.detach().cpu(), r.detach().cpu())
+        su, sr, sd, dot = su + a, sr + b, sd + c, dot + d
+    if replicas:
+        a, b, c, d = shards.all_sum(pieces, replicas)
         su, sr, sd, dot = su + a, sr + b, sd + c, dot + d
     return _metrics(math.sqrt(su), math.sqrt(sr), math.sqrt(sd), lambda: dot, numel, tol)
 

@@ -15,7 +15,7 @@ This module must not import torch: the static scan runs without it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .findings import Evidence, Finding, KindId, Location, Severity
@@ -78,8 +78,23 @@ def zero_grad_inside_accumulation(seen: Observed) -> Finding:
 
 
 def missing_no_sync(seen: Observed) -> Finding:
-    """`missing-no-sync`: dDP synchronises gradients on the wrong micro-batches."""
+    """`missing-no-sync`: DDP/FSDP synchronises gradients on the wrong micro-batches."""
     return Finding(seen.rung, KindId.MISSING_NO_SYNC, seen.severity, **seen.fields())
+
+
+def sync_on_every_micro_batch(seen: Observed, *, sharded: bool, update_right: bool) -> Finding:
+    """`missing-no-sync` for a loop whose gradient sync runs on more backwards than there are
+    optimizer steps: the one decision of its severity.
+
+    Under FSDP2 (`sharded`) a reduce-scatter on every micro-batch is a documented mode: each
+    backward reduces its gradient into the sharded `.grad` and frees the unsharded one, so a
+    rank never holds the unsharded gradient accumulated over the window; the price is K times
+    the communication. When the update it produced matches the reference (`update_right`),
+    that is a trade-off to know about, a warning. Under DDP the extra all-reduces save nothing
+    (the accumulated gradient is held whole either way): the K-fold volume is the measured
+    consequence, an error, as it is for FSDP2 when the update is also wrong."""
+    severity = Severity.WARNING if sharded and update_right else Severity.ERROR
+    return missing_no_sync(replace(seen, severity=severity))
 
 
 def half_open_amp(seen: Observed) -> Finding:

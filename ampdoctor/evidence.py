@@ -132,6 +132,13 @@ Evidence = TypedDict("Evidence", {
     "parameter_difference_between_ranks": Any,
     "ranks_in_the_loop": Any,
     "ranks_past_the_loop": Any,
+    # FSDP2 / HSDP
+    "reduce_scatters_per_window": Any,
+    "unsharded_gradient_bytes_not_held": int,
+    "max_relative_error": float,
+    "steps_with_a_gradient": int,
+    "replica_all_reduces": Any,
+    "windows_not_all_reduced": Any,
     # a loop that raised, hung or was killed
     "error": str,
     # the loop's own line: "file:line" of a loop that raised; the line number in a static hint

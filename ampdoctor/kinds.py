@@ -143,13 +143,16 @@ KINDS: tuple[Kind, ...] = (
     ),
     Kind(
         KindId.MISSING_NO_SYNC,
-        "DDP synchronises gradients on the wrong micro-batches",
+        "DDP/FSDP synchronises gradients on the wrong micro-batches",
         "Without `no_sync()` (or `require_backward_grad_sync = False`, or FSDP's "
         "`set_requires_gradient_sync(False)`) on the first K-1 micro-batches, DDP all-reduces K "
         "times per optimizer step: K times the communication for the same result. With the "
         "switch one micro-batch off (set after the forward, an off-by-one condition), the one "
         "sync of a window happens on another backward: the later micro-batches' gradients stay "
-        "rank-local, the ranks consume different gradients and their parameters drift apart.",
+        "rank-local, the ranks consume different gradients and their parameters drift apart "
+        "(under FSDP2 they are carried into the next window's update). Under FSDP2 a "
+        "reduce-scatter on every micro-batch with a right update is a documented trade (K times "
+        "the communication for not holding the unsharded accumulated gradient): a warning.",
         "Switch sync off for the first K-1 micro-batches and on for the last, *before* each "
         "forward: `with model.no_sync():` around forward and backward, or "
         "`model.require_backward_grad_sync = (micro_step == K - 1)` before the forward "

@@ -61,7 +61,7 @@ class DDPSettings(_Strict):
     world_size: StrictInt = Field(default=2, ge=1, le=64)
     #: the whole multi-process run of the ddp-sync rung, loading included (docs: spec keys)
     timeout_s: float = Field(default=300.0, gt=0, le=86400)
-    wrapper: Literal["ddp", "fsdp"] = "ddp"
+    wrapper: Literal["ddp", "fsdp", "hsdp"] = "ddp"
 
 
 #: The optimizer classes of torch.optim (torch 2.13), so that a spec validates without torch;

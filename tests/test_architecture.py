@@ -54,7 +54,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "ampdoctor.init_loss",
                 "ampdoctor.scan.*",
                 "ampdoctor.report.*")),
-    ("maths", ("ampdoctor.compare", "ampdoctor.rng")),
+    ("maths", ("ampdoctor.compare", "ampdoctor.rng", "ampdoctor.shards")),
     ("observe", ("ampdoctor.probe.*",)),
     ("user code", ("ampdoctor.loading.*", "ampdoctor.examples.*")),
     ("reference", ("ampdoctor.reference.*",)),

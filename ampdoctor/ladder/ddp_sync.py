@@ -24,7 +24,7 @@ from ..deciders import Observed
 from ..enums import RungId, Severity, Status
 from ..errors import LaunchError
 from ..evidence import Evidence
-from ..findings import Location, RungResult, conclude, location
+from ..findings import Finding, Location, RungResult, conclude, location
 from ..probe.callsite import Site
 from ..spec import to_wire
 
@@ -33,10 +33,19 @@ RUNG = RungId.DDP_SYNC
 #: How each wrapper names its gradient sync and the switch that turns it off.
 WORDS = {
     "ddp": {"who": "DDP", "verb": "all-reduced", "noun": "all-reduce",
-            "switch": "model.no_sync() (or require_backward_grad_sync = False)"},
+            "switch": "model.no_sync() (or require_backward_grad_sync = False)",
+            # where a backward's gradient goes when it does not sync
+            "unsynced": "stayed rank-local and out of the window's update"},
     "fsdp": {"who": "FSDP", "verb": "reduce-scattered", "noun": "reduce-scatter",
-             "switch": "model.set_requires_gradient_sync(False)"},
+             "switch": "model.set_requires_gradient_sync(False)",
+             "unsynced": "stayed in FSDP's unsharded accumulated gradient, out of this "
+                         "window's update, and was carried into the next window's "
+                         "reduce-scatter: every update after the first holds the previous "
+                         "window's last micro-batch(es) instead of its own"},
 }
+WORDS["hsdp"] = {**WORDS["fsdp"], "who": "HSDP"}
+#: the wrappers whose gradient sync reduces into sharded gradients (FSDP2's fully_shard)
+SHARDED = ("FSDP", "HSDP")
 
 
 def _loc(site: list[Any] | None) -> Location | None:
@@ -148,6 +157,97 @@ def _switch_site(r0: dict[str, Any]) -> Location | None:
     return None
 
 
+def _too_many_syncs(r0: dict[str, Any], words: dict[str, str], windows: int,
+                    synced: list[int], positions: list[int], per_window: int,
+                    one_sync_bytes: int, world_size: int, sharded: bool, update_right: bool,
+                    worst: float) -> Finding | None:
+    """More syncing backwards than optimizer steps: the finding its decider makes of the
+    volume, or None where the volume is not the story (FSDP2 syncing on every window's last
+    backward too, whose update is off for another reason: the consumed gradient says which)."""
+    total_bytes = sum(n for _, n in r0["buckets"])
+    per_step = len(synced) / windows
+    last_missed = [w for w in range(windows) if (w + 1) * per_window not in synced]
+    if sharded and not update_right and not last_missed:
+        return None
+    extra = next((b for b, p in zip(synced, positions, strict=False) if p != per_window),
+                 synced[0])
+    where = _loc(r0["no_syncs"][0][0]) if r0["no_syncs"] else _loc(r0["backwards"][extra - 1])
+    volume = (f"{words['who']} {words['verb']} gradients on {len(synced)} of "
+              f"{len(r0['backwards'])} backward passes for {windows} optimizer steps "
+              f"({per_step:.3g} per step): {total_bytes / windows:,.0f} bytes per window "
+              f"against the {one_sync_bytes:,} a single sync needs.")
+    evidence: Evidence = {
+        "measured": round(per_step, 6), "expected": 1.0,
+        "bytes_per_window": round(total_bytes / windows),
+        "minimum_bytes_per_window": one_sync_bytes, "world_size": world_size}
+    if sharded:
+        evidence["reduce_scatters_per_window"] = round(per_step, 6)
+    else:
+        evidence["allreduces_per_window"] = round(per_step, 6)
+    fix = ""
+    if sharded and update_right:
+        # FSDP2's sync-every-micro-batch mode: each backward reduce-scatters its gradient into
+        # the sharded .grad and frees the unsharded one; with set_requires_gradient_sync(False)
+        # the unsharded gradient (one reduce-scatter's input) is held over the window instead.
+        evidence["unsharded_gradient_bytes_not_held"] = one_sync_bytes
+        evidence["max_relative_error"] = round(worst, 9)
+        message = (volume + " The update is right (every rank's consumed gradient matched the "
+                   f"reference, max relative error {worst:.2g}): this is FSDP2's documented "
+                   "sync-on-every-micro-batch mode, a trade. It costs "
+                   f"{per_step:.3g}x the gradient communication of one {words['noun']} per "
+                   f"window; it saves holding the unsharded gradient accumulated over the "
+                   f"window, about {one_sync_bytes:,} bytes per rank (estimated: one "
+                   f"{words['noun']}'s input), between micro-batches.")
+        fix = ("Keep it if memory is what limits you. Otherwise switch sync off for the first "
+               f"K-1 micro-batches of each window ({words['switch']}, on again before the "
+               "last forward) for one reduce-scatter per optimizer step.")
+    elif last_missed:
+        message = (volume + f" The window's last backward did not sync (window(s) "
+                   f"{', '.join(map(str, last_missed))}): its gradient {words['unsynced']}.")
+    else:
+        message = volume + (
+            " no_sync() was entered, but after the forward: DDP decides in forward() whether "
+            "the backward all-reduces, so the context must hold the forward too."
+            if r0["no_syncs"] else
+            f" The first K-1={per_window - 1} micro-batches of each window need "
+            f"{words['switch']}.")
+    return deciders.sync_on_every_micro_batch(
+        Observed(RUNG, Severity.ERROR, message, evidence=evidence, location=where, fix=fix),
+        sharded=sharded, update_right=update_right and not last_missed)
+
+
+def _replicas_not_reduced(r0: dict[str, Any], windows: int, per_window: int,
+                          missed: list[int], evidence: Evidence) -> Finding:
+    """HSDP reduce-scattered inside each node, but a window's last backward did not all-reduce
+    across the replicas: FSDP2 holds a reduce-scatter's output aside until the next all-reduce."""
+    reduced = sorted(set(r0["replica_reduces"]))
+    toggles = r0.get("all_reduce_toggles") or []
+    where = next((_loc(t[1]) for t in toggles if t[1]), None) or _switch_site(r0)
+    numbers: Evidence = {"replica_all_reduces": len(reduced), "windows_not_all_reduced": missed,
+                         **evidence}
+    if not reduced:
+        stepped = sum(1 for s in r0["judged"] if s["ratio"] > 0)
+        return deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
+            "HSDP reduce-scattered inside each node but never all-reduced across the "
+            "replicas (set_requires_all_reduce(False), never turned back on): FSDP2 holds each "
+            "reduce-scatter's output aside until an all-reduce, so the sharded .grad stayed "
+            f"None and no rank stepped at all (rank 0 consumed a gradient at {stepped} of its "
+            f"{len(r0['judged'])} optimizer steps).",
+            evidence={"measured": 0, "expected": windows, "steps_with_a_gradient": stepped,
+                      **numbers},
+            location=where,
+            fix="Turn the all-reduce back on for the last micro-batch of every window, before "
+                "its forward: model.set_requires_all_reduce(i % K == K - 1)."))
+    position = ((reduced[0] - 1) % per_window) + 1
+    return deciders.missing_no_sync(Observed(RUNG, Severity.ERROR,
+        f"HSDP all-reduced across the replicas on backward {position} of {per_window}, not the "
+        "window's last (window(s) " + ", ".join(map(str, missed)) + "): the later "
+        "micro-batches' reduce-scattered gradients were held aside and carried into the next "
+        "window's all-reduce, out of this window's update.",
+        evidence={"measured": position, "expected": per_window, **numbers},
+        location=where))
+
+
 def run(session) -> RungResult:
     spec = session.spec
     group = launch.GROUP
@@ -172,6 +272,7 @@ def run(session) -> RungResult:
 
 def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
            words: dict[str, str]) -> RungResult:
+    sharded = words["who"] in SHARDED
     r0 = results[0]
     windows = len(r0["judged"]) or len(r0["steps"]) or session.N
     total_bytes = sum(n for _, n in r0["buckets"])
@@ -187,40 +288,30 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
         "optimizer_steps": len(r0["steps"]),
         "gradient_difference_between_ranks": r0.get("gradient_difference", []),
         "parameter_difference_between_ranks": r0.get("parameter_difference"),
-        "dropout": "off on the ranks and in the reference"}
+        "dropout": "off on the ranks and in the reference",
+        # sharded (FSDP2): each rank judged its own piece of every gradient, summing scalars
+        "shard_wise": bool(r0.get("shard_wise")), "device_mesh": r0.get("mesh"),
+        "replica_all_reduces": sorted(set(r0.get("replica_reduces", []))),
+        "comparison_bytes_per_rank": [results[k].get("comparison_bytes", {}).get("total")
+                                      for k in sorted(results)]}
     tol = r0.get("tolerance", thresholds.RANKS_APART_RTOL)
 
-    # 1. the communication volume
-    if len(synced_backwards) > windows:
-        per_step = len(synced_backwards) / windows
-        extra = next(b for b, p in zip(synced_backwards, positions, strict=False)
-                     if p != per_window)
-        where = _loc(r0["no_syncs"][0][0]) if r0["no_syncs"] else _loc(r0["backwards"][extra - 1])
-        ineffective = (" no_sync() was entered, but after the forward: DDP decides in forward() "
-                       "whether the backward all-reduces, so the context must hold the forward "
-                       "too." if r0["no_syncs"] else
-                       f" The first K-1={per_window - 1} micro-batches of each window need "
-                       f"{words['switch']}.")
-        finding = deciders.missing_no_sync(Observed(RUNG, Severity.ERROR,
-            f"{words['who']} {words['verb']} gradients on {len(synced_backwards)} of "
-            f"{len(r0['backwards'])} "
-            f"backward passes for {windows} optimizer steps ({per_step:.3g} per step): "
-            f"{total_bytes / windows:,.0f} bytes per window against the {one_sync_bytes:,} a "
-            "single sync needs." + ineffective,
-            evidence={"measured": round(per_step, 6), "expected": 1.0,
-                      "allreduces_per_window": round(per_step, 6),
-                      "bytes_per_window": round(total_bytes / windows),
-                      "minimum_bytes_per_window": one_sync_bytes,
-                      "world_size": world_size},
-            location=where))
-        return conclude(RUNG, [finding], "", details)
-
-    # 2. what every rank consumed
+    # what every rank consumed, against the reference and each other
     bad_ranks = {rank: r for rank, r in results.items() if any(s["bad"] for s in r["judged"])}
     diffs = r0.get("gradient_difference", [])
     apart = [i for i, d in enumerate(diffs) if d > tol]
     worst = max((s["relative_error"] for r in results.values() for s in r["judged"]), default=0.0)
-    if not bad_ranks and not apart:
+    update_right = not bad_ranks and not apart
+
+    # 1. the communication volume
+    if len(synced_backwards) > windows:
+        volume = _too_many_syncs(r0, words, windows, synced_backwards, positions, per_window,
+                                 one_sync_bytes, world_size, sharded, update_right, worst)
+        if volume is not None:
+            return conclude(RUNG, [volume], "", details)
+
+    # 2. what every rank consumed
+    if update_right:
         return conclude(RUNG, [], f"one gradient {words['noun']} per optimizer step, on the "
                         "window's "
                         f"last backward, over {world_size} ranks; every rank consumed the "
@@ -237,24 +328,41 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                 "first_step_ranks_differ": apart[0] if apart else None,
                 "parameter_difference_between_ranks": r0.get("parameter_difference"),
                 "world_size": world_size}
-    wrong_position = [p for p in positions if p != per_window]
+    # HSDP: the windows whose last backward did not all-reduce across the replicas
+    replica_reduced = set(r0.get("replica_reduces", []))
+    hsdp_missed = ([w for w in range(windows) if (w + 1) * per_window not in replica_reduced]
+                   if "replica_reduces" in r0 else [])
+    # (several syncs per window: the one that matters is the window's last backward's)
+    wrong_position = ([p for p in positions if p != per_window]
+                      if len(synced_backwards) <= windows else [])
     # before a clip that bit: the factor a clip hides (the judge's pre-clip ratio)
     unclipped = r.get("first_bad_unclipped_ratio")
     ratio = (unclipped or first.get("preclip_ratio") or first["ratio"]) if first else 0.0
     if first and ratio != first["ratio"]:
         evidence["ratio_before_clip"] = round(ratio, 6)
     if not synced_backwards:
+        stepped = sum(1 for s in r0["judged"] if s["ratio"] > 0)
+        what = (f"sync was never turned back on, so the sharded .grad stayed None on every "
+                f"rank and no rank stepped at all: rank 0 consumed a gradient at {stepped} of "
+                f"its {len(r0['judged'])} optimizer steps (the optimizer skips a parameter "
+                "without a gradient) and the weights never moved, while each rank's unsharded "
+                "gradient kept accumulating unseen." if sharded else
+                "so each rank stepped on its own shard and the ranks' parameters ended "
+                f"{r0.get('parameter_difference', 0):.3g} apart (relative).")
         finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
             f"{words['who']} never {words['verb']} a gradient: every backward ran with "
-            f"{words['switch']}, so each rank stepped on its own shard and the ranks' "
-            f"parameters ended {r0.get('parameter_difference', 0):.3g} apart (relative).",
-            evidence={"measured": 0, "expected": windows, **evidence},
-            location=_switch_site(r0)))
+            f"{words['switch']}; {what}",
+            evidence={"measured": 0, "expected": windows, "steps_with_a_gradient": stepped,
+                      **evidence},
+            location=_switch_site(r0),
+            fix=("Turn sync back on for the last micro-batch of every window, before its "
+                 "forward: model.set_requires_gradient_sync(i % K == K - 1)." if sharded
+                 else "")))
     elif wrong_position:
         finding = deciders.missing_no_sync(Observed(RUNG, Severity.ERROR,
             f"{words['who']} {words['verb']} once per window, but on backward "
             f"{wrong_position[0]} of {per_window}, not the last: the later micro-batches' "
-            "gradients stayed rank-local and out of the window's update. "
+            f"gradients {words['unsynced']}. "
             + (f"The ranks consumed gradients {max(diffs, default=0.0):.3g} apart (relative, "
                f"first at step {evidence['first_step_ranks_differ']}) and their parameters "
                f"ended {r0.get('parameter_difference', 0):.3g} apart." if apart else
@@ -263,6 +371,8 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
             evidence={"measured": wrong_position[0], "expected": per_window,
                       "synced_backward_in_window": positions, **evidence},
             location=_switch_site(r0) or _loc(r0["backwards"][synced_backwards[0] - 1])))
+    elif hsdp_missed:
+        finding = _replicas_not_reduced(r0, windows, per_window, hsdp_missed, evidence)
     elif apart:
         # One sync per window, on its last backward, yet the ranks consumed different
         # gradients: the loop does something per rank (a clip, a scale, a branch on rank).

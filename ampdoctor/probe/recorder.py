@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import progress
+from .. import progress, shards
 from ..compare import all_finite, same_tensors
 from ..errors import EnoughSteps
 from . import spill
@@ -115,6 +115,9 @@ class Probe:
         #: Called as inject(probe, loss_tensor) before each backward (overflow injection).
         self.before_backward: Callable[[Probe, torch.Tensor], None] | None = None
         self.capture_grads = True
+        #: keep this rank's piece of a sharded gradient (FSDP2), not the whole gathered: the
+        #: judge compares it with the same piece of the reference (`compare.metrics_of`)
+        self.shard_wise = False
         #: Called with each StepRecord (gradients filled) as the step happens; the record then
         #: keeps no gradients and the probe no snapshots (a streamed comparison).
         self.step_sink: Callable[[StepRecord], None] | None = None
@@ -251,7 +254,8 @@ class Probe:
             if live:   # seen as it happens: copied only if the observer asks
                 grads[self.param_name(param, slot, index)] = param.grad.detach()
             elif self.capture_grads:
-                grads[self.param_name(param, slot, index)] = _host_copy(param.grad)
+                grads[self.param_name(param, slot, index)] = _host_copy(param.grad,
+                                                                         self.shard_wise)
             elif finite:
                 finite = all_finite(param.grad)
         if self.capture_grads:
@@ -281,8 +285,9 @@ class Probe:
             if keep.names is not None:
                 record.grads = keep.names
             else:
-                record.grads = spill.maybe_spill({n: None if g is None else _host_copy(g)
-                                                  for n, g in grads.items()})
+                record.grads = spill.maybe_spill(
+                    {n: None if g is None else _host_copy(g, self.shard_wise)
+                     for n, g in grads.items()})
                 observer.copied(record)
         elif self.capture_grads:
             record.grads = spill.maybe_spill(grads)
@@ -296,8 +301,13 @@ class Probe:
             raise EnoughSteps
 
 
-def _host_copy(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient as an fp32 host tensor of its own (gathered whole when sharded)."""
+def _host_copy(grad: torch.Tensor, shard_wise: bool = False) -> torch.Tensor:
+    """A gradient as an fp32 host tensor of its own: when sharded (FSDP2's DTensor), this
+    rank's piece of it (`shard_wise`, marked with where it lies: `shards.piece`) or the whole,
+    gathered."""
+    if shard_wise and shards.is_sharded(grad):
+        return shards.piece(grad.detach(),
+                            lambda local: local.to("cpu", torch.float32, copy=True))
     return full_tensor(grad.detach()).to("cpu", torch.float32, copy=True)
 
 
