@@ -4,6 +4,7 @@
     python bench/bench_triage.py wide                   # bench/wide/wide22m_k4.yaml (22M params)
     python bench/bench_triage.py wide --steps 12        # memory flat in optimizer_steps?
     python bench/bench_triage.py wide16                 # K = 16
+    python bench/bench_triage.py wide2                  # K = 2
     python bench/bench_triage.py gpt2                   # GPT-2-small-sized (124M), CUDA if present
     python bench/bench_triage.py gpt2-mini              # the same transformer, 4 layers x 256
     python bench/bench_triage.py SPEC.yaml --repeats 5 --also /path/to/other/checkout
@@ -38,6 +39,7 @@ NAMED = {
     "small": ROOT / "sample_configs" / "healthy_adamw_clip_sched.yaml",
     "wide": HERE / "wide" / "wide22m_k4.yaml",
     "wide16": HERE / "wide" / "wide22m_k16.yaml",
+    "wide2": HERE / "wide" / "wide22m_k2.yaml",
     "gpt2": HERE / "gpt2" / "gpt2_small.yaml",
     "gpt2-mini": HERE / "gpt2" / "gpt2_mini.yaml",
 }
