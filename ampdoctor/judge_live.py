@@ -15,7 +15,7 @@ import torch
 from . import compare, judge_step
 from .errors import AmpdoctorInterrupt
 from .judge_step import StepJudgement, known_thresholds
-from .probe import recorder
+from .probe import recorder, spill
 from .probe.events import Clip, StepRecord
 from .probe.observer import StepKeep
 from .session import Session, Trace
@@ -182,8 +182,14 @@ class StepJudge:
         return StepKeep(False)
 
     def copied(self, step: StepRecord) -> None:
-        """The probe copied `step`'s gradients."""
+        """The probe copied `step`'s gradients. The fp32 run's first group keeps them to the
+        end of the run and past it (the repeat run compares with them): on disk, so they are
+        not in memory through the run's later groups, when the optimizer state is too (a
+        large copy; a small one stays)."""
         self._kept[step.optimizer] = step
+        first_group = self.trace.steps[0].group if self.trace.steps else step.group
+        if self.precision == "fp32" and step.group == first_group:
+            step.grads = spill.to_disk(step.grads)
 
     def finish(self) -> None:
         """The run is over: drop the reference."""
