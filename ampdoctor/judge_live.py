@@ -95,7 +95,7 @@ class StepJudge:
         # group's is computed. The heap would keep them (each step of a run would hold the
         # freed pages of the last step's reference besides its own), and a run's last steps,
         # where its optimizer state is alive too, are a diagnose's peak: measured on the wide
-        # benchmark model, 40-100 MB less at those steps (bench/README.md).
+        # benchmark model, 80-115 MB less at the bf16 and fp16 runs' last steps (bench/README.md).
         memory.trim()
         # the previous group's last step (this group's step is not recorded yet)
         self._previous_seq = max((s.seq for s in self.trace.steps), default=-1)
