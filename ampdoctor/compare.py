@@ -10,7 +10,6 @@ one that matches the user's gradient names the kind. Ratios alone are ambiguous 
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -113,23 +112,6 @@ def _round(value: float, digits: int = 6) -> float:
 CHUNK = 1 << 20
 
 
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """torch's CPU ops on one thread. A chunk's copy and dot are memory-bound: a second thread
-    barely speeds them up on an idle machine, but on a loaded one each multi-threaded call
-    waits until all its threads are scheduled (measured on 2 shared cores at load 10: 27 ms
-    per 1M-element chunk on 2 threads, 3 ms on one), and a diagnose makes thousands."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _buffers(count: int, numel: int, device: torch.device) -> list[torch.Tensor]:
     return [torch.empty(min(CHUNK, numel), dtype=torch.float64, device=device)
             for _ in range(count)]
@@ -140,10 +122,9 @@ def sum_of_squares(vector: torch.Tensor) -> float:
     v = vector.detach().reshape(-1)
     (buffer,) = _buffers(1, v.numel(), v.device)
     total = 0.0
-    with _one_thread():
-        for c in v.split(CHUNK):
-            b = buffer[:c.numel()].copy_(c)
-            total += float(torch.dot(b, b))
+    for c in v.split(CHUNK):
+        b = buffer[:c.numel()].copy_(c)
+        total += float(torch.dot(b, b))
     return total
 
 
@@ -182,14 +163,13 @@ def _chunked(user: torch.Tensor, ref: torch.Tensor):
     su = sr = sd = dot = 0.0
     user, ref = user.detach().reshape(-1), ref.detach().reshape(-1)
     ub, rb = _buffers(2, user.numel(), user.device)
-    with _one_thread():
-        for u, r in zip(user.split(CHUNK), ref.split(CHUNK), strict=False):
-            a, b = ub[:u.numel()].copy_(u), rb[:r.numel()].copy_(r)
-            su += float(torch.dot(a, a))
-            sr += float(torch.dot(b, b))
-            dot += float(torch.dot(a, b))
-            a.sub_(b)
-            sd += float(torch.dot(a, a))
+    for u, r in zip(user.split(CHUNK), ref.split(CHUNK), strict=False):
+        a, b = ub[:u.numel()].copy_(u), rb[:r.numel()].copy_(r)
+        su += float(torch.dot(a, a))
+        sr += float(torch.dot(b, b))
+        dot += float(torch.dot(a, b))
+        a.sub_(b)
+        sd += float(torch.dot(a, a))
     return (su, sr, sd), dot
 
 
