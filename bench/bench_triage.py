@@ -4,6 +4,7 @@
     python bench/bench_triage.py wide                   # bench/wide/wide22m_k4.yaml (22M params)
     python bench/bench_triage.py wide --steps 12        # memory flat in optimizer_steps?
     python bench/bench_triage.py wide16                 # K = 16
+    python bench/bench_triage.py wide2                  # K = 2
     python bench/bench_triage.py gpt2                   # GPT-2-small-sized (124M), CUDA if present
     python bench/bench_triage.py gpt2-mini              # the same transformer, 4 layers x 256
     python bench/bench_triage.py SPEC.yaml --repeats 5 --also /path/to/other/checkout
@@ -38,6 +39,7 @@ NAMED = {
     "small": ROOT / "sample_configs" / "healthy_adamw_clip_sched.yaml",
     "wide": HERE / "wide" / "wide22m_k4.yaml",
     "wide16": HERE / "wide" / "wide22m_k16.yaml",
+    "wide2": HERE / "wide" / "wide22m_k2.yaml",
     "gpt2": HERE / "gpt2" / "gpt2_small.yaml",
     "gpt2-mini": HERE / "gpt2" / "gpt2_mini.yaml",
 }
@@ -142,17 +144,24 @@ def main() -> None:
         return statistics.median(r for _, r in values) if all(r for _, r in values) else None
 
     base_rss, bare_rss = median_rss(runs["hand-written"]), median_rss(runs["bare loop"])
+    spreads: dict[str, tuple[float, float]] = {}
     for name, values in runs.items():
         wall = statistics.median(w for w, _ in values)
         rss = median_rss(values)
-        pairs = zip(values, runs["hand-written"], strict=True)
-        pairwise = statistics.median(w / h for (w, _), (h, _) in pairs)
+        pairs = [w / h for (w, _), (h, _) in zip(values, runs["hand-written"], strict=True)]
+        pairwise = statistics.median(pairs)
+        spreads[name] = (min(pairs), max(pairs))
         print(f"{name:28} {wall:8.2f} {wall / base:6.2f} {pairwise:8.2f} "
               f"{(rss or 0) / 2**20:12.0f} {(rss / base_rss if rss and base_rss else 0):9.2f} "
               f"{(rss / bare_rss if rss and bare_rss else 0):15.2f}")
     print("(ratio: median wall time over the hand-written triage's; pairwise: the median of each "
           "repeat's ratio, the runs of one repeat being back to back; RSS / bare loop: peak RSS "
           "over the loop's own, run once per precision)")
+    print("pairwise wall ratio, lowest-highest over the repeats: " + "; ".join(
+        f"{name} {low:.2f}-{high:.2f}" for name, (low, high) in spreads.items()))
+    print("peak RSS MB per repeat: " + "; ".join(
+        f"{name} " + ", ".join(f"{(r or 0) / 2**20:.0f}" for _, r in values)
+        for name, values in runs.items()))
     if cuda_peak:
         print(f"hand-written peak CUDA memory: {cuda_peak / 2**20:.0f} MB")
     if bare_cuda:

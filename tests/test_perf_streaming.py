@@ -235,3 +235,33 @@ def test_the_scale_each_micro_batch_saw_is_recorded_without_a_read_per_micro_bat
     # the loss is read for the first backward only (the first scaled one is the same)
     assert backwards[0].value is not None and all(e.value is None for e in backwards[1:])
     assert len(reads) < 2 * len(mbs) + 6
+
+
+def _findings(spec) -> dict:
+    import ampdoctor
+    record = ampdoctor.diagnose(spec, save=False)
+    return {"verdict": record.verdict, "failed_rung": record.failed_rung,
+            "rungs": [(r["id"], r["status"], r["summary"]) for r in record.data["rungs"]],
+            "findings": [(f.rung, f.kind, f.location and f.location.line, f.evidence)
+                         for f in record.findings]}
+
+
+@pytest.mark.parametrize("recipe", ["broken_no_zero_grad", "healthy_clip_scaled_threshold"])
+def test_copies_kept_for_long_go_to_disk_and_change_nothing(monkeypatch, recipe):
+    """The reference reused at the initial weights and the fp32 run's first gradients (kept
+    for the repeat run) are on disk when large; read back, every verdict, number and line is
+    what the in-memory copies give (broken_no_zero_grad's rule reads the step before the bad
+    one: the fp32 run's first, from disk)."""
+    spec = ROOT / "sample_configs" / f"{recipe}.yaml"
+    in_memory = _findings(spec)
+    monkeypatch.setattr(spill, "SPILL_BYTES", 0)   # every copy counts as large
+    reads: list[int] = []
+    moved: list[int] = []
+    read_fresh, to_disk = spill.Spilled.read_fresh, spill.to_disk
+    monkeypatch.setattr(spill.Spilled, "read_fresh",
+                        lambda self: reads.append(1) or read_fresh(self))
+    monkeypatch.setattr(spill, "to_disk", lambda t: moved.append(1) or to_disk(t))
+    on_disk = _findings(spec)
+    assert reads and moved   # the reused reference was read back, the first gradients moved
+    assert on_disk == in_memory
+    assert in_memory["verdict"] == ("healthy" if recipe.startswith("healthy") else "failed")

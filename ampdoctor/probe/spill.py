@@ -111,6 +111,15 @@ class Spilled(Mapping):
     def keys(self) -> KeysView[str]:
         return dict.fromkeys(self._keys).keys()
 
+    def read_fresh(self) -> dict[str, Any]:
+        """The tensors as a dict of their own, read again from the file (the one-copy cache
+        neither used nor filled: what is read lives as long as the caller holds it)."""
+        tensors = self._tensors
+        if tensors is not None:
+            return dict(tensors)
+        self._written.result()
+        return torch.load(self.path, weights_only=True)
+
     def release(self) -> None:
         global _CACHE
         self._written.result()
@@ -150,6 +159,14 @@ def maybe_spill(tensors: dict[str, Any]) -> Mapping[str, Any]:
     if _KEPT < KEEP_IN_MEMORY:
         return _Kept(tensors)
     return Spilled(tensors)
+
+
+def to_disk(tensors: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A large copy moved to disk whatever is in memory (one kept for long, not read again
+    until much later); a small one, or one already on disk, as it is."""
+    if isinstance(tensors, Spilled) or size_of(tensors) < SPILL_BYTES:
+        return tensors
+    return Spilled(dict(tensors))
 
 
 def forget_cache() -> None:

@@ -14,6 +14,7 @@ micro-batches; the reference is cached per window and parameter state by the cal
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import torch
 from .. import compare, rng
 from ..errors import UserCodeError, exc_text
 from ..loading import build_model, merge_micro_batches, micro_batch_counts, micro_batch_size_of
-from ..probe import recorder
+from ..probe import recorder, spill
 from ..probe.trace import Trace, WeightsCast
 
 if TYPE_CHECKING:
@@ -53,6 +54,27 @@ class WindowReference:
     guessed_weighting: bool = False
 
 
+@dataclass
+class CachedReference:
+    """The reference kept for reuse at the initial weights (`ReferenceBuilder._ref_cache`): a
+    large one's gradient on disk, read back for each use, so it is not in memory through the
+    runs' later steps (when their optimizer state is); a small one in memory."""
+
+    ref: WindowReference
+    stored: spill.Spilled | None = None
+
+    @classmethod
+    def of(cls, ref: WindowReference) -> CachedReference:
+        if spill.size_of(ref.full) < spill.SPILL_BYTES:
+            return cls(ref)
+        return cls(dataclasses.replace(ref, full={}), spill.Spilled(dict(ref.full)))
+
+    def get(self) -> WindowReference:
+        if self.stored is None:
+            return self.ref
+        return dataclasses.replace(self.ref, full=self.stored.read_fresh())
+
+
 #: `weighting` of a reference: as the session knows it (`loop_weighting`).
 SESSION_WEIGHTING = "loop"
 
@@ -79,7 +101,7 @@ class ReferenceBuilder:
     _refuse_data_dtype: Callable[[BaseException, tuple[str, int] | None, str], None]
 
     #: The last reference computed at the initial weights, with its key (`_cache_key`).
-    _ref_cache: tuple[tuple[Any, ...], WindowReference] | None = None
+    _ref_cache: tuple[tuple[Any, ...], CachedReference] | None = None
 
     def random_modules(self) -> list[str]:
         found = []
@@ -141,7 +163,7 @@ class ReferenceBuilder:
         key = self._cache_key(mbs, state, training, rng_seed, per_mb, weighting)
         cached = self._ref_cache
         if key is not None and cached is not None and cached[0] == key:
-            return cached[1]
+            return cached[1].get()
         previous = recorder.activate(None)
         try:
             with recorder.observing(self.probe_settings()):
@@ -158,7 +180,7 @@ class ReferenceBuilder:
             recorder.activate(previous)
         ref = self._check_finite(ref, label)
         if key is not None:
-            self._ref_cache = (key, ref)
+            self._ref_cache = (key, CachedReference.of(ref))
         return ref
 
     def _drop_reference_gradients(self) -> None:
@@ -179,7 +201,7 @@ class ReferenceBuilder:
         key = self._cache_key(self.window(window), self.initial_state, training, None, False,
                               self.loop_weighting)
         if key is not None and ref.per_mb is None:
-            self._ref_cache = (key, ref)
+            self._ref_cache = (key, CachedReference.of(ref))
 
     def _cache_key(self, mbs: list[Any], state: Mapping[str, torch.Tensor], training: bool,
                    rng_seed: int | None, per_mb: bool, weighting: str | None
