@@ -39,7 +39,8 @@ def compare_trace(session: Session, trace: Trace, rung: str,
     series.keep(session, series.run_series(rung, trace, judgement))
     bad = judgement.first_bad
     if bad is None:   # every update matched: a clip after its step never touched the update
-        late = clip_after_step(trace, rung, judgement.tolerance.rtol)
+        late = clip_after_step(trace, rung, judgement.tolerance.rtol,
+                               {s.ordinal: s.metrics.ratio for s in judgement.steps})
         return ([late] if late is not None else []), judgement
     return [classify_step(session, trace, rung, judgement, bad, rerun_for(session))], judgement
 

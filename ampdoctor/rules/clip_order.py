@@ -20,6 +20,7 @@ import math
 from .. import compare, deciders
 from ..deciders import Observed
 from ..enums import Severity
+from ..evidence import Evidence
 from ..findings import Finding, location
 from ..probe.events import Backward, Clip, OptimizerStep
 from ..session import Trace
@@ -30,8 +31,11 @@ FIX = ("Clip before the step that consumes the gradients: `scaler.unscale_(optim
        "`optimizer.step()`).")
 
 
-def clip_after_step(trace: Trace, rung: str, rtol: float) -> Finding | None:
-    """The first clip after a step that would have changed that step's update, or None."""
+def clip_after_step(trace: Trace, rung: str, rtol: float,
+                    judged: dict[int, float] | None = None) -> Finding | None:
+    """The first clip after a step that would have changed that step's update, or None.
+    `judged` maps a step's ordinal to its judged update/reference norm ratio (the number the
+    report's chart plots for it: about 1, the update matched the unclipped reference)."""
     owners = trace.parameter_owners()
     stepped: set[int] = set()          # optimizer slots stepped since the last backward
     steps_seen = 0
@@ -45,7 +49,8 @@ def clip_after_step(trace: Trace, rung: str, rtol: float) -> Finding | None:
         elif isinstance(event, Clip) and stepped and _bites(event, rtol):
             slots = {owners.get(pid) for pid in event.param_ids}
             if slots and None not in slots and slots <= stepped:
-                return _finding(event, rung, steps_seen - 1, rtol)
+                step = steps_seen - 1
+                return _finding(event, rung, step, rtol, (judged or {}).get(step))
     return None
 
 
@@ -57,7 +62,7 @@ def _bites(clip: Clip, rtol: float) -> bool:
     return clip.total_norm / clip.max_norm - 1.0 > rtol
 
 
-def _finding(clip: Clip, rung: str, step: int, rtol: float) -> Finding:
+def _finding(clip: Clip, rung: str, step: int, rtol: float, ratio: float | None) -> Finding:
     assert clip.max_norm is not None and clip.total_norm is not None
     factor = clip.total_norm / clip.max_norm
     message = (f"Step {step}: the gradient clip ran after the optimizer step, on gradients the "
@@ -65,8 +70,10 @@ def _finding(clip: Clip, rung: str, step: int, rtol: float) -> Finding:
                f"max_norm={clip.max_norm:.4g}, so the update used a gradient {factor:.4g}x the "
                "clipped one the loop means, and the clip only rescaled gradients about to be "
                "cleared.")
+    evidence: Evidence = {"measured": compare._round(factor), "expected": 1.0, "step": step,
+                          "clip_total_norm": compare._round(clip.total_norm),
+                          "max_grad_norm": compare._round(clip.max_norm), "tolerance": rtol}
+    if ratio is not None:   # the update against the unclipped reference: it matched
+        evidence["ratio"] = compare._round(ratio)
     return deciders.gradient_mismatch(Observed(
-        rung, Severity.ERROR, message, fix=FIX, location=location(clip.site),
-        evidence={"measured": compare._round(factor), "expected": 1.0, "step": step,
-                  "clip_total_norm": compare._round(clip.total_norm),
-                  "max_grad_norm": compare._round(clip.max_norm), "tolerance": rtol}))
+        rung, Severity.ERROR, message, fix=FIX, location=location(clip.site), evidence=evidence))
