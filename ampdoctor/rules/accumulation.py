@@ -171,9 +171,6 @@ def _site_of(case: StepCase, kind: str) -> Any:
     if kind == "missing-unscale":
         return step_site
     if kind == "unscale-twice":
-        unused = unscaled_backward(window_events)
-        if unused is not None:
-            return unused[0].site
         return second_unscale_site(window_events) or step_site
     if kind == "double-average":
         return grad_division_between(last_backward_site, step_site) or last_backward_site
@@ -215,23 +212,22 @@ def _named_shape(case: StepCase) -> Finding | None:
         message = unaveraged.message(case.judged.ordinal, K, equal_sums, case.clip_norm,
                                      clip_threshold(case.window_events),
                                      evidence.get("ratio_after_clip"))
+    site = _site_of(case, kind)
     unused = unscaled_backward(case.window_events) if kind == "unscale-twice" else None
-    if unused is not None:
-        scale_site = location(unused[1].site)
-        message = message.replace(
-            "the gradients were divided by the scale twice.",
-            "backward ran on the unscaled loss (the result of scaler.scale(loss)"
-            + (f" at line {scale_site.line}" if scale_site else "") + " was never "
-            "backpropagated), so unscale_ divided gradients that were never multiplied by the "
-            "scale.")
-        fix = ("Backpropagate the scaled loss: `scaler.scale(loss).backward()`, not "
-               "`loss.backward()` after `scaler.scale(loss)`.")
+    if unused is not None:   # 1/S because the scaled loss was never backpropagated
+        backward, scale = unused
+        scale_site = location(scale.site)
+        message = UNSCALED_BACKWARD.format(
+            step=case.judged.ordinal, ratio=measured_ratio, label=found.label,
+            at=f" at line {scale_site.line}" if scale_site else "")
+        fix = UNSCALED_BACKWARD_FIX
+        site = backward.site
     party = who_divided(case.trace, kind)
     if party is not None:
         evidence["framework"] = party[0]
         message += " " + party[1][0].upper() + party[1][1:]
     return deciders.decide(kind, Observed(case.rung, Severity.ERROR, message, evidence=evidence,
-                                          location=location(_site_of(case, kind)), fix=fix))
+                                          location=location(site), fix=fix))
 
 
 def _carried_over(case: StepCase) -> Finding | None:
@@ -385,3 +381,12 @@ MESSAGES = {
         "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
         "gradients were clipped against a norm taken before unscale_, in scaled space.",
 }
+
+#: unscale-twice's consumption (1/S) when the backward ran on the plain loss: `scaled =
+#: scaler.scale(loss)` went unused, so unscale_ divided gradients never multiplied by S.
+UNSCALED_BACKWARD = (
+    "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: backward "
+    "ran on the unscaled loss (the result of scaler.scale(loss){at} was never backpropagated), "
+    "so unscale_ divided gradients that were never multiplied by the scale.")
+UNSCALED_BACKWARD_FIX = ("Backpropagate the scaled loss: `scaler.scale(loss).backward()`, not "
+                         "`loss.backward()` after `scaler.scale(loss)`.")
