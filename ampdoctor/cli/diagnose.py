@@ -164,15 +164,16 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
     except UsageError as exc:
         return fail(exc, debug)
     done: list[dict[str, Any]] = []
+    started: list[str] = []      # the rungs begun: the last one is where a signal stops it
     try:
         with ProgressLine(err, quiet=json_out) as progress, _signals_interrupt():
             if isolate and _isolated():
-                record, exception = _run_isolated(spec, progress, done, err)
+                record, exception = _run_isolated(spec, progress, done, err, started)
             else:
                 from ..api import diagnose as run
                 with contextlib.redirect_stdout(sys.stderr):
                     result = run(spec, save=False, on_done=lambda r: done.append(r.to_dict()),
-                                 on_progress=progress)
+                                 on_progress=progress, on_start=started.append)
                 record, exception = result.data, result.exception
     except (KeyboardInterrupt, Interrupted) as exc:
         # Like a finished run: the terminal restored (the status spinner has exited), the
@@ -180,8 +181,10 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         # saying where it stopped.
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         name = signal.Signals(signum).name
-        error = UserCodeError(f"interrupted by {name} after {len(done)} rung(s); the record "
-                              "holds the rungs that finished", cause=exc)
+        where = (f" during the {started[-1]} rung" if len(started) > len(done)
+                 else " while loading the spec's code" if not started else "")
+        error = UserCodeError(f"interrupted by {name}{where} after {len(done)} rung(s); the "
+                              "record holds the rungs that finished", cause=exc)
         interrupted = error_record(spec, error)
         interrupted["rungs"] = done
         err.print(f"ampdoctor: interrupted by {name}; the run was stopped.", markup=False)
@@ -223,7 +226,7 @@ def _show_tracebacks(record: dict[str, Any], err: Console) -> None:
 
 
 def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
-                  err: Console) -> tuple[dict[str, Any] | None, Any]:
+                  err: Console, started: list[str]) -> tuple[dict[str, Any] | None, Any]:
     """The diagnose in a child process (`supervise.run`): its events drive the progress line,
     its output goes to stderr."""
     from .. import supervise
@@ -235,6 +238,8 @@ def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
             progress(event)
         elif kind == "done":
             done.append(event.get("rung") or {})
+        elif kind == "rung":
+            started.append(str(event.get("id")))
 
     def on_output(text: str) -> None:
         if progress.status is not None:
