@@ -51,7 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "ampdoctor.processes")),
     ("static", ("ampdoctor.spec", "ampdoctor.spec_sections", "ampdoctor.spec_yaml",
                 "ampdoctor.record",
-                "ampdoctor.record_model", "ampdoctor.init_spec", "ampdoctor.init_script",
+                "ampdoctor.record_model", "ampdoctor.source", "ampdoctor.init_spec", "ampdoctor.init_script",
                 "ampdoctor.init_loss",
                 "ampdoctor.scan.*",
                 "ampdoctor.report.*")),

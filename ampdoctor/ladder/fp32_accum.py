@@ -45,7 +45,7 @@ def _no_step(session: Session, trace, findings: list[Finding]) -> RungResult:
                       f"{how}.",
                       evidence={"measured": 0, "expected": session.N,
                                 "microbatches_taken": taken, "backwards": backwards,
-                                "step_calls": len(trace.steps)}))
+                                "optimizer_steps": len(trace.steps)}))
     return RungResult(RUNG, Status.FAIL, "the loop never stepped the optimizer",
                       [finding] + findings)
 

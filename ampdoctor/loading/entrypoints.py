@@ -78,6 +78,7 @@ def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., An
     user's Trainer, built per run with ampdoctor's TrainingArguments."""
     assert spec.hf_trainer is not None
     extra = dict(spec.hf_trainer.args)
+    ref = spec.hf_trainer.factory
     from transformers import TrainingArguments
     _check_keys(spec, "hf_trainer.args", extra,
                 {f.name for f in dataclasses.fields(TrainingArguments) if f.init},
@@ -115,7 +116,7 @@ def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., An
             trainer = factory(model, args, _rows(batches))
             if not callable(getattr(trainer, "train", None)):
                 raise _refuse(spec, "hf_trainer.factory", (
-                    f"'{spec.hf_trainer.factory}' returned {_returned(trainer)}, not a "
+                    f"'{ref}' returned {_returned(trainer)}, not a "
                     "transformers Trainer: return the Trainer it builds (`return Trainer(model="
                     "model, args=args, train_dataset=train_dataset, ...)`)."))
             if "train_sampling_strategy" not in known:

@@ -55,6 +55,7 @@ class ScriptSpec:
     tolerances: dict[str, Any] = field(default_factory=dict)
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
     rungs: list[str] | None = None
+    keep_going: bool = False
     dropout: str = "off"
     device: str = "auto"
 
@@ -115,6 +116,8 @@ class ScriptSession:
                    reference=reference, **extra)
 
     def run(self, job: Job, what: str) -> Outcome:
+        from .. import progress
+        progress.run_started(what, None)
         return spawn.run_child(job, self.command.timeout_s, what)
 
     def start(self) -> ScriptTrace:
