@@ -184,15 +184,17 @@ def end_descendants() -> None:
     tracker = _resource_tracker()
     pid = tracker._pid if tracker is not None else None
     spare = (pid,) if pid else ()
-    end(roots=(os.getpid(),), sessions=(os.getpid(),), reap=not spare, spare=spare)
+    end(roots=(os.getpid(),), sessions=(os.getpid(),), reap=True, spare=spare)
     if tracker is not None and pid:
         with contextlib.suppress(OSError):
             os.close(tracker._fd)
         deadline = time.monotonic() + END_WAIT_S
         while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
+            try:
                 if os.waitpid(pid, os.WNOHANG)[0]:
                     break
+            except ChildProcessError:
+                break                # not ours to wait for: swept below
             time.sleep(0.02)
         end(roots=(os.getpid(),), sessions=(os.getpid(),), reap=True)
 
@@ -239,8 +241,11 @@ def owned() -> Iterator[str]:
             os.environ.pop(TOKEN_ENV, None)
         else:
             os.environ[TOKEN_ENV] = held
-        started = find(roots=(os.getpid(),)) - before
-        end(token, roots=started, spare=before)
+        # this process's resource tracker stays: multiprocessing here would warn that it died
+        tracker = _resource_tracker()
+        keep = before | ({tracker._pid} if tracker is not None else set())
+        started = find(roots=(os.getpid(),)) - keep
+        end(token, roots=started, spare=keep)
 
 
 class Guardian:
