@@ -221,41 +221,6 @@ def test_spec_mode_timeout_ends_the_hung_loop_and_its_helpers(tmp_path):
     _assert_none_left(mark)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_spec_mode_signal_writes_a_record_and_ends_the_run(tmp_path, sig):
-    mark, ready, out = uuid.uuid4().hex, tmp_path / "ready", tmp_path / "runs"
-    proc = _start(["diagnose", str(_spec(tmp_path)), "--out", str(out)],
-                  _env(mark, LEAK_HANG="1", LEAK_READY=str(ready)), ready)
-    proc.send_signal(sig)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + sig, stderr
-    assert "Traceback" not in stderr
-    record = _saved(out)
-    assert (record["verdict"], record["exit_code"]) == ("error", 128 + sig)
-    assert signal.Signals(sig).name in record["error"]["message"]
-    assert "reproducibility" in record["error"]["message"]     # the rung where it stopped
-    _assert_none_left(mark)
-    shown = run_cli_process("report", _saved_path(out))
-    assert shown.returncode == 0 and signal.Signals(sig).name in shown.stdout, shown.stderr
-
-
-def _saved_path(out: Path) -> Path:
-    return next(out.glob("*.json"))
-
-
-@pytest.mark.slow
-def test_spec_mode_sigkill_to_the_cli_s_process_group_leaves_nothing(tmp_path):
-    """What a CI timeout sends: the worker (its own session) and the loop's helpers die too."""
-    mark, ready = uuid.uuid4().hex, tmp_path / "ready"
-    proc = _start(["diagnose", str(_spec(tmp_path)), "--out", str(tmp_path / "runs")],
-                  _env(mark, LEAK_HANG="1", LEAK_READY=str(ready)), ready)
-    assert len(_carrying(mark)) >= 6       # the CLI, the worker, 2 DataLoader workers, 2 helpers
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=30)          # nothing holds the pipes
-    _assert_none_left(mark, grace_s=10)
-
-
 # ------------------------------------------------------------------------------ script mode
 SCRIPT = RECIPES / "scripts" / "leaky_script.py"
 REFERENCE = ["--reference-args", "--accum-steps 1 --batch-size 16"]
@@ -284,28 +249,59 @@ def test_script_mode_timeout_ends_the_script_and_its_children(tmp_path):
     _assert_none_left(mark)
 
 
+# ------------------------------------------------------------------------------ signals
+def _hung_run(mode: str, tmp_path: Path, mark: str) -> subprocess.Popen[str]:
+    """A diagnose whose loop (spec) or script hangs before its first step, its helpers up."""
+    ready, out = tmp_path / "ready", tmp_path / "runs"
+    if mode == "spec":
+        args = ["diagnose", str(_spec(tmp_path)), "--out", str(out)]
+        env = _env(mark, LEAK_HANG="1", LEAK_READY=str(ready))
+    else:
+        args = ["diagnose", str(SCRIPT), "--out", str(out), *REFERENCE, "--", "--hang"]
+        env = _env(mark, LEAK_READY=str(ready))
+    return _start(args, env, ready)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_script_mode_signal_writes_a_record_and_ends_the_run(tmp_path, sig):
-    """The script hangs before its first step; the signal gives 128+N, a record, nothing left."""
-    mark, ready, out = uuid.uuid4().hex, tmp_path / "ready", tmp_path / "runs"
-    proc = _start(["diagnose", str(SCRIPT), "--out", str(out), *REFERENCE, "--", "--hang"],
-                  _env(mark, LEAK_READY=str(ready)), ready)
-    proc.send_signal(sig)
+@pytest.mark.parametrize("mode", ["spec", "script"])
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGTERM, False), (signal.SIGINT, False),
+                                           (signal.SIGHUP, False), (signal.SIGINT, True)])
+def test_a_signal_writes_a_record_and_ends_the_run(tmp_path, mode, sig, to_group):
+    """128+N, a record naming the signal and the rung it stopped, nothing left running, no
+    traceback (to_group: Ctrl-C in a terminal, sent to the whole foreground group)."""
+    mark = uuid.uuid4().hex
+    proc = _hung_run(mode, tmp_path, mark)
+    if to_group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + sig, stderr
     assert "Traceback" not in stderr
-    record = _saved(out)
+    record = _saved(tmp_path / "runs")
     assert (record["verdict"], record["exit_code"]) == ("error", 128 + sig)
-    assert signal.Signals(sig).name in record["error"]["message"]
+    message = record["error"]["message"]
+    assert message.startswith(f"interrupted by {signal.Signals(sig).name} ")
+    if mode == "spec":       # the loop hangs in the first rung's first run
+        assert message.startswith(f"interrupted by {signal.Signals(sig).name} during the "
+                                  "reproducibility rung after 0 rung(s)")
     _assert_none_left(mark)
+    shown = run_cli_process("report", next((tmp_path / "runs").glob("*.json")))
+    assert shown.returncode == 0 and signal.Signals(sig).name in shown.stdout, shown.stderr
 
 
 @pytest.mark.slow
-def test_script_mode_sigkill_to_the_cli_s_process_group_leaves_nothing(tmp_path):
-    mark, ready = uuid.uuid4().hex, tmp_path / "ready"
-    proc = _start(["diagnose", str(SCRIPT), "--out", str(tmp_path / "runs"), *REFERENCE, "--",
-                   "--hang"], _env(mark, LEAK_READY=str(ready)), ready)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=30)
+@pytest.mark.parametrize("mode", ["spec", "script"])
+@pytest.mark.parametrize("to_group", [True, False])
+def test_sigkill_to_the_cli_or_its_group_leaves_nothing(tmp_path, mode, to_group):
+    """What a CI timeout sends (the group), or a kill -9 of ampdoctor alone: the worker (its
+    own session) and everything the run started die too, within seconds."""
+    mark = uuid.uuid4().hex
+    proc = _hung_run(mode, tmp_path, mark)
+    assert len(_carrying(mark)) >= 6       # the CLI, the worker, 2 DataLoader workers, 2 helpers
+    if to_group:
+        os.killpg(proc.pid, signal.SIGKILL)
+    else:
+        proc.kill()
+    proc.communicate(timeout=30)          # nothing holds the pipes
     _assert_none_left(mark, grace_s=10)

@@ -44,6 +44,8 @@ def main() -> None:
     if ready:
         with open(ready, "w") as f:
             f.write(f"{helper.pid}\n")
+    if args.hang:
+        next(iter(loader))           # the persistent workers up, then no step ever
     while args.hang:
         time.sleep(0.1)
     K = args.accum_steps
