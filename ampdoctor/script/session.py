@@ -9,6 +9,7 @@ steps are judged and explained by the same code as a spec's.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Mapping
@@ -39,6 +40,8 @@ class Command:
     timeout_s: float = 600.0
     cwd: str = field(default_factory=os.getcwd)
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    #: where each run's output is captured (None: shown on stderr as it runs)
+    output_dir: str | None = None
 
 
 @dataclass
@@ -103,6 +106,8 @@ class ScriptSession:
         self.reference_probe: Outcome | None = None
         #: why the reference cannot be used (None: it can, or was not asked for)
         self.unaligned: str | None = None
+        #: each run's captured output, in the order the runs ran
+        self.outputs: list[dict[str, Any]] = []
         self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
         self._pinned: list[Any] = []
 
@@ -118,7 +123,16 @@ class ScriptSession:
     def run(self, job: Job, what: str) -> Outcome:
         from .. import progress
         progress.run_started(what, None)
-        return spawn.run_child(job, self.command.timeout_s, what)
+        if self.command.output_dir is None:
+            return spawn.run_child(job, self.command.timeout_s, what)
+        log = os.path.join(self.command.output_dir, f"{len(self.outputs):03d}.log")
+        try:
+            return spawn.run_child(job, self.command.timeout_s, what, log)
+        finally:
+            self.outputs.append({"run": what, "args": list(job.args),
+                                 "text": _read_bounded(log)})
+            with contextlib.suppress(OSError):
+                os.unlink(log)
 
     def start(self) -> ScriptTrace:
         """The fp32 run of the script (and first the reference's first window, when asked
@@ -372,6 +386,24 @@ class ScriptSession:
     def random_modules(self) -> list[str]:
         fp32 = self.traces.get("fp32")
         return list(fp32.outcome.dropout) if fp32 is not None else []
+
+
+#: The most of one run's output a record keeps: its first and last halves of this.
+OUTPUT_LIMIT = 16 * 1024
+
+
+def _read_bounded(path: str) -> str:
+    """A run's captured output, its middle cut when it is longer than OUTPUT_LIMIT."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    if len(data) > OUTPUT_LIMIT:
+        half = OUTPUT_LIMIT // 2
+        cut = len(data) - 2 * half
+        data = data[:half] + f"\n[... {cut} bytes cut ...]\n".encode() + data[-half:]
+    return data.decode("utf-8", errors="replace")
 
 
 def _per_window(injector: Any) -> int:
