@@ -129,8 +129,8 @@ def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None
         if process.is_alive():
             process.kill()
         process.join()
-        # its DataLoader workers, daemonic children, `subprocess` helpers: in its group, or
-        # carrying the run's token and orphaned to the worker
+        # what the run started (DataLoader workers, daemonic children, `subprocess` helpers)
+        # is in its group, even once orphaned; one that left it is the worker's to end
         processes.end(groups=(process.pid,))
     if payload is None:
         code = process.exitcode
