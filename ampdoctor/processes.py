@@ -38,6 +38,8 @@ from typing import Any
 TOKEN_ENV = "AMPDOCTOR_RUN_TOKEN"
 #: How long `end` keeps killing what it finds (a process that forks while it is killed).
 END_WAIT_S = 3.0
+#: How long the caller waits for its guardian to leave once done with it.
+GUARDIAN_WAIT_S = 2.0
 _PROC = "/proc"
 
 
@@ -273,10 +275,13 @@ class Guardian:
                 self.proc.stdin.flush()
 
     def close(self) -> None:
-        """Done: the guardian makes its sweep and leaves (nothing waits for it)."""
+        """Done: the guardian makes its sweep (nothing is left: the caller swept first) and
+        leaves; waited for briefly, so that it is not left a zombie of a long-lived caller."""
         if self.proc is not None and self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=GUARDIAN_WAIT_S)
 
 
 def _guard(token: str) -> None:
