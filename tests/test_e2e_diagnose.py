@@ -414,6 +414,16 @@ def test_a_clip_that_bites_shows_the_factor_before_the_clip(diagnosed):
     assert 3.99 <= finding["evidence"]["ratio"] <= 4.01
     assert finding["evidence"]["ratio_after_clip"] < 3.5
     assert finding["evidence"]["clip_total_norm"] > 0.05
+    # the headline is the update the step applied (what the chart plots), then the 4x
+    record = _diagnose("broken_missing_average_clip_bites", diagnosed)
+    after = finding["evidence"]["ratio_after_clip"]
+    assert finding["message"].startswith(
+        f"Step 0: the update the step applied was {after:.4g}x the reference's after the clip "
+        f"(it saw a total norm {finding['evidence']['clip_total_norm']:.4g} > max_norm 0.05)")
+    assert "before the clip, the optimizer was handed 4x the reference gradient" in \
+        finding["message"]
+    run = next(r for r in record["runs"] if r["precision"] == "fp32")
+    assert run["update_ratio"][0] == pytest.approx(after, rel=1e-3)
 
 
 @pytest.mark.xdist_group("broken_token_count_overwritten")
