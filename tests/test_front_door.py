@@ -240,6 +240,19 @@ def _script_args(tmp: Path) -> None:
     assert used.record["args"] == ["--amp", "--lr", "0.01", "--bug", "none"]
 
 
+def _no_reference(tmp: Path) -> None:
+    refused = spec_run(tmp, "--no-reference")
+    assert refused.returncode == 2 and "for script mode" in refused.stderr
+    both_given = script_run(tmp, "--no-reference", *fast())
+    assert both_given.returncode == 2 and "give one of them" in both_given.stderr
+    used = script_run(tmp, "--json", "--no-reference", *fast(), reference=None)
+    assert used.returncode == 2, used.stderr            # nothing compared: inconclusive
+    assert used.record["verdict"] == "inconclusive" and used.record["reference_args"] is None
+    inferred = script_run(tmp, "--json", *fast(), reference=None)
+    assert inferred.returncode == 0, inferred.stderr
+    assert inferred.record["reference_args_origin"] == "inferred"
+
+
 CHECKS: dict[str, dict[str, Callable[[Path], None]]] = {
     "--json": both(_json),
     "--out": both(_out),
@@ -255,6 +268,7 @@ CHECKS: dict[str, dict[str, Callable[[Path], None]]] = {
     "--verbose": {"spec": _verbose_spec, "script": _verbose_script},
     "--reference-args": {"both": _reference_args},
     "SCRIPT_ARGS": {"both": _script_args},
+    "--no-reference": {"both": _no_reference},
 }
 
 
