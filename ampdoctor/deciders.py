@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from . import thresholds
 from .findings import Evidence, Finding, KindId, Location, Severity
 
 
@@ -133,8 +134,120 @@ def scheduler_per_microbatch(seen: Observed) -> Finding:
 
 
 def scheduler_steps_on_skip(seen: Observed) -> Finding:
-    """`scheduler-steps-on-skip`: the LR scheduler steps when the optimizer step was skipped."""
+    """`scheduler-steps-on-skip`: the LR scheduler steps when the optimizer step was skipped
+    (severity and text from `schedule_on_skips`)."""
     return Finding(seen.rung, KindId.SCHEDULER_STEPS_ON_SKIP, seen.severity, **seen.fields())
+
+
+#: A rung that forced fp16 onto a run whose own precision has no GradScaler: what it found is
+#: what fp16 would do, said as such.
+FORCED_FP16 = (" This training's own precision uses no GradScaler: this is what it would do "
+               "in fp16, not a failure of the run as it trains.")
+
+
+def skip_severity(consequence: bool, *, own_scaler: bool) -> Severity:
+    """The skips rung's one rule for what may fail a run: a measured consequence is an error
+    when the user's own precision uses a GradScaler; in a run the rung forced into fp16 (its own
+    precision bf16 or fp32, no scaler, no skips) it is a warning about what fp16 would do."""
+    return Severity.ERROR if consequence and own_scaler else Severity.WARNING
+
+
+@dataclass(frozen=True)
+class ScheduleOnSkips:
+    """What the skips rung measured of a scheduler that advanced on skipped optimizer steps in
+    the plain fp16 run (the user's own skips: ampdoctor's injected overflow stands for one skip
+    and shifts nothing in the user's training by itself)."""
+
+    rung: str
+    scheduler_type: str
+    location: Location | None
+    calibration_skips: int      # skips before the first real update (the scale settling)
+    steady_skips: int           # skips after it, the scheduler advanced on each
+    steps_after_settling: int   # optimizer steps after the first real update
+    scheduler_steps: int
+    real_updates: int
+    lr_shift: float             # largest |lr used - lr meant| / lr meant over the real updates
+    lr_step: int | None         # the real update (0-based) where it was measured
+    lr_used: float | None
+    lr_meant: float | None
+    tolerance: float            # the rung's rtol (an update moves with its learning rate)
+    own_scaler: bool            # the user's own precision uses a GradScaler
+    framework: str | None = None
+
+    @property
+    def rate(self) -> float:
+        """The steady-state skip rate the schedule advanced on."""
+        return self.steady_skips / self.steps_after_settling if self.steps_after_settling else 0.0
+
+    @property
+    def persistent(self) -> bool:
+        """Skips that go on after the scale settled, more than one overflow can explain
+        (thresholds.MIN_COUNTED_SKIPS) at a rate above thresholds.SCHEDULER_SKIP_RATE."""
+        return (self.steady_skips >= thresholds.MIN_COUNTED_SKIPS
+                and self.rate > thresholds.SCHEDULER_SKIP_RATE)
+
+    @property
+    def shifted(self) -> bool:
+        """The shifted schedule moved a real update's learning rate beyond the rung's rtol."""
+        return self.lr_shift > self.tolerance
+
+
+def schedule_on_skips(m: ScheduleOnSkips) -> Finding | None:
+    """`scheduler-steps-on-skip` from the numbers: None when the scheduler advanced on none of
+    the run's own skips. An error when the skips persist after the scale settled (the schedule
+    runs 1/(1-rate) times too fast for the rest of training) or the shift changed a real update's
+    learning rate beyond the rung's tolerance; a warning, with the count, for the few skips of
+    the scale's calibration whose shift changes no update that much; a warning in a run forced
+    into fp16 (`skip_severity`)."""
+    if not (m.calibration_skips or m.steady_skips):
+        return None
+    severity = skip_severity(m.persistent or m.shifted, own_scaler=m.own_scaler)
+    real = f"{m.scheduler_steps} scheduler steps for {m.real_updates} real updates"
+    if m.persistent:
+        text = (f"After the scale settled the fp16 run skipped {m.steady_skips} of the "
+                f"{m.steps_after_settling} steps that followed (a steady skip rate of "
+                f"{m.rate:.0%}) and the scheduler ({m.scheduler_type}) advanced on every one "
+                f"({real}): the schedule runs {1 / (1 - m.rate):.3g}x too fast, so a "
+                f"10,000-step schedule ends after {10_000 * (1 - m.rate):,.0f} real updates.")
+    elif m.steady_skips:
+        text = (f"The scheduler ({m.scheduler_type}) advanced on {m.steady_skips} skip(s) after "
+                f"the scale settled ({m.steady_skips} of {m.steps_after_settling} steps; {real}).")
+    else:
+        text = (f"The scheduler ({m.scheduler_type}) advanced on the {m.calibration_skips} "
+                f"skip(s) of the scale's calibration, before the first real update ({real}): "
+                f"the schedule runs {m.calibration_skips} step(s) ahead of the real updates.")
+    if m.shifted and m.lr_step is not None:
+        text += (f" Real update {m.lr_step} used lr {m.lr_used:.6g} where the schedule gives "
+                 f"{m.lr_meant:.6g} for it ({m.lr_shift:.1%} off, beyond the rung's tolerance "
+                 f"{m.tolerance:g}).")
+    elif not m.persistent:
+        text += (f" The shift moves no real update's learning rate beyond the rung's tolerance "
+                 f"(largest {m.lr_shift:.2%}, tolerance {m.tolerance:g}): harmless while skips "
+                 "stay this rare, and every later skip adds one step.")
+    if not m.own_scaler:
+        text += FORCED_FP16
+    evidence: Evidence = {"measured": round(m.rate, 6), "expected": 0.0,
+                          "steady_skip_rate": round(m.rate, 6),
+                          "threshold": thresholds.SCHEDULER_SKIP_RATE,
+                          "calibration_skips": m.calibration_skips,
+                          "steady_skips": m.steady_skips,
+                          "steps_after_settling": m.steps_after_settling,
+                          "scheduler_steps": m.scheduler_steps, "optimizer_steps": m.real_updates,
+                          "lr_shift": round(m.lr_shift, 6), "tolerance": m.tolerance,
+                          "own_precision_scaled": m.own_scaler}
+    if m.framework:
+        evidence["framework"] = m.framework
+    return scheduler_steps_on_skip(Observed(m.rung, severity, text, evidence=evidence,
+                                            location=m.location,
+                                            fix=SKIP_AWARE_FIX.get(m.framework or "", "")))
+
+
+#: The skip-aware scheduler step in a framework's own terms (the catalogue's fix otherwise).
+SKIP_AWARE_FIX = {
+    "accelerate": "Hand the scheduler to `accelerator.prepare(...)` with the optimizer: the "
+                  "prepared scheduler steps only when the prepared optimizer really stepped "
+                  "(`accelerator.optimizer_step_was_skipped` tells a hand-written loop).",
+}
 
 
 def no_zero_grad_after_skip(seen: Observed) -> Finding:

@@ -44,3 +44,13 @@ def who_divided(trace: Trace, kind: str) -> tuple[str, str] | None:
         if party in table:
             return party, table[party]
     return None
+
+
+def framework_of(trace: Trace) -> str | None:
+    """The party that drove the run (accelerate, HF Trainer, Lightning, Fabric), or None when no
+    framework was built."""
+    for event in trace.events_of(FrameworkPrecision):
+        party = event.driver or event.framework
+        if party:
+            return party
+    return None
