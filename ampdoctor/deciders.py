@@ -42,6 +42,101 @@ class Observed:
                                               "traceback")}
 
 
+#: The fix of an accumulation kind in the terms of the framework that drove the run
+#: (`evidence.framework`): who divides by K there and what to change. A kind or framework not
+#: here takes the catalogue's fix (the hand-written loop's terms).
+FRAMEWORK_FIXES: dict[tuple[str, str], str] = {
+    ("double-average", "accelerate"):
+        "Remove your own division: inside `with accelerator.accumulate(model):` with "
+        "`Accelerator(gradient_accumulation_steps=K)`, `accelerator.backward(loss)` already "
+        "divides by K, so backward the micro-batch's mean loss as it is "
+        "(`accelerator.backward(loss)`, not `loss / K`) and never divide `.grad` yourself.",
+    ("double-average", "HF Trainer"):
+        "Remove the division from `compute_loss` (or from the model's loss): the Trainer "
+        "divides by gradient_accumulation_steps itself when the model takes no loss kwargs, so "
+        "return the micro-batch's mean loss as it is.",
+    ("double-average", "Lightning"):
+        "Return the plain loss from `training_step`: with automatic optimization Lightning "
+        "divides by `accumulate_grad_batches` itself, so delete your `/ accumulate_grad_batches`.",
+    ("double-average", "Fabric"):
+        "Divide once: `fabric.backward(loss / K)` and nothing more (`fabric.backward` does not "
+        "divide, so both divisions are yours: delete the second).",
+    ("missing-accumulation-average", "accelerate"):
+        "Let accelerate divide: give `Accelerator(gradient_accumulation_steps=K)`, run each "
+        "micro-batch under `with accelerator.accumulate(model):` and call "
+        "`accelerator.backward(loss)`; a loop that accumulates outside `accumulate()` divides "
+        "itself: `accelerator.backward(loss / K)`.",
+    ("missing-accumulation-average", "HF Trainer"):
+        "The Trainer passes `num_items_in_batch` (the tokens or samples of the whole step over "
+        "all K micro-batches) when the model or `compute_loss_func` accepts loss kwargs, and "
+        "then does not divide: sum the loss (`reduction='sum'`) and return `loss_sum / "
+        "num_items_in_batch` from `compute_loss`, or drop `**kwargs` from the model's forward "
+        "so the Trainer divides the mean loss by K.",
+    ("missing-accumulation-average", "Lightning"):
+        "In manual optimization divide in `training_step`: `self.manual_backward(loss / N)` "
+        "with N the batches per optimizer step (or use automatic optimization with "
+        "`Trainer(accumulate_grad_batches=N)`, which divides for you).",
+    ("missing-accumulation-average", "Fabric"):
+        "Divide before `fabric.backward`: `fabric.backward(loss / K)` (`fabric.backward` does "
+        "not divide by K).",
+    ("reduction-mismatch", "HF Trainer"):
+        "Return a mean from `compute_loss`, or a sum divided by `num_items_in_batch` (the "
+        "count of the whole step, which the Trainer passes): never a sum over the micro-batch "
+        "alone.",
+    ("weighted-average-mismatch", "HF Trainer"):
+        "Let the loss take `num_items_in_batch`: sum each micro-batch's token losses and divide "
+        "by `num_items_in_batch` (the step's token count, which the Trainer passes when "
+        "`compute_loss` or the model accepts it) instead of averaging each micro-batch alone.",
+    ("weighted-average-mismatch", "accelerate"):
+        "Count the step's tokens once before the window (gather them across ranks with "
+        "`accelerator.gather`), sum each micro-batch's token losses and backward "
+        "`loss_sum / step_tokens * K` (`accelerator.backward` divides by K again).",
+    ("step-per-microbatch", "accelerate"):
+        "Hand the optimizer to `accelerator.prepare` and call it inside `with "
+        "accelerator.accumulate(model):` with `Accelerator(gradient_accumulation_steps=K)`: the "
+        "prepared optimizer steps only when `accelerator.sync_gradients` is true.",
+    ("step-per-microbatch", "Lightning"):
+        "In manual optimization step under the window condition: `if (batch_idx + 1) % N == "
+        "0: opt.step(); opt.zero_grad()` (or let automatic optimization step with "
+        "`Trainer(accumulate_grad_batches=N)`).",
+    ("step-per-microbatch", "Fabric"):
+        "Step only at the window's end: `if not is_accumulating: optimizer.step(); "
+        "optimizer.zero_grad()`, with `is_accumulating = (i + 1) % K != 0`.",
+    ("zero-grad-inside-accumulation", "accelerate"):
+        "Call `optimizer.zero_grad()` on the prepared optimizer inside `accelerator.accumulate("
+        "model)` (it clears only when `sync_gradients` is true), never on the raw optimizer or "
+        "the model between micro-batches.",
+    ("zero-grad-inside-accumulation", "Lightning"):
+        "In manual optimization call `opt.zero_grad()` only under `if (batch_idx + 1) % N == "
+        "0:`, after `opt.step()`.",
+    ("zero-grad-inside-accumulation", "Fabric"):
+        "Call `optimizer.zero_grad()` only after the window's `optimizer.step()` (`if not "
+        "is_accumulating:`).",
+    ("scheduler-per-microbatch", "accelerate"):
+        "Hand the scheduler to `accelerator.prepare(model, optimizer, scheduler)`: the prepared "
+        "scheduler steps only when the optimizer really stepped, once per window.",
+    ("scheduler-per-microbatch", "Lightning"):
+        "Return the scheduler from `configure_optimizers` with `'interval': 'step'` and let "
+        "Lightning step it per optimizer step; in manual optimization call `sch.step()` under "
+        "`if (batch_idx + 1) % N == 0:`.",
+    ("scheduler-per-microbatch", "HF Trainer"):
+        "Let the Trainer step its scheduler (`lr_scheduler_type`, or `optimizers=(opt, "
+        "sched)`): it steps once per optimizer step; a callback must not call "
+        "`scheduler.step()` on `on_substep_end`.",
+    ("scheduler-per-microbatch", "Fabric"):
+        "Step the scheduler with the optimizer, once per window: `if not is_accumulating: "
+        "optimizer.step(); scheduler.step(); optimizer.zero_grad()`.",
+}
+
+
+def _in_framework_terms(kind: str, seen: Observed) -> Observed:
+    """The observation with its fix in the terms of the framework that drove the run, when
+    the rule wrote none of its own and the table has one."""
+    framework = seen.evidence.get("framework")
+    fix = FRAMEWORK_FIXES.get((kind, framework)) if isinstance(framework, str) else None
+    return replace(seen, fix=fix) if fix and not seen.fix else seen
+
+
 def nondeterministic_baseline(seen: Observed) -> Finding:
     """`nondeterministic-baseline`: the fp32 reference is not repeatable."""
     return Finding(seen.rung, KindId.NONDETERMINISTIC_BASELINE, seen.severity, **seen.fields())
@@ -49,32 +144,38 @@ def nondeterministic_baseline(seen: Observed) -> Finding:
 
 def missing_accumulation_average(seen: Observed) -> Finding:
     """`missing-accumulation-average`: the loss is not divided by the accumulation steps."""
+    seen = _in_framework_terms(KindId.MISSING_ACCUMULATION_AVERAGE, seen)
     return Finding(seen.rung, KindId.MISSING_ACCUMULATION_AVERAGE, seen.severity, **seen.fields())
 
 
 def double_average(seen: Observed) -> Finding:
     """`double-average`: the gradient is averaged twice."""
+    seen = _in_framework_terms(KindId.DOUBLE_AVERAGE, seen)
     return Finding(seen.rung, KindId.DOUBLE_AVERAGE, seen.severity, **seen.fields())
 
 
 def reduction_mismatch(seen: Observed) -> Finding:
     """`reduction-mismatch`: the loss reduction does not match the averaging factor."""
+    seen = _in_framework_terms(KindId.REDUCTION_MISMATCH, seen)
     return Finding(seen.rung, KindId.REDUCTION_MISMATCH, seen.severity, **seen.fields())
 
 
 def weighted_average_mismatch(seen: Observed) -> Finding:
     """`weighted-average-mismatch`: micro-batches are weighted equally although the loss is
     token/sample weighted."""
+    seen = _in_framework_terms(KindId.WEIGHTED_AVERAGE_MISMATCH, seen)
     return Finding(seen.rung, KindId.WEIGHTED_AVERAGE_MISMATCH, seen.severity, **seen.fields())
 
 
 def step_per_microbatch(seen: Observed) -> Finding:
     """`step-per-microbatch`: the optimizer steps on every micro-batch."""
+    seen = _in_framework_terms(KindId.STEP_PER_MICROBATCH, seen)
     return Finding(seen.rung, KindId.STEP_PER_MICROBATCH, seen.severity, **seen.fields())
 
 
 def zero_grad_inside_accumulation(seen: Observed) -> Finding:
     """`zero-grad-inside-accumulation`: gradients are zeroed inside the accumulation window."""
+    seen = _in_framework_terms(KindId.ZERO_GRAD_INSIDE_ACCUMULATION, seen)
     return Finding(seen.rung, KindId.ZERO_GRAD_INSIDE_ACCUMULATION, seen.severity, **seen.fields())
 
 
@@ -130,6 +231,7 @@ def double_scaling(seen: Observed) -> Finding:
 
 def scheduler_per_microbatch(seen: Observed) -> Finding:
     """`scheduler-per-microbatch`: the LR scheduler steps on every micro-batch."""
+    seen = _in_framework_terms(KindId.SCHEDULER_PER_MICROBATCH, seen)
     return Finding(seen.rung, KindId.SCHEDULER_PER_MICROBATCH, seen.severity, **seen.fields())
 
 

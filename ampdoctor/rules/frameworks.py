@@ -5,6 +5,7 @@ accumulation-average finding names the right side: the user's line, `accelerator
 
 from __future__ import annotations
 
+from ..evidence import Evidence
 from ..probe.events import FrameworkPrecision
 from ..probe.trace import Trace
 
@@ -54,3 +55,10 @@ def framework_of(trace: Trace) -> str | None:
         if party:
             return party
     return None
+
+
+def framework_evidence(trace: Trace) -> Evidence:
+    """`framework` for a finding's evidence when one drove the run (its decider then says the
+    fix in that framework's terms)."""
+    framework = framework_of(trace)
+    return {"framework": framework} if framework else {}

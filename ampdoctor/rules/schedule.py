@@ -13,6 +13,7 @@ from ..findings import Finding, location
 from ..judge import step_groups
 from ..probe.events import Backward, Forward, OptimizerStep, ScalerStep, SchedulerStep
 from ..session import Session, Trace
+from .frameworks import framework_evidence
 
 
 def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
@@ -55,7 +56,7 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             evidence={"measured": round(per_step, 6), "expected": 1.0,
                       "scheduler_steps": len(events), "optimizer_steps": optimizer_steps,
                       "max_between_optimizer_steps": worst, "lr_used": used,
-                      "lr_expected": meant, "first_step_off": step},
+                      "lr_expected": meant, "first_step_off": step, **framework_evidence(trace)},
             location=location(first.site)))]
     return []
 
