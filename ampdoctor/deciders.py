@@ -9,6 +9,10 @@ tests/test_rules_table.py checks, by reading the source, that every `Finding` of
 in that function and nowhere else. Names that only label an observation (a hypothesis of
 `compare`, a violation of the step state machine) go through `decide(kind, observed)`.
 
+Each decider's docstring says what measured consequence makes its kind an `error`; the full
+answer per kind is `kind_text.ERROR_WHEN`, which docs/kinds.md repeats (tests/test_deciders.py
+checks they agree).
+
 This module must not import torch: the static scan runs without it.
 """
 
@@ -20,6 +24,7 @@ from typing import Any
 
 from . import thresholds
 from .findings import Evidence, Finding, KindId, Location, Severity
+from .kind_text import FRAMEWORK_FIXES, SKIP_AWARE_FIX
 
 
 @dataclass(frozen=True)
@@ -42,93 +47,6 @@ class Observed:
                                               "traceback")}
 
 
-#: The fix of an accumulation kind in the terms of the framework that drove the run
-#: (`evidence.framework`): who divides by K there and what to change. A kind or framework not
-#: here takes the catalogue's fix (the hand-written loop's terms).
-FRAMEWORK_FIXES: dict[tuple[str, str], str] = {
-    ("double-average", "accelerate"):
-        "Remove your own division: inside `with accelerator.accumulate(model):` with "
-        "`Accelerator(gradient_accumulation_steps=K)`, `accelerator.backward(loss)` already "
-        "divides by K, so backward the micro-batch's mean loss as it is "
-        "(`accelerator.backward(loss)`, not `loss / K`) and never divide `.grad` yourself.",
-    ("double-average", "HF Trainer"):
-        "Remove the division from `compute_loss` (or from the model's loss): the Trainer "
-        "divides by gradient_accumulation_steps itself when the model takes no loss kwargs, so "
-        "return the micro-batch's mean loss as it is.",
-    ("double-average", "Lightning"):
-        "Return the plain loss from `training_step`: with automatic optimization Lightning "
-        "divides by `accumulate_grad_batches` itself, so delete your `/ accumulate_grad_batches`.",
-    ("double-average", "Fabric"):
-        "Divide once: `fabric.backward(loss / K)` and nothing more (`fabric.backward` does not "
-        "divide, so both divisions are yours: delete the second).",
-    ("missing-accumulation-average", "accelerate"):
-        "Let accelerate divide: give `Accelerator(gradient_accumulation_steps=K)`, run each "
-        "micro-batch under `with accelerator.accumulate(model):` and call "
-        "`accelerator.backward(loss)`; a loop that accumulates outside `accumulate()` divides "
-        "itself: `accelerator.backward(loss / K)`.",
-    ("missing-accumulation-average", "HF Trainer"):
-        "The Trainer passes `num_items_in_batch` (the tokens or samples of the whole step over "
-        "all K micro-batches) when the model or `compute_loss_func` accepts loss kwargs, and "
-        "then does not divide: sum the loss (`reduction='sum'`) and return `loss_sum / "
-        "num_items_in_batch` from `compute_loss`, or drop `**kwargs` from the model's forward "
-        "so the Trainer divides the mean loss by K.",
-    ("missing-accumulation-average", "Lightning"):
-        "In manual optimization divide in `training_step`: `self.manual_backward(loss / N)` "
-        "with N the batches per optimizer step (or use automatic optimization with "
-        "`Trainer(accumulate_grad_batches=N)`, which divides for you).",
-    ("missing-accumulation-average", "Fabric"):
-        "Divide before `fabric.backward`: `fabric.backward(loss / K)` (`fabric.backward` does "
-        "not divide by K).",
-    ("reduction-mismatch", "HF Trainer"):
-        "Return a mean from `compute_loss`, or a sum divided by `num_items_in_batch` (the "
-        "count of the whole step, which the Trainer passes): never a sum over the micro-batch "
-        "alone.",
-    ("weighted-average-mismatch", "HF Trainer"):
-        "Let the loss take `num_items_in_batch`: sum each micro-batch's token losses and divide "
-        "by `num_items_in_batch` (the step's token count, which the Trainer passes when "
-        "`compute_loss` or the model accepts it) instead of averaging each micro-batch alone.",
-    ("weighted-average-mismatch", "accelerate"):
-        "Count the step's tokens once before the window (gather them across ranks with "
-        "`accelerator.gather`), sum each micro-batch's token losses and backward "
-        "`loss_sum / step_tokens * K` (`accelerator.backward` divides by K again).",
-    ("step-per-microbatch", "accelerate"):
-        "Hand the optimizer to `accelerator.prepare` and call it inside `with "
-        "accelerator.accumulate(model):` with `Accelerator(gradient_accumulation_steps=K)`: the "
-        "prepared optimizer steps only when `accelerator.sync_gradients` is true.",
-    ("step-per-microbatch", "Lightning"):
-        "In manual optimization step under the window condition: `if (batch_idx + 1) % N == "
-        "0: opt.step(); opt.zero_grad()` (or let automatic optimization step with "
-        "`Trainer(accumulate_grad_batches=N)`).",
-    ("step-per-microbatch", "Fabric"):
-        "Step only at the window's end: `if not is_accumulating: optimizer.step(); "
-        "optimizer.zero_grad()`, with `is_accumulating = (i + 1) % K != 0`.",
-    ("zero-grad-inside-accumulation", "accelerate"):
-        "Call `optimizer.zero_grad()` on the prepared optimizer inside `accelerator.accumulate("
-        "model)` (it clears only when `sync_gradients` is true), never on the raw optimizer or "
-        "the model between micro-batches.",
-    ("zero-grad-inside-accumulation", "Lightning"):
-        "In manual optimization call `opt.zero_grad()` only under `if (batch_idx + 1) % N == "
-        "0:`, after `opt.step()`.",
-    ("zero-grad-inside-accumulation", "Fabric"):
-        "Call `optimizer.zero_grad()` only after the window's `optimizer.step()` (`if not "
-        "is_accumulating:`).",
-    ("scheduler-per-microbatch", "accelerate"):
-        "Hand the scheduler to `accelerator.prepare(model, optimizer, scheduler)`: the prepared "
-        "scheduler steps only when the optimizer really stepped, once per window.",
-    ("scheduler-per-microbatch", "Lightning"):
-        "Return the scheduler from `configure_optimizers` with `'interval': 'step'` and let "
-        "Lightning step it per optimizer step; in manual optimization call `sch.step()` under "
-        "`if (batch_idx + 1) % N == 0:`.",
-    ("scheduler-per-microbatch", "HF Trainer"):
-        "Let the Trainer step its scheduler (`lr_scheduler_type`, or `optimizers=(opt, "
-        "sched)`): it steps once per optimizer step; a callback must not call "
-        "`scheduler.step()` on `on_substep_end`.",
-    ("scheduler-per-microbatch", "Fabric"):
-        "Step the scheduler with the optimizer, once per window: `if not is_accumulating: "
-        "optimizer.step(); scheduler.step(); optimizer.zero_grad()`.",
-}
-
-
 def _in_framework_terms(kind: str, seen: Observed) -> Observed:
     """The observation with its fix in the terms of the framework that drove the run, when
     the rule wrote none of its own and the table has one."""
@@ -138,49 +56,62 @@ def _in_framework_terms(kind: str, seen: Observed) -> Observed:
 
 
 def nondeterministic_baseline(seen: Observed) -> Finding:
-    """`nondeterministic-baseline`: the fp32 reference is not repeatable."""
+    """`nondeterministic-baseline`: the fp32 reference is not repeatable.
+    Error: two fp32 reference runs differ (always measured). (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.NONDETERMINISTIC_BASELINE, seen.severity, **seen.fields())
 
 
 def missing_accumulation_average(seen: Observed) -> Finding:
-    """`missing-accumulation-average`: the loss is not divided by the accumulation steps."""
+    """`missing-accumulation-average`: the loss is not divided by the accumulation steps.
+    Error: a consumed gradient K x the reference (no warning form). (kind_text.ERROR_WHEN)"""
     seen = _in_framework_terms(KindId.MISSING_ACCUMULATION_AVERAGE, seen)
     return Finding(seen.rung, KindId.MISSING_ACCUMULATION_AVERAGE, seen.severity, **seen.fields())
 
 
 def double_average(seen: Observed) -> Finding:
-    """`double-average`: the gradient is averaged twice."""
+    """`double-average`: the gradient is averaged twice.
+    Error: a consumed gradient 1/K (1/world_size, K/divisor) of the reference.
+    (kind_text.ERROR_WHEN)"""
     seen = _in_framework_terms(KindId.DOUBLE_AVERAGE, seen)
     return Finding(seen.rung, KindId.DOUBLE_AVERAGE, seen.severity, **seen.fields())
 
 
 def reduction_mismatch(seen: Observed) -> Finding:
-    """`reduction-mismatch`: the loss reduction does not match the averaging factor."""
+    """`reduction-mismatch`: the loss reduction does not match the averaging factor.
+    Error: a consumed gradient a count times the reference, or a varying factor.
+    (kind_text.ERROR_WHEN)"""
     seen = _in_framework_terms(KindId.REDUCTION_MISMATCH, seen)
     return Finding(seen.rung, KindId.REDUCTION_MISMATCH, seen.severity, **seen.fields())
 
 
 def weighted_average_mismatch(seen: Observed) -> Finding:
     """`weighted-average-mismatch`: micro-batches are weighted equally although the loss is
-    token/sample weighted."""
+    token/sample weighted.
+    Error: off the weighted reference, on the equal-weight mean. (kind_text.ERROR_WHEN)"""
     seen = _in_framework_terms(KindId.WEIGHTED_AVERAGE_MISMATCH, seen)
     return Finding(seen.rung, KindId.WEIGHTED_AVERAGE_MISMATCH, seen.severity, **seen.fields())
 
 
 def step_per_microbatch(seen: Observed) -> Finding:
-    """`step-per-microbatch`: the optimizer steps on every micro-batch."""
+    """`step-per-microbatch`: the optimizer steps on every micro-batch.
+    Error: more optimizer steps than windows (another parameter trajectory).
+    (kind_text.ERROR_WHEN)"""
     seen = _in_framework_terms(KindId.STEP_PER_MICROBATCH, seen)
     return Finding(seen.rung, KindId.STEP_PER_MICROBATCH, seen.severity, **seen.fields())
 
 
 def zero_grad_inside_accumulation(seen: Observed) -> Finding:
-    """`zero-grad-inside-accumulation`: gradients are zeroed inside the accumulation window."""
+    """`zero-grad-inside-accumulation`: gradients are zeroed inside the accumulation window.
+    Error: an update off the reference, only the micro-batches after the zero_grad in it.
+    (kind_text.ERROR_WHEN)"""
     seen = _in_framework_terms(KindId.ZERO_GRAD_INSIDE_ACCUMULATION, seen)
     return Finding(seen.rung, KindId.ZERO_GRAD_INSIDE_ACCUMULATION, seen.severity, **seen.fields())
 
 
 def missing_no_sync(seen: Observed) -> Finding:
-    """`missing-no-sync`: DDP/FSDP synchronises gradients on the wrong micro-batches."""
+    """`missing-no-sync`: DDP/FSDP synchronises gradients on the wrong micro-batches.
+    Error / warning: `sync_on_every_micro_batch`, or a sync on the wrong backward (ranks drift).
+    (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.MISSING_NO_SYNC, seen.severity, **seen.fields())
 
 
@@ -200,37 +131,50 @@ def sync_on_every_micro_batch(seen: Observed, *, sharded: bool, update_right: bo
 
 
 def half_open_amp(seen: Observed) -> Finding:
-    """`half-open-amp`: mixed precision is only half switched on (or off)."""
+    """`half-open-amp`: mixed precision is only half switched on (or off).
+    Error: the precision that ran is not the one asked for (fp32: an update differs); warning: a
+    scaler in bf16, autocast in an fp32 run that still matches. (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.HALF_OPEN_AMP, seen.severity, **seen.fields())
 
 
 def clip_before_unscale(seen: Observed) -> Finding:
-    """`clip-before-unscale`: gradients are clipped while still scaled."""
+    """`clip-before-unscale`: gradients are clipped while still scaled.
+    Error: the scaled-space clip changed the update; warning: it has not bitten yet.
+    (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.CLIP_BEFORE_UNSCALE, seen.severity, **seen.fields())
 
 
 def missing_unscale(seen: Observed) -> Finding:
-    """`missing-unscale`: an optimizer steps on scaled gradients."""
+    """`missing-unscale`: an optimizer steps on scaled gradients.
+    Error: an update S x the reference or on the injected inf; warning: the scale was 1.
+    (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.MISSING_UNSCALE, seen.severity, **seen.fields())
 
 
 def unscale_twice(seen: Observed) -> Finding:
-    """`unscale-twice`: gradients are unscaled twice."""
+    """`unscale-twice`: gradients are unscaled twice.
+    Error: an update 1/S of the reference, or torch refused the second unscale_.
+    (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.UNSCALE_TWICE, seen.severity, **seen.fields())
 
 
 def update_per_microbatch(seen: Observed) -> Finding:
-    """`update-per-microbatch`: `scaler.update()` runs on every micro-batch."""
+    """`update-per-microbatch`: `scaler.update()` runs on every micro-batch.
+    Error: the loss-scale trajectory differs (backed off more than once). (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.UPDATE_PER_MICROBATCH, seen.severity, **seen.fields())
 
 
 def double_scaling(seen: Observed) -> Finding:
-    """`double-scaling`: two loss-scale state machines on one loss."""
+    """`double-scaling`: two loss-scale state machines on one loss.
+    Error: a second scale factor measured, or two owners on one path; warning: separate entry
+    points. (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.DOUBLE_SCALING, seen.severity, **seen.fields())
 
 
 def scheduler_per_microbatch(seen: Observed) -> Finding:
-    """`scheduler-per-microbatch`: the LR scheduler steps on every micro-batch."""
+    """`scheduler-per-microbatch`: the LR scheduler steps on every micro-batch.
+    Error: a step used another lr than the schedule's for it (a constant schedule: nothing).
+    (kind_text.ERROR_WHEN)"""
     seen = _in_framework_terms(KindId.SCHEDULER_PER_MICROBATCH, seen)
     return Finding(seen.rung, KindId.SCHEDULER_PER_MICROBATCH, seen.severity, **seen.fields())
 
@@ -344,36 +288,35 @@ def schedule_on_skips(m: ScheduleOnSkips) -> Finding | None:
                                             fix=SKIP_AWARE_FIX.get(m.framework or "", "")))
 
 
-#: The skip-aware scheduler step in a framework's own terms (the catalogue's fix otherwise).
-SKIP_AWARE_FIX = {
-    "accelerate": "Hand the scheduler to `accelerator.prepare(...)` with the optimizer: the "
-                  "prepared scheduler steps only when the prepared optimizer really stepped "
-                  "(`accelerator.optimizer_step_was_skipped` tells a hand-written loop).",
-}
-
-
 def no_zero_grad_after_skip(seen: Observed) -> Finding:
-    """`no-zero-grad-after-skip`: gradients are not cleared after a skipped step."""
+    """`no-zero-grad-after-skip`: gradients are not cleared after a skipped step.
+    Error: windows after the injected overflow skipped too (`skip_severity`).
+    (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.NO_ZERO_GRAD_AFTER_SKIP, seen.severity, **seen.fields())
 
 
 def missing_zero_grad(seen: Observed) -> Finding:
-    """`missing-zero-grad`: gradients are carried from one optimizer step into the next."""
+    """`missing-zero-grad`: gradients are carried from one optimizer step into the next.
+    Error: a step consumed an earlier window's gradient too. (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.MISSING_ZERO_GRAD, seen.severity, **seen.fields())
 
 
 def frequent_skips(seen: Observed) -> Finding:
-    """`frequent-skips`: fp16 skips updates too often."""
+    """`frequent-skips`: fp16 skips updates too often.
+    Error: skips after the first real update above the threshold (`skip_severity`); warning:
+    settling. (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.FREQUENT_SKIPS, seen.severity, **seen.fields())
 
 
 def gradient_mismatch(seen: Observed) -> Finding:
-    """`gradient-mismatch`: the update differs from the reference in no known shape."""
+    """`gradient-mismatch`: the update differs from the reference in no known shape.
+    Error: an update off the reference in no known shape. (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.GRADIENT_MISMATCH, seen.severity, **seen.fields())
 
 
 def loop_error(seen: Observed) -> Finding:
-    """`loop-error`: the training loop raised an error."""
+    """`loop-error`: the training loop raised an error.
+    Error: the loop raised or hung (exit 3). (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.LOOP_ERROR, seen.severity, **seen.fields())
 
 

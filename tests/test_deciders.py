@@ -9,7 +9,9 @@ kinds from a real run.
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +20,7 @@ from ampdoctor import deciders, thresholds
 from ampdoctor.deciders import FORCED_FP16, Observed, ScheduleOnSkips
 from ampdoctor.enums import KindId, Severity
 from ampdoctor.findings import CATALOGUE, Location
+from ampdoctor.kind_text import ERROR_WHEN
 from ampdoctor.probe.events import SchedulerStep, make_event
 from ampdoctor.rules.schedule import lr_shift
 
@@ -207,3 +210,16 @@ def test_sync_on_every_micro_batch(sharded, update_right, severity):
     finding = deciders.sync_on_every_micro_batch(seen, sharded=sharded,
                                                  update_right=update_right)
     assert (finding.kind, finding.severity) == (KindId.MISSING_NO_SYNC, severity)
+
+
+# --- the docs say what the deciders decide ----------------------------------------------------
+
+def _kind_sections() -> dict[str, str]:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "kinds.md").read_text()
+    parts = re.split(r"^## `([a-z0-9-]+)`\s*$", text, flags=re.MULTILINE)
+    return {parts[i]: " ".join(parts[i + 1].split()) for i in range(1, len(parts), 2)}
+
+
+@pytest.mark.parametrize("kind", sorted(CATALOGUE))
+def test_kinds_md_states_each_kinds_error_consequence(kind):
+    assert f"**Error when**: {' '.join(ERROR_WHEN[kind].split())}" in _kind_sections()[kind]
