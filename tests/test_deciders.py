@@ -223,3 +223,30 @@ def _kind_sections() -> dict[str, str]:
 @pytest.mark.parametrize("kind", sorted(CATALOGUE))
 def test_kinds_md_states_each_kinds_error_consequence(kind):
     assert f"**Error when**: {' '.join(ERROR_WHEN[kind].split())}" in _kind_sections()[kind]
+
+
+# --- whose precision the skips rung judges ----------------------------------------------------
+
+def _session(precisions=("fp32", "bf16", "fp16"), scalers=None, autocasts=None):
+    trace = SimpleNamespace() if scalers is None else SimpleNamespace(
+        outcome=SimpleNamespace(scalers=scalers, autocasts=autocasts or []))
+    return SimpleNamespace(spec=SimpleNamespace(precisions=list(precisions)),
+                           trace=lambda precision: trace)
+
+
+@pytest.mark.parametrize("session, scaled", [
+    # spec mode: the spec's precisions say it
+    (_session(), True), (_session(("fp32", "bf16")), False),
+    # script mode: what the script built when left alone (its fp32 run records it)
+    (_session(scalers=[{"enabled": True}]), True),
+    (_session(scalers=[{"enabled": False}],
+              autocasts=[{"enabled": True, "dtype": "bfloat16", "device": "cuda"}]), False),
+    (_session(scalers=[], autocasts=[{"enabled": True, "dtype": "float16", "device": "cpu"}]),
+     True),
+    (_session(scalers=[], autocasts=[{"enabled": True, "dtype": None, "device": "cuda"}]), True),
+    (_session(scalers=[], autocasts=[{"enabled": True, "dtype": None, "device": "cpu"}]), False),
+    (_session(scalers=[{"enabled": False}],
+              autocasts=[{"enabled": False, "dtype": "float16", "device": "cuda"}]), False)])
+def test_own_precision_scaled(session, scaled):
+    from ampdoctor.ladder.skips import own_precision_scaled
+    assert own_precision_scaled(session) is scaled

@@ -243,12 +243,14 @@ def _schedule_on_skips(session: Session, plain: Trace, owner: int | None,
     events = [e for e in sched if e.scheduler == sched[0].scheduler]
     first_ok = flags.index(False) if False in flags else len(flags)
 
-    def window(event: Event, fallback: int) -> int:
-        w = plain.window_of_event(event)
-        return fallback if w is None else w
-
-    advanced = {window(e, -1) for e in events}
-    on_skip = [i for i, e in enumerate(steps) if e.skipped and window(e, i) in advanced]
+    windows = [plain.window_of_event(e) for e in (*steps, *events)]
+    if None in windows:   # no windows to read: a skip's interval runs to the next scaler.step
+        bounds = [e.seq for e in steps] + [math.inf]
+        on_skip = [i for i, e in enumerate(steps) if e.skipped and any(
+            bounds[i] < s.seq < bounds[i + 1] for s in events)]
+    else:
+        advanced = set(windows[len(steps):])
+        on_skip = [i for i, e in enumerate(steps) if e.skipped and windows[i] in advanced]
     shift = lr_shift(plain, events, owner)
     real = [s for s in plain.steps if owner is None or s.optimizer == owner]
     return deciders.schedule_on_skips(deciders.ScheduleOnSkips(
