@@ -145,6 +145,31 @@ FRAMEWORK_FIXES: dict[tuple[str, str], str] = {
         "Count the step's tokens once before the window (gather them across ranks with "
         "`accelerator.gather`), sum each micro-batch's token losses and backward "
         "`loss_sum / step_tokens * K` (`accelerator.backward` divides by K again).",
+    ("reduction-mismatch", "accelerate"):
+        "Average inside each micro-batch (`reduction='mean'`) and call "
+        "`accelerator.backward(loss)`, which divides by K; or keep the sum and backward "
+        "`loss_sum / step_count * K`, step_count the samples or tokens of the whole step "
+        "(accelerate divides by K again).",
+    ("reduction-mismatch", "Lightning"):
+        "Return a mean from `training_step` (`reduction='mean'`): automatic optimization divides "
+        "it by `accumulate_grad_batches`; in manual optimization divide by N yourself.",
+    ("reduction-mismatch", "Fabric"):
+        "Use `reduction='mean'` and `fabric.backward(loss / K)`, or keep the sum and "
+        "`fabric.backward(loss_sum / step_count)` with step_count counted over the whole step.",
+    ("weighted-average-mismatch", "Lightning"):
+        "Automatic optimization divides every batch's loss by N alike: weigh by tokens in "
+        "manual optimization, counting the step's tokens over its N batches first and calling "
+        "`self.manual_backward(loss_sum / step_tokens)` for each batch.",
+    ("weighted-average-mismatch", "Fabric"):
+        "Count the step's tokens once before the window and call "
+        "`fabric.backward(loss_sum / step_tokens)` for each micro-batch (`fabric.backward` "
+        "does not divide).",
+    ("step-per-microbatch", "HF Trainer"):
+        "Let the Trainer step: it steps once per gradient_accumulation_steps batches; remove "
+        "any `optimizer.step()` from `compute_loss`, a `training_step` override or a callback.",
+    ("zero-grad-inside-accumulation", "HF Trainer"):
+        "Remove `zero_grad()` from `compute_loss`, a `training_step` override or a callback: "
+        "the Trainer clears the gradients after each optimizer step.",
     ("step-per-microbatch", "accelerate"):
         "Hand the optimizer to `accelerator.prepare` and call it inside `with "
         "accelerator.accumulate(model):` with `Accelerator(gradient_accumulation_steps=K)`: the "

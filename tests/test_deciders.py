@@ -178,6 +178,15 @@ def test_accumulation_fix_is_said_in_the_frameworks_terms(decider, kind, framewo
     assert finding.fix != CATALOGUE[kind].fix
 
 
+FRAMEWORKS = ("accelerate", "HF Trainer", "Lightning", "Fabric")
+
+
+@pytest.mark.parametrize("kind", ["double-average", "missing-accumulation-average",
+                                  "reduction-mismatch", "weighted-average-mismatch"])
+def test_every_division_kind_has_a_fix_in_every_frameworks_terms(kind):
+    assert all((kind, framework) in deciders.FRAMEWORK_FIXES for framework in FRAMEWORKS)
+
+
 def test_the_division_fixes_name_who_divides():
     fixes = deciders.FRAMEWORK_FIXES
     # accelerate divides: the loop's own division goes (the catalogue says keep `loss / K`)
