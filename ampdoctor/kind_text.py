@@ -72,7 +72,7 @@ ERROR_WHEN: dict[str, str] = {
         "per micro-batch changes nothing and is not reported.",
     KindId.SCHEDULER_STEPS_ON_SKIP:
         "the scheduler advanced on skips of the run's own that persist after the scale settled "
-        "(at least MIN_COUNTED_SKIPS at a steady rate above SCHEDULER_SKIP_RATE: the schedule "
+        "(at least `MIN_COUNTED_SKIPS` at a steady rate above `SCHEDULER_SKIP_RATE`: the schedule "
         "runs 1/(1 - rate) times too fast), or the shift moved a real update's learning rate "
         "beyond the rung's tolerance. Warning: the calibration skips before the first real "
         "update whose constant shift changes no update that much (with their count), and any "
@@ -85,10 +85,10 @@ ERROR_WHEN: dict[str, str] = {
     KindId.MISSING_ZERO_GRAD:
         "a step consumed its window's gradient plus an earlier window's: the update differs.",
     KindId.FREQUENT_SKIPS:
-        "after the first real update more than SKIP_RATE_THRESHOLD of the steps were skipped "
-        "(at least MIN_COUNTED_SKIPS, or one right after growing at a short growth_interval): "
+        "after the first real update more than `SKIP_RATE_THRESHOLD` of the steps were skipped "
+        "(at least `MIN_COUNTED_SKIPS`, or one right after growing at a short growth_interval): "
         "updates the reference makes are dropped. Warning: the scale settling, a scale below "
-        "MIN_SCALE, a run that never settles, and any of it in a run forced into fp16.",
+        "`MIN_SCALE`, a run that never settles, and any of it in a run forced into fp16.",
     KindId.GRADIENT_MISMATCH:
         "a consumed update differs from the reference beyond tolerance in no known shape "
         "(always with the numbers and the first bad step).",
