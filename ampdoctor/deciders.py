@@ -212,7 +212,7 @@ class ScheduleOnSkips:
     steps_after_settling: int   # optimizer steps after the first real update
     scheduler_steps: int
     real_updates: int
-    lr_shift: float             # largest |lr used - lr meant| / lr meant over the real updates
+    lr_shift: float             # largest |lr used - lr meant| / lr meant, calibration's shift out
     lr_step: int | None         # the real update (0-based) where it was measured
     lr_used: float | None
     lr_meant: float | None
@@ -234,42 +234,50 @@ class ScheduleOnSkips:
 
     @property
     def shifted(self) -> bool:
-        """The shifted schedule moved a real update's learning rate beyond the rung's rtol."""
+        """A skip after calibration moved a real update's learning rate beyond the rung's
+        rtol (the calibration's constant shift taken as the schedule's start)."""
         return self.lr_shift > self.tolerance
 
 
 def schedule_on_skips(m: ScheduleOnSkips) -> Finding | None:
     """`scheduler-steps-on-skip` from the numbers: None when the scheduler advanced on none of
     the run's own skips. An error when the skips persist after the scale settled (the schedule
-    runs 1/(1-rate) times too fast for the rest of training) or the shift changed a real update's
-    learning rate beyond the rung's tolerance; a warning, with the count, for the few skips of
-    the scale's calibration whose shift changes no update that much; a warning in a run forced
-    into fp16 (`skip_severity`)."""
+    runs 1/(1-rate) times too fast for the rest of training) or a skip after calibration shifted
+    a real update's learning rate beyond the rung's tolerance; a warning, with their count, for
+    the skips of the scale's calibration (a constant shift of a few steps at the start of
+    training) and for a rare later skip whose shift stays within tolerance; a warning in a run
+    forced into fp16 (`skip_severity`)."""
     if not (m.calibration_skips or m.steady_skips):
         return None
     severity = skip_severity(m.persistent or m.shifted, own_scaler=m.own_scaler)
     real = f"{m.scheduler_steps} scheduler steps for {m.real_updates} real updates"
+    calibration = (f"; before it, the {m.calibration_skips} skip(s) of the scale's calibration "
+                   "shift the schedule by as many steps" if m.calibration_skips else "")
     if m.persistent:
+        fast = (f"the schedule runs {1 / (1 - m.rate):.3g}x too fast, so a 10,000-step "
+                f"schedule ends after {10_000 * (1 - m.rate):,.0f} real updates" if m.rate < 1
+                else "the schedule runs on while no update is made")
         text = (f"After the scale settled the fp16 run skipped {m.steady_skips} of the "
                 f"{m.steps_after_settling} steps that followed (a steady skip rate of "
                 f"{m.rate:.0%}) and the scheduler ({m.scheduler_type}) advanced on every one "
-                f"({real}): the schedule runs {1 / (1 - m.rate):.3g}x too fast, so a "
-                f"10,000-step schedule ends after {10_000 * (1 - m.rate):,.0f} real updates.")
+                f"({real}): {fast}{calibration}.")
     elif m.steady_skips:
         text = (f"The scheduler ({m.scheduler_type}) advanced on {m.steady_skips} skip(s) after "
-                f"the scale settled ({m.steady_skips} of {m.steps_after_settling} steps; {real}).")
+                f"the scale settled ({m.steady_skips} of {m.steps_after_settling} steps; "
+                f"{real}){calibration}.")
     else:
         text = (f"The scheduler ({m.scheduler_type}) advanced on the {m.calibration_skips} "
                 f"skip(s) of the scale's calibration, before the first real update ({real}): "
-                f"the schedule runs {m.calibration_skips} step(s) ahead of the real updates.")
+                f"the schedule starts {m.calibration_skips} step(s) ahead of the real updates, a "
+                "constant shift while later skips stay rare (each one adds a step).")
     if m.shifted and m.lr_step is not None:
-        text += (f" Real update {m.lr_step} used lr {m.lr_used:.6g} where the schedule gives "
-                 f"{m.lr_meant:.6g} for it ({m.lr_shift:.1%} off, beyond the rung's tolerance "
-                 f"{m.tolerance:g}).")
-    elif not m.persistent:
+        after = " (after the calibration)" if m.calibration_skips else ""
+        text += (f" Real update {m.lr_step} used lr {m.lr_used:.6g} where the schedule{after} "
+                 f"gives {m.lr_meant:.6g} for it ({m.lr_shift:.1%} off, beyond the rung's "
+                 f"tolerance {m.tolerance:g}).")
+    elif m.steady_skips and not m.persistent:
         text += (f" The shift moves no real update's learning rate beyond the rung's tolerance "
-                 f"(largest {m.lr_shift:.2%}, tolerance {m.tolerance:g}): harmless while skips "
-                 "stay this rare, and every later skip adds one step.")
+                 f"(largest {m.lr_shift:.2%}, tolerance {m.tolerance:g}).")
     if not m.own_scaler:
         text += FORCED_FP16
     evidence: Evidence = {"measured": round(m.rate, 6), "expected": 0.0,

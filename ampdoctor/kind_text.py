@@ -72,11 +72,12 @@ ERROR_WHEN: dict[str, str] = {
         "per micro-batch changes nothing and is not reported.",
     KindId.SCHEDULER_STEPS_ON_SKIP:
         "the scheduler advanced on skips of the run's own that persist after the scale settled "
-        "(at least `MIN_COUNTED_SKIPS` at a steady rate above `SCHEDULER_SKIP_RATE`: the schedule "
-        "runs 1/(1 - rate) times too fast), or the shift moved a real update's learning rate "
-        "beyond the rung's tolerance. Warning: the calibration skips before the first real "
-        "update whose constant shift changes no update that much (with their count), and any "
-        "of it in a run forced into fp16. Not reported: a scheduler that advanced on the "
+        "(at least `MIN_COUNTED_SKIPS` at a steady rate above `SCHEDULER_SKIP_RATE`: the "
+        "schedule runs 1/(1 - rate) times too fast), or a skip after the calibration moved a "
+        "real update's learning rate beyond the rung's tolerance. Warning, with their count: "
+        "the calibration skips before the first real update (a constant shift of a few steps "
+        "at the start of training), a rare later skip whose shift stays within tolerance, and "
+        "any of it in a run forced into fp16. Not reported: a scheduler that advanced on the "
         "injected skip alone (the rung's summary says so).",
     KindId.NO_ZERO_GRAD_AFTER_SKIP:
         "after the injected overflow the next window(s) were skipped too (updates dropped), or "

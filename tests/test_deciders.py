@@ -84,15 +84,33 @@ def test_calibration_skips_are_a_warning_that_names_their_count():
     assert finding.evidence["calibration_skips"] == 2 and finding.evidence["measured"] == 0.0
 
 
+def test_calibration_skips_stay_a_warning_before_any_shift_after_them():
+    """The calibration's shift is the schedule's start: with no skip after it nothing moved."""
+    finding = deciders.schedule_on_skips(_shift(calibration=5, lr_shift=0.0))
+    assert finding is not None and finding.severity == Severity.WARNING
+    assert "starts 5 step(s) ahead of the real updates" in finding.message
+
+
 @pytest.mark.parametrize("shift, severity", [(0.051, Severity.ERROR),
                                              (0.049, Severity.WARNING)])
-def test_a_calibration_shift_beyond_the_rungs_tolerance_is_an_error(shift, severity):
-    """A warmup short against the shift: the real update's lr moves with it."""
-    finding = deciders.schedule_on_skips(_shift(calibration=2, lr_shift=shift))
+def test_a_skip_after_calibration_that_moves_an_lr_beyond_tolerance_is_an_error(shift, severity):
+    """One skip (no rate yet): the real update's lr moved with it by 5.1 % / 4.9 % against the
+    rung's rtol 0.05."""
+    finding = deciders.schedule_on_skips(_shift(calibration=2, steady=1, lr_shift=shift))
     assert finding is not None and finding.severity == severity
     if severity == Severity.ERROR:
-        assert "Real update 2 used lr 0.03 where the schedule gives 0.02" in finding.message
+        assert "Real update 2 used lr 0.03 where the schedule (after the calibration) gives " \
+            "0.02" in finding.message
         assert f"({shift:.1%} off, beyond the rung's tolerance 0.05)" in finding.message
+    else:
+        assert f"(largest {shift:.2%}, tolerance 0.05)" in finding.message
+    assert "the 2 skip(s) of the scale's calibration shift the schedule" in finding.message
+
+
+def test_every_update_skipped_after_settling_says_so():
+    finding = deciders.schedule_on_skips(_shift(steady=3, after=3))
+    assert finding is not None and "the schedule runs on while no update is made" in \
+        finding.message
 
 
 def test_a_run_forced_into_fp16_is_told_what_fp16_would_do_not_failed():
@@ -139,15 +157,26 @@ def _trace(order: str, lrs: list[float]):
                            events_of=lambda cls: [e for e in events if isinstance(e, cls)])
 
 
-def test_lr_shift_reads_the_real_updates_against_the_schedule():
-    """A warmup 0.01, 0.02, 0.03, 0.04: two calibration skips the scheduler advanced on, then
-    two real updates that used 0.03 and 0.04 where the schedule gives 0.01 and 0.02."""
+def test_lr_shift_takes_the_calibration_as_the_schedules_start():
+    """A warmup 0.01, 0.02, ...: two calibration skips the scheduler advanced on, then two real
+    updates that used 0.03 and 0.04. From the run's start they are 0.02 ahead; from where the
+    calibration left the schedule, on time."""
     lrs = [0.01, 0.02, 0.03, 0.04, 0.05]
     trace = _trace("fks" "fks" "fos" "fos", lrs)
     events = trace.events_of(SchedulerStep)
     shift, step, used, meant = lr_shift(trace, events, 0)
     assert (step, used, meant) == (0, 0.03, 0.01)
     assert shift == pytest.approx((0.03 - 0.01) / 0.01)
+    assert lr_shift(trace, events, 0, start_shift=2) == (0.0, None, None, None)
+
+
+def test_lr_shift_of_a_skip_after_calibration():
+    """Updates 0 and 1 around a skip the scheduler advanced on: update 1 used 0.03 where the
+    schedule gives 0.02 for the second real update."""
+    trace = _trace("fos" "fks" "fos", [0.01, 0.02, 0.03, 0.04])
+    shift, step, used, meant = lr_shift(trace, trace.events_of(SchedulerStep), 0)
+    assert (step, used, meant) == (1, 0.03, 0.02)
+    assert shift == pytest.approx(0.5)
 
 
 def test_lr_shift_of_a_skip_aware_scheduler_is_zero():

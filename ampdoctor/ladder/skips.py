@@ -231,8 +231,9 @@ def _schedule_on_skips(session: Session, plain: Trace, owner: int | None,
                        own_scaler: bool) -> Finding | None:
     """The plain fp16 run's own skips that its scheduler advanced on, measured: how many while
     the scale settled (before the first real update) and after, and the largest change of a
-    real update's learning rate against the schedule's value for that update; the decider
-    (`deciders.schedule_on_skips`) judges them."""
+    real update's learning rate against the schedule's value for that update, the calibration's
+    constant shift taken as the schedule's start; the decider (`deciders.schedule_on_skips`)
+    judges them."""
     steps = [e for e in plain.events_of(ScalerStep)
              if owner is None or e.optimizer in (None, owner)]
     flags = [bool(e.skipped) for e in steps]
@@ -251,11 +252,12 @@ def _schedule_on_skips(session: Session, plain: Trace, owner: int | None,
     else:
         advanced = set(windows[len(steps):])
         on_skip = [i for i, e in enumerate(steps) if e.skipped and windows[i] in advanced]
-    shift = lr_shift(plain, events, owner)
+    calibration = sum(1 for i in on_skip if i < first_ok)
+    shift = lr_shift(plain, events, owner, start_shift=calibration)
     real = [s for s in plain.steps if owner is None or s.optimizer == owner]
     return deciders.schedule_on_skips(deciders.ScheduleOnSkips(
         RUNG, events[0].scheduler_type, location(events[0].site),
-        calibration_skips=sum(1 for i in on_skip if i < first_ok),
+        calibration_skips=calibration,
         steady_skips=sum(1 for i in on_skip if i > first_ok),
         steps_after_settling=max(0, len(flags) - first_ok - 1),
         scheduler_steps=len(events), real_updates=len({s.group for s in real}),

@@ -110,13 +110,14 @@ def _lr_drift(trace: Trace, events: list[SchedulerStep],
     return None
 
 
-def lr_shift(trace: Trace, events: list[SchedulerStep],
-             slot: Any) -> tuple[float, int | None, float | None, float | None]:
+def lr_shift(trace: Trace, events: list[SchedulerStep], slot: Any,
+             start_shift: int = 0) -> tuple[float, int | None, float | None, float | None]:
     """How far one scheduler's learning rate at each real optimizer step is from the schedule's
     value for that step (counted in real steps, from the scheduler steps before the run's
-    first forward, as `_lr_drift` counts them): the largest relative difference, the real step
-    (0-based) where it is, the learning rate used and the one meant. (0, None, None, None) when
-    the trace has no learning rates to compare."""
+    first forward, as `_lr_drift` counts them, plus `start_shift`: the calibration skips it
+    advanced on, taken as where the schedule starts): the largest relative difference, the real
+    step (0-based) where it is, the learning rate used and the one meant. (0, None, None, None)
+    when the trace has no learning rates to compare."""
     values = [events[0].lr_before] + [e.lr for e in events] if events else []
     if not values or any(v is None for v in values):
         return 0.0, None, None, None
@@ -129,7 +130,8 @@ def lr_shift(trace: Trace, events: list[SchedulerStep],
     if not used_index:
         return 0.0, None, None, None
     start = run_start(trace)
-    offset = used_index[0] if start is None else sum(1 for e in events if e.seq < start)
+    offset = start_shift + (used_index[0] if start is None
+                            else sum(1 for e in events if e.seq < start))
     worst: tuple[float, int | None, float | None, float | None] = (0.0, None, None, None)
     for n, c in enumerate(used_index):
         if max(c, offset + n) >= len(lrs):
