@@ -20,6 +20,7 @@ AMP = SCRIPTS / "amp_recipe.py"
 LOADER = SCRIPTS / "main_dataloader.py"
 NANOGPT = SCRIPTS / "nanogpt_style.py"
 MODULE = SCRIPTS / "module_loop.py"
+BF16 = SCRIPTS / "bf16_scheduler.py"
 
 AMP_REF = "--accum-steps 1 --batch-size 32 --amp"
 LOADER_REF = "--grad-accum 1 --batch-size 32 --amp"
@@ -266,3 +267,28 @@ def test_a_reference_that_cannot_be_inferred_is_exit_2_with_the_command_to_try(t
     assert "--reference-args" in result.stderr and "--no-reference" in result.stderr
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("*.json"))
 
+
+@pytest.mark.parametrize("args, exit_code, severity", [
+    (["--growth-interval", "1"], 0, "warning"),
+    (["--precision", "fp16", "--growth-interval", "1"], 1, "error")],
+    ids=["trains-in-bf16", "trains-in-fp16"])
+def test_a_forced_fp16_rungs_skips_never_fail_a_script_without_a_scaler(tmp_path, args,
+                                                                       exit_code, severity):
+    """The same script, its scaler keeping on skipping in fp16 and its scheduler advancing on
+    every skip: trained in bf16 (the GradScaler built disabled) the skips rung forced fp16 onto
+    it, so what it finds is a warning about fp16; trained in fp16 it is that run's error."""
+    result = diagnose(tmp_path, BF16, args, "--accum-steps 1 --batch-size 32", "--steps", "8")
+    assert result.returncode == exit_code, result.stderr
+    record = result.record
+    finding = next(f for f in record["findings"] if f["kind"] == "scheduler-steps-on-skip")
+    assert (finding["rung"], finding["severity"]) == ("skips", severity)
+    assert finding["location"]["line"] == marked_line(BF16, "scheduler-steps-on-skip")
+    assert finding["evidence"]["own_precision_scaled"] is (severity == "error")
+    assert finding["evidence"]["steady_skips"] >= 2
+    frequent = next(f for f in record["findings"] if f["kind"] == "frequent-skips")
+    assert frequent["severity"] == severity
+    if severity == "warning":
+        assert record["verdict"] == "healthy"
+        assert "this is what it would do in fp16" in finding["message"]
+    else:
+        assert record["failed_rung"] == "skips"
