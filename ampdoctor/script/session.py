@@ -138,12 +138,16 @@ class ScriptSession:
         """The fp32 run of the script (and first the reference's first window, when asked
         for, to learn K x b): what the rest of the diagnose is built on."""
         if self.command.reference_args is not None:
+            cmd_args = self.command.reference_args
             first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
             self.reference_probe = first
             if first.error is not None:
+                how = (f"exited ({first.ended})" if first.ended.startswith("exit")
+                       else "raised")
                 raise UserCodeError(
-                    "the script run with --reference-args raised before its first optimizer "
-                    f"step: {first.error.get('text')}", location=_where(first.error))
+                    f"the script run with the reference's arguments ({' '.join(cmd_args)}) "
+                    f"{how} before its first optimizer step: {first.error.get('text')}",
+                    location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
             if first.steps and first.steps[0].backwards > 1:
