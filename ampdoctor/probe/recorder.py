@@ -13,7 +13,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -67,6 +67,17 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     Gathering is a collective: every rank of a sharded run reaches it at the same step."""
     gather = getattr(t, "full_tensor", None)
     return gather() if callable(gather) else t
+
+
+@dataclass
+class Consumed:
+    """What a step consumed when a framework's optimizer keeps it away from the model's own
+    tensors (DeepSpeed's fp32 master copies and flat partitions): the gradients and the
+    weights (a state dict: masters in place of the parameters), by the model's names, as fp32
+    host tensors of their own."""
+
+    grads: dict[str, torch.Tensor | None]
+    weights: dict[str, torch.Tensor]
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -131,6 +142,9 @@ class Probe:
         #: each scaler's scale as last read, with the scale tensor it was read from: scale()
         #: runs every micro-batch and the scale only changes in update() (a read is a sync)
         self.scales_seen: dict[int, tuple[Any, float | None]] = {}
+        #: Takes an optimizer step over when a framework's engine is stepping (`deepspeed`):
+        #: called with the optimizer at its step pre-hook, True when it records the step itself
+        self.framework_step: Callable[[Any], bool] | None = None
 
     # --- bookkeeping --------------------------------------------------------------------
     def optimizer_slot(self, optimizer: Any) -> int:
@@ -208,11 +222,12 @@ class Probe:
         self.backward_count += 1
         self.record(Backward, site=site, value=value, scaled_by=scaled_by)
 
-    def _snapshot(self) -> None:
-        """Keep the weights the current step group starts from (the reference's parameters)."""
+    def _snapshot(self, state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Keep the weights the current step group starts from (the reference's parameters):
+        the model's, or `state` where a framework keeps them (its fp32 masters)."""
         model = self.model
         assert model is not None   # (a probe without a model keeps no snapshots)
-        state = model.state_dict()
+        state = model.state_dict() if state is None else state
         kept: Mapping[str, torch.Tensor]
         if (not self.snapshots and self.initial_state is not None
                 and same_tensors(state, self.initial_state)):
@@ -222,7 +237,7 @@ class Probe:
                                       for k, v in state.items()})
         self.snapshots[self._group] = Snapshot(self._group, kept, model.training)
 
-    def _begin_group_if_new(self) -> None:
+    def _begin_group_if_new(self, state: Mapping[str, torch.Tensor] | None = None) -> None:
         """At the first step since new gradients were computed, start a step group: snapshot the
         parameters all of this group's steps were computed at (a second optimizer's pre-hook
         would otherwise see the first one's update), unless the step observer takes it."""
@@ -235,9 +250,10 @@ class Probe:
         if self.model is not None and self.capture_grads and self.step_sink is None:
             observer = self.step_observer
             if observer is None or not observer.begin_group(
-                    self._group, self._group_consumed, self.model.state_dict(),
+                    self._group, self._group_consumed,
+                    self.model.state_dict() if state is None else state,
                     self.model.training):
-                self._snapshot()
+                self._snapshot(state)
 
     def _gradients(self, optimizer: torch.optim.Optimizer, slot: int,
                    live: bool) -> tuple[dict[str, torch.Tensor | None], bool]:
@@ -262,12 +278,17 @@ class Probe:
             finite = all(g is None or all_finite(g) for g in grads.values())
         return grads, finite
 
-    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer,
+                          consumed: Consumed | None = None) -> None:
         slot = self.optimizer_slot(optimizer)
-        self._begin_group_if_new()
+        self._begin_group_if_new(consumed.weights if consumed is not None else None)
         observer = self.step_observer
         live = observer is not None and observer.observes(self._group)
-        grads, finite = self._gradients(optimizer, slot, live)
+        if consumed is not None:
+            grads = consumed.grads
+            finite = all(g is None or all_finite(g) for g in grads.values())
+        else:
+            grads, finite = self._gradients(optimizer, slot, live)
         lrs = tuple(float(g["lr"]) for g in optimizer.param_groups
                     if isinstance(g.get("lr"), (int, float, torch.Tensor)))
         site = self.finder.from_frame(_caller(2))
@@ -281,7 +302,7 @@ class Probe:
         elif live and observer is not None:
             keep = observer.on_step(record)
             if keep.state:
-                self._snapshot()
+                self._snapshot(consumed.weights if consumed is not None else None)
             if keep.names is not None:
                 record.grads = keep.names
             else:
@@ -326,6 +347,6 @@ def finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
-__all__ = ["Event", "StepRecord", "Snapshot", "Probe", "MicroBatchFeed", "MicroBatchIndex",
-           "ForwardAligner", "storages", "activate", "finite", "ACTIVE", "ProbeSettings",
-           "StepObserver", "observing", "current_settings"]
+__all__ = ["Consumed", "Event", "StepRecord", "Snapshot", "Probe", "MicroBatchFeed",
+           "MicroBatchIndex", "ForwardAligner", "storages", "activate", "finite", "ACTIVE",
+           "ProbeSettings", "StepObserver", "observing", "current_settings"]

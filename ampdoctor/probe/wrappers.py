@@ -261,6 +261,8 @@ def _step_pre_hook(optimizer, args, kwargs):
     probe = active()
     if probe is None:
         return None
+    if probe.framework_step is not None and probe.framework_step(optimizer):
+        return None   # an engine's inner optimizer: the engine's step is recorded (deepspeed)
     closure = kwargs.get("closure", args[0] if args else None)
     if not callable(closure):
         probe.on_optimizer_step(optimizer)

@@ -1,0 +1,82 @@
+"""End-to-end with the real DeepSpeed (CPU): loops written the way DeepSpeed's guide writes them
+(`deepspeed.initialize`, `engine.backward(loss)`, `engine.step()` on every micro-batch), one
+process, fp32 and bf16, ZeRO stages 0-3. Healthy ones pass clean: the consumed gradient is read
+where the engine's optimizer consumes it (fp32 masters, flat partitions, ZeRO-3 shards put back
+together), the bf16 module cast over fp32 masters is not a half-open AMP, and fp16 that DeepSpeed
+refuses on the device is a skip naming the line that asked. Each bug is named with its kind,
+number and line. Skipped, with the reason, where DeepSpeed is not installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from conftest import RECIPES, marked_line
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="deepspeed is not installed (pip install "
+                                       "'ampdoctor[deepspeed]')")
+
+LOOPS = RECIPES / "deepspeed_loops.py"
+
+
+def _rung(record, rung_id):
+    return next(r for r in record["rungs"] if r["id"] == rung_id)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_healthy_deepspeed_loop_passes_every_zero_stage(stage, diagnosed):
+    result = diagnosed(f"deepspeed_healthy_zero{stage}")
+    record = result.record
+    assert result.returncode == 0, result.result.stdout[-3000:]
+    assert record["findings"] == []
+    for rung in ("reproducibility", "fp32-accum", "bf16-no-scaler"):
+        assert _rung(record, rung)["status"] == "pass", _rung(record, rung)
+    # every optimizer step of both precisions was compared with the reference
+    assert _rung(record, "fp32-accum")["details"]["steps_compared"] == 3
+    bf16 = _rung(record, "bf16-no-scaler")["details"]
+    assert bf16["steps_compared"] == 3
+    assert 0 < bf16["max_relative_error"] < bf16["tolerance"]
+    fp16 = _rung(record, "fp16-scaler")
+    if fp16["status"] == "skip":   # a CPU without fp16 kernels: DeepSpeed refuses it
+        facts = fp16["details"]["framework_precision"]
+        assert facts["framework"] == "DeepSpeed" and facts["precision_ran"] is None
+        assert "DeepSpeed refused the fp16" in fp16["summary"]
+        assert "not supported on your device" in fp16["summary"]
+        assert facts["asked_at"].endswith(f"deepspeed_loops.py:{_initialize_line()}")
+    else:
+        assert fp16["status"] == "pass", fp16
+
+
+def _initialize_line() -> int:
+    lines = LOOPS.read_text().splitlines()
+    start = next(i for i, t in enumerate(lines, 1) if t.startswith("def _train("))
+    return next(i for i, t in enumerate(lines, 1) if i > start and "deepspeed.initialize(" in t)
+
+
+# broken config -> (kind, measured band)
+BROKEN = {
+    # engine.backward divides by gradient_accumulation_steps itself: the loop's / K is a second
+    "deepspeed_broken_double_average": ("double-average", (0.249, 0.251)),
+    # DeepSpeed sets param.grad = None itself: the line is the engine.zero_grad() call
+    "deepspeed_broken_zero_grad_inside": ("zero-grad-inside-accumulation", (1, 1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_deepspeed_bug_is_named_with_its_number_and_line(name, diagnosed):
+    result = diagnosed(name)
+    assert result.returncode == 1, result.result.stdout[-3000:]
+    kind, (low, high) = BROKEN[name]
+    finding = result.record["findings"][0]
+    assert finding["kind"] == kind and finding["severity"] == "error"
+    assert low <= finding["evidence"]["measured"] <= high, finding["evidence"]
+    assert finding["location"]["file"].endswith("deepspeed_loops.py")
+    assert finding["location"]["line"] == marked_line(LOOPS, kind)
+
+
+def test_double_average_names_the_engine_as_the_first_division(diagnosed):
+    finding = diagnosed("deepspeed_broken_double_average").record["findings"][0]
+    assert finding["evidence"]["framework"] == "DeepSpeed"
+    assert "engine.backward(loss)` already divides" in finding["message"]
