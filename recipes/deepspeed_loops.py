@@ -74,3 +74,33 @@ def zero_grad_inside(model, optimizer, micro_batches, run):
         loss = F.mse_loss(engine(inputs.to(ENGINE_DTYPES[run.precision])).float(), targets)
         engine.backward(loss)
         engine.step()
+
+
+def config_accumulation_mismatch(model, optimizer, micro_batches, run):
+    config = ds_config(run, stage=0)
+    config["gradient_accumulation_steps"] = 2   # BUG: step-per-microbatch
+    _train(model, micro_batches, run, config)
+
+
+def scheduler_twice(model, optimizer, micro_batches, run):
+    config = ds_config(run, stage=0, scheduler={
+        "type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                       "warmup_num_steps": 10}})
+    engine, ds_optimizer, _, engine_scheduler = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config)
+    for inputs, targets in micro_batches:
+        loss = F.mse_loss(engine(inputs.to(ENGINE_DTYPES[run.precision])).float(), targets)
+        engine.backward(loss)
+        engine.step()
+        engine_scheduler.step()  # BUG: scheduler-per-microbatch
+
+
+def optimizer_step_besides(model, optimizer, micro_batches, run):
+    # ZeRO-0 in fp32: the optimizer initialize returns is the torch optimizer itself
+    engine, ds_optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=ds_config(run, stage=0))
+    for inputs, targets in micro_batches:
+        loss = F.mse_loss(engine(inputs.to(ENGINE_DTYPES[run.precision])).float(), targets)
+        engine.backward(loss)
+        ds_optimizer.step()  # BUG: step-per-microbatch
+        engine.step()

@@ -61,7 +61,16 @@ BROKEN = {
     "deepspeed_broken_double_average": ("double-average", (0.249, 0.251)),
     # DeepSpeed sets param.grad = None itself: the line is the engine.zero_grad() call
     "deepspeed_broken_zero_grad_inside": ("zero-grad-inside-accumulation", (1, 1)),
+    # the engine steps at its own boundary (2) under a loop that feeds K = 4: the config key
+    "deepspeed_broken_config_accumulation_mismatch": ("step-per-microbatch", (6, 6)),
+    # the engine steps its WarmupLR once per step, the loop once per micro-batch: 5x
+    "deepspeed_broken_scheduler_twice": ("scheduler-per-microbatch", (5, 5)),
+    # optimizer.step() on every micro-batch besides engine.step(): 4 + 1 per window
+    "deepspeed_broken_optimizer_step_besides": ("step-per-microbatch", (15, 15)),
 }
+
+#: which `# BUG: kind` marker of the recipe a config's finding points at (the n-th)
+MARKER = {"deepspeed_broken_optimizer_step_besides": 1}
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
@@ -73,7 +82,24 @@ def test_deepspeed_bug_is_named_with_its_number_and_line(name, diagnosed):
     assert finding["kind"] == kind and finding["severity"] == "error"
     assert low <= finding["evidence"]["measured"] <= high, finding["evidence"]
     assert finding["location"]["file"].endswith("deepspeed_loops.py")
-    assert finding["location"]["line"] == marked_line(LOOPS, kind)
+    assert finding["location"]["line"] == _marked(kind, MARKER.get(name, 0))
+
+
+def _marked(kind: str, nth: int) -> int:
+    lines = [i for i, t in enumerate(LOOPS.read_text().splitlines(), 1) if f"# BUG: {kind}" in t]
+    assert lines[0] == marked_line(LOOPS, kind)
+    return lines[nth]
+
+
+def test_config_mismatch_names_the_config_key_and_its_value(diagnosed):
+    finding = diagnosed("deepspeed_broken_config_accumulation_mismatch").record["findings"][0]
+    assert finding["evidence"]["config_gradient_accumulation_steps"] == 2
+    assert "gradient_accumulation_steps = 2 while the loop feeds K = 4" in finding["message"]
+
+
+def test_loop_scheduler_besides_the_engines_says_the_engine_steps_it(diagnosed):
+    finding = diagnosed("deepspeed_broken_scheduler_twice").record["findings"][0]
+    assert "engine.step() already steps the engine's WarmupLR" in finding["message"]
 
 
 def test_double_average_names_the_engine_as_the_first_division(diagnosed):

@@ -26,9 +26,13 @@ from typing import Any
 
 import torch
 
-from . import recorder
+from . import recorder, wrappers
 from .events import Clip, EngineBuilt, FrameworkPrecision, ZeroGrad
 from .patches import Patcher
+
+#: DeepSpeed's learning-rate schedules (`deepspeed.runtime.lr_schedules`), its config's
+#: `scheduler.type`.
+SCHEDULES = ("LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
 #: What DeepSpeed says when the accelerator has no kernels for a precision.
 REFUSAL = "is not supported on your device"
@@ -277,15 +281,17 @@ def _wrap_engine_init(original: Callable[..., Any]) -> Callable[..., Any]:
             if probe is not None:
                 probe.framework_step = previous
         if probe is not None:
-            _built(self, probe)
+            _built(self, probe, kwargs.get("config") or kwargs.get("config_params"))
     return __init__
 
 
-def _built(engine: Any, probe: recorder.Probe) -> None:
+def _built(engine: Any, probe: recorder.Probe, config: Any) -> None:
     site = probe.finder.from_frame(sys._getframe(2))
     precision = _engine_precision(engine)
     inner = getattr(engine, "basic_optimizer", None)
     scheduler = getattr(engine, "lr_scheduler", None)
+    if inner is not None and engine.optimizer is not inner:
+        probe.alias_optimizer(engine.optimizer, inner)
     probe.record(EngineBuilt, site=site, zero_stage=int(engine.zero_optimization_stage()),
                  precision=precision,
                  fp32_master=precision != "fp32" and inner is not None
@@ -293,7 +299,9 @@ def _built(engine: Any, probe: recorder.Probe) -> None:
                  accumulation_steps=int(engine.gradient_accumulation_steps()),
                  clipping=float(engine.gradient_clipping() or 0.0),
                  optimizer=type(inner).__name__ if inner is not None else "",
-                 scheduler=type(scheduler).__name__ if scheduler is not None else "")
+                 scheduler=type(scheduler).__name__ if scheduler is not None else "",
+                 config_file=os.path.abspath(config) if isinstance(config, (str, os.PathLike))
+                 else None)
     probe.record(FrameworkPrecision, site=site, framework="DeepSpeed", asked=precision,
                  ran=precision)
 
@@ -333,6 +341,12 @@ def install(patcher: Patcher) -> None:
     patcher.setattr(engine, "zero_grad", _wrap_zero_grad(vars(engine)["zero_grad"]))
     patcher.setattr(engine, "_take_model_step",
                     _wrap_take_model_step(vars(engine)["_take_model_step"]))
+    schedules = sys.modules.get("deepspeed.runtime.lr_schedules")
+    for name in SCHEDULES:
+        cls = getattr(schedules, name, None)
+        if isinstance(cls, type) and "step" in vars(cls):
+            # DeepSpeed's own schedules are not torch LRSchedulers: seen the same way
+            patcher.setattr(cls, "step", wrappers.wrap_scheduler_step(vars(cls)["step"]))
     comm = sys.modules.get("deepspeed.comm")
     original = getattr(comm, "init_distributed", None)
     if callable(original):

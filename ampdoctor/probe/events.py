@@ -189,6 +189,7 @@ class EngineBuilt(Event):
     clipping: float = 0.0                # the config's gradient_clipping (0: none)
     optimizer: str = ""                  # the class the engine's optimizer wraps
     scheduler: str = ""                  # the config's (or the client's) scheduler class, if any
+    config_file: str | None = None       # the config's path, when it was given as one
     kind: ClassVar[str] = "engine_built"
 
 

@@ -102,6 +102,7 @@ class Probe:
         if model is not None:
             self.param_names = {id(p): name for name, p in model.named_parameters()}
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._aliases: dict[int, Any] = {}
         self._scalers: list[Any] = []
         for opt in optimizers or []:
             self.optimizer_slot(opt)
@@ -147,7 +148,13 @@ class Probe:
         self.framework_step: Callable[[Any], bool] | None = None
 
     # --- bookkeeping --------------------------------------------------------------------
+    def alias_optimizer(self, wrapper: Any, inner: Any) -> None:
+        """`wrapper` (a framework's optimizer around `inner`) is `inner`'s slot: what the
+        loop or a scheduler does to either is done to the optimizer that steps."""
+        self._aliases[id(wrapper)] = inner
+
     def optimizer_slot(self, optimizer: Any) -> int:
+        optimizer = self._aliases.get(id(optimizer), optimizer)
         for slot, known in enumerate(self._optimizers):
             if known is optimizer:
                 return slot

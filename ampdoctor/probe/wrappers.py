@@ -214,6 +214,10 @@ def _wrap_scheduler_step(original):
     return step
 
 
+#: for the schedules of frameworks that are not torch LRSchedulers (probe/deepspeed.py)
+wrap_scheduler_step = _wrap_scheduler_step
+
+
 def _wrap_initial_step(original):
     @functools.wraps(original)
     def _initial_step(self, *args, **kwargs):
