@@ -104,3 +104,4 @@ def optimizer_step_besides(model, optimizer, micro_batches, run):
         engine.backward(loss)
         ds_optimizer.step()  # BUG: step-per-microbatch
         engine.step()
+

@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-from conftest import RECIPES, marked_line
+from conftest import RECIPES, marked_line, run_cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed (pip install "
@@ -106,3 +106,22 @@ def test_double_average_names_the_engine_as_the_first_division(diagnosed):
     finding = diagnosed("deepspeed_broken_double_average").record["findings"][0]
     assert finding["evidence"]["framework"] == "DeepSpeed"
     assert "engine.backward(loss)` already divides" in finding["message"]
+
+
+def test_gradscaler_over_a_deepspeed_fp16_config_is_double_scaling_in_scan_and_diagnose(diagnosed):
+    """The config file's fp16 section and the loop's GradScaler: two loss-scale owners, found
+    by `diagnose` (its double-scaling rung, though this device may refuse fp16) and by `scan`
+    of the same files, at the same lines."""
+    result = diagnosed("deepspeed_broken_gradscaler_over_fp16_config")
+    assert result.returncode == 1
+    record = result.record
+    assert record["failed_rung"] == "double-scaling"
+    finding = record["findings"][0]
+    assert finding["kind"] == "double-scaling" and finding["severity"] == "error"
+    script = RECIPES / "deepspeed_gradscaler.py"
+    assert finding["location"]["line"] == marked_line(script, "double-scaling")
+    seen = {(o["kind"], o["file"], o["line"]) for o in finding["evidence"]["owners"]}
+    scan = run_cli("scan", str(script), str(RECIPES / "deepspeed_fp16.json"), "--json")
+    assert scan.returncode == 1
+    assert {(o["kind"], o["file"], o["line"]) for o in scan.record["owners"]} == seen
+    assert ("DeepSpeed fp16", str(RECIPES / "deepspeed_fp16.json"), 5) in seen
