@@ -125,3 +125,47 @@ def test_gradscaler_over_a_deepspeed_fp16_config_is_double_scaling_in_scan_and_d
     assert scan.returncode == 1
     assert {(o["kind"], o["file"], o["line"]) for o in scan.record["owners"]} == seen
     assert ("DeepSpeed fp16", str(RECIPES / "deepspeed_fp16.json"), 5) in seen
+
+
+# ------------------------------------------------------------------ the `deepspeed:` entry point
+def test_deepspeed_key_builds_each_rungs_engine_from_the_users_config(diagnosed):
+    """No train_loop: the engine of every rung from the config (ZeRO-2, its own AdamW and
+    WarmupLR, bf16 section) with the spec's K, micro-batch, precision and a biting clip."""
+    result = diagnosed("deepspeed_healthy_key")
+    assert result.returncode == 0, result.result.stdout[-3000:]
+    record = result.record
+    assert record["findings"] == []
+    assert _rung(record, "fp32-accum")["details"]["steps_compared"] == 3
+    assert _rung(record, "bf16-no-scaler")["details"]["steps_compared"] == 3
+    assert _rung(record, "fp16-scaler")["status"] in ("skip", "pass")
+
+
+def _spec(tmp_path, config, **extra):
+    import yaml
+
+    spec = {"project_root": str(RECIPES), "model": "common:make_mlp",
+            "data": "common:make_regression_data", "loss": "common:mse_loss",
+            "deepspeed": {"config": config}, "accumulation_steps": 4, "micro_batch_size": 8,
+            "optimizer_steps": 1, "device": "cpu", "rungs": ["fp32-accum"], **extra}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize(("config", "says"), [
+    ({"gradient_accumulation_steps": 8, "zero_optimization": {"stage": 0}},
+     "sets gradient_accumulation_steps = 8 but the spec's accumulation_steps is 4"),
+    ("missing.json", "'deepspeed.config': cannot read"),
+])
+def test_deepspeed_key_with_a_config_that_cannot_be_used_is_a_spec_error(config, says, tmp_path):
+    result = run_cli("diagnose", str(_spec(tmp_path, config)), "--out", str(tmp_path / "runs"))
+    assert result.returncode == 2
+    assert says in result.stdout + result.stderr
+
+
+def test_deepspeed_key_needs_a_loss(tmp_path):
+    path = _spec(tmp_path, {"zero_optimization": {"stage": 0}})
+    path.write_text(path.read_text().replace("loss: common:mse_loss\n", ""))
+    result = run_cli("diagnose", str(path), "--out", str(tmp_path / "runs"))
+    assert result.returncode == 2
+    assert "spec key 'loss' is missing: with 'deepspeed'" in result.stdout + result.stderr
