@@ -105,3 +105,12 @@ def optimizer_step_besides(model, optimizer, micro_batches, run):
         ds_optimizer.step()  # BUG: step-per-microbatch
         engine.step()
 
+
+
+def loss_over_world_size(model, optimizer, micro_batches, run):
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(run, stage=2))
+    for inputs, targets in micro_batches:
+        loss = F.mse_loss(engine(inputs.to(ENGINE_DTYPES[run.precision])).float(), targets)
+        engine.backward(loss / run.world_size)  # BUG: double-average
+        engine.step()

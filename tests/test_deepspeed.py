@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-from conftest import RECIPES, marked_line, run_cli
+from conftest import CONFIGS, RECIPES, marked_line, run_cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="deepspeed is not installed (pip install "
@@ -169,3 +169,32 @@ def test_deepspeed_key_needs_a_loss(tmp_path):
     result = run_cli("diagnose", str(path), "--out", str(tmp_path / "runs"))
     assert result.returncode == 2
     assert "spec key 'loss' is missing: with 'deepspeed'" in result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------ two ranks, the engine talking
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_two_ranks_with_the_engine_doing_the_communication_pass_clean(stage, tmp_path):
+    """`ddp: {wrapper: deepspeed}`: the loop's engine reduces (no DDP of ampdoctor's around
+    it); every rank's consumed gradient -- ZeRO shards of both ranks put together -- is the
+    reference gradient of the global batch, and the ranks agree."""
+    config = CONFIGS / f"deepspeed_healthy_ddp_zero{stage}.yaml"
+    result = run_cli("diagnose", str(config), "--rungs", "ddp-sync", "--json",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rung = _rung(result.record, "ddp-sync")
+    assert rung["status"] == "pass", rung
+    assert "DeepSpeed's engine did the communication over 2 ranks" in rung["summary"]
+    assert rung["details"]["gradient_difference_between_ranks"] == [0.0, 0.0, 0.0]
+    assert rung["details"]["optimizer_steps"] == 3
+
+
+def test_loss_divided_by_world_size_under_the_engine_is_double_average(diagnosed):
+    result = diagnosed("deepspeed_broken_ddp_loss_over_world_size")
+    assert result.returncode == 1
+    record = result.record
+    assert record["failed_rung"] == "ddp-sync"
+    finding = record["findings"][0]
+    assert finding["kind"] == "double-average"
+    assert 0.499 <= finding["evidence"]["measured"] <= 0.501
+    assert finding["location"]["line"] == _marked("double-average", 1)
+    assert "DeepSpeed already averages gradients over the ranks" in finding["message"]

@@ -171,7 +171,6 @@ class _EngineStep:
             return False
         probe = recorder.ACTIVE
         stepping = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        shapes = {n: p.shape for n, p in self.engine.module.named_parameters()}
         for piece in self.pieces:
             if id(piece.flat) not in stepping or id(piece) in self.seen:
                 continue
@@ -188,20 +187,30 @@ class _EngineStep:
                     flat_grad[piece.flat_start:piece.flat_start + piece.numel].float().cpu())
             self.filled[piece.name] = self.filled.get(piece.name, 0) + piece.numel
         if probe is not None and len(self.seen) == len(self.pieces):
-            self.emit(probe, shapes)
+            self.emit(probe)
         return True
 
-    def emit(self, probe: recorder.Probe, shapes: dict[str, Any] | None = None) -> None:
+    def emit(self, probe: recorder.Probe) -> None:
         if self.emitted or not self.seen:
             return
         self.emitted = True
-        if _partitioned(self.engine):
-            # each rank read its own shards: the whole is their sum (zeros elsewhere)
-            for tensor in (*self.weights.values(), *self.grads.values()):
-                torch.distributed.all_reduce(tensor)
-        shapes = shapes or {n: p.shape for n, p in self.engine.module.named_parameters()}
         ds_shapes = {n: getattr(p, "ds_shape", p.shape)
-                     for n, p in self.engine.module.named_parameters()}
+                     for n, p in self.engine.module.named_parameters() if p.requires_grad}
+        if _partitioned(self.engine):
+            # each rank read its own shards: the whole is their sum (zeros elsewhere), summed
+            # in one collective over every parameter in the module's order, the same on
+            # every rank whatever its partition holds
+            names = list(ds_shapes)
+            for name in names:
+                numel = _full_numel(self.engine, name)
+                self.weights.setdefault(name, torch.zeros(numel))
+                self.grads.setdefault(name, torch.zeros(numel))
+            parts = [self.weights[n] for n in names] + [self.grads[n] for n in names]
+            whole = torch.cat(parts)
+            torch.distributed.all_reduce(whole)
+            for part, summed in zip(parts, whole.split([p.numel() for p in parts]),
+                                    strict=True):
+                part.copy_(summed)
         state = {k: v.detach().float().cpu() for k, v in self.engine.module.state_dict().items()}
         grads: dict[str, torch.Tensor | None] = {}
         for name, flat in self.grads.items():
@@ -319,8 +328,14 @@ SINGLE_PROCESS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 def _wrap_init_distributed(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def init_distributed(*args: Any, **kwargs: Any) -> Any:
-        if (recorder.ACTIVE is not None and "RANK" not in os.environ
-                and not torch.distributed.is_initialized()):
+        if recorder.ACTIVE is not None and torch.distributed.is_initialized():
+            # ampdoctor's own ranks (ddp.wrapper: deepspeed) joined their group without a
+            # launcher: DeepSpeed reads where it is from the environment
+            rank = str(torch.distributed.get_rank())
+            for key, value in (("RANK", rank), ("LOCAL_RANK", rank),
+                               ("WORLD_SIZE", str(torch.distributed.get_world_size()))):
+                os.environ.setdefault(key, value)
+        elif recorder.ACTIVE is not None and "RANK" not in os.environ:
             # one process, not launched by `deepspeed`/torchrun: without these DeepSpeed looks
             # for MPI
             defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
