@@ -102,6 +102,28 @@ def test_loop_scheduler_besides_the_engines_says_the_engine_steps_it(diagnosed):
     assert "engine.step() already steps the engine's WarmupLR" in finding["message"]
 
 
+def test_zero_grad_inside_tells_the_engine_clears_the_gradients_itself(diagnosed):
+    finding = diagnosed("deepspeed_broken_zero_grad_inside").record["findings"][0]
+    assert "Remove the loop's engine.zero_grad(): engine.step() clears" in finding["fix"]
+
+
+def test_deepspeed_is_restored_after_a_diagnose(diagnosed):
+    """The engine's methods, DeepSpeed's schedules and its init_distributed are the originals
+    again once a diagnose that patched them returned."""
+    import deepspeed
+    import deepspeed.comm
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    before = {name: vars(DeepSpeedEngine)[name]
+              for name in ("__init__", "_take_model_step", "zero_grad")}
+    step, init = vars(WarmupLR)["step"], deepspeed.comm.init_distributed
+    diagnosed("deepspeed_broken_scheduler_twice")
+    assert {name: vars(DeepSpeedEngine)[name] for name in before} == before
+    assert vars(WarmupLR)["step"] is step
+    assert deepspeed.comm.init_distributed is init
+
+
 def test_double_average_names_the_engine_as_the_first_division(diagnosed):
     finding = diagnosed("deepspeed_broken_double_average").record["findings"][0]
     assert finding["evidence"]["framework"] == "DeepSpeed"

@@ -102,3 +102,13 @@ def scheduler_cause(trace: Trace, scheduler_type: str) -> str:
                 "scheduler.step() adds a step on every micro-batch. Remove it.")
     return (" Under DeepSpeed, give the scheduler to deepspeed.initialize (lr_scheduler=...) "
             "or the config's `scheduler`: engine.step() then steps it once per optimizer step.")
+
+
+def engine_zero_grad_fix(trace: Trace) -> str:
+    """The fix of a zeroing inside the window in a DeepSpeed loop ('' elsewhere: the
+    catalogue's)."""
+    if engine_of(trace) is None:
+        return ""
+    return ("Remove the loop's engine.zero_grad(): engine.step() clears the gradients itself "
+            "after each update, at the engine's accumulation boundary; between micro-batches "
+            "the engine must keep them.")
