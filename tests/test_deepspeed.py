@@ -220,3 +220,22 @@ def test_loss_divided_by_world_size_under_the_engine_is_double_average(diagnosed
     assert 0.499 <= finding["evidence"]["measured"] <= 0.501
     assert finding["location"]["line"] == _marked("double-average", 1)
     assert "DeepSpeed already averages gradients over the ranks" in finding["message"]
+
+
+def test_our_ddp_around_a_deepspeed_loop_is_a_skip_that_names_the_wrapper_to_use(tmp_path):
+    """ampdoctor's DDP around a model the loop hands to DeepSpeed would add all-reduces of its
+    own to the engine's: the rung says to use `wrapper: deepspeed`, judging nothing it did not
+    measure (it used to report missing-no-sync on a healthy loop)."""
+    import yaml
+
+    spec = yaml.safe_load((CONFIGS / "deepspeed_healthy_ddp_zero0.yaml").read_text())
+    spec.update(project_root=str(RECIPES), scan={"paths": [str(LOOPS)]},
+                ddp={"world_size": 2, "wrapper": "ddp", "timeout_s": 240})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    result = run_cli("diagnose", str(path), "--rungs", "ddp-sync", "--json",
+                     "--out", str(tmp_path / "runs"))
+    rung = _rung(result.record, "ddp-sync")
+    assert rung["status"] == "skip", rung
+    assert "set `ddp: {wrapper: deepspeed}`" in rung["summary"]
+    assert result.record["findings"] == []

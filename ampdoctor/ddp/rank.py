@@ -352,7 +352,7 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
     from ..loading import UserCode, cut_micro_batches, merge_micro_batches, resolve_device
     from ..probe import patches, wrappers
     from ..probe.callsite import CallSiteFinder
-    from ..probe.events import Backward, Forward, MicroBatchFetched
+    from ..probe.events import Backward, EngineBuilt, Forward, MicroBatchFetched
     from ..rules import classify_step
     from ..session import Distributed, Session
     from ..spec import from_wire
@@ -405,6 +405,8 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
                              for e in trace.events
                              if not isinstance(e, (Forward, MicroBatchFetched))][:MAX_CALLS],
                       steps=[s.backwards for s in trace.steps],
+                      # the loop built a DeepSpeed engine (which communicates itself)
+                      engine_built=bool(trace.events_of(EngineBuilt)),
                       step_sites=[_site(s.site) for s in trace.steps])
         if trace.error is not None:
             result["error_time"] = trace.error_time

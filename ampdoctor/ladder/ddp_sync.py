@@ -274,6 +274,14 @@ def run(session) -> RungResult:
             **failed.details, "world_size": world_size,
             "launch": "torchrun" if launch.GROUP else "spawned"})
     wrapper = spec.ddp.wrapper if spec.ddp is not None else "ddp"
+    if wrapper != "deepspeed" and results[0].get("engine_built"):
+        # our DDP (or FSDP) around a model the loop hands to DeepSpeed: two communicators,
+        # whose extra all-reduces would be judged as the loop's
+        return RungResult(RUNG, Status.SKIP, (
+            f"the loop builds a DeepSpeed engine, which does its own communication, inside "
+            f"ampdoctor's {WORDS[wrapper]['who']} wrapper: set `ddp: {{wrapper: deepspeed}}` "
+            "so each rank's loop gets the model itself and the engine's update is judged"),
+            details={"world_size": world_size, "wrapper": WORDS[wrapper]["who"]})
     return _judge(session, results, world_size, WORDS[wrapper])
 
 

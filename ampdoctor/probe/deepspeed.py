@@ -117,10 +117,11 @@ def _copy_pieces(groups: list[list[torch.Tensor]], copies: list[Any], flat: bool
     return pieces
 
 
-def layout(engine: Any) -> list[Piece]:
+def layout(engine: Any, model: torch.nn.Module) -> list[Piece]:
     """Every trainable parameter's pieces in the fp32 tensors the engine's inner optimizer
-    steps (this rank's, under a partitioned ZeRO stage)."""
-    names = {id(p): n for n, p in engine.module.named_parameters()}
+    steps (this rank's, under a partitioned ZeRO stage), named as in `model` (the run's own
+    model, which the loop may have wrapped before handing it to DeepSpeed)."""
+    names = {id(p): n for n, p in model.named_parameters()}
     optimizer = engine.optimizer
     if hasattr(optimizer, "grad_position") and hasattr(optimizer, "fp32_partitioned_groups_flat"):
         return _zero3_pieces(optimizer, names)
@@ -135,7 +136,7 @@ def layout(engine: Any) -> list[Piece]:
         return _copy_pieces(groups, optimizer.fp32_groups, False, names)
     # fp32 at ZeRO-0: the inner optimizer steps the module's parameters themselves
     return [Piece(name, param, 0, 0, param.numel())
-            for name, param in engine.module.named_parameters() if param.requires_grad]
+            for name, param in model.named_parameters() if param.requires_grad]
 
 
 def _dp_rank(optimizer: Any) -> int:
@@ -156,6 +157,7 @@ class _EngineStep:
     every parameter is complete (ZeRO-1/2 step each parameter group on its own)."""
 
     engine: Any
+    model: torch.nn.Module
     pieces: list[Piece]
     inner: Any
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -175,7 +177,7 @@ class _EngineStep:
             if id(piece.flat) not in stepping or id(piece) in self.seen:
                 continue
             self.seen.add(id(piece))
-            numel = _full_numel(self.engine, piece.name)
+            numel = _full_numel(self.model, piece.name)
             weight = self.weights.setdefault(piece.name, torch.zeros(numel))
             grad = self.grads.setdefault(piece.name, torch.zeros(numel))
             flat = piece.flat.detach().reshape(-1)
@@ -195,14 +197,14 @@ class _EngineStep:
             return
         self.emitted = True
         ds_shapes = {n: getattr(p, "ds_shape", p.shape)
-                     for n, p in self.engine.module.named_parameters() if p.requires_grad}
+                     for n, p in self.model.named_parameters() if p.requires_grad}
         if _partitioned(self.engine):
             # each rank read its own shards: the whole is their sum (zeros elsewhere), summed
             # in one collective over every parameter in the module's order, the same on
             # every rank whatever its partition holds
             names = list(ds_shapes)
             for name in names:
-                numel = _full_numel(self.engine, name)
+                numel = _full_numel(self.model, name)
                 self.weights.setdefault(name, torch.zeros(numel))
                 self.grads.setdefault(name, torch.zeros(numel))
             parts = [self.weights[n] for n in names] + [self.grads[n] for n in names]
@@ -211,7 +213,7 @@ class _EngineStep:
             for part, summed in zip(parts, whole.split([p.numel() for p in parts]),
                                     strict=True):
                 part.copy_(summed)
-        state = {k: v.detach().float().cpu() for k, v in self.engine.module.state_dict().items()}
+        state = {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
         grads: dict[str, torch.Tensor | None] = {}
         for name, flat in self.grads.items():
             grads[name] = flat.reshape(ds_shapes[name])
@@ -219,8 +221,8 @@ class _EngineStep:
         probe.on_optimizer_step(self.inner, recorder.Consumed(grads, state))
 
 
-def _full_numel(engine: Any, name: str) -> int:
-    param = dict(engine.module.named_parameters())[name]
+def _full_numel(model: torch.nn.Module, name: str) -> int:
+    param = dict(model.named_parameters())[name]
     return int(getattr(param, "ds_numel", param.numel()))
 
 
@@ -241,7 +243,8 @@ def _wrap_take_model_step(original: Callable[..., Any]) -> Callable[..., Any]:
         inner = getattr(self, "basic_optimizer", None)
         if probe is None or inner is None:
             return original(self, *args, **kwargs)
-        step = _EngineStep(self, layout(self), inner)
+        model = probe.model if probe.model is not None else self.module
+        step = _EngineStep(self, model, layout(self, model), inner)
         _clip(self, probe)
         previous, probe.framework_step = probe.framework_step, step.observe
         probe.enter("zero_grad")   # the engine's own zero_grad after its update
