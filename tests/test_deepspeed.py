@@ -194,12 +194,13 @@ def test_deepspeed_key_needs_a_loss(tmp_path):
 
 
 # ------------------------------------------------------------------ two ranks, the engine talking
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_two_ranks_with_the_engine_doing_the_communication_pass_clean(stage, tmp_path):
+@pytest.mark.parametrize("name", ["deepspeed_healthy_ddp_zero0", "deepspeed_healthy_ddp_zero2",
+                                  "deepspeed_healthy_ddp_zero3", "deepspeed_healthy_key_ddp"])
+def test_two_ranks_with_the_engine_doing_the_communication_pass_clean(name, tmp_path):
     """`ddp: {wrapper: deepspeed}`: the loop's engine reduces (no DDP of ampdoctor's around
     it); every rank's consumed gradient -- ZeRO shards of both ranks put together -- is the
-    reference gradient of the global batch, and the ranks agree."""
-    config = CONFIGS / f"deepspeed_healthy_ddp_zero{stage}.yaml"
+    reference gradient of the global batch, and the ranks agree. The `deepspeed` key too."""
+    config = CONFIGS / f"{name}.yaml"
     result = run_cli("diagnose", str(config), "--rungs", "ddp-sync", "--json",
                      "--out", str(tmp_path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
