@@ -162,9 +162,15 @@ class _EngineStep:
     inner: Any
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
-    filled: dict[str, int] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)
     emitted: bool = False
+
+    def __post_init__(self) -> None:
+        #: each trainable parameter's whole number of elements (a ZeRO-3 one's `ds_numel`)
+        #: and shape, by name
+        params = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.numels = {n: int(getattr(p, "ds_numel", p.numel())) for n, p in params}
+        self.shapes = {n: getattr(p, "ds_shape", p.shape) for n, p in params}
 
     def observe(self, optimizer: Any) -> bool:
         """The inner optimizer's step pre-hook: read its flats' pieces; True (the engine's
@@ -177,9 +183,8 @@ class _EngineStep:
             if id(piece.flat) not in stepping or id(piece) in self.seen:
                 continue
             self.seen.add(id(piece))
-            numel = _full_numel(self.model, piece.name)
-            weight = self.weights.setdefault(piece.name, torch.zeros(numel))
-            grad = self.grads.setdefault(piece.name, torch.zeros(numel))
+            weight = self.weights.setdefault(piece.name, torch.zeros(self.numels[piece.name]))
+            grad = self.grads.setdefault(piece.name, torch.zeros(self.numels[piece.name]))
             flat = piece.flat.detach().reshape(-1)
             weight[piece.start:piece.start + piece.numel] = (
                 flat[piece.flat_start:piece.flat_start + piece.numel].float().cpu())
@@ -187,7 +192,6 @@ class _EngineStep:
                 flat_grad = piece.flat.grad.detach().reshape(-1)
                 grad[piece.start:piece.start + piece.numel] = (
                     flat_grad[piece.flat_start:piece.flat_start + piece.numel].float().cpu())
-            self.filled[piece.name] = self.filled.get(piece.name, 0) + piece.numel
         if probe is not None and len(self.seen) == len(self.pieces):
             self.emit(probe)
         return True
@@ -196,17 +200,14 @@ class _EngineStep:
         if self.emitted or not self.seen:
             return
         self.emitted = True
-        ds_shapes = {n: getattr(p, "ds_shape", p.shape)
-                     for n, p in self.model.named_parameters() if p.requires_grad}
         if _partitioned(self.engine):
             # each rank read its own shards: the whole is their sum (zeros elsewhere), summed
             # in one collective over every parameter in the module's order, the same on
             # every rank whatever its partition holds
-            names = list(ds_shapes)
+            names = list(self.numels)
             for name in names:
-                numel = _full_numel(self.model, name)
-                self.weights.setdefault(name, torch.zeros(numel))
-                self.grads.setdefault(name, torch.zeros(numel))
+                self.weights.setdefault(name, torch.zeros(self.numels[name]))
+                self.grads.setdefault(name, torch.zeros(self.numels[name]))
             parts = [self.weights[n] for n in names] + [self.grads[n] for n in names]
             whole = torch.cat(parts)
             torch.distributed.all_reduce(whole)
@@ -216,14 +217,9 @@ class _EngineStep:
         state = {k: v.detach().float().cpu() for k, v in self.model.state_dict().items()}
         grads: dict[str, torch.Tensor | None] = {}
         for name, flat in self.grads.items():
-            grads[name] = flat.reshape(ds_shapes[name])
-            state[name] = self.weights[name].reshape(ds_shapes[name])
+            grads[name] = flat.reshape(self.shapes[name])
+            state[name] = self.weights[name].reshape(self.shapes[name])
         probe.on_optimizer_step(self.inner, recorder.Consumed(grads, state))
-
-
-def _full_numel(model: torch.nn.Module, name: str) -> int:
-    param = dict(model.named_parameters())[name]
-    return int(getattr(param, "ds_numel", param.numel()))
 
 
 def _clip(engine: Any, probe: recorder.Probe) -> None:
