@@ -107,19 +107,29 @@ def test_zero_grad_inside_tells_the_engine_clears_the_gradients_itself(diagnosed
     assert "Remove the loop's engine.zero_grad(): engine.step() clears" in finding["fix"]
 
 
-def test_deepspeed_is_restored_after_a_diagnose(diagnosed):
-    """The engine's methods, DeepSpeed's schedules and its init_distributed are the originals
-    again once a diagnose that patched them returned."""
-    import deepspeed
+def test_deepspeed_patches_are_installed_and_undone_exactly():
+    """The engine's methods, DeepSpeed's schedules and its init_distributed are patched while a
+    run records and are the original objects again after (a diagnose runs in a worker process;
+    this is the undo that process relies on)."""
     import deepspeed.comm
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    before = {name: vars(DeepSpeedEngine)[name]
-              for name in ("__init__", "_take_model_step", "zero_grad")}
+    from ampdoctor.probe import deepspeed as deepspeed_probe
+    from ampdoctor.probe.patches import Patcher
+
+    names = ("__init__", "_take_model_step", "zero_grad")
+    before = {name: vars(DeepSpeedEngine)[name] for name in names}
     step, init = vars(WarmupLR)["step"], deepspeed.comm.init_distributed
-    diagnosed("deepspeed_broken_scheduler_twice")
-    assert {name: vars(DeepSpeedEngine)[name] for name in before} == before
+    patcher = Patcher()
+    deepspeed_probe.install(patcher)
+    try:
+        assert all(vars(DeepSpeedEngine)[name] is not before[name] for name in names)
+        assert vars(WarmupLR)["step"] is not step
+        assert deepspeed.comm.init_distributed is not init
+    finally:
+        patcher.undo()
+    assert {name: vars(DeepSpeedEngine)[name] for name in names} == before
     assert vars(WarmupLR)["step"] is step
     assert deepspeed.comm.init_distributed is init
 
