@@ -50,6 +50,9 @@ GRACE_S = 10.0
 MIN_GRACE_S = 3.0
 #: ampdoctor's own start in the child (the interpreter, torch's import), before any user code.
 STARTUP_S = 300.0
+#: A script's run is stopped by the worker at its bound (AMPDOCTOR_SCRIPT_TIMEOUT_S); past it
+#: by this much (its process's start included: a fork server importing torch), it is killed here.
+SCRIPT_GRACE_S = 60.0
 #: A ddp-sync rung bounds its own rank processes at `ddp.timeout_s` and then stops them.
 DDP_GRACE_S = 30.0
 #: How long the child is given to write its stacks after SIGUSR2.
@@ -111,6 +114,8 @@ class Watch:
         self.last_progress: dict[str, Any] | None = None
         self.main_thread: int | None = None
         self.result_seen = False
+        #: a script's runs are each bounded (by the worker too): the clock restarts per run
+        self.per_run = bool(getattr(spec, "script", None))
         # where the child's faulthandler writes its stacks on SIGUSR2
         fd, self.dump_path = tempfile.mkstemp(prefix="ampdoctor-stacks-", suffix=".txt")
         os.close(fd)
@@ -151,6 +156,9 @@ class Watch:
             return STARTUP_S, "ampdoctor's start bound"
         if self.phase == "ddp-sync" and self.spec.ddp:
             return float(self.spec.ddp.timeout_s), "ddp.timeout_s"
+        if self.per_run:
+            return float(self.spec.timeout_s), "the bound of one run of the script " \
+                "(AMPDOCTOR_SCRIPT_TIMEOUT_S)"
         return float(self.spec.timeout_s), "timeout_s"
 
     def _bound(self) -> float:
@@ -159,6 +167,10 @@ class Watch:
         if self.phase == "ddp-sync" and getattr(self.spec, "ddp", None) is not None:
             return float(self.spec.ddp.timeout_s) + DDP_GRACE_S
         timeout = float(self.spec.timeout_s)
+        if self.per_run:
+            # the worker stops a script's run at its bound itself, once the run's process has
+            # started (the first start imports torch): this is the backstop past both
+            return timeout + SCRIPT_GRACE_S
         return timeout + max(MIN_GRACE_S, min(GRACE_S, timeout))
 
     def _pump(self, wait: float) -> bool:
@@ -210,6 +222,9 @@ class Watch:
             self.phase, self.phase_started, self.last_progress = event.get("id"), now, None
         elif kind == "progress":
             self.last_progress = event
+            if self.per_run and not event.get("step") and self.phase != "starting":
+                # a run of a script starts: each run is bounded on its own (timeout_s)
+                self.phase_started = now
         elif kind == "done":
             self.outcome.done.append(event.get("rung") or {})
             self.phase, self.phase_started = "finishing", now

@@ -10,6 +10,7 @@ from ..findings import Finding, location
 from ..probe.events import StepRecord
 from ..session import Session, Trace
 from .deepspeed import extra_steps
+from .frameworks import framework_evidence
 
 
 def step_count_finding(session: Session, trace: Trace, rung: str,
@@ -33,8 +34,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
                 evidence={"measured": len(steps), "expected": expected,
                           "steps_per_window": round(per_window, 6),
                           "microbatches_before_first_step": mb_before_first,
-                          "optimizer": slot,
-                          **({"framework": "DeepSpeed"} if engine is not None else {}),
+                          "optimizer": slot, **framework_evidence(trace),
                           **({"config_gradient_accumulation_steps": engine.config_value}
                              if engine is not None and engine.config_value is not None
                              else {})},

@@ -9,6 +9,7 @@ steps are judged and explained by the same code as a spec's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,8 @@ class Command:
     timeout_s: float = 600.0
     cwd: str = field(default_factory=os.getcwd)
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    #: where each run's output is captured (None: shown on stderr as it runs)
+    output_dir: str | None = None
 
 
 @dataclass
@@ -54,6 +57,7 @@ class ScriptSpec:
     tolerances: dict[str, Any] = field(default_factory=dict)
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
     rungs: list[str] | None = None
+    keep_going: bool = False
     dropout: str = "off"
     device: str = "auto"
 
@@ -101,6 +105,8 @@ class ScriptSession:
         self.reference_probe: Outcome | None = None
         #: why the reference cannot be used (None: it can, or was not asked for)
         self.unaligned: str | None = None
+        #: each run's captured output, in the order the runs ran
+        self.outputs: list[dict[str, Any]] = []
         self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
         self._pinned: list[Any] = []
 
@@ -114,18 +120,33 @@ class ScriptSession:
                    reference=reference, **extra)
 
     def run(self, job: Job, what: str) -> Outcome:
-        return spawn.run_child(job, self.command.timeout_s, what)
+        from .. import progress
+        progress.run_started(what, None)
+        if self.command.output_dir is None:
+            return spawn.run_child(job, self.command.timeout_s, what)
+        log = os.path.join(self.command.output_dir, f"{len(self.outputs):03d}.log")
+        try:
+            return spawn.run_child(job, self.command.timeout_s, what, log)
+        finally:
+            self.outputs.append({"run": what, "args": list(job.args),
+                                 "text": _read_bounded(log)})
+            with contextlib.suppress(OSError):
+                os.unlink(log)
 
     def start(self) -> ScriptTrace:
         """The fp32 run of the script (and first the reference's first window, when asked
         for, to learn K x b): what the rest of the diagnose is built on."""
         if self.command.reference_args is not None:
+            cmd_args = self.command.reference_args
             first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
             self.reference_probe = first
             if first.error is not None:
+                how = (f"exited ({first.ended})" if first.ended.startswith("exit")
+                       else "raised")
                 raise UserCodeError(
-                    "the script run with --reference-args raised before its first optimizer "
-                    f"step: {first.error.get('text')}", location=_where(first.error))
+                    f"the script run with the reference's arguments ({' '.join(cmd_args)}) "
+                    f"{how} before its first optimizer step: {first.error.get('text')}",
+                    location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
             if first.steps and first.steps[0].backwards > 1:
@@ -344,6 +365,24 @@ class ScriptSession:
     def random_modules(self) -> list[str]:
         fp32 = self.traces.get("fp32")
         return list(fp32.outcome.dropout) if fp32 is not None else []
+
+
+#: The most of one run's output a record keeps: its first and last halves of this.
+OUTPUT_LIMIT = 16 * 1024
+
+
+def _read_bounded(path: str) -> str:
+    """A run's captured output, its middle cut when it is longer than OUTPUT_LIMIT."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    if len(data) > OUTPUT_LIMIT:
+        half = OUTPUT_LIMIT // 2
+        cut = len(data) - 2 * half
+        data = data[:half] + f"\n[... {cut} bytes cut ...]\n".encode() + data[-half:]
+    return data.decode("utf-8", errors="replace")
 
 
 def _per_window(injector: Any) -> int:
