@@ -158,8 +158,7 @@ class Spec(_Strict):
                              f"{' and '.join(given)}")
         if self.deepspeed is not None and self.loss is None:
             raise ValueError("spec key 'loss' is missing: with 'deepspeed', ampdoctor computes "
-                             "each micro-batch's loss with it (`loss(engine, micro_batch)`, the "
-                             "engine called like the model)")
+                             "each micro-batch's loss with it (`loss(engine, micro_batch)`)")
         if self.model is None and self.lightning is None:
             raise ValueError("spec key 'model' is missing: a 'module:function' that returns "
                              "the torch.nn.Module to train")
