@@ -243,9 +243,8 @@ def test_script_mode_timeout_ends_the_script_and_its_children(tmp_path):
                              "--", "--hang", env=_env(mark, AMPDOCTOR_SCRIPT_TIMEOUT_S="5"),
                              timeout=300)
     assert result.returncode == 3, result.stderr
-    # (stopped by the run's own bound, or killed by the worker's watchdog past it)
-    assert "AMPDOCTOR_SCRIPT_TIMEOUT_S" in result.stdout or "within 5 s" in result.stdout, \
-        result.stdout
+    # stopped by the run's own bound (the watchdog's backstop is 60 s past it)
+    assert "did not reach its last step within 5 s" in result.stdout, result.stdout
     _assert_none_left(mark)
 
 
