@@ -10,6 +10,9 @@ steps are judged and explained by the same code as a spec's.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -103,6 +106,14 @@ class ScriptSession:
         self.unaligned: str | None = None
         self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
         self._pinned: list[Any] = []
+        #: the scratch folder of this diagnose: each run's file writes land in a folder of it,
+        #: removed when the run ends (`files`); the folder itself when the session goes
+        self.scratch = tempfile.mkdtemp(prefix="ampdoctor-script-")
+        weakref.finalize(self, shutil.rmtree, self.scratch, True)
+        self.runs = 0
+        #: what the script's runs wrote and removed (original paths): `files_record`
+        self.written: set[str] = set()
+        self.removed: set[str] = set()
 
     # --- running the script ---------------------------------------------------------------
     def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job:
@@ -114,7 +125,40 @@ class ScriptSession:
                    reference=reference, **extra)
 
     def run(self, job: Job, what: str) -> Outcome:
-        return spawn.run_child(job, self.command.timeout_s, what)
+        self.runs += 1
+        if job.scratch is None:
+            job.scratch = os.path.join(self.scratch, f"run-{self.runs}")
+        try:
+            outcome = spawn.run_child(job, self.command.timeout_s, what)
+        finally:   # (a run stopped at its time bound leaves its folder behind)
+            shutil.rmtree(job.scratch, ignore_errors=True)
+        self.written.update(outcome.files.get("written", ()))
+        self.removed.update(outcome.files.get("hidden", ()))
+        note = self.files_note()
+        self.notes = {n for n in self.notes if not n.startswith(_FILES_NOTE)}
+        if note:
+            self.notes.add(note)
+        return outcome
+
+    def files_record(self) -> dict[str, Any]:
+        """Where the script's file writes went: the record's `script_files`."""
+        return {"scratch": self.scratch, "written": sorted(self.written),
+                "removed": sorted(self.removed), "kept": "removed after each run"}
+
+    def files_note(self) -> str | None:
+        if not self.written and not self.removed:
+            return None
+        def some(paths: set[str]) -> str:
+            shown = sorted(paths)
+            return ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4
+                                           else "")
+        parts = []
+        if self.written:
+            parts.append(f"wrote {some(self.written)}")
+        if self.removed:
+            parts.append(f"removed or moved {some(self.removed)} (left in place)")
+        return (f"{_FILES_NOTE} {self.scratch} (a folder per run, deleted when the run ended): "
+                f"the script {' and '.join(parts)}; no file outside it was changed")
 
     def start(self) -> ScriptTrace:
         """The fp32 run of the script (and first the reference's first window, when asked
@@ -344,6 +388,9 @@ class ScriptSession:
     def random_modules(self) -> list[str]:
         fp32 = self.traces.get("fp32")
         return list(fp32.outcome.dropout) if fp32 is not None else []
+
+
+_FILES_NOTE = "the script's file writes went to a scratch folder,"
 
 
 def _per_window(injector: Any) -> int:
