@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 #: What `diagnose` accepts as a spec: a `Spec` (built in code or loaded), or a YAML path.
 SpecLike = Spec | str | os.PathLike
 
-Verdict = Literal["healthy", "failed", "error"]
+Verdict = Literal["healthy", "failed", "inconclusive", "error"]
 
 #: Keyword overrides the CLI also offers, under the name of the flag (`steps=` is
 #: `optimizer_steps=`); every other keyword must be a spec key.
@@ -132,6 +132,8 @@ def summary_text(data: dict[str, Any]) -> str:
     if failed:
         head += f" at rung {failed}"
     lines = [head]
+    if data.get("inconclusive"):
+        lines.append(f"  {data['inconclusive']}")
     error = data.get("error")
     if error:
         lines.append(f"  error: {error.get('message', '')}")

@@ -28,9 +28,11 @@ def listening(listener: Callable[[dict[str, Any]], None] | None) -> Iterator[Non
         _listener = previous
 
 
-def plan(rung_ids: list[str]) -> None:
-    """The rungs this diagnose will run, in order (the others are skipped by the spec)."""
+def plan(rung_ids: list[str], weights: dict[str, float] | None = None) -> None:
+    """The rungs this diagnose will run, in order (the others are skipped by the spec), and
+    each one's expected cost relative to the others (1 each when not given)."""
     _state["plan"] = list(rung_ids)
+    _state["weights"] = {r: float((weights or {}).get(r, 1.0)) for r in rung_ids}
     _state["finished"] = []
 
 
@@ -43,13 +45,18 @@ def rung(rung_id: str) -> None:
     _emit(precision=None, step=0, steps=None)
 
 
-def eta_s(finished: list[float], remaining: int, current_s: float) -> float | None:
-    """Seconds left: the mean time of the rungs finished so far for each rung not yet finished
-    (the current one included), less the time the current one has run; None before a rung
-    has finished (nothing to go by)."""
+def eta_s(finished: list[float], remaining: float, current_s: float,
+          finished_weight: float | None = None) -> float | None:
+    """Seconds left: the time per unit of cost of the rungs finished so far times the cost of
+    the rungs not yet finished (`remaining`, the current one included), less the time the
+    current one has run; None before a rung has finished (nothing to go by). Without
+    `finished_weight` every rung costs 1."""
     if not finished:
         return None
-    return max(0.0, sum(finished) / len(finished) * remaining - current_s)
+    done = finished_weight if finished_weight is not None else float(len(finished))
+    if done <= 0:
+        return None
+    return max(0.0, sum(finished) / done * remaining - current_s)
 
 
 def run_started(precision: str, steps: int | None) -> None:
@@ -76,8 +83,11 @@ def _emit(**fields: Any) -> None:
     plan_ids = _state.get("plan") or []
     if _state.get("rung") in plan_ids:
         index = plan_ids.index(_state["rung"])
-        left = eta_s(_state.get("finished") or [], len(plan_ids) - index,
-                     now - _state.get("rung_started", now))
+        weights = _state.get("weights") or {}
+        finished = _state.get("finished") or []
+        left = eta_s(finished, sum(weights.get(r, 1.0) for r in plan_ids[index:]),
+                     now - _state.get("rung_started", now),
+                     sum(weights.get(r, 1.0) for r in plan_ids[:len(finished)]))
         event.update(rung_index=index + 1, rungs=len(plan_ids),
                      eta_s=None if left is None else round(left, 1))
     with contextlib.suppress(Exception):   # a broken progress display never stops a diagnose

@@ -200,6 +200,8 @@ def exit_code(record: dict[str, Any]) -> int:
         return 1 if record.get("strict") is True and _warned(record) else 0
     if record.get("verdict") == "failed":
         return 1
+    if record.get("verdict") == "inconclusive":
+        return 2
     err = record.get("error") or {}
     # only the codes an error can have: a record's own field never picks any other
     return 2 if isinstance(err, dict) and err.get("exit_code") == 2 else 3

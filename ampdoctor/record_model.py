@@ -101,7 +101,14 @@ class RecordModel(_Open):
     name: str = "run"
     spec: str | None = None
     device: str = "unknown"
-    verdict: Literal["healthy", "failed", "error"]
+    verdict: Literal["healthy", "failed", "inconclusive", "error"]
+    #: why a run with no failure is not healthy (verdict inconclusive): nothing was compared
+    inconclusive: str | None = None
+    #: script mode: the script, its args, the reference's args and how they were had
+    script: str | None = None
+    args: list[str] | None = None
+    reference_args: list[str] | None = None
+    reference_args_origin: Literal["given", "inferred"] | None = None
     exit_code: int | None = None
     failed_rung: str | None = None
     #: --keep-going ran rungs after the first failure (present only then)

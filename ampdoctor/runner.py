@@ -19,6 +19,7 @@ from .errors import (
     format_traceback,
 )
 from .findings import RungResult
+from .source import ScriptSource
 from .spec import Spec
 
 
@@ -197,7 +198,20 @@ def _git_commit(root) -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def new_record(spec: Spec, device: str) -> dict[str, Any]:
+def new_record(spec: Spec | ScriptSource, device: str) -> dict[str, Any]:
+    """The record before any rung ran, for a spec or a script (`source.ScriptSource`): a
+    script's names the script, its args and the reference's args (and whether they were
+    given or inferred) where a spec's names the spec file."""
+    if isinstance(spec, ScriptSource):
+        return blank_record(
+            spec=None,
+            source={"script": spec.script, "args": list(spec.args),
+                    "reference_args": (list(spec.reference_args)
+                                       if spec.reference_args is not None else None),
+                    "reference_args_origin": spec.reference_origin},
+            name=spec.display_name, device=device, accumulation_steps=None,
+            optimizer_steps=spec.optimizer_steps, micro_batch_size=None,
+            environment=environment(None))
     return blank_record(spec=str(spec.spec_path) if spec.spec_path else None, source={},
                         name=spec.display_name, device=device,
                         accumulation_steps=spec.accumulation_steps,
@@ -260,15 +274,42 @@ def fill_record(record: dict[str, Any], results: list[RungResult]) -> None:
     loop_errors = [f for r in decided for f in r.findings if f.kind == "loop-error"]
     if loop_errors:
         record["verdict"] = "error"
+    elif failed:
+        record["verdict"] = "failed"
+    elif not any(compared(r) for r in results):
+        # nothing wrong was seen, but nothing was compared either: not a clean bill
+        record["verdict"] = "inconclusive"
+        record["inconclusive"] = inconclusive_reason(results)
     else:
-        record["verdict"] = "failed" if failed else "healthy"
+        record["verdict"] = "healthy"
     for r in results:
         series = r.details.pop("series", None)
         if series:
             record["series"].update(series)
 
 
-def error_record(spec: Spec | None, exc: AmpdoctorError, device: str = "unknown") -> dict[str, Any]:
+def compared(result: RungResult) -> bool:
+    """Whether a rung compared at least one consumed update with its fp32 reference (the
+    rungs that do say how many in `steps_compared`)."""
+    return result.status in ("pass", "warn", "fail") and \
+        int(result.details.get("steps_compared") or 0) > 0
+
+
+def inconclusive_reason(results: list[RungResult]) -> str:
+    """Why a run with no failure is not healthy: no rung compared an update, and why each
+    comparing rung did not (its skip reason)."""
+    why = [f"{r.id}: {r.summary}" for r in results
+           if r.id in COMPARING_RUNGS and r.status in ("skip", "not-run") and r.summary]
+    return ("no rung compared an update with the fp32 reference, so nothing says the "
+            "training matches it" + (" (" + "; ".join(why) + ")" if why else ""))
+
+
+#: The rungs that compare consumed updates with the fp32 reference.
+COMPARING_RUNGS = ("fp32-accum", "bf16-no-scaler", "fp16-scaler", "clip-space", "ddp-sync")
+
+
+def error_record(spec: Spec | ScriptSource | None, exc: AmpdoctorError,
+                 device: str = "unknown") -> dict[str, Any]:
     """A record for a run that could not start (bad spec is not recorded; user code is)."""
     if device == "unknown" and spec is not None:
         device = spec.device

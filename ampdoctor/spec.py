@@ -51,6 +51,33 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
+def check_rung_ids(value: list[str] | None) -> list[str] | None:
+    """Rung ids in ladder order; ValueError naming an unknown one (and the closest id)."""
+    if value is None:
+        return None
+    from .findings import RUNG_IDS
+    for rung in value:
+        if rung not in RUNG_IDS:
+            close = difflib.get_close_matches(rung, RUNG_IDS, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ValueError(f"{rung!r} is not a rung.{hint} Rungs: {', '.join(RUNG_IDS)}")
+    return [r for r in RUNG_IDS if r in value]
+
+
+def check_precisions(value: list[str]) -> list[str]:
+    """The precisions in run order, fp32 first (it always runs: everything is compared with
+    it); ValueError for one listed twice."""
+    if len(set(value)) != len(value):
+        raise ValueError("a precision is listed twice")
+    return ["fp32"] + [p for p in ("bf16", "fp16") if p in value]
+
+
+def check_device(value: str) -> str:
+    if not DEVICE_RE.match(value):
+        raise ValueError(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N")
+    return value
+
+
 def _every_precision() -> list[Precision]:
     return ["fp32", "bf16", "fp16"]
 
@@ -134,15 +161,7 @@ class Spec(_Strict):
     @field_validator("rungs")
     @classmethod
     def _rung_ids(cls, value: list[str] | None) -> list[str] | None:
-        if value is None:
-            return None
-        from .findings import RUNG_IDS
-        for rung in value:
-            if rung not in RUNG_IDS:
-                close = difflib.get_close_matches(rung, RUNG_IDS, n=1)
-                hint = f" Did you mean '{close[0]}'?" if close else ""
-                raise ValueError(f"{rung!r} is not a rung.{hint} Rungs: {', '.join(RUNG_IDS)}")
-        return [r for r in RUNG_IDS if r in value]
+        return check_rung_ids(value)
 
     def callable_for(self, key: str) -> Any | None:
         """The object given in code for `key`, or None when the key is a reference string."""
@@ -194,10 +213,7 @@ class Spec(_Strict):
     @field_validator("precisions")
     @classmethod
     def _precisions(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
-            raise ValueError("a precision is listed twice")
-        # fp32 always runs: it is what every other precision is compared with
-        return ["fp32"] + [p for p in ("bf16", "fp16") if p in value]
+        return check_precisions(value)
 
     @field_validator("dropout", mode="before")
     @classmethod
@@ -208,9 +224,7 @@ class Spec(_Strict):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        if not DEVICE_RE.match(value):
-            raise ValueError(f"{value!r} is not a device: use auto, cpu, cuda or cuda:N")
-        return value
+        return check_device(value)
 
     # --- derived paths -----------------------------------------------------------------
     @property

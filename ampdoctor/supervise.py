@@ -111,6 +111,8 @@ class Watch:
         self.last_progress: dict[str, Any] | None = None
         self.main_thread: int | None = None
         self.result_seen = False
+        #: a script's runs are each bounded (by the worker too): the clock restarts per run
+        self.per_run = bool(getattr(spec, "script", None))
         # where the child's faulthandler writes its stacks on SIGUSR2
         fd, self.dump_path = tempfile.mkstemp(prefix="ampdoctor-stacks-", suffix=".txt")
         os.close(fd)
@@ -151,6 +153,9 @@ class Watch:
             return STARTUP_S, "ampdoctor's start bound"
         if self.phase == "ddp-sync" and self.spec.ddp:
             return float(self.spec.ddp.timeout_s), "ddp.timeout_s"
+        if self.per_run:
+            return float(self.spec.timeout_s), "the bound of one run of the script " \
+                "(AMPDOCTOR_SCRIPT_TIMEOUT_S)"
         return float(self.spec.timeout_s), "timeout_s"
 
     def _bound(self) -> float:
@@ -210,6 +215,9 @@ class Watch:
             self.phase, self.phase_started, self.last_progress = event.get("id"), now, None
         elif kind == "progress":
             self.last_progress = event
+            if self.per_run and not event.get("step") and self.phase != "starting":
+                # a run of a script starts: each run is bounded on its own (timeout_s)
+                self.phase_started = now
         elif kind == "done":
             self.outcome.done.append(event.get("rung") or {})
             self.phase, self.phase_started = "finishing", now

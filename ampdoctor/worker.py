@@ -111,19 +111,34 @@ def main() -> None:
 
 
 def _run(job: dict[str, Any], channel: Channel) -> None:
+    """One diagnose of the job's run source (a spec, or a script: `source.ScriptSource`), its
+    events and its record sent on the channel."""
     from .api import diagnose
     from .errors import AmpdoctorError
+    from .source import from_wire as source_from_wire
+    from .source import is_script_wire
     from .spec import from_wire
-
-    spec = from_wire(job["spec"])
 
     def done(result) -> None:
         channel.send("done", rung=result.to_dict())
 
+    def started(rung: str) -> None:
+        channel.send("rung", id=rung)
+
+    def progress(event: dict[str, Any]) -> None:
+        channel.send("progress", **event)
+
+    if is_script_wire(job["spec"]):
+        from .record import exit_code
+        from .script.diagnose import run_script
+        record, exception = run_script(source_from_wire(job["spec"]), started, done, progress)
+        record["exit_code"] = exit_code(record)
+        channel.send("result", record=record,
+                     error=_error_fields(exception) if exception is not None else None)
+        return
     try:
-        result = diagnose(spec, save=False, on_start=lambda rung: channel.send("rung", id=rung),
-                          on_done=done, on_progress=lambda event: channel.send("progress",
-                                                                               **event))
+        result = diagnose(from_wire(job["spec"]), save=False, on_start=started, on_done=done,
+                          on_progress=progress)
     except AmpdoctorError as exc:     # a spec or launch error found once the run had begun
         channel.send("result", record=None, error=_error_fields(exc))
         return

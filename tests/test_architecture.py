@@ -50,7 +50,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "ampdoctor.source_snippet", "ampdoctor.process_state")),
     ("static", ("ampdoctor.spec", "ampdoctor.spec_sections", "ampdoctor.spec_yaml",
                 "ampdoctor.record",
-                "ampdoctor.record_model", "ampdoctor.init_spec", "ampdoctor.init_script",
+                "ampdoctor.record_model", "ampdoctor.source", "ampdoctor.init_spec", "ampdoctor.init_script",
                 "ampdoctor.init_loss",
                 "ampdoctor.scan.*",
                 "ampdoctor.report.*")),

@@ -121,22 +121,26 @@ def test_without_reference_the_trace_rungs_still_run(tmp_path):
     assert [(f["kind"], f["location"]["line"]) for f in errors] == [
         ("clip-before-unscale", marked_line(AMP, "clip-before-unscale"))]
     assert errors[0]["evidence"]["measured"] == pytest.approx(errors[0]["evidence"]["scale"])
-    assert any("no --reference-args" in n and "K = 4, micro-batch 8" in n
+    assert any("no reference" in n and "--reference-args" in n and "K = 4, micro-batch 8" in n
                for n in record["notes"])
 
 
-def test_without_reference_a_healthy_script_is_healthy(tmp_path):
+def test_without_reference_nothing_compared_is_inconclusive_not_healthy(tmp_path):
     result = diagnose(tmp_path, LOADER, ["--amp"])
-    assert result.returncode == 0
-    assert result.record["findings"] == []
-    assert statuses(result.record)["skips"] == "pass"
+    assert result.returncode == 2, result.stderr
+    record = result.record
+    assert record["verdict"] == "inconclusive" and record["exit_code"] == 2
+    assert record["findings"] == []
+    assert statuses(record)["skips"] == "pass"
+    assert "no rung compared an update" in record["inconclusive"]
+    assert "--reference-args" in record["inconclusive"]
 
 
 def test_dataloader_worker_processes_run_as_usual(tmp_path):
     """The script's DataLoader workers are children of the process that runs it."""
     # (no reference: each run of this script starts two worker processes, about a second)
     result = diagnose(tmp_path, LOADER, ["--workers", "2"], None, "--steps", "2")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 2, result.stderr     # nothing compared: inconclusive
     assert result.record["findings"] == []
     got = statuses(result.record)
     assert got["reproducibility"] == "pass" and got["skips"] == "pass"
@@ -146,7 +150,8 @@ def test_dataloader_worker_processes_run_as_usual(tmp_path):
 def test_data_the_reference_cannot_reproduce_is_said_not_judged(tmp_path):
     result = diagnose(tmp_path, MODULE, ["--fresh-data"], MODULE_REF + " --fresh-data")
     record = result.record
-    assert result.returncode == 0 and record["findings"] == []
+    assert result.returncode == 2 and record["findings"] == []
+    assert record["verdict"] == "inconclusive" and "contents differ" in record["inconclusive"]
     fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
     assert fp32["status"] == "skip"
     assert "contents differ" in fp32["summary"] and "seed" in fp32["summary"]

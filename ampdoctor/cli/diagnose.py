@@ -66,20 +66,22 @@ def diagnose(
                                       "your file:line)."),
 ) -> None:
     """Run the triage ladder on SPEC and report what is wrong, with numbers and file:line."""
-    if spec.suffix == ".py":   # script mode (cli/script_mode.py)
-        from .script_mode import run_script_diagnose
-        raise typer.Exit(run_script_diagnose(spec, script_args or [], reference_args, steps,
-                                             json_out, debug, out, writable_out,
-                                             save_and_show))
+    overrides = {"device": device, "precisions": _csv(precisions), "rungs": _csv(rungs),
+                 "optimizer_steps": steps, "keep_going": True if keep_going else None}
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    ci = CiOptions(strict, junit, sarif)
+    if spec.suffix == ".py":   # script mode: the same driver, another source of runs
+        from .script_mode import script_source_of
+        try:
+            source = script_source_of(spec, script_args or [], reference_args, overrides)
+        except UsageError as exc:
+            raise typer.Exit(fail(exc, debug)) from None
+        raise typer.Exit(diagnose_here(source, json_out, debug, out, ci=ci))
     if script_args or reference_args is not None:
         raise typer.Exit(fail(UsageError("arguments after the spec and --reference-args are "
                                          "for script mode (`ampdoctor diagnose train.py -- "
                                          "ARGS`); a spec takes none"), debug))
-    overrides = {"device": device, "precisions": _csv(precisions), "rungs": _csv(rungs),
-                 "optimizer_steps": steps, "keep_going": True if keep_going else None}
-    raise typer.Exit(run_diagnose(spec, json_out, debug, out,
-                                  {k: v for k, v in overrides.items() if v is not None},
-                                  ci=CiOptions(strict, junit, sarif)))
+    raise typer.Exit(run_diagnose(spec, json_out, debug, out, overrides, ci=ci))
 
 
 #: the spec key each override flag sets: messages name the flag, not the spec's line
@@ -169,11 +171,8 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
             if isolate and _isolated():
                 record, exception = _run_isolated(spec, progress, done, err)
             else:
-                from ..api import diagnose as run
                 with contextlib.redirect_stdout(sys.stderr):
-                    result = run(spec, save=False, on_done=lambda r: done.append(r.to_dict()),
-                                 on_progress=progress)
-                record, exception = result.data, result.exception
+                    record, exception = _run_in_process(spec, progress, done)
     except (KeyboardInterrupt, Interrupted) as exc:
         # Like a finished run: the terminal restored (the status spinner has exited), the
         # run stopped (its process killed, or torch restored in this one), and a record
@@ -222,12 +221,27 @@ def _show_tracebacks(record: dict[str, Any], err: Console) -> None:
             sys.stderr.write(inert(finding["traceback"]))
 
 
+def _run_in_process(spec: Any, progress: ProgressLine,
+                    done: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, Any]:
+    """The diagnose in this process (AMPDOCTOR_IN_PROCESS, or a torchrun rank 0)."""
+    from ..source import ScriptSource
+
+    def on_done(result: Any) -> None:
+        done.append(result.to_dict())
+
+    if isinstance(spec, ScriptSource):
+        from ..script.diagnose import run_script
+        return run_script(spec, on_done=on_done, on_progress=progress)
+    from ..api import diagnose as run
+    result = run(spec, save=False, on_done=on_done, on_progress=progress)
+    return result.data, result.exception
+
+
 def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
                   err: Console) -> tuple[dict[str, Any] | None, Any]:
     """The diagnose in a child process (`supervise.run`): its events drive the progress line,
     its output goes to stderr."""
     from .. import supervise
-    from ..spec import to_wire
 
     def on_event(event: dict[str, Any]) -> None:
         kind = event.pop("event", None)
@@ -243,8 +257,18 @@ def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
             sys.stderr.write(text)
             sys.stderr.flush()
 
-    outcome = supervise.run(spec, to_wire(spec), on_event, on_output)
+    outcome = supervise.run(spec, wire(spec), on_event, on_output)
     return outcome.record, outcome.error
+
+
+def wire(spec: Any) -> str:
+    """The run source as the worker rebuilds it: a spec's keys, or a script's command."""
+    from ..source import ScriptSource
+    if isinstance(spec, ScriptSource):
+        from ..source import to_wire as script_wire
+        return script_wire(spec)
+    from ..spec import to_wire
+    return str(to_wire(spec))
 
 
 class Interrupted(AmpdoctorInterrupt):

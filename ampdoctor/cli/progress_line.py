@@ -17,8 +17,11 @@ def describe(event: dict[str, Any], steps: bool = True) -> str:
         if event.get("rung_index") and event.get("rungs") else ""
     parts = [f"rung {place}{rung}"]
     if steps and precision is not None:
-        of = f"/{event['steps']}" if event.get("steps") else ""
-        parts.append(f"{precision} step {step}{of}")
+        if not step and not event.get("steps"):    # a run of a script starts: no step count
+            parts.append(str(precision))
+        else:
+            of = f"/{event['steps']}" if event.get("steps") else ""
+            parts.append(f"{precision} step {step}{of}")
     eta = event.get("eta_s")
     if isinstance(eta, (int, float)):
         parts.append(f"~{_seconds(eta)} left")

@@ -32,6 +32,13 @@ def _rungs() -> dict[str, Callable]:
     }
 
 
+#: Each rung's cost in runs of the loop (its own runs and the reference passes they need),
+#: relative to one another: the progress line's estimate of the time left weighs the rungs
+#: still to run by it. double-scaling reads the runs already made.
+RUNG_WEIGHTS = {"reproducibility": 2.0, "fp32-accum": 1.5, "bf16-no-scaler": 1.5,
+                "fp16-scaler": 1.5, "double-scaling": 0.1, "clip-space": 1.5, "skips": 1.5,
+                "ddp-sync": 3.0}
+
 #: The precision a rung runs the loop in (fp32 rungs always run). clip-space and skips are
 #: about the fp16 loss scale: without fp16 there is no scaled space and nothing to skip.
 RUNG_PRECISION = {"bf16-no-scaler": "bf16", "fp16-scaler": "fp16", "clip-space": "fp16",
@@ -53,8 +60,15 @@ def _skipped(session, rung_id: RungId) -> RungResult | None:
 
 
 def run_ladder(session, on_start: Callable[[str], None] | None = None,
-               on_done: Callable[[RungResult], None] | None = None) -> list[RungResult]:
-    rungs = _rungs()
+               on_done: Callable[[RungResult], None] | None = None,
+               rungs: dict[str, Callable] | None = None,
+               weights: dict[str, float] | None = None) -> list[RungResult]:
+    """Every rung in order on `session`, the one driver of every run source: a spec's loop or
+    framework entry point (the rungs of this package), or a script (`rungs`: script mode's
+    table, whose runs each bound themselves, so no rung deadline here). `weights`: each
+    rung's expected cost relative to the others, for the progress estimate."""
+    own_bounds = rungs is not None
+    rungs = rungs if rungs is not None else _rungs()
     from ..judge import StepJudge
     from ..probe.feed import FORWARDS
     # the runs a rung judges are judged step by step as they happen (where they can be)
@@ -62,7 +76,8 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
     results: list[RungResult] = []
     failed = False
     keep_going = bool(getattr(session.spec, "keep_going", False))
-    progress.plan([r for r in RUNG_IDS if _skipped(session, r) is None])
+    progress.plan([r for r in RUNG_IDS if _skipped(session, r) is None],
+                  weights if weights is not None else RUNG_WEIGHTS)
     for rung_id in RUNG_IDS:
         if failed and not keep_going:
             results.append(RungResult(rung_id, Status.NOT_RUN, "an earlier rung failed"))
@@ -76,8 +91,9 @@ def run_ladder(session, on_start: Callable[[str], None] | None = None,
             started = time.perf_counter()
             passes = dict(FORWARDS)
             try:
-                # ddp-sync bounds its own processes (ddp.timeout_s)
-                with deadline(None if rung_id == "ddp-sync" else session.spec.timeout_s):
+                # ddp-sync bounds its own processes (ddp.timeout_s); a script's runs, theirs
+                with deadline(None if rung_id == "ddp-sync" or own_bounds
+                              else session.spec.timeout_s):
                     result = rungs[rung_id](session)
             except RungTimeout as exc:
                 result = timeout_result(rung_id, session, exc)

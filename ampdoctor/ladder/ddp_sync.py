@@ -286,6 +286,8 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
         "syncing_backwards": synced_backwards, "backwards_per_window": per_window,
         "sync_position_in_window": positions, "bytes_communicated": total_bytes,
         "optimizer_steps": len(r0["steps"]),
+        # every rank's consumed update against the reference of the global batch
+        "steps_compared": len(r0["judged"]),
         "gradient_difference_between_ranks": r0.get("gradient_difference", []),
         "parameter_difference_between_ranks": r0.get("parameter_difference"),
         "dropout": "off on the ranks and in the reference",

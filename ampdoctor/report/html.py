@@ -15,7 +15,8 @@ from ..record import atomic_write_text
 from ..safetext import FIELD_LIMIT, TRACEBACK_LIMIT, inert
 
 #: The statuses, severities and verdicts the stylesheet knows.
-CSS_CLASSES = {"pass", "fail", "warn", "skip", "not-run", "error", "warning", "healthy", "failed"}
+CSS_CLASSES = {"pass", "fail", "warn", "skip", "not-run", "error", "warning", "healthy", "failed",
+               "inconclusive"}
 
 
 def _visible(value: Any) -> Any:

@@ -31,7 +31,8 @@ def _many(value: Any, limit: int = MESSAGE_LIMIT) -> str:
 
 STATUS_STYLE = {"pass": "green", "fail": "bold red", "warn": "yellow", "skip": "dim",
                 "not-run": "dim"}
-VERDICT_STYLE = {"healthy": "bold green", "failed": "bold red", "error": "bold magenta"}
+VERDICT_STYLE = {"healthy": "bold green", "failed": "bold red", "error": "bold magenta",
+                 "inconclusive": "bold yellow"}
 
 
 def display_path(path: Any) -> str:
@@ -80,6 +81,9 @@ def render(record: dict[str, Any], console: Console) -> None:
     if device == "cpu":
         head.append(" (no CUDA: every rung ran on the CPU)", style="dim")
     console.print(head)
+    ran = what_ran(record)
+    if ran:
+        console.print(Text(ran, style="dim"))
 
     if record.get("error") and not record.get("rungs"):
         err = record["error"]
@@ -117,6 +121,26 @@ def render(record: dict[str, Any], console: Console) -> None:
     if verdict == "healthy" and not record.get("findings"):
         console.print("[green]No finding: accumulation and mixed precision match the fp32 "
                       "reference on every rung that ran.[/]")
+    elif verdict == "inconclusive":
+        console.print(Text(f"Inconclusive: {_many(record.get('inconclusive') or '')}",
+                           style="yellow"))
+
+
+def what_ran(record: dict[str, Any]) -> str:
+    """A script's record: the command line that ran and the reference's (given or inferred);
+    '' for a spec's (its name is the spec's)."""
+    script = record.get("script")
+    if not isinstance(script, str):
+        return ""
+    args = record.get("args")
+    line = f"script: {_one(' '.join([script, *map(str, args if isinstance(args, list) else [])]))}"
+    reference = record.get("reference_args")
+    if isinstance(reference, list):
+        origin = record.get("reference_args_origin") or "given"
+        line += f" · reference: {_one(' '.join(map(str, reference)))} ({_one(origin)})"
+    else:
+        line += " · no reference"
+    return line
 
 
 def _longest_word(texts: Any) -> int:

@@ -1,8 +1,9 @@
 """One script-mode diagnose end to end: the runs (`session`), the rungs (`rungs`), the record.
 
-The record is spec mode's (CONTRACT §5) with `"script"`, `"args"` and `"reference_args"` in
-place of a spec, and `"found"`: what the runs showed of the script (its models, optimizers,
-scaler, autocast, K and micro-batch), said in one line too (`found_text`).
+The record is spec mode's (CONTRACT §5) with `"script"`, `"args"`, `"reference_args"` and
+`"reference_args_origin"` in place of a spec (`runner.new_record`), and `"found"`: what the
+runs showed of the script (its models, optimizers, scaler, autocast, K and micro-batch), said
+in one line too (`found_text`).
 """
 
 from __future__ import annotations
@@ -12,21 +13,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import AmpdoctorError, UserCodeError, format_traceback
+from ..errors import AmpdoctorError, UsageError, UserCodeError
 from ..findings import RungResult
+from ..source import ScriptSource
 from .session import Command, ScriptSession
-
-
-def new_record(command: Command) -> dict[str, Any]:
-    from ..runner import blank_record, environment
-    return blank_record(
-        spec=None,
-        source={"script": command.script, "args": list(command.args),
-                "reference_args": (list(command.reference_args)
-                                   if command.reference_args is not None else None)},
-        name=os.path.splitext(os.path.basename(command.script))[0], device="unknown",
-        accumulation_steps=None, optimizer_steps=command.steps, micro_batch_size=None,
-        environment=environment(None))
 
 
 def _count(n: int) -> str:
@@ -78,43 +68,92 @@ def _short(dtype: str) -> str:
     return {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}.get(dtype, dtype)
 
 
-def run_script(command: Command, on_start: Callable[[str], None] | None = None,
-               on_done: Callable[[RungResult], None] | None = None) -> dict[str, Any]:
-    """Diagnose the script of `command`; the run record. An AmpdoctorError (the script could not
-    run at all, a run past its time bound) becomes a record with `error`."""
-    from ..runner import fill_record
-    from .rungs import run_ladder
+def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = None,
+               on_done: Callable[[RungResult], None] | None = None,
+               on_progress: Callable[[dict[str, Any]], None] | None = None,
+               ) -> tuple[dict[str, Any], AmpdoctorError | None]:
+    """Diagnose the script of `source` on the one ladder (`ladder.run_ladder`, with script
+    mode's rungs); the run record, and the AmpdoctorError that stopped it before the ladder
+    (the script could not run at all, a bad reference, a run past its time bound), which the
+    record's `error` holds too."""
+    from .. import progress
+    from ..ladder import run_ladder
+    from ..runner import error_record, fill_record, new_record
+    from .rungs import RUNGS, weights
 
     started = time.perf_counter()
-    record = new_record(command)
-    try:
-        ss = ScriptSession(command)
-        fp32 = ss.start()
-        _check_started(ss, fp32)
-        record.update(device=str(ss.device), cuda_available=ss.device.type == "cuda",
-                      accumulation_steps=ss.K, micro_batch_size=ss.spec.micro_batch_size)
-        record["found"] = found(ss)
-        results = run_ladder(ss, on_start, on_done)
-    except AmpdoctorError as exc:
-        record["error"] = {"type": type(exc).__name__, "message": exc.message,
-                           "exit_code": exc.exit_code}
-        location = getattr(exc, "location", None)
-        if location:
-            record["error"]["location"] = {"file": location[0], "line": location[1]}
-        if exc.cause is not None:
-            record["error"]["traceback"] = format_traceback(exc.cause)
-        record["seconds"] = round(time.perf_counter() - started, 3)
-        return record
+    record = new_record(source, "unknown")
+    command = Command(source.script, list(source.args),
+                      list(source.reference_args) if source.reference_args is not None
+                      else None, steps=source.optimizer_steps, timeout_s=source.timeout_s,
+                      cwd=source.cwd, env=_environment(source.device))
+    ss = ScriptSession(command)
+    ss.spec.precisions = list(source.precisions)
+    ss.spec.rungs = list(source.rungs) if source.rungs is not None else None
+    ss.spec.keep_going = source.keep_going
+
+    def started_rung(rung_id: str) -> None:
+        progress.rung(rung_id)
+        if on_start is not None:
+            on_start(rung_id)
+
+    with progress.listening(on_progress):
+        try:
+            fp32 = ss.start()
+            _check_started(ss, fp32)
+            _check_device(source, ss)
+            record.update(device=str(ss.device), cuda_available=ss.device.type == "cuda",
+                          accumulation_steps=ss.K, micro_batch_size=ss.spec.micro_batch_size)
+            record["found"] = found(ss)
+            results = run_ladder(ss, started_rung, on_done, rungs=RUNGS, weights=weights(ss))
+        except AmpdoctorError as exc:
+            failed = error_record(source, exc)
+            failed.update({k: record[k] for k in ("device", "cuda_available",
+                                                   "accumulation_steps", "micro_batch_size",
+                                                   "found") if k in record})
+            failed["seconds"] = round(time.perf_counter() - started, 3)
+            return failed, exc
     fill_record(record, results)
+    record["notes"] = sorted(_notes(ss))
+    record["runs"] = ss.charts
+    record["seconds"] = round(time.perf_counter() - started, 3)
+    record["reference_mode"] = "script"
+    return record, None
+
+
+def _environment(device: str) -> dict[str, str]:
+    """The script's environment: ours, with `--device cpu` hiding CUDA from it and
+    `--device cuda:N` showing it that one GPU (as its cuda:0)."""
+    env = dict(os.environ)
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = device.split(":", 1)[1]
+    return env
+
+
+def _check_device(source: ScriptSource, ss: ScriptSession) -> None:
+    """`--device cuda` cannot move a script's model: a script that put it elsewhere is a usage
+    error saying so (cpu and auto always hold: cpu hides CUDA from the script)."""
+    if source.device.startswith("cuda") and ss.device.type != "cuda":
+        raise UsageError(f"--device {source.device}: the script put its model on "
+                         f"{ss.device.type}; script mode runs the script as it is and cannot "
+                         "move it. Give the script the argument that selects the GPU, or leave "
+                         "--device out")
+
+
+def _notes(ss: ScriptSession) -> set[str]:
+    command = ss.command
     notes = set(ss.notes)
     if ss.unaligned is not None and command.reference_args is not None:
-        notes.add(f"the reference (--reference-args) does not read the run's micro-batches: "
-                  f"{ss.unaligned}. The rungs that compare updates were not run; make the "
-                  "data the same for every batch size (seed it, no shuffling) to compare them")
+        notes.add(f"the reference does not read the run's micro-batches: {ss.unaligned}. The "
+                  "rungs that compare updates were not run; make the data the same for every "
+                  "batch size (seed it, no shuffling) to compare them")
     if command.reference_args is None:
-        notes.add("no --reference-args: the updates were not compared with an fp32 full-batch "
-                  "reference. Give the script's arguments for K = 1 and a batch K times the "
-                  f"micro-batch (here K = {ss.K}, micro-batch {ss.spec.micro_batch_size})")
+        notes.add("no reference: the updates were not compared with an fp32 full-batch "
+                  "reference. Give --reference-args, the script's arguments for K = 1 and a "
+                  f"batch K times the micro-batch (here K = {ss.K}, micro-batch "
+                  f"{ss.spec.micro_batch_size})")
     dropout = ss.random_modules()
     if dropout:
         notes.add("dropout was off in every run (" + ", ".join(dropout[:3]) + "): a reference "
@@ -124,11 +163,7 @@ def run_script(command: Command, on_start: Callable[[str], None] | None = None,
         site = saves[0]
         notes.add("the script's torch.save wrote nothing during the triage"
                   + (f" (first at {site.file}:{site.line})" if site else ""))
-    record["notes"] = sorted(notes)
-    record["runs"] = ss.charts
-    record["seconds"] = round(time.perf_counter() - started, 3)
-    record["reference_mode"] = "script"
-    return record
+    return notes
 
 
 def _check_started(ss: ScriptSession, fp32: Any) -> None:

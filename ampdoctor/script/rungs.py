@@ -11,15 +11,13 @@ say what they could not compare.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..enums import RungId, Severity, Status
-from ..findings import RUNG_IDS, Finding, RungResult, conclude, location
+from ..findings import Finding, RungResult, conclude, location
 from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
 from ..ladder.analysis import loop_error_finding, scheduler_findings
 from ..ladder.casts import weight_cast_finding
@@ -190,29 +188,33 @@ def _scaler_requests(ss: ScriptSession) -> list[dict[str, Any]]:
     return list(ss.trace("fp32").outcome.scalers)
 
 
+def unavailable(ss: ScriptSession, precision: str) -> str | None:
+    """Why the script cannot be run in `precision` as written (the skip's reason), or None."""
+    fp32 = ss.trace("fp32")
+    if fp32.error is not None:
+        return "the fp32 run raised (see fp32-accum)"
+    autocasts = _autocast_requests(ss)
+    if not autocasts:
+        return (f"the script never enters autocast on {ss.device.type}: it trains in fp32 "
+                f"only, so there is no {precision} run to make of it")
+    if precision == "fp16" and not _scaler_requests(ss):
+        asked = {a["dtype"] for a in autocasts} - {None}
+        if "float16" not in asked:
+            dtype = ", ".join(sorted(asked)) or "its device's default"
+            return (f"the script builds no GradScaler and asks autocast for {dtype}: it "
+                    "trains without loss scaling, so it cannot run fp16 as written")
+    if precision == "bf16":
+        return amp.bf16_supported(ss)  # type: ignore[arg-type]
+    return None
+
+
 def precision_rung(precision: str) -> Callable[[ScriptSession], RungResult]:
     rung = RungId.BF16_NO_SCALER if precision == "bf16" else RungId.FP16_SCALER
 
     def run(ss: ScriptSession) -> RungResult:
-        fp32 = ss.trace("fp32")
-        if fp32.error is not None:
-            return RungResult(rung, Status.SKIP, "the fp32 run raised (see fp32-accum)")
-        autocasts = _autocast_requests(ss)
-        if not autocasts:
-            return RungResult(rung, Status.SKIP, f"the script never enters autocast on "
-                              f"{ss.device.type}: it trains in fp32 only, so there is no "
-                              f"{precision} run to make of it")
-        if precision == "fp16" and not _scaler_requests(ss):
-            asked = {a["dtype"] for a in autocasts} - {None}
-            if "float16" not in asked:
-                dtype = ", ".join(sorted(asked)) or "its device's default"
-                return RungResult(rung, Status.SKIP, f"the script builds no GradScaler and asks "
-                                  f"autocast for {dtype}: it trains without loss scaling, so "
-                                  "it cannot run fp16 as written")
-        if precision == "bf16":
-            reason = amp.bf16_supported(ss)  # type: ignore[arg-type]
-            if reason:
-                return RungResult(rung, Status.SKIP, reason)
+        reason = unavailable(ss, precision)
+        if reason:
+            return RungResult(rung, Status.SKIP, reason)
         if ss.has_reference:
             return amp.run_precision(ss, precision, rung)  # type: ignore[arg-type]
         return _without_reference(ss, ss.trace(precision), rung)
@@ -226,8 +228,9 @@ def double_scaling(ss: ScriptSession) -> RungResult:
 
 def clip_space_rung(ss: ScriptSession) -> RungResult:
     rung = RungId.CLIP_SPACE
-    if "fp16" not in ss.traces:
-        return RungResult(rung, Status.SKIP, "no fp16 run of the script (see fp16-scaler)")
+    reason = unavailable(ss, "fp16")
+    if reason:
+        return RungResult(rung, Status.SKIP, f"no fp16 run: {reason}")
     if not ss.trace("fp16").events_of(Clip):
         return RungResult(rung, Status.SKIP, "the script never clips its gradients")
     if not ss.has_reference:
@@ -279,8 +282,9 @@ def _clip_space_from_trace(ss: ScriptSession, trace: ScriptTrace) -> RungResult:
 
 
 def skips_rung(ss: ScriptSession) -> RungResult:
-    if "fp16" not in ss.traces:
-        return RungResult(RungId.SKIPS, Status.SKIP, "no fp16 run of the script (see fp16-scaler)")
+    reason = unavailable(ss, "fp16")
+    if reason:
+        return RungResult(RungId.SKIPS, Status.SKIP, f"no fp16 run: {reason}")
     return skips.run(ss)  # type: ignore[arg-type]
 
 
@@ -301,22 +305,13 @@ RUNGS: dict[str, Callable[[ScriptSession], RungResult]] = {
 }
 
 
-def run_ladder(ss: ScriptSession, on_start: Callable[[str], None] | None = None,
-               on_done: Callable[[RungResult], None] | None = None) -> list[RungResult]:
-    """Every rung in order; the first that fails stops the ladder (as `ladder.run_ladder`)."""
-    results: list[RungResult] = []
-    failed = False
-    for rung_id in RUNG_IDS:
-        if failed:
-            result = RungResult(rung_id, Status.NOT_RUN, "an earlier rung failed")
-        else:
-            if on_start is not None:
-                on_start(rung_id)
-            started = time.perf_counter()
-            result = RUNGS[rung_id](ss)
-            result = replace(result, seconds=time.perf_counter() - started)
-        results.append(result)
-        if on_done is not None:
-            on_done(result)
-        failed = failed or result.status == "fail"
-    return results
+def weights(ss: ScriptSession) -> dict[str, float]:
+    """Each rung's cost in runs of the script (its own runs and the reference runs they
+    need), for the progress estimate: reproducibility repeats the fp32 run and the reference;
+    fp32-accum reads the runs the start made; each precision, the forced clip and the injected
+    overflow are a run (and its reference run when there is one)."""
+    per_run = 2.0 if ss.has_reference else 1.0
+    return {"reproducibility": 1.0 + (2.0 if ss.has_reference else 0.0),
+            "fp32-accum": 0.1, "bf16-no-scaler": per_run, "fp16-scaler": per_run,
+            "double-scaling": 0.1, "clip-space": per_run, "skips": per_run,
+            "ddp-sync": 0.01}

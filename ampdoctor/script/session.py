@@ -57,6 +57,7 @@ class ScriptSpec:
     tolerances: dict[str, Any] = field(default_factory=dict)
     precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
     rungs: list[str] | None = None
+    keep_going: bool = False
     dropout: str = "off"
     device: str = "auto"
 
@@ -125,6 +126,8 @@ class ScriptSession:
                    reference=reference, **extra)
 
     def run(self, job: Job, what: str) -> Outcome:
+        from .. import progress
+        progress.run_started(what, None)
         self.runs += 1
         if job.scratch is None:
             job.scratch = os.path.join(self.scratch, f"run-{self.runs}")
