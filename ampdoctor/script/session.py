@@ -27,6 +27,7 @@ from ..probe.trace import Trace
 from ..reference import WindowReference
 from . import spawn
 from .child import Job, Outcome
+from .references import per_microbatch
 from .replay import ScriptTrace, replay
 
 
@@ -360,8 +361,9 @@ class ScriptSession:
             if rng_seed is None:
                 self._refs[id(state)] = grads
                 self._pinned.append(state)
-        return WindowReference(full=dict(grads), per_mb=None, counts=None, weighted=False,
-                               mode="loop")
+        per = per_microbatch(self, window, state) if per_mb and rng_seed is None else None
+        return WindowReference(full=dict(grads), per_mb=per[0] if per else None,
+                               counts=per[1] if per else None, weighted=False, mode="loop")
 
     def reference_for(self, *args: Any, **kwargs: Any) -> WindowReference:
         raise NotImplementedError("script mode cannot re-split a window")
