@@ -79,3 +79,34 @@ def test_size_factors_are_named_as_in_spec_mode(tmp_path, bug, clip, kind):
     assert found["evidence"]["measured"] == pytest.approx(0.25, rel=1e-3)
     if kind == "double-average":
         assert found["evidence"]["factor"] == pytest.approx(0.25)
+
+
+GAN = SCRIPTS / "gan.py"
+
+
+def test_two_models_two_optimizers_are_judged_each(tmp_path):
+    """A GAN's two losses backward per micro-batch: K is its micro-batches (not its backwards),
+    the reference's batch K x b is accepted, and both optimizers' steps are compared."""
+    from ampdoctor.script.infer import infer_reference
+    reference = infer_reference(str(GAN), [])
+    assert reference.args == ["--accum", "1", "--batch-size", "32"]
+    result = diagnose(tmp_path, GAN, [], " ".join(reference.args))
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["findings"] == [] and record["accumulation_steps"] == 4
+    assert len(record["found"]["models"]) == 2 and record["found"]["optimizers"] == ["Adam"] * 2
+    fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
+    assert fp32["summary"].startswith("6 optimizer steps match")   # 3 windows x 2 optimizers
+
+
+@pytest.mark.parametrize("bug, optimizer", [("g-no-average", 0), ("d-no-average", 1)])
+def test_a_gan_bug_is_named_at_the_loss_of_its_own_model(tmp_path, bug, optimizer):
+    result = diagnose(tmp_path, GAN, ["--bug", bug], f"--accum 1 --batch-size 32 --bug {bug}")
+    assert result.returncode == 1, result.stderr
+    found = first_error(result.record)
+    assert (found["rung"], found["kind"]) == ("fp32-accum", "missing-accumulation-average")
+    line = next(n for n, text in enumerate(GAN.read_text().splitlines(), 1)
+                if f"# BUG: missing-accumulation-average (with --bug {bug})" in text)
+    assert found["location"]["line"] == line
+    assert found["evidence"]["optimizer"] == optimizer   # opt_g is built first
+    assert found["evidence"]["measured"] == pytest.approx(4.0, rel=1e-3)

@@ -110,6 +110,9 @@ class Outcome:
     dropout: list[str] = field(default_factory=list)
     #: the script's writes: {"scratch": folder, "written": [path], "hidden": [path]}
     files: dict[str, Any] = field(default_factory=dict)
+    #: backward n (1-based, the run's order) -> the optimizer slots whose parameters it gave
+    #: gradients (a GAN's two losses train two models)
+    backward_slots: dict[int, set[int]] = field(default_factory=dict)
 
 
 #: the stopped run's exception, kept with its traceback (see `run`)
@@ -186,6 +189,11 @@ class ScriptProbe:
     def optimizer_built(self, optimizer: torch.optim.Optimizer) -> None:
         slot = self.probe.optimizer_slot(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        for param in params:
+            if isinstance(param, torch.Tensor) and param.requires_grad:
+                param.register_post_accumulate_grad_hook(
+                    lambda _p, slot=slot: self.out.backward_slots.setdefault(
+                        self.probe.backward_count, set()).add(slot))
         self.out.optimizers.append({
             "type": type(optimizer).__name__, "slot": slot,
             "params": sum(p.numel() for p in params),

@@ -176,10 +176,11 @@ class ScriptSession:
                     f"step: {first.error.get('text')}", location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
-            if first.steps and first.steps[0].backwards > 1:
+            accumulated = _micro_batches(first)
+            if accumulated > 1:
                 raise UsageError(
-                    f"--reference-args: the reference run accumulated "
-                    f"{first.steps[0].backwards} backwards before its first optimizer step; "
+                    f"--reference-args: the reference run accumulated {accumulated} "
+                    "micro-batches (forwards and backwards) before its first optimizer step; "
                     "the reference must take one micro-batch per optimizer step (K = 1) "
                     "holding the whole step's data: set the script's accumulation option to 1")
         outcome = self.run(self.job("fp32", min_samples=self.N * self.reference_rows),
@@ -206,7 +207,7 @@ class ScriptSession:
     def _check_reference_batch(self, outcome: Outcome) -> None:
         """The reference's window must hold the run's whole window: K x b rows."""
         b = outcome.forwards[0].rows if outcome.forwards else 0
-        observed = outcome.steps[0].backwards if outcome.steps else 0
+        observed = _micro_batches(outcome)
         rows = self.reference_rows
         if not rows or not b:
             return
@@ -223,9 +224,7 @@ class ScriptSession:
         b = outcome.forwards[0].rows if outcome.forwards else 0
         if self.reference_rows and b and self.reference_rows % b == 0:
             return self.reference_rows // b
-        if outcome.steps:
-            return max(1, outcome.steps[0].backwards)
-        return 1
+        return max(1, _micro_batches(outcome))
 
     def trace(self, precision: str) -> ScriptTrace:
         """The run of `precision` (fp32 first, see `start`), started from the fp32 run's initial
@@ -396,6 +395,17 @@ class ScriptSession:
 
 
 _FILES_NOTE = "the script's file writes went to a scratch folder,"
+
+
+def _micro_batches(outcome: Outcome) -> int:
+    """The micro-batches of a run's first window: its backwards before the first optimizer
+    step, and its model's forwards there when fewer (a GAN's generator runs once per
+    micro-batch, each of its two losses backward: two backwards, one micro-batch)."""
+    if not outcome.steps:
+        return 0
+    forwards = sum(1 for f in outcome.forwards if f.window == 0)
+    backwards = outcome.steps[0].backwards
+    return min(backwards, forwards) if forwards else backwards
 
 
 def _per_window(injector: Any) -> int:
