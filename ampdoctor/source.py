@@ -68,6 +68,9 @@ class ScriptSource(BaseModel):
     precisions: list[Precision] = Field(default_factory=_every_precision, min_length=1)
     rungs: list[str] | None = Field(default=None, min_length=1)
     keep_going: bool = False
+    #: keep the script's own output (each run's) in the record instead of showing it as it
+    #: runs (`--verbose` shows it)
+    capture_output: bool = True
     #: the working directory the script runs in (the caller's)
     cwd: str = Field(default_factory=os.getcwd)
 

@@ -50,6 +50,9 @@ GRACE_S = 10.0
 MIN_GRACE_S = 3.0
 #: ampdoctor's own start in the child (the interpreter, torch's import), before any user code.
 STARTUP_S = 300.0
+#: A script's run is stopped by the worker at its bound (AMPDOCTOR_SCRIPT_TIMEOUT_S); past it
+#: by this much (its process's start included: a fork server importing torch), it is killed here.
+SCRIPT_GRACE_S = 60.0
 #: A ddp-sync rung bounds its own rank processes at `ddp.timeout_s` and then stops them.
 DDP_GRACE_S = 30.0
 #: How long the child is given to write its stacks after SIGUSR2.
@@ -164,6 +167,10 @@ class Watch:
         if self.phase == "ddp-sync" and getattr(self.spec, "ddp", None) is not None:
             return float(self.spec.ddp.timeout_s) + DDP_GRACE_S
         timeout = float(self.spec.timeout_s)
+        if self.per_run:
+            # the worker stops a script's run at its bound itself, once the run's process has
+            # started (the first start imports torch): this is the backstop past both
+            return timeout + SCRIPT_GRACE_S
         return timeout + max(MIN_GRACE_S, min(GRACE_S, timeout))
 
     def _pump(self, wait: float) -> bool:

@@ -189,13 +189,26 @@ def train_loop(model, optimizer, micro_batches, run):
 
 def test_with_json_stdout_is_one_document_whatever_the_loop_writes(tmp_path):
     spec = _project(tmp_path, WRITES)
-    result = run_cli_process("diagnose", spec, "--json", "--out", tmp_path / "runs",
-                             timeout=300)
+    result = run_cli_process("diagnose", spec, "--json", "--verbose", "--out",
+                             tmp_path / "runs", timeout=300)
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)            # the whole of stdout, one document
     assert record["verdict"] == "healthy" and record["exit_code"] == 0
+    # --verbose: the loop's output is shown as it comes, on stderr
     assert "raw bytes on fd 1 {not json" in result.stderr
     assert "a print from the loop" in result.stderr
+
+
+def test_the_loops_output_is_kept_in_the_record_not_shown(tmp_path):
+    spec = _project(tmp_path, WRITES)
+    result = run_cli_process("diagnose", spec, "--json", "--out", tmp_path / "runs",
+                             timeout=300)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert "a print from the loop" not in result.stderr
+    assert "raw bytes on fd 1 {not json" not in result.stderr
+    kept = "".join(o["text"] for o in record["output"])
+    assert "a print from the loop" in kept and "raw bytes on fd 1 {not json" in kept
 
 
 def test_a_loop_that_closes_stdout_still_gets_its_report(tmp_path):

@@ -122,7 +122,7 @@ def junit_xml(record: dict[str, Any]) -> str:
             by_rung.setdefault(str(finding.get("rung")), []).append(finding)
     suite = ET.Element("testsuite", name=f"ampdoctor.{name}")
     props = ET.SubElement(suite, "properties")
-    for key in ("verdict", "exit_code", "failed_rung", "device", "spec", "strict"):
+    for key in ("verdict", "exit_code", "failed_rung", "device", "spec", "script", "strict"):
         if record.get(key) is not None:
             value = record[key]
             text = json.dumps(value) if isinstance(value, bool) else value
@@ -243,7 +243,9 @@ def sarif_json(record: dict[str, Any], base: str | None = None) -> str:
                              "exitCode": record.get("exit_code")}],
             "properties": {"verdict": record.get("verdict"),
                            "failed_rung": record.get("failed_rung"),
-                           "spec": inert(record.get("spec"), limit=FIELD_LIMIT)},
+                           "spec": inert(record.get("spec"), limit=FIELD_LIMIT),
+                           "script": (inert(record["script"], limit=FIELD_LIMIT)
+                                      if record.get("script") is not None else None)},
             "results": results,
         }],
     }

@@ -57,6 +57,10 @@ def diagnose(
     keep_going: bool = typer.Option(False, "--keep-going", help="Run every rung even after "
                                     "one fails (each later rung marked 'after a failure'); "
                                     "the exit code and failed_rung stay the first failure's."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Show the training code's "
+                                 "own output (prints, warnings) as every run goes; otherwise "
+                                 "it is kept in the record and a failing run's first output "
+                                 "is shown."),
     strict: bool = typer.Option(False, "--strict", help="Warnings fail the run too (exit 1), "
                                 "for CI."),
     junit: Path | None = typer.Option(None, "--junit", metavar="FILE", help="Also write a "
@@ -73,15 +77,17 @@ def diagnose(
     if spec.suffix == ".py":   # script mode: the same driver, another source of runs
         from .script_mode import script_source_of
         try:
-            source = script_source_of(spec, script_args or [], reference_args, overrides)
+            source = script_source_of(spec, script_args or [], reference_args,
+                                      dict(overrides, capture_output=not verbose))
         except UsageError as exc:
             raise typer.Exit(fail(exc, debug)) from None
-        raise typer.Exit(diagnose_here(source, json_out, debug, out, ci=ci))
+        raise typer.Exit(diagnose_here(source, json_out, debug, out, ci=ci, verbose=verbose))
     if script_args or reference_args is not None:
         raise typer.Exit(fail(UsageError("arguments after the spec and --reference-args are "
                                          "for script mode (`ampdoctor diagnose train.py -- "
                                          "ARGS`); a spec takes none"), debug))
-    raise typer.Exit(run_diagnose(spec, json_out, debug, out, overrides, ci=ci))
+    raise typer.Exit(run_diagnose(spec, json_out, debug, out, overrides, ci=ci,
+                                  verbose=verbose))
 
 
 #: the spec key each override flag sets: messages name the flag, not the spec's line
@@ -90,7 +96,8 @@ FLAGS = {"device": "--device", "precisions": "--precisions", "rungs": "--rungs",
 
 
 def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
-                 overrides: dict[str, Any] | None = None, ci: CiOptions | None = None) -> int:
+                 overrides: dict[str, Any] | None = None, ci: CiOptions | None = None,
+                 verbose: bool = False) -> int:
     """Load the spec (with the command line's overrides) and diagnose it; the exit code."""
     from ..api import load
     try:
@@ -103,7 +110,7 @@ def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
 
     launched = launch.launched_rank()
     if launched is None:
-        return diagnose_here(spec, json_out, debug, out, ci=ci)
+        return diagnose_here(spec, json_out, debug, out, ci=ci, verbose=verbose)
     # torchrun supervises its own processes; the ranks share a store with this one
     # Under torchrun: rank 0 runs the ladder and reports; the others serve the ddp-sync rung.
     try:
@@ -116,7 +123,8 @@ def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
     launch.GROUP = group
     code = INTERNAL_ERROR
     try:
-        code = diagnose_here(spec, json_out, debug, out, isolate=False, ci=ci)
+        code = diagnose_here(spec, json_out, debug, out, isolate=False, ci=ci,
+                             verbose=verbose)
     finally:
         launch.GROUP = None
         group.finish(code)
@@ -150,10 +158,12 @@ def writable_out(out: Path | None) -> Path:
 
 
 def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
-                  isolate: bool = True, ci: CiOptions | None = None) -> int:
-    """Diagnose `spec` from this process (the loop in a child unless `isolate` is False or
-    AMPDOCTOR_IN_PROCESS is set), save and show the record (and the CI reports `ci` asks
-    for); the exit code."""
+                  isolate: bool = True, ci: CiOptions | None = None,
+                  verbose: bool = False) -> int:
+    """Diagnose `spec` (a Spec or a `source.ScriptSource`) from this process (the runs in a
+    child unless `isolate` is False or AMPDOCTOR_IN_PROCESS is set), save and show the record
+    (and the CI reports `ci` asks for); the exit code. The training code's own output is
+    kept in the record (`output`) unless `verbose`, which shows it as it comes."""
     from ..report.terminal import render
     from ..runner import error_record
     from ..supervise import ChildCrashed
@@ -166,10 +176,11 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
     except UsageError as exc:
         return fail(exc, debug)
     done: list[dict[str, Any]] = []
+    captured = None if verbose else Captured()
     try:
         with ProgressLine(err, quiet=json_out) as progress, _signals_interrupt():
             if isolate and _isolated():
-                record, exception = _run_isolated(spec, progress, done, err)
+                record, exception = _run_isolated(spec, progress, done, err, captured)
             else:
                 with contextlib.redirect_stdout(sys.stderr):
                     record, exception = _run_in_process(spec, progress, done)
@@ -199,6 +210,9 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         assert exception is not None
         return fail(exception, debug)
     from .. import record as records
+    if captured is not None and captured.text and "output" not in record:
+        record["output"] = [{"run": "the loop's runs", "text": captured.text}]
+    show_output(record, err, every=debug)
     ci.mark(record)
     code = records.exit_code(record)
     if exception is not None:
@@ -237,10 +251,55 @@ def _run_in_process(spec: Any, progress: ProgressLine,
     return result.data, result.exception
 
 
+class Captured:
+    """The training code's output, kept (its first and last OUTPUT_KEPT bytes) instead of
+    shown."""
+
+    def __init__(self) -> None:
+        self.head = ""
+        self.tail = ""
+        self.cut = 0
+
+    def __call__(self, text: str) -> None:
+        room = OUTPUT_KEPT - len(self.head)
+        if room > 0:
+            self.head += text[:room]
+            text = text[room:]
+        self.tail += text
+        if len(self.tail) > OUTPUT_KEPT:
+            self.cut += len(self.tail) - OUTPUT_KEPT
+            self.tail = self.tail[-OUTPUT_KEPT:]
+
+    @property
+    def text(self) -> str:
+        middle = f"\n[... {self.cut} characters cut ...]\n" if self.cut else ""
+        return self.head + middle + self.tail
+
+
+#: the most of the training code's output a record keeps, from its start and from its end
+OUTPUT_KEPT = 16 * 1024
+
+
+def show_output(record: dict[str, Any], err: Console, every: bool) -> None:
+    """The captured output of the training code on stderr: every run's with `every` (--debug),
+    else the first run's once when the run ended in an error (what a crash printed)."""
+    outputs = [o for o in record.get("output") or [] if isinstance(o, dict) and o.get("text")]
+    if not outputs or not (every or record.get("verdict") == "error"):
+        return
+    for entry in outputs if every else outputs[:1]:
+        err.print(inert(f"--- output of the {entry.get('run')} (captured; --verbose shows it "
+                        "as it runs) ---"), markup=False, highlight=False, style="dim")
+        sys.stderr.write(inert(str(entry["text"])))
+        if not str(entry["text"]).endswith("\n"):
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
 def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
-                  err: Console) -> tuple[dict[str, Any] | None, Any]:
+                  err: Console, captured: Captured | None = None,
+                  ) -> tuple[dict[str, Any] | None, Any]:
     """The diagnose in a child process (`supervise.run`): its events drive the progress line,
-    its output goes to stderr."""
+    its output goes to stderr (or to `captured`)."""
     from .. import supervise
 
     def on_event(event: dict[str, Any]) -> None:
@@ -251,7 +310,9 @@ def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
             done.append(event.get("rung") or {})
 
     def on_output(text: str) -> None:
-        if progress.status is not None:
+        if captured is not None:
+            captured(text)
+        elif progress.status is not None:
             err.print(text, end="", markup=False, highlight=False, soft_wrap=True)
         else:
             sys.stderr.write(text)

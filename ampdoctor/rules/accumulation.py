@@ -198,7 +198,7 @@ def _named_shape(case: StepCase) -> Finding | None:
             evidence["measured"] = compare._round(1.0 / m.ratio)
         measured_ratio = m.ratio
     fix = ""
-    message = MESSAGES.get(kind, "{label}").format(
+    message = clipped_lead(MESSAGES.get(kind, "{label}"), case).format(
         step=case.judged.ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
         precision=case.judgement.precision, tol=case.judgement.tolerance.rtol,
         factor=found.factor or 0)
@@ -310,8 +310,9 @@ def _wrong_divisor(case: StepCase) -> Finding | None:
     decider = (deciders.double_average if measured_ratio < 1
                else deciders.missing_accumulation_average)
     case.evidence["factor"] = compare._round(measured_ratio)
+    lead = clipped_lead(CONSUMED, case).format(step=case.judged.ordinal)
     return decider(Observed(case.rung, Severity.ERROR,
-                   f"Step {case.judged.ordinal}: the optimizer consumed {measured_ratio:.4g}x "
+                   f"{lead}{measured_ratio:.4g}x "
                    f"the reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
                    f"{K / measured_ratio:.4g} instead of K={K}.",
                    evidence=case.evidence, location=location(case.last_backward_site)))
@@ -363,6 +364,24 @@ SHAPES: tuple[Callable[[StepCase], Finding | None], ...] = (
     _wrong_divisor,
     _loop_sums_unaveraged,
 )
+
+
+#: Every message of MESSAGES opens with this: what the optimizer consumed...
+CONSUMED = "Step {step}: the optimizer consumed "
+
+
+def clipped_lead(template: str, case: StepCase) -> str:
+    """The message's opening when the window's clip bit: the headline is the update the step
+    applied (after the clip, what the charts plot), then what the clip was handed."""
+    after = case.evidence.get("ratio_after_clip")
+    threshold = clip_threshold(case.window_events)
+    if after is None or case.clip_norm is None or threshold is None \
+            or not template.startswith(CONSUMED):
+        return template
+    return ("Step {step}: the update the step applied was " + f"{float(after):.4g}"
+            + "x the reference's after the clip (it saw a total norm "
+            + f"{case.clip_norm:.4g} > max_norm {threshold:g}); before the clip, the "
+            "optimizer was handed " + template[len(CONSUMED):])
 
 
 MESSAGES = {

@@ -9,6 +9,7 @@ in one line too (`found_text`).
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -76,17 +77,27 @@ def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = No
     mode's rungs); the run record, and the AmpdoctorError that stopped it before the ladder
     (the script could not run at all, a bad reference, a run past its time bound), which the
     record's `error` holds too."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ampdoctor-output-") as output_dir:
+        command = Command(source.script, list(source.args),
+                          list(source.reference_args) if source.reference_args is not None
+                          else None, steps=source.optimizer_steps, timeout_s=source.timeout_s,
+                          cwd=source.cwd, env=_environment(source.device),
+                          output_dir=output_dir if source.capture_output else None)
+        return _diagnose(source, command, started, on_start, on_done, on_progress)
+
+
+def _diagnose(source: ScriptSource, command: Command, started: float,
+              on_start: Callable[[str], None] | None,
+              on_done: Callable[[RungResult], None] | None,
+              on_progress: Callable[[dict[str, Any]], None] | None,
+              ) -> tuple[dict[str, Any], AmpdoctorError | None]:
     from .. import progress
     from ..ladder import run_ladder
     from ..runner import error_record, fill_record, new_record
     from .rungs import RUNGS, weights
 
-    started = time.perf_counter()
     record = new_record(source, "unknown")
-    command = Command(source.script, list(source.args),
-                      list(source.reference_args) if source.reference_args is not None
-                      else None, steps=source.optimizer_steps, timeout_s=source.timeout_s,
-                      cwd=source.cwd, env=_environment(source.device))
     ss = ScriptSession(command)
     ss.spec.precisions = list(source.precisions)
     ss.spec.rungs = list(source.rungs) if source.rungs is not None else None
@@ -112,12 +123,16 @@ def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = No
                                                    "accumulation_steps", "micro_batch_size",
                                                    "found") if k in record})
             failed["seconds"] = round(time.perf_counter() - started, 3)
+            if ss.outputs:
+                failed["output"] = ss.outputs
             return failed, exc
     fill_record(record, results)
     record["notes"] = sorted(_notes(ss))
     record["runs"] = ss.charts
     record["seconds"] = round(time.perf_counter() - started, 3)
     record["reference_mode"] = "script"
+    if ss.outputs:
+        record["output"] = ss.outputs
     return record, None
 
 

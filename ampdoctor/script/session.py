@@ -9,10 +9,9 @@ steps are judged and explained by the same code as a spec's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import tempfile
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -29,6 +28,8 @@ from . import spawn
 from .child import Job, Outcome
 from .references import per_microbatch
 from .replay import ScriptTrace, replay
+from .scratch import NOTE as SCRATCH_NOTE
+from .scratch import Scratch
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Command:
     timeout_s: float = 600.0
     cwd: str = field(default_factory=os.getcwd)
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    #: where each run's output is captured (None: shown on stderr as it runs)
+    output_dir: str | None = None
 
 
 @dataclass
@@ -106,16 +109,12 @@ class ScriptSession:
         self.reference_probe: Outcome | None = None
         #: why the reference cannot be used (None: it can, or was not asked for)
         self.unaligned: str | None = None
+        #: each run's captured output, in the order the runs ran
+        self.outputs: list[dict[str, Any]] = []
         self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
         self._pinned: list[Any] = []
-        #: the scratch folder of this diagnose: each run's file writes land in a folder of it,
-        #: removed when the run ends (`files`); the folder itself when the session goes
-        self.scratch = tempfile.mkdtemp(prefix="ampdoctor-script-")
-        weakref.finalize(self, shutil.rmtree, self.scratch, True)
-        self.runs = 0
-        #: what the script's runs wrote and removed (original paths): `files_record`
-        self.written: set[str] = set()
-        self.removed: set[str] = set()
+        #: where the script's file writes land: a folder per run (`scratch`, `files`)
+        self.scratch = Scratch()
 
     # --- running the script ---------------------------------------------------------------
     def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job:
@@ -129,40 +128,31 @@ class ScriptSession:
     def run(self, job: Job, what: str) -> Outcome:
         from .. import progress
         progress.run_started(what, None)
-        self.runs += 1
         if job.scratch is None:
-            job.scratch = os.path.join(self.scratch, f"run-{self.runs}")
+            job.scratch = self.scratch.folder()
         try:
-            outcome = spawn.run_child(job, self.command.timeout_s, what)
+            outcome = self._spawn(job, what)
         finally:   # (a run stopped at its time bound leaves its folder behind)
             shutil.rmtree(job.scratch, ignore_errors=True)
-        self.written.update(outcome.files.get("written", ()))
-        self.removed.update(outcome.files.get("hidden", ()))
-        note = self.files_note()
-        self.notes = {n for n in self.notes if not n.startswith(_FILES_NOTE)}
+        self.scratch.absorb(outcome.files)
+        note = self.scratch.note()
+        self.notes = {n for n in self.notes if not n.startswith(SCRATCH_NOTE)}
         if note:
             self.notes.add(note)
         return outcome
 
-    def files_record(self) -> dict[str, Any]:
-        """Where the script's file writes went: the record's `script_files`."""
-        return {"scratch": self.scratch, "written": sorted(self.written),
-                "removed": sorted(self.removed), "kept": "removed after each run"}
-
-    def files_note(self) -> str | None:
-        if not self.written and not self.removed:
-            return None
-        def some(paths: set[str]) -> str:
-            shown = sorted(paths)
-            return ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4
-                                           else "")
-        parts = []
-        if self.written:
-            parts.append(f"wrote {some(self.written)}")
-        if self.removed:
-            parts.append(f"removed or moved {some(self.removed)} (left in place)")
-        return (f"{_FILES_NOTE} {self.scratch} (a folder per run, deleted when the run ended): "
-                f"the script {' and '.join(parts)}; no file outside it was changed")
+    def _spawn(self, job: Job, what: str) -> Outcome:
+        """One child run, its output captured in `outputs` when the command asks for it."""
+        if self.command.output_dir is None:
+            return spawn.run_child(job, self.command.timeout_s, what)
+        log = os.path.join(self.command.output_dir, f"{len(self.outputs):03d}.log")
+        try:
+            return spawn.run_child(job, self.command.timeout_s, what, log)
+        finally:
+            self.outputs.append({"run": what, "args": list(job.args),
+                                 "text": _read_bounded(log)})
+            with contextlib.suppress(OSError):
+                os.unlink(log)
 
     def start(self) -> ScriptTrace:
         """The fp32 run of the script (and first the reference's first window, when asked
@@ -394,9 +384,6 @@ class ScriptSession:
         return list(fp32.outcome.dropout) if fp32 is not None else []
 
 
-_FILES_NOTE = "the script's file writes went to a scratch folder,"
-
-
 def _micro_batches(outcome: Outcome) -> int:
     """The micro-batches of a run's first window: its backwards before the first optimizer
     step, and its model's forwards there when fewer (a GAN's generator runs once per
@@ -406,6 +393,24 @@ def _micro_batches(outcome: Outcome) -> int:
     forwards = sum(1 for f in outcome.forwards if f.window == 0)
     backwards = outcome.steps[0].backwards
     return min(backwards, forwards) if forwards else backwards
+
+
+#: The most of one run's output a record keeps: its first and last halves of this.
+OUTPUT_LIMIT = 16 * 1024
+
+
+def _read_bounded(path: str) -> str:
+    """A run's captured output, its middle cut when it is longer than OUTPUT_LIMIT."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    if len(data) > OUTPUT_LIMIT:
+        half = OUTPUT_LIMIT // 2
+        cut = len(data) - 2 * half
+        data = data[:half] + f"\n[... {cut} bytes cut ...]\n".encode() + data[-half:]
+    return data.decode("utf-8", errors="replace")
 
 
 def _per_window(injector: Any) -> int:

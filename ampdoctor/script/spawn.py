@@ -36,13 +36,18 @@ def _context() -> Any:
     return _CONTEXT
 
 
-def _child_main(job: Any, conn: Any) -> None:
+def _child_main(job: Any, conn: Any, log_path: str | None = None) -> None:
     """In the child: run the job, send back its outcome (pickled), leave without cleanup (a
-    thread the script left running cannot keep the child alive)."""
+    thread the script left running cannot keep the child alive). The script's stdout and
+    stderr go to `log_path` when given (captured), else both to stderr."""
     code = 0
     try:
         with contextlib.suppress(OSError):
-            os.dup2(2, 1)            # the script's prints: stderr
+            if log_path is not None:
+                fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.dup2(fd, 2)
+                os.close(fd)
+            os.dup2(2, 1)            # the script's prints: stderr (or the log)
         sys.stdout = sys.stderr
         _die_with_parent()
         from . import child
@@ -76,13 +81,13 @@ class ChildFailed(Exception):
     """ampdoctor's own code failed in the child (not the script): a bug to report."""
 
 
-def run_child(job: Any, timeout_s: float, what: str) -> Any:
+def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None) -> Any:
     """Run `job` (a `child.Job`) in a child process; its `child.Outcome`. UserCodeError (exit 3)
     when it does not finish within `timeout_s` or the process died without a word (os._exit,
-    a crash in native code)."""
+    a crash in native code). `log_path`: where the script's output goes (else stderr)."""
     ctx = _context()
     receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child_main, args=(job, sender))
+    process = ctx.Process(target=_child_main, args=(job, sender, log_path))
     # The child must not import the parent's __main__ again (the CLI, a test runner, the
     # user's own program): it is shown an empty one while the process starts.
     main = sys.modules["__main__"]
