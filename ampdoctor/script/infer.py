@@ -73,7 +73,7 @@ def _occurrences(flag: Flag, args: list[str], longs: list[str]) -> _Given:
             break
         for option in flag.options:
             key = arg.split("=", 1)[0]
-            if option.startswith("--") and key.startswith("--") and key != option and \
+            if not flag.configurator and key.startswith("--") and key != option and \
                     option.startswith(key) and key not in longs and \
                     [o for o in longs if o.startswith(key)] == [option]:
                 key = option                       # argparse's unambiguous abbreviation
