@@ -114,6 +114,16 @@ class Outcome:
     #: gradients (a GAN's two losses train two models)
     backward_slots: dict[int, set[int]] = field(default_factory=dict)
 
+    def micro_batches(self) -> int:
+        """The micro-batches of the run's first window: its backwards before the first
+        optimizer step, and its model's forwards there when fewer (a GAN's generator runs once
+        per micro-batch, each of its two losses backward: two backwards, one micro-batch)."""
+        if not self.steps:
+            return 0
+        forwards = sum(1 for f in self.forwards if f.window == 0)
+        backwards = self.steps[0].backwards
+        return min(backwards, forwards) if forwards else backwards
+
 
 #: the stopped run's exception, kept with its traceback (see `run`)
 _STOPPED: list[BaseException] = []

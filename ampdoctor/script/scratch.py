@@ -30,10 +30,13 @@ class Scratch:
         self.runs += 1
         return os.path.join(self.root, f"run-{self.runs}")
 
-    def absorb(self, files: dict[str, Any]) -> None:
-        """A finished run's report of its files (`Outcome.files`)."""
+    def absorb(self, files: dict[str, Any], notes: set[str]) -> set[str]:
+        """A finished run's report of its files (`Outcome.files`); `notes` with the note on
+        the script's files brought up to date."""
         self.written.update(files.get("written", ()))
         self.removed.update(files.get("hidden", ()))
+        note = self.note()
+        return {n for n in notes if not n.startswith(NOTE)} | ({note} if note else set())
 
     def record(self) -> dict[str, Any]:
         """Where the script's file writes went (for the record)."""

@@ -29,7 +29,6 @@ from . import spawn
 from .child import Job, Outcome
 from .references import per_microbatch
 from .replay import ScriptTrace, replay
-from .scratch import NOTE as SCRATCH_NOTE
 from .scratch import Scratch
 
 
@@ -135,11 +134,7 @@ class ScriptSession:
             outcome = self._spawn(job, what)
         finally:   # (a run stopped at its time bound leaves its folder behind)
             shutil.rmtree(job.scratch, ignore_errors=True)
-        self.scratch.absorb(outcome.files)
-        note = self.scratch.note()
-        self.notes = {n for n in self.notes if not n.startswith(SCRATCH_NOTE)}
-        if note:
-            self.notes.add(note)
+        self.notes = self.scratch.absorb(outcome.files, self.notes)
         return outcome
 
     def _spawn(self, job: Job, what: str) -> Outcome:
@@ -171,7 +166,7 @@ class ScriptSession:
                     location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
-            accumulated = _micro_batches(first)
+            accumulated = first.micro_batches()
             if accumulated > 1:
                 raise UsageError(
                     f"--reference-args: the reference run accumulated {accumulated} "
@@ -226,7 +221,7 @@ class ScriptSession:
     def _check_reference_batch(self, outcome: Outcome) -> None:
         """The reference's window must hold the run's whole window: K x b rows."""
         b = outcome.forwards[0].rows if outcome.forwards else 0
-        observed = _micro_batches(outcome)
+        observed = outcome.micro_batches()
         rows = self.reference_rows
         if not rows or not b:
             return
@@ -243,7 +238,7 @@ class ScriptSession:
         b = outcome.forwards[0].rows if outcome.forwards else 0
         if self.reference_rows and b and self.reference_rows % b == 0:
             return self.reference_rows // b
-        return max(1, _micro_batches(outcome))
+        return max(1, outcome.micro_batches())
 
     def trace(self, precision: str) -> ScriptTrace:
         """The run of `precision` (fp32 first, see `start`), started from the fp32 run's initial
@@ -411,21 +406,6 @@ class ScriptSession:
     def random_modules(self) -> list[str]:
         fp32 = self.traces.get("fp32")
         return list(fp32.outcome.dropout) if fp32 is not None else []
-
-
-def _micro_batches(outcome: Outcome) -> int:
-    """The micro-batches of a run's first window: its backwards before the first optimizer
-    step, and its model's forwards there when fewer (a GAN's generator runs once per
-    micro-batch, each of its two losses backward: two backwards, one micro-batch)."""
-    if not outcome.steps:
-        return 0
-    forwards = sum(1 for f in outcome.forwards if f.window == 0)
-    backwards = outcome.steps[0].backwards
-    return min(backwards, forwards) if forwards else backwards
-
-
-#: The most of one run's output a record keeps: its first and last halves of this.
-OUTPUT_LIMIT = 16 * 1024
 
 
 def _read_bounded(path: str) -> str:
