@@ -408,6 +408,10 @@ class ScriptSession:
         return list(fp32.outcome.dropout) if fp32 is not None else []
 
 
+#: The most of one run's output a record keeps: its first and last halves of this.
+OUTPUT_LIMIT = 16 * 1024
+
+
 def _read_bounded(path: str) -> str:
     """A run's captured output, its middle cut when it is longer than OUTPUT_LIMIT."""
     try:
