@@ -317,6 +317,20 @@ def window_hypotheses(per_mb: list[torch.Tensor], counts: list[float], weighted:
     return out
 
 
+def implied_weights(full: torch.Tensor, per_mb: list[torch.Tensor]) -> list[float] | None:
+    """The weights (summing to 1) with which the micro-batch gradients combine into the
+    whole-window reference, by least squares: equal when each micro-batch counts as much as the
+    others, proportional to its tokens when the loss averages over the window's tokens."""
+    if not per_mb:
+        return None
+    columns = torch.stack([g.double() for g in per_mb], dim=1)
+    solution = torch.linalg.lstsq(columns, full.double().unsqueeze(1)).solution.squeeze(1)
+    total = float(solution.sum())
+    if not math.isfinite(total) or total == 0:
+        return None
+    return [_round(float(w) / total) for w in solution]
+
+
 def scale_hypotheses(reference: torch.Tensor, scale: float | None) -> list[Hypothesis]:
     """The fp16 shapes: a step on still-scaled gradients, or gradients divided by S twice."""
     if not scale or scale == 1.0:

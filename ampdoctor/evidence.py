@@ -58,6 +58,7 @@ Evidence = TypedDict("Evidence", {
     "weighting_ratio": float,
     "weighting_cosine": float,
     "weights": Any,
+    "reference_weights": Any,
     "per_microbatch_ratio": Any,
     "per_microbatch_cosine": Any,
     "accumulation_steps": int,

@@ -232,7 +232,7 @@ def test_a_run_past_its_time_bound_is_stopped_exit_3(tmp_path):
 
 
 @pytest.mark.parametrize("reference, said", [
-    ("--accum-steps 4 --batch-size 32", "accumulated 4 backwards"),
+    ("--accum-steps 4 --batch-size 32", "accumulated 4 micro-batches"),
     ("--accum-steps 1 --batch-size 8", "read 8 row(s)"),
 ], ids=["reference-accumulates", "reference-batch-too-small"])
 def test_reference_args_that_are_not_the_full_batch_are_exit_2(tmp_path, reference, said):

@@ -214,6 +214,14 @@ def _named_shape(case: StepCase) -> Finding | None:
         message = unaveraged.message(case.judged.ordinal, K, equal_sums, case.clip_norm,
                                      clip_threshold(case.window_events),
                                      evidence.get("ratio_after_clip"))
+    if kind == "weighted-average-mismatch" and not case.ref.weighted:
+        # no weights known: the run's (equal) against the ones the reference implies
+        implied = compare.implied_weights(case.full, case.per_mb)
+        if implied is not None:
+            evidence["weights"] = [compare._round(1.0 / len(case.per_mb))] * len(case.per_mb)
+            evidence["reference_weights"] = implied
+            message += (" The run weighted its micro-batches " + _shown(evidence["weights"])
+                        + "; the reference implies " + _shown(implied) + ".")
     site = _site_of(case, kind)
     unused = unscaled_backward(case.window_events) if kind == "unscale-twice" else None
     if unused is not None:   # 1/S because the scaled loss was never backpropagated
@@ -230,6 +238,10 @@ def _named_shape(case: StepCase) -> Finding | None:
         message += " " + party[1][0].upper() + party[1][1:]
     return deciders.decide(kind, Observed(case.rung, Severity.ERROR, message, evidence=evidence,
                                           location=location(site), fix=fix))
+
+
+def _shown(weights: list[float]) -> str:
+    return "[" + ", ".join(f"{w:.3g}" for w in weights) + "]"
 
 
 def _carried_over(case: StepCase) -> Finding | None:

@@ -103,7 +103,7 @@ def build_case(session: Session, trace: Trace, rung: str, judgement: Judgement,
     full = flat(session, ref.full, names)
     per_mb = [flat(session, g, names) for g in ref.per_mb or []]
     user_u, clip_norm = unclipped(user, window_events)
-    backwards = of_type(window_events, Backward)
+    backwards = _own_backwards(trace, of_type(window_events, Backward), step.optimizer)
     first_backward_seq = backwards[0].seq if backwards else -1
     inside_zero = [e for e in of_type(window_events, ZeroGrad) if e.seq > first_backward_seq
                    and (e.optimizer is None or e.optimizer == step.optimizer
@@ -129,6 +129,8 @@ def build_case(session: Session, trace: Trace, rung: str, judgement: Judgement,
     framework = framework_of(trace)
     if framework is not None:   # the fix is then said in that framework's terms
         evidence["framework"] = framework
+    if getattr(trace, "backward_optimizers", None) is not None and trace.optimizer_count > 1:
+        evidence["optimizer"] = step.optimizer   # which of the script's optimizers stepped
     if clip_norm is not None:
         evidence["clip_total_norm"] = compare._round(clip_norm)
         if user_u is not user:
@@ -138,6 +140,16 @@ def build_case(session: Session, trace: Trace, rung: str, judgement: Judgement,
     return StepCase(session, trace, rung, judgement, judged, rerun, snapshot, names, ref, full,
                  per_mb, user, user_u, clip_norm, backwards, inside_zero, contributing_from,
                  hyps, cand_tol, found, measured_ratio, evidence)
+
+
+def _own_backwards(trace: Trace, backwards: list[Backward], optimizer: int) -> list[Backward]:
+    """The window's backwards that gave gradients to the stepping optimizer's parameters, where
+    the trace knows it (a script's run: a GAN's two losses train two models), else all."""
+    touched = getattr(trace, "backward_optimizers", None)
+    if touched is None:
+        return backwards
+    own = [e for e in backwards if optimizer in (touched(e) or {optimizer})]
+    return own or backwards
 
 
 def _scale_hypotheses(session: Session, ref: WindowReference, full: torch.Tensor,

@@ -14,7 +14,9 @@ on `sys.path`, the caller's working directory) with the probe recording and thes
 - `teacher`: at the first forward of window g the model's weights are set to `teacher[g]` (the
   run under test's weights at its step g); `reference`: each window's gradient is kept as it
   stands before any clip or step touches it (the fp32 reference's unclipped gradient);
-- `torch.save` writes nothing (the script's checkpoints are not ampdoctor's to write).
+- the script's file writes go to the run's scratch folder (`files`: its checkpoints, logs
+  and removals behave as they do plainly, and no file outside the scratch changes); the
+  scratch is removed when the run ends, the outcome says what was written and removed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import contextlib
 import hashlib
 import os
 import runpy
+import shutil
 import sys
+import tempfile
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,7 +43,7 @@ from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecor
 from ..probe.observer import ProbeSettings
 from ..probe.trace import WeightCast, weight_cast
 from ..safetext import exc_text, safe_str
-from . import forcing
+from . import files, forcing
 
 
 @dataclass
@@ -63,6 +67,8 @@ class Job:
     clip_at: float | None = None
     #: stop anyway after this many micro-batch forwards (a script that never steps)
     max_forwards: int = 10_000
+    #: the run's scratch folder (`files.Overlay`); None: a temp dir of the child's own
+    scratch: str | None = None
 
 
 @dataclass
@@ -102,6 +108,21 @@ class Outcome:
     cast: WeightCast | None = None
     injected: dict[str, Any] | None = None
     dropout: list[str] = field(default_factory=list)
+    #: the script's writes: {"scratch": folder, "written": [path], "hidden": [path]}
+    files: dict[str, Any] = field(default_factory=dict)
+    #: backward n (1-based, the run's order) -> the optimizer slots whose parameters it gave
+    #: gradients (a GAN's two losses train two models)
+    backward_slots: dict[int, set[int]] = field(default_factory=dict)
+
+    def micro_batches(self) -> int:
+        """The micro-batches of the run's first window: its backwards before the first
+        optimizer step, and its model's forwards there when fewer (a GAN's generator runs once
+        per micro-batch, each of its two losses backward: two backwards, one micro-batch)."""
+        if not self.steps:
+            return 0
+        forwards = sum(1 for f in self.forwards if f.window == 0)
+        backwards = self.steps[0].backwards
+        return min(backwards, forwards) if forwards else backwards
 
 
 #: the stopped run's exception, kept with its traceback (see `run`)
@@ -178,6 +199,11 @@ class ScriptProbe:
     def optimizer_built(self, optimizer: torch.optim.Optimizer) -> None:
         slot = self.probe.optimizer_slot(optimizer)
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        for param in params:
+            if isinstance(param, torch.Tensor) and param.requires_grad:
+                param.register_post_accumulate_grad_hook(
+                    lambda _p, slot=slot: self.out.backward_slots.setdefault(
+                        self.probe.backward_count, set()).add(slot))
         self.out.optimizers.append({
             "type": type(optimizer).__name__, "slot": slot,
             "params": sum(p.numel() for p in params),
@@ -277,8 +303,11 @@ def run(job: Job) -> Outcome:
     finder = CallSiteFinder([Path(folder)])
     probe = ScriptProbe(job, finder)
     out = probe.out
+    overlay = files.Overlay(job.scratch or tempfile.mkdtemp(prefix="ampdoctor-run-"))
     with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, overlay.root, True)
         stack.enter_context(patches.installed(wrappers.install))
+        stack.enter_context(patches.installed(lambda p: files.install(overlay, p)))
         stack.enter_context(patches.installed(lambda p: forcing.install(probe, p)))
         stack.enter_context(recorder.observing(ProbeSettings(dropout_off=True)))
         if job.inject is not None:
@@ -305,6 +334,7 @@ def run(job: Job) -> Outcome:
             recorder.activate(None)
         if job.inject is not None:
             out.injected = {"fired": injector.fired, "param": injector.param_name}
+        out.files = overlay.report(job.cwd)
     return _finish(probe)
 
 

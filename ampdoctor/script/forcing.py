@@ -1,6 +1,6 @@
 """The switches a child run puts over the probe's own patches (`child`): every autocast the
 script builds forced to the run's precision, every GradScaler forced off or on, the modules and
-optimizers it builds seen (to find the model), its `torch.save` writing nothing, and, for
+optimizers it builds seen (to find the model), and, for
 clip-space, every norm clip at a given threshold; for a reference, the gradient kept before any
 clip or step touches it."""
 
@@ -81,10 +81,6 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
 
     patcher.setattr(torch.optim.Optimizer, "__init__", optimizer)
 
-    def save(*args, **kwargs):
-        probe.out.saves.append(probe.finder.from_frame(sys._getframe(1)))
-
-    patcher.setattr(torch, "save", save)
     if job.clip_at is not None:
         import torch.nn.utils as nn_utils
         from torch.nn.utils import clip_grad

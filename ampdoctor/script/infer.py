@@ -73,7 +73,7 @@ def _occurrences(flag: Flag, args: list[str], longs: list[str]) -> _Given:
             break
         for option in flag.options:
             key = arg.split("=", 1)[0]
-            if option.startswith("--") and key.startswith("--") and key != option and \
+            if not flag.configurator and key.startswith("--") and key != option and \
                     option.startswith(key) and key not in longs and \
                     [o for o in longs if o.startswith(key)] == [option]:
                 key = option                       # argparse's unambiguous abbreviation
@@ -216,3 +216,19 @@ def _pick(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:
                                          or isinstance(flag.default, (int, float))):
                 return flag
     return None
+
+
+def with_batch(script: str, args: list[str], batch: int, cwd: str | None = None
+               ) -> list[str] | None:
+    """`args` (a reference's) with the script's batch option set to `batch`: the command line
+    of a reference over one micro-batch per step; None when the script has no batch option
+    ampdoctor can read."""
+    try:
+        tree = ast.parse(Path(cwd or os.getcwd(), script).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return None
+    all_flags = init_script.flags(tree, undefaulted=True)
+    flag = _pick(all_flags, BATCH_FLAGS)
+    if flag is None:
+        return None
+    return _set(args, flag, _occurrences(flag, args, _long_options(all_flags)), batch)

@@ -14,7 +14,7 @@ import torch
 from ..loading import AUTOCAST_DTYPES, RunSettings
 from ..probe import recorder
 from ..probe.callsite import CallSiteFinder
-from ..probe.events import ScalerInit
+from ..probe.events import Backward, ScalerInit
 from ..probe.trace import Trace
 from .child import Outcome
 
@@ -63,6 +63,7 @@ class ScriptTrace(Trace):
     """A run of the script, as its child process reported it."""
 
     outcome: Outcome = field(default_factory=Outcome)
+    _backward_order: dict[int, int] | None = None
 
     def parameter_names(self) -> dict[int, str]:
         return dict(self.outcome.param_names)
@@ -73,6 +74,16 @@ class ScriptTrace(Trace):
     @property
     def model(self) -> torch.nn.Module | None:
         return None
+
+    def backward_optimizers(self, event: Backward) -> set[int] | None:
+        """The optimizer slots whose parameters `event` gave gradients (None: unknown)."""
+        if not self.outcome.backward_slots:
+            return None
+        if self._backward_order is None:
+            self._backward_order = {e.seq: n for n, e in enumerate(
+                (e for e in self.probe.events if isinstance(e, Backward)), start=1)}
+        n = self._backward_order.get(event.seq)
+        return self.outcome.backward_slots.get(n, set()) if n is not None else None
 
 
 def replay(outcome: Outcome, precision: str, K: int, finder: CallSiteFinder,

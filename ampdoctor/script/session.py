@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,7 +27,9 @@ from ..probe.trace import Trace
 from ..reference import WindowReference
 from . import spawn
 from .child import Job, Outcome
+from .references import per_microbatch
 from .replay import ScriptTrace, replay
+from .scratch import Scratch
 
 
 @dataclass
@@ -110,6 +113,8 @@ class ScriptSession:
         self.outputs: list[dict[str, Any]] = []
         self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
         self._pinned: list[Any] = []
+        #: where the script's file writes land: a folder per run (`scratch`, `files`)
+        self.scratch = Scratch()
 
     # --- running the script ---------------------------------------------------------------
     def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job:
@@ -123,6 +128,17 @@ class ScriptSession:
     def run(self, job: Job, what: str) -> Outcome:
         from .. import progress
         progress.run_started(what, None)
+        if job.scratch is None:
+            job.scratch = self.scratch.folder()
+        try:
+            outcome = self._spawn(job, what)
+        finally:   # (a run stopped at its time bound leaves its folder behind)
+            shutil.rmtree(job.scratch, ignore_errors=True)
+        self.notes = self.scratch.absorb(outcome.files, self.notes)
+        return outcome
+
+    def _spawn(self, job: Job, what: str) -> Outcome:
+        """One child run, its output captured in `outputs` when the command asks for it."""
         if self.command.output_dir is None:
             return spawn.run_child(job, self.command.timeout_s, what)
         log = os.path.join(self.command.output_dir, f"{len(self.outputs):03d}.log")
@@ -150,10 +166,11 @@ class ScriptSession:
                     location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
-            if first.steps and first.steps[0].backwards > 1:
+            accumulated = first.micro_batches()
+            if accumulated > 1:
                 raise UsageError(
-                    f"--reference-args: the reference run accumulated "
-                    f"{first.steps[0].backwards} backwards before its first optimizer step; "
+                    f"--reference-args: the reference run accumulated {accumulated} "
+                    "micro-batches (forwards and backwards) before its first optimizer step; "
                     "the reference must take one micro-batch per optimizer step (K = 1) "
                     "holding the whole step's data: set the script's accumulation option to 1")
         outcome = self.run(self.job("fp32", min_samples=self.N * self.reference_rows),
@@ -204,7 +221,7 @@ class ScriptSession:
     def _check_reference_batch(self, outcome: Outcome) -> None:
         """The reference's window must hold the run's whole window: K x b rows."""
         b = outcome.forwards[0].rows if outcome.forwards else 0
-        observed = outcome.steps[0].backwards if outcome.steps else 0
+        observed = outcome.micro_batches()
         rows = self.reference_rows
         if not rows or not b:
             return
@@ -221,9 +238,7 @@ class ScriptSession:
         b = outcome.forwards[0].rows if outcome.forwards else 0
         if self.reference_rows and b and self.reference_rows % b == 0:
             return self.reference_rows // b
-        if outcome.steps:
-            return max(1, outcome.steps[0].backwards)
-        return 1
+        return max(1, outcome.micro_batches())
 
     def trace(self, precision: str) -> ScriptTrace:
         """The run of `precision` (fp32 first, see `start`), started from the fp32 run's initial
@@ -359,8 +374,9 @@ class ScriptSession:
             if rng_seed is None:
                 self._refs[id(state)] = grads
                 self._pinned.append(state)
-        return WindowReference(full=dict(grads), per_mb=None, counts=None, weighted=False,
-                               mode="loop")
+        per = per_microbatch(self, window, state) if per_mb and rng_seed is None else None
+        return WindowReference(full=dict(grads), per_mb=per[0] if per else None,
+                               counts=per[1] if per else None, weighted=False, mode="loop")
 
     def reference_for(self, *args: Any, **kwargs: Any) -> WindowReference:
         raise NotImplementedError("script mode cannot re-split a window")

@@ -24,7 +24,7 @@ torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1)).to(device)
 opt = torch.optim.SGD(net.parameters(), lr=args.lr)
 scaler = torch.amp.GradScaler(device, enabled=args.amp)
-loss_fn = nn.MSELoss()
+loss_fn = nn.MSELoss(reduction="sum" if args.bug == "reduction-sum" else "mean")
 
 # a fixed data set, taken in order
 data = torch.randn(512, 32, generator=torch.Generator().manual_seed(1))
@@ -44,8 +44,8 @@ for _epoch in range(args.epochs):
             loss = loss / K
         if args.bug == "double-average":
             loss = loss / K
-        # with --bug no-average / --bug double-average:
-        scaler.scale(loss).backward()  # BUG: missing-accumulation-average # BUG: double-average
+        # with --bug no-average / double-average / reduction-sum:
+        scaler.scale(loss).backward()  # BUG: missing-accumulation-average # BUG: double-average # BUG: reduction-mismatch
         if (i + 1) % K == 0:
             if args.bug == "clip-before-unscale":
                 nn.utils.clip_grad_norm_(net.parameters(), args.max_grad_norm)  # BUG: clip-before-unscale

@@ -1,0 +1,60 @@
+"""The per-micro-batch fp32 references of a script's window: what the rules build the known
+mistakes from (`compare.window_hypotheses`), as a spec's loop-as-reference gives them.
+
+The script is run with the reference's arguments and its batch option set to the run's
+micro-batch size b (K = 1, batch b): its window j reads rows j*b..(j+1)*b, the run's
+micro-batch j. Teacher-forced to the step's weights at every window, window g*K + k of that run
+is micro-batch k of the run's window g, with its loss normalised over its own rows or tokens as
+the script computes it. Each one's rows must be the run's micro-batch row for row (digests, as
+`ScriptSession._misaligned` checks the whole window); where they are not, or the script has no
+batch option ampdoctor can read, there are no per-micro-batch references and the rules name
+the mismatch from the whole window only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from .infer import with_batch
+
+if TYPE_CHECKING:
+    from .session import ScriptSession
+
+Grads = dict[str, torch.Tensor | None]
+
+
+def per_microbatch(ss: ScriptSession, window: int, state: Mapping[str, torch.Tensor]
+                   ) -> tuple[list[Grads], list[float]] | None:
+    """Micro-batch k's own fp32 gradient at `state`, k = 0..K-1 of `window`, and its rows;
+    None where they cannot be had (module docstring)."""
+    fp32 = ss.traces.get("fp32")
+    b = ss.spec.micro_batch_size
+    reference_args = ss.command.reference_args
+    if fp32 is None or not b or reference_args is None or ss.K < 2:
+        return None
+    args = with_batch(ss.script, list(reference_args), b, ss.command.cwd)
+    if args is None:
+        return None
+    K = ss.K
+    first, last = window * K, (window + 1) * K
+    job = ss.job("fp32", reference=True, steps=last, teacher=[state] * last)
+    job.args = args
+    ref = ss.run(job, "per-micro-batch reference run")
+    if ref.error is not None or len(ref.ref_grads) < last:
+        return None
+    mine = fp32.outcome.forwards[first:last]
+    theirs = [[f for f in ref.forwards if f.window == j] for j in range(first, last)]
+    if len(mine) < K or any(len(t) != 1 or t[0].digests != m.digests
+                            for t, m in zip(theirs, mine, strict=True)):
+        ss.notes.add("the script run with its reference's arguments and the batch option set "
+                     f"to the micro-batch ({b}) does not read the run's micro-batches one by "
+                     "one: a mismatch is named from the whole window only")
+        return None
+    grads = [ref.ref_grads[j] for j in range(first, last)]
+    if any(not g for g in grads):
+        return None
+    return grads, [float(m.rows) for m in mine]
+
