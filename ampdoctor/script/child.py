@@ -99,7 +99,6 @@ class Outcome:
     optimizers: list[dict[str, Any]] = field(default_factory=list)
     scalers: list[dict[str, Any]] = field(default_factory=list)
     autocasts: list[dict[str, Any]] = field(default_factory=list)
-    saves: list[Site | None] = field(default_factory=list)
     device: str = "cpu"
     #: how the script ended: "stopped" (after its steps), "finished", "exit N", "raised"
     ended: str = "finished"

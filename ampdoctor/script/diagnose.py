@@ -176,11 +176,6 @@ def _notes(ss: ScriptSession, source: ScriptSource) -> set[str]:
     if dropout:
         notes.add("dropout was off in every run (" + ", ".join(dropout[:3]) + "): a reference "
                   "over the whole window cannot draw the micro-batches' masks")
-    saves = ss.trace("fp32").outcome.saves
-    if saves:
-        site = saves[0]
-        notes.add("the script's torch.save wrote nothing during the triage"
-                  + (f" (first at {site.file}:{site.line})" if site else ""))
     return notes
 
 
