@@ -39,7 +39,7 @@ from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecor
 from ..probe.observer import ProbeSettings
 from ..probe.trace import WeightCast, weight_cast
 from ..safetext import exc_text, safe_str
-from . import forcing
+from . import forcing, prefork
 
 
 @dataclass
@@ -267,6 +267,7 @@ class ScriptProbe:
 def run(job: Job) -> Outcome:
     """Run the script once as `job` says, in this (child) process; what it did."""
     spill.SPILL_BYTES = 1 << 62   # everything goes back through the pipe, nothing to disk
+    prefork.plain_start_method()
     os.chdir(job.cwd)
     os.environ.clear()
     os.environ.update(job.env)
@@ -278,8 +279,10 @@ def run(job: Job) -> Outcome:
     probe = ScriptProbe(job, finder)
     out = probe.out
     with contextlib.ExitStack() as stack:
-        stack.enter_context(patches.installed(wrappers.install))
-        stack.enter_context(patches.installed(lambda p: forcing.install(probe, p)))
+        patched = stack.enter_context(patches.installed(wrappers.install)).patched
+        patched += stack.enter_context(
+            patches.installed(lambda p: forcing.install(probe, p))).patched
+        prefork.rebind(patched)
         stack.enter_context(recorder.observing(ProbeSettings(dropout_off=True)))
         if job.inject is not None:
             from ..ladder.skips import OverflowInjector
