@@ -91,7 +91,12 @@ Evidence = TypedDict("Evidence", {
     "zero_grad_on_skip_path": Any,
     "update_on_skip_path": Any,
     "scheduler_steps": Any,
-    "warmup": bool,
+    "steady_skip_rate": float,
+    "calibration_skips": int,
+    "steady_skips": int,
+    "steps_after_settling": int,
+    "lr_shift": float,
+    "own_precision_scaled": bool,
     # counts of calls
     "optimizer_steps": Any,
     "backwards": Any,

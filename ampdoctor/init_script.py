@@ -30,49 +30,117 @@ class Flag:
     name: str            # normalised: "batch_size"
     default: Any
     configurator: bool   # nanoGPT style: passed as --name=value
+    #: every option string that sets it ("-b", "--batch-size"); empty: just `option`
+    aliases: tuple[str, ...] = ()
+    #: argparse's dest when given (`dest="accum"`), normalised
+    dest: str | None = None
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return self.aliases or (self.option,)
+
+    @property
+    def names(self) -> set[str]:
+        """Its normalised long option names and dest: what K_FLAGS / BATCH_FLAGS are read by."""
+        found = {_normal(o) for o in self.options if o.startswith("--")} | {self.name}
+        return found | ({self.dest} if self.dest else set())
 
 
 def _normal(option: str) -> str:
     return option.lstrip("-").replace("-", "_").lower()
 
 
+_ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+               ast.Mult: lambda a, b: a * b, ast.FloorDiv: lambda a, b: a // b if b else None}
+
+
 def _constant(node: ast.AST | None) -> Any:
+    """A literal number or string, or arithmetic of literal numbers (nanoGPT's `5 * 8`)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)) \
             and not isinstance(node.value, bool):
         return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
+        left, right = _constant(node.left), _constant(node.right)
+        if isinstance(left, (int, float)) and isinstance(right, (int, float)):
+            return _ARITHMETIC[type(node.op)](left, right)
     return None
 
 
-def flags(tree: ast.Module) -> list[Flag]:
-    """The script's argparse options with a literal default, else (a module-level configuration
+def _configurator(tree: ast.Module) -> bool:
+    """nanoGPT's configurator: module-level settings overridden through `globals()` from
+    sys.argv, inline or exec'd from a configurator.py."""
+    source = ast.unparse(tree)
+    return "globals()" in source and ("sys.argv" in source or "configurator" in source)
+
+
+def _argv_option(node: ast.AST) -> tuple[str, Any] | None:
+    """`int(sys.argv[sys.argv.index("--accum") + 1]) if "--accum" in sys.argv else 4`: the
+    option and its default."""
+    if not isinstance(node, ast.IfExp):
+        return None
+    test = node.test
+    if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Constant)
+            and isinstance(test.left.value, str) and test.left.value.startswith("-")
+            and "argv" in ast.unparse(test.comparators[0])):
+        default = _constant(node.orelse)
+        if default is not None:
+            return test.left.value, default
+    return None
+
+
+def _hf_training_arguments(source: str) -> list[Flag]:
+    """HfArgumentParser over transformers' TrainingArguments: its options and defaults."""
+    if "HfArgumentParser" not in source or "TrainingArguments" not in source:
+        return []
+    return [Flag("--gradient_accumulation_steps", "gradient_accumulation_steps", 1, False),
+            Flag("--per_device_train_batch_size", "per_device_train_batch_size", 8, False)]
+
+
+def flags(tree: ast.Module, undefaulted: bool = False) -> list[Flag]:
+    """The script's argparse options with a literal default (`undefaulted`: those without one
+    too, default None), `"--x" in sys.argv` options, else (a module-level configuration
     overridden from sys.argv through `globals()`) its module-level literal settings."""
     found: list[Flag] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
             options = [a.value for a in node.args if isinstance(a, ast.Constant)
-                       and isinstance(a.value, str) and a.value.startswith("--")]
+                       and isinstance(a.value, str) and a.value.startswith("-")]
             default = next((_constant(k.value) for k in node.keywords if k.arg == "default"),
                            None)
-            if options and default is not None:
-                found.append(Flag(options[0], _normal(options[0]), default, False))
+            dest = next((k.value.value for k in node.keywords if k.arg == "dest"
+                         and isinstance(k.value, ast.Constant)
+                         and isinstance(k.value.value, str)), None)
+            long = [o for o in options if o.startswith("--")] or options
+            if long and (default is not None or undefaulted):
+                found.append(Flag(long[0], _normal(long[0]), default, False, tuple(options),
+                                  _normal(dest) if dest else None))
+        elif isinstance(node, ast.Assign) and (argv := _argv_option(node.value)) is not None:
+            found.append(Flag(argv[0], _normal(argv[0]), argv[1], False))
+    found += _hf_training_arguments(ast.unparse(tree))
     if found:
         return found
-    source = ast.unparse(tree)
-    if "globals()" in source and "sys.argv" in source:
-        for node in tree.body:
-            if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
-                    isinstance(node.targets[0], ast.Name):
-                value = _constant(node.value)
-                if value is not None:
-                    name = node.targets[0].id
-                    found.append(Flag(f"--{name}", name.lower(), value, True))
+    if _configurator(tree):
+        found = configuration(tree)
+    return found
+
+
+def configuration(tree: ast.Module) -> list[Flag]:
+    """The module-level literal settings of a nanoGPT-style script or config file."""
+    found = []
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                isinstance(node.targets[0], ast.Name):
+            value = _constant(node.value)
+            if value is not None:
+                name = node.targets[0].id
+                found.append(Flag(f"--{name}", name.lower(), value, True))
     return found
 
 
 def find(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:
     for wanted in names:
         for flag in all_flags:
-            if flag.name == wanted and isinstance(flag.default, (int, float)):
+            if wanted in flag.names and isinstance(flag.default, (int, float)):
                 return flag
     return None
 

@@ -275,9 +275,9 @@ KINDS: tuple[Kind, ...] = (
         KindId.SCHEDULER_STEPS_ON_SKIP,
         "The LR scheduler steps when the optimizer step was skipped",
         "GradScaler skipped the update (inf/NaN gradients) but the scheduler still advanced, so "
-        "the "
-        "schedule runs ahead of the real number of updates (a warmup gets shorter with each "
-        "skip).",
+        "the schedule runs ahead of the real number of updates: by the few calibration skips "
+        "while the scale settles (a constant shift), and at a steady skip rate r after that "
+        "1/(1 - r) times too fast.",
         "Step the scheduler only when the optimizer stepped: `scale = scaler.get_scale()` before "
         "`scaler.step(optimizer)`; after `scaler.update()`, `if scaler.get_scale() >= scale: "
         "scheduler.step()` (a lower scale means the step was skipped).",
@@ -421,7 +421,7 @@ RULES: dict[str, Rule] = {r.kind: r for r in [
     Rule(KindId.SCHEDULER_PER_MICROBATCH,
          "scheduler steps per optimizer step (LR off the schedule)",
          "ampdoctor.deciders:scheduler_per_microbatch"),
-    Rule(KindId.SCHEDULER_STEPS_ON_SKIP, "scheduler steps for the real optimizer steps",
+    Rule(KindId.SCHEDULER_STEPS_ON_SKIP, "steady skip rate the scheduler advanced on",
          "ampdoctor.deciders:scheduler_steps_on_skip"),
     Rule(KindId.NO_ZERO_GRAD_AFTER_SKIP, "windows skipped after the injected one",
          "ampdoctor.deciders:no_zero_grad_after_skip"),

@@ -62,6 +62,8 @@ class ScriptSource(BaseModel):
     reference_args: list[str] | None = None
     #: how the reference's args were had: "given" (--reference-args) or "inferred"
     reference_origin: Origin | None = None
+    #: how an inferred reference was read from the script ("--accum-steps 4 (ARGS) -> 1, ...")
+    reference_how: str | None = None
     optimizer_steps: StrictInt = Field(default=3, ge=1, le=1_000_000)
     timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0)
     device: str = "auto"

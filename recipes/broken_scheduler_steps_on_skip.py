@@ -1,20 +1,25 @@
-"""The PyTorch-docs pattern with a warmup scheduler stepped unconditionally after every
-scaler.step(): when the step is skipped for an inf/nan gradient the parameters do not move
-but the schedule advances anyway (article section 12), so the LR runs ahead of the real
-number of updates. Nothing goes wrong until a step is actually skipped."""
+"""The textbook call order -- `scaler.step(optimizer); scaler.update(); scheduler.step()` every
+window -- with a GradScaler that keeps skipping after its scale settled: growth_interval=1
+doubles the scale after every good step, so every other step overflows again. Each skipped
+step leaves the parameters where they were, but the scheduler advances anyway (article
+section 12): at a steady skip rate r the schedule runs 1/(1-r) times too fast, and the decay
+reaches its end while a fraction r of its updates never happened."""
+
+import math
 
 import torch
 import torch.nn as nn
 
-WARMUP_STEPS = 10
+TOTAL_STEPS = 8
 
 
 def train_loop(model, optimizer, micro_batches, run):
     K = run.accumulation_steps
     criterion = nn.MSELoss()
-    scaler = torch.amp.GradScaler(run.device_type, enabled=run.precision == "fp16")
+    scaler = torch.amp.GradScaler(run.device_type, growth_interval=1,
+                                  enabled=run.precision == "fp16")
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
+        optimizer, lambda s: 0.5 * (1.0 + math.cos(math.pi * min(1.0, s / TOTAL_STEPS))))
 
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -32,5 +37,5 @@ def train_loop(model, optimizer, micro_batches, run):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), run.max_grad_norm)
             scaler.step(optimizer)
             scaler.update()
-            optimizer.zero_grad(set_to_none=True)
             scheduler.step()  # BUG: scheduler-steps-on-skip
+            optimizer.zero_grad(set_to_none=True)

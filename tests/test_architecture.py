@@ -15,8 +15,9 @@ higher one (cycles within a layer are caught by the cycle check):
               (enums), the typed evidence, the findings types, the kind catalogue and the one
               decider per kind (deciders), progress, memory, source_snippet, process_state, and
               the root package (its `__version__`)
-  static      what runs without torch or the user's loop: the spec, the record, the static
-              scan, the report (never any layer above: they must work without torch)
+  static      what runs without torch or the user's loop: the spec, a script's run source
+              (source), the record, the static scan, the report (never any layer above: they
+              must work without torch)
   maths       tensor maths without a run: compare, rng
   observe     probe/: the patched torch functions, the typed events, the Trace of one run
   user code   loading/: the user's code, model, optimizers and data; examples/: the loops
@@ -46,11 +47,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("ampdoctor", "ampdoctor.errors", "ampdoctor.safetext", "ampdoctor.limits",
                     "ampdoctor.thresholds", "ampdoctor.findings", "ampdoctor.findings.*",
                     "ampdoctor.kinds", "ampdoctor.enums", "ampdoctor.evidence",
-                    "ampdoctor.deciders", "ampdoctor.progress", "ampdoctor.memory",
+                    "ampdoctor.deciders", "ampdoctor.kind_text", "ampdoctor.progress",
+                    "ampdoctor.memory",
                     "ampdoctor.source_snippet", "ampdoctor.process_state")),
     ("static", ("ampdoctor.spec", "ampdoctor.spec_sections", "ampdoctor.spec_yaml",
                 "ampdoctor.record",
-                "ampdoctor.record_model", "ampdoctor.source", "ampdoctor.init_spec", "ampdoctor.init_script",
+                "ampdoctor.record_model", "ampdoctor.source", "ampdoctor.init_spec",
+                "ampdoctor.init_script",
                 "ampdoctor.init_loss",
                 "ampdoctor.scan.*",
                 "ampdoctor.report.*")),

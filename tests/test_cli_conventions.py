@@ -148,6 +148,23 @@ def test_the_live_line_names_the_step_and_the_time_left():
     # two rungs took 4 s and 6 s: five rungs left (the current one 1 s in) take ~24 s
     assert eta_s([4.0, 6.0], 5, 1.0) == 24.0
     assert eta_s([], 5, 1.0) is None
+    # weighed by cost: 8 s for a rung of weight 8 is 1 s a unit; 3.5 units left, 0.5 s run
+    assert eta_s([8.0], 3.5, 0.5, finished_weight=8.0) == 3.0
+
+
+def test_the_estimate_weighs_the_rungs_still_to_run_by_their_cost():
+    from ampdoctor import progress
+    seen = []
+    with progress.listening(seen.append):
+        progress.plan(["reproducibility", "fp32-accum", "skips"],
+                      {"reproducibility": 8.0, "fp32-accum": 1.0, "skips": 1.0})
+        progress.rung("reproducibility")
+        progress._state["rung_started"] -= 8.0       # it took 8 s
+        progress.rung("fp32-accum")
+    last = seen[-1]
+    assert last["rung"] == "fp32-accum" and last["rung_index"] == 2 and last["rungs"] == 3
+    # 1 s per unit of cost, 2 units left (this rung and the next): about 2 s, not 16 s
+    assert 1.9 <= last["eta_s"] <= 2.0
 
 
 def test_loop_error_names_the_innermost_frame_and_the_loops_line(tmp_path: Path) -> None:

@@ -178,7 +178,7 @@ TORCHRUN_BROKEN = ["broken_missing_no_sync", "broken_ddp_sync_one_early",
 @pytest.mark.parametrize("name", TORCHRUN_BROKEN)
 def test_broken_ddp_recipe_under_torchrun(name, records_dir):
     result = _torchrun(name, records_dir)
-    assert result.returncode != 0
+    assert result.returncode == 1, result.stderr[-2000:]
     _check_broken(result.record, name)
     assert _ddp_rung(result.record)["details"]["launch"] == "torchrun"
     # every rank exited with rank 0's code (1): torchrun names it as the failure

@@ -97,10 +97,10 @@ def _ddp(record) -> dict:
     return next(r for r in record["rungs"] if r["id"] == "ddp-sync")
 
 
-def _diagnose(spec: Path, out: Path, gather: bool) -> dict:
+def _diagnose(spec: Path, out: Path, gather: bool, exit_code: int) -> dict:
     env = {"AMPDOCTOR_GATHER_SHARDS": "1" if gather else "0"}
     result = run_cli("diagnose", spec, "--json", "--out", out, env=env)
-    assert result.returncode in (0, 1), result.stderr
+    assert result.returncode == exit_code, result.stderr
     assert _ddp(result.record)["details"]["shard_wise"] is (not gather)
     return result.record
 
@@ -118,8 +118,8 @@ SAME_NUMBERS = {"over_world_size": ("broken_ddp_loss_over_world_size", 0.05, "do
 def test_shard_wise_gives_the_numbers_of_the_gathered_comparison(case, tmp_path):
     loop, clip, kind = SAME_NUMBERS[case]
     spec = _spec(tmp_path, case, 2, loop, clip)
-    sharded = _diagnose(spec, tmp_path / "a", gather=False)
-    gathered = _diagnose(spec, tmp_path / "b", gather=True)
+    sharded = _diagnose(spec, tmp_path / "a", gather=False, exit_code=1)
+    gathered = _diagnose(spec, tmp_path / "b", gather=True, exit_code=1)
     (f1, *_), (f2, *_) = sharded["findings"], gathered["findings"]
     assert f1["kind"] == f2["kind"] == kind
     assert f1["message"] == f2["message"]
@@ -144,7 +144,7 @@ def test_what_the_comparison_holds_per_rank_falls_with_the_world_size(tmp_path):
     for world_size in (2, 4):
         spec = _spec(tmp_path, "healthy", world_size, "healthy_fsdp_accumulation_ddp", None)
         for gather in (False, True):
-            record = _diagnose(spec, tmp_path / f"{world_size}{gather}", gather)
+            record = _diagnose(spec, tmp_path / f"{world_size}{gather}", gather, exit_code=0)
             assert record["verdict"] == "healthy"
             held[world_size, gather] = max(_ddp(record)["details"]["comparison_bytes_per_rank"])
     # make_mlp: 577 fp32 parameters; 3 steps. Shard-wise a rank keeps its pieces of 3

@@ -232,6 +232,7 @@ def test_rungs_page_states_the_thresholds():
     from ampdoctor import thresholds
     text = _read("rungs.md")
     assert f"{thresholds.SKIP_RATE_THRESHOLD:.0%}".replace("%", " %") in text
+    assert f"above {thresholds.SCHEDULER_SKIP_RATE:.0%}".replace("%", " %") in text
     assert _number_in(thresholds.REPEAT_RTOL, text)
     assert _number_in(thresholds.REPEAT_ATOL, text)
     assert _number_in(thresholds.NOISE_MIN_COSINE, text)

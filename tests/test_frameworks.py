@@ -44,6 +44,10 @@ HEALTHY = {
     "healthy_fabric": ("Fabric", "bf16", "fabric_loops.py:12"),
     "healthy_lightning": ("Lightning", "bf16", "lightning_loops.py:49"),
     "healthy_lightning_manual": ("Lightning", "bf16", "lightning_loops.py:49"),
+    # the docs' manual optimization with `sch.step()` under `if (batch_idx + 1) % N == 0`
+    "healthy_lightning_manual_scheduler": ("Lightning", "bf16", "lightning_loops.py:49"),
+    # transformers' *_no_trainer.py: get_scheduler prepared with the rest, stepped every batch
+    "healthy_accelerate_no_trainer": ("accelerate", "fp32", "accelerate_loops.py:70"),
     # the Trainer builds the Accelerator: the line that asked is the TrainingArguments(...)
     "healthy_trainer": ("accelerate", "fp32", "trainer_loops.py:42"),
 }
@@ -73,7 +77,7 @@ BROKEN = {
                                          "accelerate_loops.py", "accelerate"),
     # a scheduler not handed to accelerator.prepare steps on every micro-batch
     "broken_accelerate_scheduler_not_prepared": ("scheduler-per-microbatch", (4, 4),
-                                                 "accelerate_loops.py", None),
+                                                 "accelerate_loops.py", "accelerate"),
     # fabric.backward does not divide: the loop must
     "broken_fabric_missing_average": ("missing-accumulation-average", (3.99, 4.01),
                                       "fabric_loops.py", "Fabric"),
@@ -84,6 +88,20 @@ BROKEN = {
 SAYS = {"accelerate": "`accelerator.backward` already divides", "Fabric": "`fabric.backward` "
         "does not divide", "Lightning": "with manual optimization (`manual_backward`) the loop "
         "must divide", "HF Trainer": "accepts loss kwargs: it passes `num_items_in_batch`"}
+# (kind, framework) -> what the fix must say, and what it must not (the hand-written loop's
+# fix, which says the opposite where the framework divides)
+FIX_SAYS = {
+    ("double-average", "accelerate"): ("Remove your own division",
+                                       "keep `loss = criterion(out, y) / accumulation_steps`"),
+    ("scheduler-per-microbatch", "accelerate"): ("accelerator.prepare(model, optimizer, "
+                                                 "scheduler)", "if (i + 1) % K == 0:"),
+    ("missing-accumulation-average", "Fabric"): ("fabric.backward(loss / K)",
+                                                 "scaler.scale(loss).backward()"),
+    ("missing-accumulation-average", "Lightning"): ("self.manual_backward(loss / N)",
+                                                    "scaler.scale(loss).backward()"),
+    ("missing-accumulation-average", "HF Trainer"): ("loss_sum / num_items_in_batch",
+                                                     "scaler.scale(loss).backward()"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
@@ -99,8 +117,10 @@ def test_broken_framework_loop_is_named_at_the_users_line(name, tmp_path):
     assert finding["location"]["file"].endswith(f"frameworks/{recipe}")
     assert finding["location"]["line"] == marked_line(path, kind)
     assert finding["evidence"].get("framework") == party
-    if party is not None:
+    if kind in ("double-average", "missing-accumulation-average"):
         assert SAYS[party] in finding["message"]
+    says, never = FIX_SAYS[(kind, party)]
+    assert says in finding["fix"] and never not in finding["fix"], finding["fix"]
 
 
 def test_trainer_loss_that_ignores_num_items_is_a_missing_average(tmp_path):
@@ -114,6 +134,8 @@ def test_trainer_loss_that_ignores_num_items_is_a_missing_average(tmp_path):
     assert 3.99 <= finding["evidence"]["measured"] <= 4.01
     assert finding["evidence"]["framework"] == "HF Trainer"
     assert SAYS["HF Trainer"] in finding["message"]
+    says, never = FIX_SAYS[("missing-accumulation-average", "HF Trainer")]
+    assert says in finding["fix"] and never not in finding["fix"]
     # the backward is the Trainer's own: the finding names the user's loss line in forward
     path = FRAMEWORK_RECIPES / "trainer_loops.py"
     assert finding["location"]["file"] == str(path.resolve())

@@ -240,6 +240,19 @@ def _script_args(tmp: Path) -> None:
     assert used.record["args"] == ["--amp", "--lr", "0.01", "--bug", "none"]
 
 
+def _no_reference(tmp: Path) -> None:
+    refused = spec_run(tmp, "--no-reference")
+    assert refused.returncode == 2 and "for script mode" in refused.stderr
+    both_given = script_run(tmp, "--no-reference", *fast())
+    assert both_given.returncode == 2 and "give one of them" in both_given.stderr
+    used = script_run(tmp, "--json", "--no-reference", *fast(), reference=None)
+    assert used.returncode == 2, used.stderr            # nothing compared: inconclusive
+    assert used.record["verdict"] == "inconclusive" and used.record["reference_args"] is None
+    inferred = script_run(tmp, "--json", *fast(), reference=None)
+    assert inferred.returncode == 0, inferred.stderr
+    assert inferred.record["reference_args_origin"] == "inferred"
+
+
 CHECKS: dict[str, dict[str, Callable[[Path], None]]] = {
     "--json": both(_json),
     "--out": both(_out),
@@ -255,6 +268,7 @@ CHECKS: dict[str, dict[str, Callable[[Path], None]]] = {
     "--verbose": {"spec": _verbose_spec, "script": _verbose_script},
     "--reference-args": {"both": _reference_args},
     "SCRIPT_ARGS": {"both": _script_args},
+    "--no-reference": {"both": _no_reference},
 }
 
 
@@ -280,3 +294,27 @@ def test_every_option_has_a_check():
                                           for m in modes])
 def test_the_option_works_in_every_mode(tmp_path, option, mode):
     CHECKS[option][mode](tmp_path)
+
+
+def test_the_report_says_what_ran(tmp_path):
+    """Terminal, JSON and HTML name the script, its args and the reference's args (and that
+    they were given), not 'spec None'."""
+    result = script_run(tmp_path, "--json", *fast())
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["script"] == str(AMP) and record["spec"] is None
+    assert record["args"] == ["--amp", "--bug", "none"]
+    assert record["reference_args"] == AMP_REF.split()
+    assert record["reference_args_origin"] == "given"
+    (path,) = sorted((tmp_path / "runs").glob("*.json"))
+    shown = run_cli("report", path)
+    assert shown.returncode == 0
+    text = " ".join(shown.stdout.split())        # the terminal may wrap the line
+    assert f"script: {AMP} --amp --bug none · reference: {AMP_REF} (given)" in text
+    assert "found: 1 model (Sequential, 2,177 params), SGD" in text
+    html = tmp_path / "page.html"
+    assert run_cli("report", path, "--html", "-o", html).returncode == 0
+    page = html.read_text()
+    assert f"<dt>script</dt><dd><code>{AMP}</code></dd>" in page
+    assert f"<dt>reference args</dt><dd><code>{AMP_REF}</code> (given)</dd>" in page
+    assert "<dt>spec</dt>" not in page

@@ -20,6 +20,7 @@ AMP = SCRIPTS / "amp_recipe.py"
 LOADER = SCRIPTS / "main_dataloader.py"
 NANOGPT = SCRIPTS / "nanogpt_style.py"
 MODULE = SCRIPTS / "module_loop.py"
+BF16 = SCRIPTS / "bf16_scheduler.py"
 
 AMP_REF = "--accum-steps 1 --batch-size 32 --amp"
 LOADER_REF = "--grad-accum 1 --batch-size 32 --amp"
@@ -110,7 +111,8 @@ def test_broken_scripts_name_kind_rung_and_line(tmp_path, script, args, referenc
 
 
 def test_without_reference_the_trace_rungs_still_run(tmp_path):
-    record = diagnose(tmp_path, AMP, ["--amp", "--bug", "clip-before-unscale"]).record
+    record = diagnose(tmp_path, AMP, ["--amp", "--bug", "clip-before-unscale"], None,
+                      "--no-reference").record
     got = statuses(record)
     assert got["fp32-accum"] == "skip" and got["bf16-no-scaler"] == "skip"
     assert "--reference-args" in next(r["summary"] for r in record["rungs"]
@@ -126,7 +128,7 @@ def test_without_reference_the_trace_rungs_still_run(tmp_path):
 
 
 def test_without_reference_nothing_compared_is_inconclusive_not_healthy(tmp_path):
-    result = diagnose(tmp_path, LOADER, ["--amp"])
+    result = diagnose(tmp_path, LOADER, ["--amp"], None, "--no-reference")
     assert result.returncode == 2, result.stderr
     record = result.record
     assert record["verdict"] == "inconclusive" and record["exit_code"] == 2
@@ -140,7 +142,9 @@ def test_dataloader_worker_processes_run_as_usual(tmp_path):
     """The script's DataLoader workers are children of the process that runs it."""
     # (no reference: each run of this script starts two worker processes, about a second)
     result = diagnose(tmp_path, LOADER, ["--workers", "2"], None, "--steps", "2")
-    assert result.returncode == 2, result.stderr     # nothing compared: inconclusive
+    assert result.returncode == 0, result.stderr     # the reference inferred: compared
+    assert result.record["reference_args"] == ["--workers", "2", "--grad-accum", "1",
+                                               "--batch-size", "32"]
     assert result.record["findings"] == []
     got = statuses(result.record)
     assert got["reproducibility"] == "pass" and got["skips"] == "pass"
@@ -174,7 +178,7 @@ def test_a_script_that_fails_before_stepping_is_exit_3_at_its_line(tmp_path):
                       "model = torch.nn.Linear(2, 1)\n"
                       "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
                       "raise RuntimeError('no data found')\n")
-    result = diagnose(tmp_path, script, [])
+    result = diagnose(tmp_path, script, [], None, "--no-reference")
     assert result.returncode == 3
     assert result.record["error"]["location"]["line"] == 4
     assert "no data found" in result.record["error"]["message"]
@@ -219,10 +223,10 @@ def test_a_run_past_its_time_bound_is_stopped_exit_3(tmp_path):
                       "opt.step()\n"
                       "time.sleep(60)\n")
     result = run_cli("diagnose", script, "--json", "--out", tmp_path / "runs",
-                     env={"AMPDOCTOR_SCRIPT_TIMEOUT_S": "2"})
+                     "--no-reference", env={"AMPDOCTOR_SCRIPT_TIMEOUT_S": "2"})
     assert result.returncode == 3
     assert "did not reach its last step within 2 s" in result.record["error"]["message"]
-    bad = run_cli("diagnose", script, "--out", tmp_path / "runs",
+    bad = run_cli("diagnose", script, "--out", tmp_path / "runs", "--no-reference",
                   env={"AMPDOCTOR_SCRIPT_TIMEOUT_S": "soon"})
     assert bad.returncode == 2 and "AMPDOCTOR_SCRIPT_TIMEOUT_S" in bad.stderr
 
@@ -236,3 +240,55 @@ def test_reference_args_that_are_not_the_full_batch_are_exit_2(tmp_path, referen
     assert result.returncode == 2
     assert said in result.record["error"]["message"]
     assert "ampdoctor: usage error: --reference-args" in result.stderr
+
+
+def test_without_reference_args_the_reference_is_inferred_and_said(tmp_path):
+    result = diagnose(tmp_path, AMP, ["--amp", "--bug", "no-average"], None, "--rungs",
+                      "fp32-accum")
+    assert result.returncode == 1, result.stderr
+    record = result.record
+    assert record["reference_args"] == ["--amp", "--bug", "no-average", "--accum-steps", "1",
+                                        "--batch-size", "32"]
+    assert record["reference_args_origin"] == "inferred"
+    assert "reference: --amp --bug no-average --accum-steps 1 --batch-size 32 (inferred: " \
+        "--accum-steps 4 (default) -> 1, --batch-size 8 (default) -> 32)" in result.stderr
+    assert any("inferred from the script's options" in n for n in record["notes"])
+    first = record["findings"][0]
+    assert (first["kind"], first["location"]["line"]) == (
+        "missing-accumulation-average", marked_line(AMP, "missing-accumulation-average"))
+
+
+def test_a_reference_that_cannot_be_inferred_is_exit_2_with_the_command_to_try(tmp_path):
+    script = tmp_path / "fixed_k.py"
+    script.write_text("import torch\nK = 4\nmodel = torch.nn.Linear(2, 1)\n")
+    result = run_cli("diagnose", script, "--out", tmp_path / "runs")
+    assert result.returncode == 2
+    assert "cannot infer the reference" in result.stderr
+    assert "--reference-args" in result.stderr and "--no-reference" in result.stderr
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("*.json"))
+
+
+@pytest.mark.parametrize("args, exit_code, severity", [
+    (["--growth-interval", "1"], 0, "warning"),
+    (["--precision", "fp16", "--growth-interval", "1"], 1, "error")],
+    ids=["trains-in-bf16", "trains-in-fp16"])
+def test_a_forced_fp16_rungs_skips_never_fail_a_script_without_a_scaler(tmp_path, args,
+                                                                       exit_code, severity):
+    """The same script, its scaler keeping on skipping in fp16 and its scheduler advancing on
+    every skip: trained in bf16 (the GradScaler built disabled) the skips rung forced fp16 onto
+    it, so what it finds is a warning about fp16; trained in fp16 it is that run's error."""
+    result = diagnose(tmp_path, BF16, args, "--accum-steps 1 --batch-size 32", "--steps", "8")
+    assert result.returncode == exit_code, result.stderr
+    record = result.record
+    finding = next(f for f in record["findings"] if f["kind"] == "scheduler-steps-on-skip")
+    assert (finding["rung"], finding["severity"]) == ("skips", severity)
+    assert finding["location"]["line"] == marked_line(BF16, "scheduler-steps-on-skip")
+    assert finding["evidence"]["own_precision_scaled"] is (severity == "error")
+    assert finding["evidence"]["steady_skips"] >= 2
+    frequent = next(f for f in record["findings"] if f["kind"] == "frequent-skips")
+    assert frequent["severity"] == severity
+    if severity == "warning":
+        assert record["verdict"] == "healthy"
+        assert "this is what it would do in fp16" in finding["message"]
+    else:
+        assert record["failed_rung"] == "skips"

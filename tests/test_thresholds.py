@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 import torch
 
-from ampdoctor import compare, judge, judge_step, thresholds
-from ampdoctor.ladder import ddp_sync, reproducibility, skips
+from ampdoctor import compare, deciders, judge, judge_step, thresholds
+from ampdoctor.ladder import ddp_sync, reproducibility
 from ampdoctor.probe.events import (
     Backward,
     Clip,
@@ -355,10 +355,16 @@ def _search(halvings_above_three: float) -> bool:
     return _frequent(_fp16_run(flags, [65536.0, 32768.0, 16384.0, 8192.0, found, found, found]))
 
 
-def _warmup(relative_rise: float) -> bool:
-    events: list[Event] = [SchedulerStep(seq=i, microbatch=0, backwards=0, site=None, lr=lr)
-                           for i, lr in enumerate((1.0, 1.0 + relative_rise))]
-    return skips._lr_rising(_Trace(events), None)
+def _schedule_shift(steps_after_settling: int) -> str:
+    """2 skips after the scale settled, the scheduler advancing on both, the lr moved by no
+    more than the rung's tolerance: the severity `deciders.schedule_on_skips` gives."""
+    finding = deciders.schedule_on_skips(deciders.ScheduleOnSkips(
+        "skips", "LambdaLR", None, calibration_skips=0, steady_skips=2,
+        steps_after_settling=steps_after_settling, scheduler_steps=steps_after_settling + 1,
+        real_updates=steps_after_settling - 1, lr_shift=0.0, lr_step=None, lr_used=None,
+        lr_meant=None, tolerance=0.05, own_scaler=True))
+    assert finding is not None
+    return finding.severity
 
 
 def _ddp(ratio: float = 0.5, cosine: float = 1.0, difference: float = 0.0,
@@ -418,9 +424,9 @@ RUNGS = [
     Case("skips: a search 0.95e-9 above 3 halvings takes 3 (SEARCH_HALVINGS_SLACK): one skip "
          "too many", lambda: _search(0.95e-9), True),
     Case("skips: 1.05e-9 above takes 4", lambda: _search(1.05e-9), False),
-    Case("skips: lr rising by 0.95e-9 is no warmup (WARMUP_RISE_RTOL)", lambda: _warmup(0.95e-9),
-         False),
-    Case("skips: lr rising by 1.05e-9 is", lambda: _warmup(1.05e-9), True),
+    Case("skips: the scheduler advanced on 2 of 105 steps after settling, 1.9 % "
+         "(SCHEDULER_SKIP_RATE)", lambda: _schedule_shift(105), "warning"),
+    Case("skips: on 2 of 95, 2.1 %", lambda: _schedule_shift(95), "error"),
     Case("ddp: 1/world_size x 1.0095 (WORLD_SIZE_RATIO_RTOL)", lambda: _ddp(0.5 * 1.0095),
          "double-average"),
     Case("ddp: 1/world_size x 1.0105", lambda: _ddp(0.5 * 1.0105), "gradient-mismatch"),

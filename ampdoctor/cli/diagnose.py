@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -38,6 +39,9 @@ def diagnose(
     reference_args: str | None = typer.Option(None, "--reference-args", help="Script mode: the "
                                               "script's arguments for the fp32 full-batch "
                                               "reference (K = 1, batch K x b), quoted."),
+    no_reference: bool = typer.Option(False, "--no-reference", help="Script mode: run no "
+                                      "reference (none can be made of the script): only the "
+                                      "checks that need none, so at best inconclusive."),
     json_out: bool = typer.Option(False, "--json", help="Print the run record as JSON on stdout."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks (the user's code's "
                                "full traceback too; the record keeps it either way)."),
@@ -77,15 +81,20 @@ def diagnose(
     if spec.suffix == ".py":   # script mode: the same driver, another source of runs
         from .script_mode import script_source_of
         try:
-            source = script_source_of(spec, script_args or [], reference_args,
+            source = script_source_of(spec, script_args or [], reference_args, no_reference,
                                       dict(overrides, capture_output=not verbose))
         except UsageError as exc:
             raise typer.Exit(fail(exc, debug)) from None
+        if source.reference_origin == "inferred" and source.reference_args is not None:
+            stderr_console().print(f"reference: {shlex.join(source.reference_args)} (inferred: "
+                                   f"{source.reference_how})", markup=False, highlight=False,
+                                   soft_wrap=True)
         raise typer.Exit(diagnose_here(source, json_out, debug, out, ci=ci, verbose=verbose))
-    if script_args or reference_args is not None:
-        raise typer.Exit(fail(UsageError("arguments after the spec and --reference-args are "
-                                         "for script mode (`ampdoctor diagnose train.py -- "
-                                         "ARGS`); a spec takes none"), debug))
+    if script_args or reference_args is not None or no_reference:
+        raise typer.Exit(fail(UsageError("arguments after the spec, --reference-args and "
+                                         "--no-reference are for script mode (`ampdoctor "
+                                         "diagnose train.py -- ARGS`); a spec takes none: its "
+                                         "reference is built from its loop"), debug))
     raise typer.Exit(run_diagnose(spec, json_out, debug, out, overrides, ci=ci,
                                   verbose=verbose))
 

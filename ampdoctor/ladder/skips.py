@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from .. import deciders, thresholds
+from .. import deciders
 from ..deciders import Observed
-from ..enums import RungId, Severity, Status
+from ..enums import RungId, Status
 from ..findings import Finding, RungResult, conclude
+from ..judge_step import tolerance
 from ..probe.events import (
     Backward,
     Event,
@@ -31,6 +32,8 @@ from ..probe.events import (
     of_type,
 )
 from ..probe.recorder import Probe
+from ..rules.frameworks import framework_of
+from ..rules.schedule import lr_shift
 from ..rules.skip_rate import frequent_skips
 from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
@@ -105,6 +108,10 @@ class OverflowInjector:
         return poison
 
 
+def _forced(own_scaler: bool) -> str:
+    return "" if own_scaler else deciders.FORCED_FP16
+
+
 def scaler_of(trace: Trace):
     return trace.scalers[0] if trace.scalers else None
 
@@ -131,13 +138,6 @@ def _owner_slot(trace: Trace, param_id: int | None) -> int | None:
     return None
 
 
-def _lr_rising(trace: Trace, optimizer_slot: int | None) -> bool:
-    """Is the schedule a warmup (the LR rising over the run)?"""
-    lrs = [e.lr for e in trace.events_of(SchedulerStep)
-           if e.lr is not None and (optimizer_slot is None or e.optimizer == optimizer_slot)]
-    return len(lrs) >= 2 and lrs[-1] > lrs[0] * (1 + thresholds.WARMUP_RISE_RTOL)
-
-
 def _lr_changes(trace: Trace, event: SchedulerStep) -> bool:
     """Does this scheduler's learning rate ever change in the run? A constant schedule stepped
     on a skipped update changes no learning rate: nothing to report."""
@@ -149,7 +149,8 @@ def _lr_changes(trace: Trace, event: SchedulerStep) -> bool:
     return len(values) != 1
 
 
-def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector) -> Finding | None:
+def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector,
+                         own_scaler: bool) -> Finding | None:
     """A hand-written overflow guard that `continue`s past step/update/zero_grad: torch refuses
     the next window's unscale_(), and the inf stays in .grad. Named when the injected overflow
     is what sent the loop down that path and the path cleared no gradients either."""
@@ -166,21 +167,22 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector)
     zero_grads = plain.events_of(ZeroGrad)
     updates = plain.events_of(Update)
     site = (zero_grads[-1].site if zero_grads else updates[-1].site if updates else failing.site)
-    return deciders.no_zero_grad_after_skip(Observed(RUNG, Severity.ERROR,
+    return deciders.no_zero_grad_after_skip(Observed(RUNG,
+        deciders.skip_severity(True, own_scaler=own_scaler),
         f"An inf injected into {injector.param_name}.grad sent the loop down its own skip path, "
         "which left the step without scaler.update() and without zero_grad(): the inf stayed in "
         ".grad and torch refused the next window's unscale_() "
         f"({exc_text(error)}). On a skip, clear the gradients and call "
         "scaler.update() as after a good step -- or drop the hand-written check and let "
-        "scaler.step() skip.",
+        "scaler.step() skip." + _forced(own_scaler),
         evidence={"measured": 0, "expected": 1, "zero_grad_on_skip_path": 0,
                   "update_on_skip_path": 0,
                   "error": exc_text(error)},
         location=location(site)))
 
 
-def _backoffs(updates: list[Update], backoff: float,
-              details: dict[str, Any]) -> Finding | None:
+def _backoffs(updates: list[Update], backoff: float, details: dict[str, Any],
+              own_scaler: bool) -> Finding | None:
     """How often the scale backed off in the injected window (recorded in `details`): more
     than once is an update per micro-batch."""
     if not (updates and updates[0].scale_before):
@@ -192,37 +194,76 @@ def _backoffs(updates: list[Update], backoff: float,
     details["scale_before_after"] = [before, after]
     if backoffs <= 1:
         return None
-    return deciders.update_per_microbatch(Observed(RUNG, Severity.ERROR,
+    return deciders.update_per_microbatch(Observed(RUNG,
+        deciders.skip_severity(True, own_scaler=own_scaler),
         f"One overflowing micro-batch backed the scale off {backoffs} times "
         f"({before:g} -> {after:g}, backoff factor {backoff:g}): scaler.update() runs "
-        "more than once per optimizer step.",
+        "more than once per optimizer step." + _forced(own_scaler),
         evidence={"measured": backoffs, "expected": 1, "scale_before": before,
                   "scale_after": after, "backoff_factor": backoff},
         location=location(updates[-1].site)))
 
 
-def _scheduler_on_skip(trace: Trace, plain: Trace, in_window: list[Event], inject_window: int,
-                       owner: int | None, applied: set[int]) -> Finding | None:
-    """The scheduler stepped in the injected window although its update was skipped (and its
-    learning rate changes at all)."""
+def _stepped_on_injected(in_window: list[Event], inject_window: int, owner: int | None,
+                         applied: set[int], trace: Trace) -> bool:
+    """Did a scheduler whose learning rate changes advance in the injected window although its
+    update was skipped? (ampdoctor's skip: it shows the scheduler counts skipped steps; what
+    that costs the user is set by the run's own skips, `_schedule_on_skips`.)"""
     sched = [e for e in of_type(in_window, SchedulerStep)
              if owner is None or e.optimizer in (None, owner)]
-    if not (sched and inject_window not in applied and _lr_changes(trace, sched[0])):
+    return bool(sched and inject_window not in applied and _lr_changes(trace, sched[0]))
+
+
+def own_precision_scaled(session: Session) -> bool:
+    """Does the user's own training use a GradScaler? In spec mode the rung runs only when fp16
+    is among the spec's `precisions`; a script tells by what it built when left alone (its fp32
+    run records the GradScaler and autocast it asked for, before ampdoctor forced them)."""
+    outcome = getattr(session.trace("fp32"), "outcome", None)
+    if outcome is None:
+        return "fp16" in session.spec.precisions
+    return (any(s.get("enabled") for s in outcome.scalers)
+            or any(a.get("enabled") and (a.get("dtype") == "float16" or (
+                a.get("dtype") is None and str(a.get("device")).startswith("cuda")))
+                for a in outcome.autocasts))
+
+
+def _schedule_on_skips(session: Session, plain: Trace, owner: int | None,
+                       own_scaler: bool) -> Finding | None:
+    """The plain fp16 run's own skips that its scheduler advanced on, measured: how many while
+    the scale settled (before the first real update) and after, and the largest change of a
+    real update's learning rate against the schedule's value for that update, the calibration's
+    constant shift taken as the schedule's start; the decider (`deciders.schedule_on_skips`)
+    judges them."""
+    steps = [e for e in plain.events_of(ScalerStep)
+             if owner is None or e.optimizer in (None, owner)]
+    flags = [bool(e.skipped) for e in steps]
+    sched = [e for e in plain.events_of(SchedulerStep)
+             if owner is None or e.optimizer in (None, owner)]
+    if not (any(flags) and sched and _lr_changes(plain, sched[0])):
         return None
-    real_steps = len(trace.steps)
-    sched_steps = len(trace.events_of(SchedulerStep))
-    warmup = _lr_rising(plain, sched[0].optimizer)
-    severity = Severity.ERROR if warmup else Severity.WARNING
-    return deciders.scheduler_steps_on_skip(Observed(RUNG, severity,
-        f"The scheduler ({sched[0].scheduler_type}) stepped in window {inject_window} "
-        f"although the optimizer step was skipped: {sched_steps} scheduler steps for "
-        f"{len({s.group for s in trace.steps})} real optimizer steps."
-        + (" The LR is in warmup, so every skip shortens the warmup." if warmup else ""),
-        evidence={"measured": sched_steps,
-                  "expected": len({s.group for s in trace.steps}),
-                  "scheduler_steps": sched_steps, "optimizer_steps": real_steps,
-                  "warmup": warmup},
-        location=location(sched[0].site)))
+    events = [e for e in sched if e.scheduler == sched[0].scheduler]
+    first_ok = flags.index(False) if False in flags else len(flags)
+
+    windows = [plain.window_of_event(e) for e in (*steps, *events)]
+    if None in windows:   # no windows to read: a skip's interval runs to the next scaler.step
+        bounds = [e.seq for e in steps] + [math.inf]
+        on_skip = [i for i, e in enumerate(steps) if e.skipped and any(
+            bounds[i] < s.seq < bounds[i + 1] for s in events)]
+    else:
+        advanced = set(windows[len(steps):])
+        on_skip = [i for i, e in enumerate(steps) if e.skipped and windows[i] in advanced]
+    calibration = sum(1 for i in on_skip if i < first_ok)
+    shift = lr_shift(plain, events, owner, start_shift=calibration)
+    real = [s for s in plain.steps if owner is None or s.optimizer == owner]
+    return deciders.schedule_on_skips(deciders.ScheduleOnSkips(
+        RUNG, events[0].scheduler_type, location(events[0].site),
+        calibration_skips=calibration,
+        steady_skips=sum(1 for i in on_skip if i > first_ok),
+        steps_after_settling=max(0, len(flags) - first_ok - 1),
+        scheduler_steps=len(events), real_updates=len({s.group for s in real}),
+        lr_shift=shift[0], lr_step=shift[1], lr_used=shift[2], lr_meant=shift[3],
+        tolerance=tolerance(session, "fp16").rtol, own_scaler=own_scaler,
+        framework=framework_of(plain)))
 
 
 @dataclass
@@ -264,17 +305,20 @@ def run(session: Session) -> RungResult:
         return RungResult(RUNG, Status.SKIP, "the fp16 run has no enabled GradScaler")
     findings: list[Finding] = []
     N = session.N
+    own_scaler = own_precision_scaled(session)
     injected = session.injected or injected_run(session)   # windows and events only
     trace, injector, inject_window = injected.trace, injected.injector, injected.window
     target_mb = injected.microbatch
-    details: dict[str, Any] = {"injected_window": inject_window, "injected_microbatch": target_mb}
+    details: dict[str, Any] = {"injected_window": inject_window, "injected_microbatch": target_mb,
+                               "own_precision_scaled": own_scaler}
     label = f"fp16 run, overflow injected in window {inject_window}"
     if injected.max_grad_norm != "spec":
         details["clipping_forced_at"] = injected.max_grad_norm
         label += f", clipping forced at {injected.max_grad_norm:.3g} (shared with clip-space)"
     keep(session, run_series(RUNG, trace, label=label))
     if trace.error is not None:
-        finding = _skip_path_left_open(trace, plain, injector) or loop_error_finding(trace, RUNG)
+        finding = (_skip_path_left_open(trace, plain, injector, own_scaler)
+                   or loop_error_finding(trace, RUNG))
         return RungResult(RUNG, Status.FAIL, "the fp16 run with an injected overflow raised",
                           [finding], details=details)
     if not injector.fired:
@@ -300,15 +344,17 @@ def run(session: Session) -> RungResult:
     details["steps_on_nonfinite_gradients"] = len(poisoned)
     if poisoned:
         direct = [s for s in poisoned if s.via_scaler is None]
-        findings.append(deciders.missing_unscale(Observed(RUNG, Severity.ERROR,
+        findings.append(deciders.missing_unscale(Observed(RUNG,
+            deciders.skip_severity(True, own_scaler=own_scaler),
             f"An inf was injected into {injector.param_name}.grad in window {inject_window} and "
             f"{len(poisoned)} optimizer step(s) consumed it: the step bypassed scaler.step's inf "
-            "check" + (" (optimizer.step() called directly)." if direct else "."),
+            "check" + (" (optimizer.step() called directly)." if direct else ".")
+            + _forced(own_scaler),
             evidence={"measured": len(poisoned), "expected": 0,
                       "steps_on_nonfinite_gradients": len(poisoned)},
             location=location((direct or poisoned)[0].site))))
     # The scale backs off once per window, not once per micro-batch.
-    backed_off = _backoffs(of_type(in_window, Update), backoff, details)
+    backed_off = _backoffs(of_type(in_window, Update), backoff, details, own_scaler)
     if backed_off is not None:
         findings.append(backed_off)
     # The next window must start clean: no inf carried over, so not skipped again (where the
@@ -323,18 +369,23 @@ def run(session: Session) -> RungResult:
         zero_grads = plain.events_of(ZeroGrad) or trace.events_of(ZeroGrad)
         site = (zero_grads[-1].site if zero_grads
                 else scaler_steps[-1].site if scaler_steps else None)
-        findings.append(deciders.no_zero_grad_after_skip(Observed(RUNG, Severity.ERROR,
+        findings.append(deciders.no_zero_grad_after_skip(Observed(RUNG,
+            deciders.skip_severity(True, own_scaler=own_scaler),
             f"After the injected overflow in window {inject_window} the next {in_a_row} "
             "window(s) were skipped too: the inf stayed in .grad and poisoned the following "
-            "window(s). Gradients must be cleared after a skipped step as after a good one.",
+            "window(s). Gradients must be cleared after a skipped step as after a good one."
+            + _forced(own_scaler),
             evidence={"measured": in_a_row, "expected": 0, "injected_window": inject_window,
                       "applied_windows": sorted(applied), "skipped": skipped_flags},
             location=location(site))))
-    # The scheduler must not advance for the skipped step.
-    stepped = _scheduler_on_skip(trace, plain, in_window, inject_window, owner, applied)
+    # The scheduler must not advance for the user's own skipped steps (the injected one only
+    # shows whether it does).
+    on_injected = _stepped_on_injected(in_window, inject_window, owner, applied, trace)
+    details["scheduler_stepped_on_injected_skip"] = on_injected
+    stepped = _schedule_on_skips(session, plain, owner, own_scaler)
     if stepped is not None:
         findings.append(stepped)
-    frequent = frequent_skips(plain, RUNG)
+    frequent = frequent_skips(plain, RUNG, own_scaler=own_scaler)
     if frequent is not None:
         findings.append(frequent)
     if not applied_plain and not any(f.severity == "error" for f in findings):
@@ -348,4 +399,15 @@ def run(session: Session) -> RungResult:
     return conclude(RUNG, findings, f"overflow injected in window {inject_window} was skipped, "
                     "the scale backed off once"
                     + (", the next window was clean" if later else
-                       " (no later window updates in the plain run to check)"), details)
+                       " (no later window updates in the plain run to check)")
+                    + (_injected_note(plain, owner) if on_injected and stepped is None else ""),
+                    details)
+
+
+def _injected_note(plain: Trace, owner: int | None) -> str:
+    """The scheduler advanced on ampdoctor's injected skip: what that costs is the run's own
+    skips, none of which it advanced on."""
+    own = sum(1 for e in plain.events_of(ScalerStep)
+              if e.skipped and (owner is None or e.optimizer in (None, owner)))
+    return ("; the scheduler advanced on the injected skip too (each skip shifts the schedule "
+            f"one step), but on none of the plain fp16 run's own skips ({own}): no shift here")

@@ -84,6 +84,9 @@ def render(record: dict[str, Any], console: Console) -> None:
     ran = what_ran(record)
     if ran:
         console.print(Text(ran, style="dim"))
+    found = record.get("found")
+    if isinstance(found, dict) and isinstance(found.get("text"), str):
+        console.print(Text(_many(found["text"]), style="dim"))
 
     if record.get("error") and not record.get("rungs"):
         err = record["error"]

@@ -9,6 +9,7 @@ from ..enums import Severity
 from ..findings import Finding, location
 from ..probe.events import StepRecord
 from ..session import Session, Trace
+from .frameworks import framework_evidence
 
 
 def step_count_finding(session: Session, trace: Trace, rung: str,
@@ -30,7 +31,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
                 evidence={"measured": len(steps), "expected": expected,
                           "steps_per_window": round(per_window, 6),
                           "microbatches_before_first_step": mb_before_first,
-                          "optimizer": slot},
+                          "optimizer": slot, **framework_evidence(trace)},
                 location=location(steps[0].site)))
     # As many steps as windows, but not on window boundaries: an off-by-one accumulation
     # condition (`i % K == 0` with i from 0 steps after the first micro-batch).

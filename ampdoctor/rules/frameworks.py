@@ -5,6 +5,7 @@ accumulation-average finding names the right side: the user's line, `accelerator
 
 from __future__ import annotations
 
+from ..evidence import Evidence
 from ..probe.events import FrameworkPrecision
 from ..probe.trace import Trace
 
@@ -44,3 +45,20 @@ def who_divided(trace: Trace, kind: str) -> tuple[str, str] | None:
         if party in table:
             return party, table[party]
     return None
+
+
+def framework_of(trace: Trace) -> str | None:
+    """The party that drove the run (accelerate, HF Trainer, Lightning, Fabric), or None when no
+    framework was built."""
+    for event in trace.events_of(FrameworkPrecision):
+        party = event.driver or event.framework
+        if party:
+            return party
+    return None
+
+
+def framework_evidence(trace: Trace) -> Evidence:
+    """`framework` for a finding's evidence when one drove the run (its decider then says the
+    fix in that framework's terms)."""
+    framework = framework_of(trace)
+    return {"framework": framework} if framework else {}

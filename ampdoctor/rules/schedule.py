@@ -13,6 +13,7 @@ from ..findings import Finding, location
 from ..judge import step_groups
 from ..probe.events import Backward, Forward, OptimizerStep, ScalerStep, SchedulerStep
 from ..session import Session, Trace
+from .frameworks import framework_evidence
 
 
 def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
@@ -55,12 +56,12 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             evidence={"measured": round(per_step, 6), "expected": 1.0,
                       "scheduler_steps": len(events), "optimizer_steps": optimizer_steps,
                       "max_between_optimizer_steps": worst, "lr_used": used,
-                      "lr_expected": meant, "first_step_off": step},
+                      "lr_expected": meant, "first_step_off": step, **framework_evidence(trace)},
             location=location(first.site)))]
     return []
 
 
-def _run_start(trace: Trace) -> int | None:
+def run_start(trace: Trace) -> int | None:
     """Where the loop's training work begins: its first forward on a micro-batch it was handed
     (a forward on other data -- a sanity or evaluation pass before training -- reads none), else
     its first forward, else its first backward; None when the trace has none of them."""
@@ -96,7 +97,7 @@ def _lr_drift(trace: Trace, events: list[SchedulerStep],
     used_index = [sum(1 for e in events if e.seq < s.seq) for s in first_of_group.values()]
     if not used_index:
         return None
-    start = _run_start(trace)
+    start = run_start(trace)
     offset = (used_index[0] if start is None
               else sum(1 for e in events if e.seq < start))
     for n, c in enumerate(used_index):
@@ -107,3 +108,36 @@ def _lr_drift(trace: Trace, events: list[SchedulerStep],
         if abs(used - meant) > thresholds.LR_RTOL * max(abs(meant), 1e-30):
             return n, used, meant
     return None
+
+
+def lr_shift(trace: Trace, events: list[SchedulerStep], slot: Any,
+             start_shift: int = 0) -> tuple[float, int | None, float | None, float | None]:
+    """How far one scheduler's learning rate at each real optimizer step is from the schedule's
+    value for that step (counted in real steps, from the scheduler steps before the run's
+    first forward, as `_lr_drift` counts them, plus `start_shift`: the calibration skips it
+    advanced on, taken as where the schedule starts): the largest relative difference, the real
+    step (0-based) where it is, the learning rate used and the one meant. (0, None, None, None)
+    when the trace has no learning rates to compare."""
+    values = [events[0].lr_before] + [e.lr for e in events] if events else []
+    if not values or any(v is None for v in values):
+        return 0.0, None, None, None
+    lrs = [float(v) for v in values if v is not None]
+    first_of_group: dict[int, Any] = {}
+    for s in trace.steps:
+        if slot is None or s.optimizer == slot:
+            first_of_group.setdefault(s.group, s)
+    used_index = [sum(1 for e in events if e.seq < s.seq) for s in first_of_group.values()]
+    if not used_index:
+        return 0.0, None, None, None
+    start = run_start(trace)
+    offset = start_shift + (used_index[0] if start is None
+                            else sum(1 for e in events if e.seq < start))
+    worst: tuple[float, int | None, float | None, float | None] = (0.0, None, None, None)
+    for n, c in enumerate(used_index):
+        if max(c, offset + n) >= len(lrs):
+            break
+        used, meant = lrs[c], lrs[offset + n]
+        off = abs(used - meant) / max(abs(meant), 1e-30)
+        if off > worst[0]:
+            worst = (off, n, used, meant)
+    return worst

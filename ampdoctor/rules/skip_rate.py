@@ -117,9 +117,11 @@ def _search_skips(first_ok: int, updates: list[Update]) -> int:
     return first_ok
 
 
-def frequent_skips(plain: Trace, rung: str) -> Finding | None:
+def frequent_skips(plain: Trace, rung: str, own_scaler: bool = True) -> Finding | None:
     """The finding for the plain fp16 run's skips, or None when they are what GradScaler
-    costs anyway."""
+    costs anyway. Skips after the first real update drop updates the reference makes: an error
+    in a run whose own precision uses a GradScaler (`deciders.skip_severity`); the scale
+    settling, or a run forced into fp16 (`own_scaler` false), a warning."""
     s = _skips(plain)
     if not (s.never_settled or s.unsettled or s.collapsed):
         return None
@@ -137,20 +139,22 @@ def frequent_skips(plain: Trace, rung: str) -> Finding | None:
                           "growth_interval": s.growth_interval,
                           "growth_factor": s.inits[0].growth_factor if s.inits else None}
     fell = f"the scale fell to {min(s.scales):g}" if s.collapsed else ""
+    forced = "" if own_scaler else deciders.FORCED_FP16
     if s.dropping:
-        return deciders.frequent_skips(Observed(rung, Severity.ERROR,
+        return deciders.frequent_skips(Observed(rung,
+            deciders.skip_severity(True, own_scaler=own_scaler),
             f"After its first real update (step {s.first_ok}) the fp16 run skipped "
             f"{skipped_after} of the {len(after)} steps that followed "
             f"({skipped_after / len(after):.0%}, threshold "
             f"{thresholds.SKIP_RATE_THRESHOLD:.0%}){_growth_note(s)}: the scaler had found a "
             f"scale that works, and each of these skips drops an update the fp32 reference makes"
-            + _settling_note(s) + (f"; {fell}" if fell else "") + ".",
+            + _settling_note(s) + (f"; {fell}" if fell else "") + "." + forced,
             evidence=evidence, location=location(site)))
     return deciders.frequent_skips(Observed(rung, Severity.WARNING,
         f"The fp16 run skipped {len(s.skipped)} of {s.steps} optimizer steps "
         f"({s.rate:.0%}, threshold {thresholds.SKIP_RATE_THRESHOLD:.0%})"
         + (f" and {fell}" if fell else "")
-        + ": fewer real updates than the schedule assumes.",
+        + ": fewer real updates than the schedule assumes." + forced,
         evidence=evidence, location=location(site)))
 
 

@@ -16,6 +16,7 @@ from ..judge import Judgement, StepJudgement
 from ..probe.events import Backward, Clip, Event, Scale, Snapshot, ZeroGrad, of_type
 from ..reference.gradients import WindowReference
 from ..session import Session, Trace, flat
+from .frameworks import framework_of
 from .shapes import Resplit
 
 
@@ -125,6 +126,9 @@ def build_case(session: Session, trace: Trace, rung: str, judgement: Judgement,
     }
     if session.spec.micro_batch_size:
         evidence["micro_batch_size"] = session.spec.micro_batch_size
+    framework = framework_of(trace)
+    if framework is not None:   # the fix is then said in that framework's terms
+        evidence["framework"] = framework
     if clip_norm is not None:
         evidence["clip_total_norm"] = compare._round(clip_norm)
         if user_u is not user:

@@ -127,7 +127,7 @@ def _diagnose(source: ScriptSource, command: Command, started: float,
                 failed["output"] = ss.outputs
             return failed, exc
     fill_record(record, results)
-    record["notes"] = sorted(_notes(ss))
+    record["notes"] = sorted(_notes(ss, source))
     record["runs"] = ss.charts
     record["seconds"] = round(time.perf_counter() - started, 3)
     record["reference_mode"] = "script"
@@ -157,13 +157,16 @@ def _check_device(source: ScriptSource, ss: ScriptSession) -> None:
                          "--device out")
 
 
-def _notes(ss: ScriptSession) -> set[str]:
+def _notes(ss: ScriptSession, source: ScriptSource) -> set[str]:
     command = ss.command
     notes = set(ss.notes)
     if ss.unaligned is not None and command.reference_args is not None:
         notes.add(f"the reference does not read the run's micro-batches: {ss.unaligned}. The "
                   "rungs that compare updates were not run; make the data the same for every "
                   "batch size (seed it, no shuffling) to compare them")
+    if source.reference_origin == "inferred":
+        notes.add("the reference's arguments were inferred from the script's options ("
+                  f"{source.reference_how}); give --reference-args to set them yourself")
     if command.reference_args is None:
         notes.add("no reference: the updates were not compared with an fp32 full-batch "
                   "reference. Give --reference-args, the script's arguments for K = 1 and a "

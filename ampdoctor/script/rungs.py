@@ -311,7 +311,8 @@ def weights(ss: ScriptSession) -> dict[str, float]:
     fp32-accum reads the runs the start made; each precision, the forced clip and the injected
     overflow are a run (and its reference run when there is one)."""
     per_run = 2.0 if ss.has_reference else 1.0
+    clips = ss.spec.max_grad_norm is not None     # clip-space and skips share one fp16 run
     return {"reproducibility": 1.0 + (2.0 if ss.has_reference else 0.0),
             "fp32-accum": 0.1, "bf16-no-scaler": per_run, "fp16-scaler": per_run,
-            "double-scaling": 0.1, "clip-space": per_run, "skips": per_run,
-            "ddp-sync": 0.01}
+            "double-scaling": 0.1, "clip-space": per_run if clips else 0.05,
+            "skips": 0.1 if clips else per_run, "ddp-sync": 0.01}

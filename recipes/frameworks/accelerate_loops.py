@@ -58,3 +58,28 @@ def scheduler_not_prepared(model, optimizer, micro_batches, run):
             optimizer.step()
             scheduler.step()  # BUG: scheduler-per-microbatch
             optimizer.zero_grad()
+
+
+def no_trainer(model, optimizer, micro_batches, run):
+    """transformers' examples/pytorch/*_no_trainer.py: `get_scheduler` sized in optimizer
+    steps, the scheduler handed to `accelerator.prepare` with the rest, and inside
+    `accelerator.accumulate(model)` a backward, `optimizer.step()`, `lr_scheduler.step()` and
+    `optimizer.zero_grad()` on every batch (accelerate makes them act once per window)."""
+    from transformers import get_scheduler
+
+    accelerator = Accelerator(mixed_precision=MIXED_PRECISION[run.precision],
+                              gradient_accumulation_steps=run.accumulation_steps, cpu=True)
+    lr_scheduler = get_scheduler(name="linear", optimizer=optimizer, num_warmup_steps=10,
+                                 num_training_steps=100)
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    model.train()
+    for batch in micro_batches:
+        with accelerator.accumulate(model):
+            inputs, targets = batch
+            loss = F.mse_loss(model(inputs), targets)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), run.max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()

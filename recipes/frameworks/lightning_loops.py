@@ -67,3 +67,38 @@ def manual_missing_average(model, optimizer, micro_batches, run):
     trainer = _trainer(run)
     module = ManualRegressor(model, optimizer, run.accumulation_steps, divide=False)
     trainer.fit(module, DataLoader(list(micro_batches), batch_size=None))
+
+
+class ManualScheduled(Regressor):
+    """Manual optimization as Lightning's docs write it with an LR scheduler: the loss divided
+    by N, `self.manual_backward(loss)`, and under `if (batch_idx + 1) % N == 0:` the clip, the
+    step, the zero_grad and `sch.step()`."""
+
+    def __init__(self, model, optimizer, accumulation_steps):
+        super().__init__(model, optimizer)
+        self.automatic_optimization = False
+        self.accumulation_steps = accumulation_steps
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        sch = self.lr_schedulers()
+        inputs, targets = batch
+        loss = F.mse_loss(self.model(inputs), targets) / self.accumulation_steps
+        self.manual_backward(loss)
+        if (batch_idx + 1) % self.accumulation_steps == 0:
+            self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+            sch.step()
+
+    def configure_optimizers(self):
+        from torch.optim.lr_scheduler import LambdaLR
+
+        warmup = LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / 10))
+        return [self.optimizer], [warmup]
+
+
+def healthy_manual_scheduler(model, optimizer, micro_batches, run):
+    trainer = _trainer(run)
+    module = ManualScheduled(model, optimizer, run.accumulation_steps)
+    trainer.fit(module, DataLoader(list(micro_batches), batch_size=None))

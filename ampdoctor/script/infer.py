@@ -1,0 +1,218 @@
+"""The fp32 full-batch reference command line of a script, inferred from the script itself when
+no `--reference-args` is given: the option that sets K (argparse `--gradient_accumulation_steps`,
+`--grad-accum`, `--accum_iter`, ..., or nanoGPT's module-level `gradient_accumulation_steps`
+overridden as `--key=value`) set to 1, and the micro-batch option multiplied by K, their values
+read from the script's own ARGS when given there (`--opt V`, `--opt=V`, `-o V`, `-oV`, an
+unambiguous prefix of a long option as argparse reads it), else from the option's default
+(`init_script` reads the options without running the script).
+
+Where it cannot infer one, a UsageError (exit 2) that says why and gives the command line to
+try, with what could be read filled in.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import init_script
+from ..errors import UsageError
+from ..init_script import BATCH_FLAGS, K_FLAGS, Flag
+
+
+@dataclass(frozen=True)
+class Inferred:
+    """A reference command line inferred from the script."""
+
+    #: the reference's whole argument list (the run's ARGS with the two options changed)
+    args: list[str]
+    #: e.g. "--accum-steps 1 --batch-size 32 (inferred)"
+    text: str
+    #: how it was read: "--accum-steps 4 (ARGS) -> 1, --batch-size 8 (default) -> 32"
+    how: str
+    K: int
+    micro_batch: int
+    k_option: str
+    batch_option: str
+    #: always True here: a reference given with --reference-args is not an Inferred
+    inferred: bool = True
+    #: where each of the two values came from: "args", "default" or "config FILE"
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def to_record(self) -> dict[str, Any]:
+        """The record's description of the reference (`reference_inferred`)."""
+        return {"inferred": self.inferred, "args": list(self.args), "text": self.text,
+                "how": self.how, "K": self.K, "micro_batch": self.micro_batch,
+                "k_option": self.k_option, "batch_option": self.batch_option,
+                "sources": dict(self.sources)}
+
+
+@dataclass
+class _Given:
+    """Where an option is set in ARGS: (index, form) per occurrence, the last value."""
+
+    at: list[tuple[int, str, str]] = field(default_factory=list)   # (index, form, option)
+    value: str | None = None
+
+
+def _long_options(all_flags: list[Flag]) -> list[str]:
+    return [o for f in all_flags for o in f.options if o.startswith("--")]
+
+
+def _occurrences(flag: Flag, args: list[str], longs: list[str]) -> _Given:
+    """Every place ARGS sets `flag`, as argparse reads them (the last one wins)."""
+    given = _Given()
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            break
+        for option in flag.options:
+            key = arg.split("=", 1)[0]
+            if option.startswith("--") and key.startswith("--") and key != option and \
+                    option.startswith(key) and key not in longs and \
+                    [o for o in longs if o.startswith(key)] == [option]:
+                key = option                       # argparse's unambiguous abbreviation
+            if key == option and "=" in arg:
+                given.at.append((i, "joined", arg.split("=", 1)[0]))
+                given.value = arg.split("=", 1)[1]
+            elif key == option and not flag.configurator and i + 1 < len(args):
+                given.at.append((i, "separate", arg))
+                given.value = args[i + 1]
+                i += 1
+            elif (len(option) == 2 and option[0] == "-" and option[1] != "-"
+                  and arg.startswith(option) and len(arg) > 2):
+                given.at.append((i, "attached", option))
+                given.value = arg[2:]
+            else:
+                continue
+            break
+        i += 1
+    return given
+
+
+def _number(text: Any, what: str) -> int:
+    try:
+        value = float(text) if isinstance(text, str) else float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} is {text!r}, not a number") from None
+    if value != int(value) or value < 1:
+        raise ValueError(f"{what} is {text!r}, not a positive whole number")
+    return int(value)
+
+
+def _set(args: list[str], flag: Flag, given: _Given, value: int) -> list[str]:
+    """ARGS with every occurrence of `flag` set to `value`, or it appended when absent."""
+    out = list(args)
+    if not given.at:
+        return out + ([f"{flag.option}={value}"] if flag.configurator
+                      else [flag.option, str(value)])
+    for index, form, option in given.at:
+        if form == "joined":
+            out[index] = f"{option}={value}"
+        elif form == "separate":
+            out[index + 1] = str(value)
+        else:
+            out[index] = f"{option}{value}"
+    return out
+
+
+def _config_files(args: list[str], cwd: str) -> list[tuple[str, list[Flag]]]:
+    """nanoGPT's configurator also execs each ARG without `=` as a config file (in order)."""
+    found = []
+    for arg in args:
+        if arg.startswith("-") or "=" in arg or not arg.endswith(".py"):
+            continue
+        path = Path(cwd, arg)
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        except (OSError, UnicodeDecodeError, SyntaxError):
+            continue
+        found.append((arg, init_script.configuration(tree)))
+    return found
+
+
+def _to_try(script: str, args: list[str], k: Flag | None, batch: Flag | None,
+            K: int | None, b: int | None) -> str:
+    """The command line to try when the reference cannot be inferred."""
+    ref: list[str] = []
+    k_text = k.option if k is not None else "ACCUM-OPTION"
+    b_text = batch.option if batch is not None else "BATCH-OPTION"
+    configurator = any(f is not None and f.configurator for f in (k, batch))
+    total = str(K * b) if K is not None and b is not None else "K_x_MICRO_BATCH"
+    for option, value in ((k_text, "1"), (b_text, total)):
+        ref += [f"{option}={value}"] if configurator else [option, value]
+    run = shlex.join(args) if args else "ARGS"
+    return (f"ampdoctor diagnose {shlex.quote(script)} --reference-args "
+            f"{shlex.quote(shlex.join(ref))} -- {run}")
+
+
+def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inferred:
+    """The reference command line of `script` run with `args` (module docstring); UsageError
+    with the command line to try when it cannot be inferred."""
+    cwd = cwd or os.getcwd()
+    path = Path(cwd, script)
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except (OSError, UnicodeDecodeError, SyntaxError) as exc:
+        raise UsageError(f"{script}: cannot read the script to infer the reference "
+                         f"({type(exc).__name__}: {exc}); give --reference-args") from exc
+    all_flags = init_script.flags(tree, undefaulted=True)
+    k = _pick(all_flags, K_FLAGS)
+    batch = _pick(all_flags, BATCH_FLAGS)
+    if k is None or batch is None:
+        missing = " and ".join(w for w, f in (("the gradient accumulation steps (K)", k),
+                                               ("the micro-batch size", batch)) if f is None)
+        raise UsageError(
+            f"cannot infer the reference of {script}: no option for {missing} was found among "
+            "its argparse options or module-level configuration. Give the reference's "
+            "arguments (K = 1, the batch K times the micro-batch), e.g.: "
+            + _to_try(script, args, k, batch, None, None))
+    configs = _config_files(args, cwd) if k.configurator else []
+    longs = _long_options(all_flags)
+    values: dict[str, int] = {}
+    sources: dict[str, str] = {}
+    givens: dict[str, _Given] = {}
+    try:
+        for role, flag in (("K", k), ("batch", batch)):
+            given = _occurrences(flag, args, longs)
+            givens[role] = given
+            text: Any = flag.default
+            sources[role] = "default"
+            for name, settings in configs:
+                for setting in settings:
+                    if setting.name in flag.names:
+                        text, sources[role] = setting.default, f"config {name}"
+            if given.value is not None:
+                text, sources[role] = given.value, "args"
+            if text is None:
+                raise ValueError(f"{flag.option} has no default and is not in the script's "
+                                 "arguments")
+            values[role] = _number(text, flag.option)
+    except ValueError as exc:
+        raise UsageError(
+            f"cannot infer the reference of {script}: {exc}. Give the reference's arguments "
+            "(K = 1, the batch K times the micro-batch), e.g.: "
+            + _to_try(script, args, k, batch, values.get("K"), values.get("batch"))) from None
+    K, b = values["K"], values["batch"]
+    ref = _set(_set(args, k, givens["K"], 1), batch, givens["batch"], K * b)
+    how = (f"{k.option} {K} ({sources['K']}) -> 1, {batch.option} {b} ({sources['batch']}) "
+           f"-> {K * b}")
+    return Inferred(args=ref, text=f"{shlex.join(ref)} (inferred)", how=how, K=K,
+                    micro_batch=b, k_option=k.option, batch_option=batch.option,
+                    sources=sources)
+
+
+def _pick(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:
+    """The first option (in the order of `names`) that sets K / the batch, with or without a
+    default."""
+    for wanted in names:
+        for flag in all_flags:
+            if wanted in flag.names and (flag.default is None
+                                         or isinstance(flag.default, (int, float))):
+                return flag
+    return None
