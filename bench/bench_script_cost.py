@@ -9,7 +9,9 @@ For each script it measures, as whole processes, `time.perf_counter`:
 - one plain start-up: `python SCRIPT ARGS` from the interpreter's start to the end of its first
   optimizer step (a global optimizer step post-hook records the time of each step; the script
   runs unmodified as `__main__`, see `--plain`);
-- the plain per-step time: the median time between its later optimizer steps (steps 2..8);
+- the plain per-step time: the median time between its later optimizer steps (steps 2..8),
+  of the command line as given (fp16 with `--amp`) and, the stricter budget, without `--amp`
+  (fp32: on a CPU fp16 steps are slower, and most of a diagnose's runs are fp32);
 - `ampdoctor diagnose SCRIPT --json --reference-args REF -- ARGS` under /usr/bin/time -v
   (wall, peak RSS), and from its record the optimizer steps all its runs and references took
   together (each run's `optimizer_steps` in the record's `output`);
@@ -113,22 +115,29 @@ def bench(name: str, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
         for _ in range(repeats):
             startup, per_step, plain_cmd = plain(script, args)
+            _, per_step32, _ = plain(script, [a for a in args if a != "--amp"])
             diag = diagnose(script, args, ref, out)
             budget = startup + per_step * diag["steps"]
+            budget32 = startup + per_step32 * diag["steps"]
             rows.append({"startup": startup, "per_step": per_step, "budget": budget,
-                         "ratio": diag["wall"] / budget, "plain_command": plain_cmd, **diag})
+                         "ratio": diag["wall"] / budget, "plain_command": plain_cmd,
+                         "per_step32": per_step32, "budget32": budget32,
+                         "ratio32": diag["wall"] / budget32, **diag})
     return {"name": name, "rows": rows}
 
 
 def report(result: dict) -> None:
     rows = result["rows"]
     med = {k: statistics.median(r[k] for r in rows)
-           for k in ("startup", "per_step", "wall", "ratio", "rss_mb", "steps", "budget")}
+           for k in ("startup", "per_step", "wall", "ratio", "rss_mb", "steps", "budget",
+                     "per_step32", "budget32", "ratio32")}
     last = rows[-1]
     print(f"\n== {result['name']}: {len(rows)} repeat(s), medians")
     print(f"plain start-up to the first step: {med['startup']:.2f} s   "
           f"(python {last['plain_command']})")
     print(f"plain per-step time:              {med['per_step']:.3f} s   (same run, steps 2..)")
+    print(f"  the same without --amp (fp32):  {med['per_step32']:.3f} s   (most of a diagnose's "
+          "runs and every reference are fp32)")
     print(f"optimizer steps of the diagnose:  {med['steps']:.0f} in {last['runs']} runs  "
           + ", ".join(f"{run} {s}" for run, s in last["per_run"]))
     print(f"diagnose wall:                    {med['wall']:.2f} s, peak RSS "
@@ -137,6 +146,9 @@ def report(result: dict) -> None:
     held = "holds" if med["ratio"] <= 1.25 else "does NOT hold"
     print(f"ratio diagnose / budget: {med['ratio']:.2f}x (each repeat: "
           + ", ".join(f"{r['ratio']:.2f}" for r in rows) + f"); target <= 1.25x {held}")
+    held32 = "holds" if med["ratio32"] <= 1.25 else "does NOT hold"
+    print(f"against the fp32 per-step time:  budget {med['budget32']:.2f} s, ratio "
+          f"{med['ratio32']:.2f}x; target <= 1.25x {held32}")
 
 
 def main() -> None:
