@@ -188,9 +188,11 @@ def diagnose(spec: SpecLike, *, out: str | os.PathLike | None = None, save: bool
         from .spec import to_wire
         to_wire(resolved)   # the rank processes must be able to import the spec's code
     exception: AmpdoctorError | None = None
+    from .processes import owned
     try:
-        data = run_diagnose(resolved, on_start=on_start, on_done=on_done,
-                            on_progress=on_progress)
+        with owned():     # what the loop starts ends with the diagnose
+            data = run_diagnose(resolved, on_start=on_start, on_done=on_done,
+                                on_progress=on_progress)
     except (UserCodeError, InputError) as exc:
         exception = exc
     except Exception:

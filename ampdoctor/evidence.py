@@ -54,6 +54,7 @@ Evidence = TypedDict("Evidence", {
     "hypothesis_error": float,
     "resplit": Any,
     "framework": str,
+    "config_gradient_accumulation_steps": int,
     "weighting_ratio": float,
     "weighting_cosine": float,
     "weights": Any,

@@ -206,6 +206,17 @@ FRAMEWORK_FIXES: dict[tuple[str, str], str] = {
     ("scheduler-per-microbatch", "Fabric"):
         "Step the scheduler with the optimizer, once per window: `if not is_accumulating: "
         "optimizer.step(); scheduler.step(); optimizer.zero_grad()`.",
+    ("double-average", "DeepSpeed"):
+        "Remove your own division: `engine.backward(loss)` divides by the config's "
+        "gradient_accumulation_steps itself (`scale_wrt_gas=True`), so backward the "
+        "micro-batch's mean loss as it is (or pass `scale_wrt_gas=False` and divide once).",
+    ("missing-accumulation-average", "DeepSpeed"):
+        "Let the engine divide: call `engine.backward(loss)` with its default "
+        "`scale_wrt_gas=True`; with `scale_wrt_gas=False` the loop must divide by K itself.",
+    ("scheduler-per-microbatch", "DeepSpeed"):
+        "Let the engine step the schedule: give it to `deepspeed.initialize(lr_scheduler=...)` "
+        "or the config's `scheduler`, and call only `engine.step()` (it steps the scheduler "
+        "once per optimizer step); remove the loop's own `scheduler.step()`.",
 }
 
 

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -161,13 +162,48 @@ def load(path: Path) -> dict[str, Any]:
             raise UsageError(f"{path}: over {MAX_RECORD_BYTES // 2**20} MiB, not an ampdoctor "
                              "run record.")
         record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except ValueError as exc:   # (JSONDecodeError too) an integer of thousands of digits
+        digits = not isinstance(exc, json.JSONDecodeError) and "digits" in str(exc)
+        what = ("an integer too long to read (over the interpreter's "
+                f"{sys.get_int_max_str_digits():,}-digit limit)" if digits
+                else f"{type(exc).__name__}: {str(exc)[:200]}")
+        raise UsageError(f"{path}: not a readable ampdoctor run record ({what}).") from exc
+    except (OSError, UnicodeDecodeError, RecursionError) as exc:
         raise UsageError(f"{path}: not a readable ampdoctor run record "
                          f"({type(exc).__name__}: {str(exc)[:200]}).") from exc
     if not isinstance(record, dict) or "verdict" not in record:
         raise UsageError(f"{path}: not an ampdoctor run record (no 'verdict').")
+    problem = _out_of_bounds(record)
+    if problem is not None:
+        raise UsageError(f"{path}: not a valid ampdoctor run record: {problem}.")
     from .record_model import validate
     return upgrade(validate(record, str(path)))
+
+
+#: Beyond these a record is not one ampdoctor wrote: nested deeper than MAX_DEPTH, an integer
+#: past MAX_INT in magnitude (a step count, a line, an exit code are far below).
+MAX_DEPTH = 32
+MAX_INT = 2**63
+
+
+def _out_of_bounds(record: Any) -> str | None:
+    """What makes a parsed record hostile to read (its field named), or None. Iterative: a
+    record nested thousands deep is named, not a RecursionError."""
+    stack: list[tuple[Any, str, int]] = [(record, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        field = where or "(the record)"
+        if depth > MAX_DEPTH:
+            return f"field '{field}' is nested over {MAX_DEPTH} levels deep"
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            return (f"field '{field}' holds an integer of {len(str(abs(value))):,} digits "
+                    f"(over {MAX_INT:.3g})")
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k), depth + 1)
+                         for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}.{i}", depth + 1) for i, v in enumerate(value))
+    return None
 
 
 def upgrade(record: dict[str, Any]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from .loading import (
     to_device,
     unusable,
 )
+from .loading.entrypoints import EntryPointRefused
 from .probe import recorder, spill
 from .probe.callsite import CallSiteFinder, Site
 from .probe.events import ScalerInit, ScalerStep, Update
@@ -266,8 +267,8 @@ class Session(ReferenceBuilder):
         except BaseException as exc:
             # The user's loop raised (anything, sys.exit included): recorded, judged by the
             # rung. Only Ctrl-C and ampdoctor's own interruptions go past.
-            if isinstance(exc, (KeyboardInterrupt, AmpdoctorInterrupt)):
-                raise
+            if isinstance(exc, (KeyboardInterrupt, AmpdoctorInterrupt, EntryPointRefused)):
+                raise    # (the last: what a spec's entry point returned, exit 2)
             if isinstance(exc, EnoughSteps):
                 trace.stopped = True
             else:

@@ -29,6 +29,7 @@ from .errors import SpecError
 from .spec_sections import (
     CODE_KEYS,
     DDPSettings,
+    DeepSpeedSettings,
     HFTrainerSettings,
     LightningSettings,
     OptimizerMapping,
@@ -94,6 +95,7 @@ class Spec(_Strict):
     train_loop: str | None = None
     hf_trainer: HFTrainerSettings | None = None
     lightning: LightningSettings | None = None
+    deepspeed: DeepSpeedSettings | None = None
     accumulation_steps: StrictInt = Field(ge=1, le=1_000_000)
     micro_batch_size: StrictInt | None = Field(default=None, ge=1)
     optimizer_steps: StrictInt = Field(default=3, ge=1, le=1_000_000)
@@ -145,14 +147,18 @@ class Spec(_Strict):
 
     @model_validator(mode="after")
     def _one_entry_point(self) -> Spec:
-        given = [k for k in ("train_loop", "hf_trainer", "lightning") if getattr(self, k)]
-        choice = ("'train_loop' (your loop), 'hf_trainer' (a transformers Trainer factory) "
-                  "or 'lightning' (a LightningModule factory)")
+        given = [k for k in ("train_loop", "hf_trainer", "lightning", "deepspeed")
+                 if getattr(self, k)]
+        choice = ("'train_loop' (your loop), 'hf_trainer' (a transformers Trainer factory), "
+                  "'lightning' (a LightningModule factory) or 'deepspeed' (a DeepSpeed config)")
         if not given:
             raise ValueError(f"spec key 'train_loop' is missing: give exactly one of {choice}")
         if len(given) > 1:
             raise ValueError(f"give exactly one of {choice}; this spec gives "
                              f"{' and '.join(given)}")
+        if self.deepspeed is not None and self.loss is None:
+            raise ValueError("spec key 'loss' is missing: with 'deepspeed', ampdoctor computes "
+                             "each micro-batch's loss with it (`loss(engine, micro_batch)`)")
         if self.model is None and self.lightning is None:
             raise ValueError("spec key 'model' is missing: a 'module:function' that returns "
                              "the torch.nn.Module to train")

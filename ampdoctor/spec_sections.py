@@ -1,8 +1,8 @@
 """The spec's sections and value checks: the `module:function` references of the user's code,
 the torch.optim name of an `optimizer` mapping (with its "did you mean"), and the nested
-settings (`tolerances`, `scan`, `ddp`, `hf_trainer`, `lightning`) with the framework settings
-ampdoctor sets per rung itself. `spec.py` builds the spec from them. No torch here (a name
-missing from TORCH_OPTIMIZERS alone looks in torch.optim).
+settings (`tolerances`, `scan`, `ddp`, `hf_trainer`, `lightning`, `deepspeed`) with the
+framework settings ampdoctor sets per rung itself. `spec.py` builds the spec from them. No
+torch here (a name missing from TORCH_OPTIMIZERS alone looks in torch.optim).
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ class DDPSettings(_Strict):
     world_size: StrictInt = Field(default=2, ge=1, le=64)
     #: the whole multi-process run of the ddp-sync rung, loading included (docs: spec keys)
     timeout_s: float = Field(default=300.0, gt=0, le=86400)
-    wrapper: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    #: deepspeed: the loop's own DeepSpeed engine does the communication (no wrapper of ours)
+    wrapper: Literal["ddp", "fsdp", "hsdp", "deepspeed"] = "ddp"
 
 
 #: The optimizer classes of torch.optim (torch 2.13), so that a spec validates without torch;
@@ -163,3 +164,18 @@ class LightningSettings(_Strict):
     @classmethod
     def _trainer(cls, value: dict[str, Any]) -> dict[str, Any]:
         return _no_reserved(value, LIGHTNING_RESERVED)
+
+
+#: DeepSpeed config keys ampdoctor sets per rung from the spec's own keys (`deepspeed.config`
+#: keeps the rest): the spec key that decides each.
+DEEPSPEED_RESERVED = {"gradient_accumulation_steps": "accumulation_steps",
+                      "train_micro_batch_size_per_gpu": "micro_batch_size",
+                      "train_batch_size": "micro_batch_size x accumulation_steps x ranks",
+                      "gradient_clipping": "max_grad_norm"}
+
+
+class DeepSpeedSettings(_Strict):
+    """`deepspeed`: the user's DeepSpeed config (a JSON file, relative to the spec, or the
+    mapping itself); ampdoctor builds the engine of every rung from it."""
+
+    config: str | dict[str, Any]

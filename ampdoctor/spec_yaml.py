@@ -20,8 +20,9 @@ MAX_SPEC_VALUES = limits.MAX_VALUES
 
 @functools.lru_cache(maxsize=8)
 def top_level_lines(text: str) -> dict[str, int]:
-    """Map each top-level key (and `key.sub` for one level of nesting) to its 1-based line
-    (cached: a spec's text is read for its lines several times; callers do not mutate it)."""
+    """Map each top-level key (and `key.sub`, `key.sub.name` for two levels of nesting:
+    `hf_trainer.args.learning_rate`) to its 1-based line (cached: a spec's text is read for
+    its lines several times; callers do not mutate it)."""
     lines: dict[str, int] = {}
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
@@ -33,8 +34,12 @@ def top_level_lines(text: str) -> dict[str, int]:
         key = str(key_node.value)
         lines[key] = key_node.start_mark.line + 1
         if isinstance(value_node, yaml.MappingNode):
-            for sub_key, _ in value_node.value:
+            for sub_key, sub_value in value_node.value:
                 lines[f"{key}.{sub_key.value}"] = sub_key.start_mark.line + 1
+                if isinstance(sub_value, yaml.MappingNode):
+                    for name, _ in sub_value.value:
+                        lines.setdefault(f"{key}.{sub_key.value}.{name.value}",
+                                         name.start_mark.line + 1)
     return lines
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import processes
 from .errors import (
     AmpdoctorError,
     InputError,
@@ -120,8 +121,12 @@ class Watch:
         fd, self.dump_path = tempfile.mkstemp(prefix="ampdoctor-stacks-", suffix=".txt")
         os.close(fd)
         read_fd, write_fd = os.pipe()
-        job = {"spec": wire, "channel_fd": write_fd, "dump_path": self.dump_path}
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        job = {"spec": wire, "channel_fd": write_fd, "dump_path": self.dump_path,
+               "parent": os.getpid()}
+        # every process of the run carries the token; the guardian ends them if this one dies
+        self.token = processes.new_token()
+        self.guardian = processes.Guardian(self.token)
+        env = processes.with_token(dict(os.environ, PYTHONUNBUFFERED="1"), self.token)
         env.pop("PYTHONSTARTUP", None)
         try:
             self.proc = subprocess.Popen(
@@ -131,9 +136,11 @@ class Watch:
             os.close(read_fd)
             os.close(write_fd)
             os.unlink(self.dump_path)
+            self.guardian.close()
             raise LaunchError(f"could not start the process that runs the loop: {exc}",
                               cause=exc) from exc
         os.close(write_fd)
+        self.guardian.watch_session(self.proc.pid)
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps(job).encode())
@@ -268,6 +275,9 @@ class Watch:
             return ""
 
     def close(self) -> None:
+        """Every process of the run ended (the worker, anything it started), the pipes closed."""
+        processes.end(self.token, sessions=(self.proc.pid,))
+        self.guardian.close()
         for stream in (self.channel, self.proc.stdout, self.proc.stderr):
             try:
                 if stream is not None:

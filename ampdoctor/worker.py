@@ -28,6 +28,8 @@ import sys
 import threading
 from typing import Any, TextIO
 
+from . import processes
+
 #: The real `os._exit`, taken before any user code could replace it.
 _EXIT = os._exit
 
@@ -76,6 +78,9 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     _die_with_parent()
+    if job.get("parent") not in (None, os.getppid()):
+        _EXIT(1)                  # the parent died before the line above: nothing to run for
+    processes.become_subreaper()  # what the loop's processes orphan stays ours to end
     channel = Channel(int(job["channel_fd"]))
     if job.get("dump_path"):
         import faulthandler
@@ -107,6 +112,9 @@ def main() -> None:
             sys.stderr.flush()
         except Exception:  # noqa: BLE001 - the loop may have closed them
             pass
+        # nothing the run started outlives it (nor holds the parent's pipes open)
+        with contextlib.suppress(Exception):
+            processes.end_descendants()
         _EXIT(code)
 
 

@@ -13,8 +13,8 @@ higher one (cycles within a layer are caught by the cycle check):
 
   foundation  pure Python, no torch: errors, safetext, limits, thresholds, the string enums
               (enums), the typed evidence, the findings types, the kind catalogue and the one
-              decider per kind (deciders), progress, memory, source_snippet, process_state, and
-              the root package (its `__version__`)
+              decider per kind (deciders), progress, memory, source_snippet, process_state,
+              processes (a run's process tree, ended), and the root package (its `__version__`)
   static      what runs without torch or the user's loop: the spec, a script's run source
               (source), the record, the static scan, the report (never any layer above: they
               must work without torch)
@@ -49,7 +49,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "ampdoctor.kinds", "ampdoctor.enums", "ampdoctor.evidence",
                     "ampdoctor.deciders", "ampdoctor.kind_text", "ampdoctor.progress",
                     "ampdoctor.memory",
-                    "ampdoctor.source_snippet", "ampdoctor.process_state")),
+                    "ampdoctor.source_snippet", "ampdoctor.process_state",
+                    "ampdoctor.processes")),
     ("static", ("ampdoctor.spec", "ampdoctor.spec_sections", "ampdoctor.spec_yaml",
                 "ampdoctor.record",
                 "ampdoctor.record_model", "ampdoctor.source", "ampdoctor.init_spec",

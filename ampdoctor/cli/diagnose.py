@@ -20,6 +20,7 @@ import typer
 from rich.console import Console
 
 from ..errors import AmpdoctorInterrupt, LaunchError, SpecError, UsageError, UserCodeError
+from ..processes import owned
 from ..safetext import inert
 from .ci_reports import CiOptions
 from .common import INTERNAL_ERROR, fail, internal, stderr_console, stdout_console
@@ -185,22 +186,26 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
     except UsageError as exc:
         return fail(exc, debug)
     done: list[dict[str, Any]] = []
+    started: list[str] = []      # the rungs begun: the last one is where a signal stops it
     captured = None if verbose else Captured()
     try:
         with ProgressLine(err, quiet=json_out) as progress, _signals_interrupt():
             if isolate and _isolated():
-                record, exception = _run_isolated(spec, progress, done, err, captured)
+                record, exception = _run_isolated(spec, progress, done, err, started, captured)
             else:
-                with contextlib.redirect_stdout(sys.stderr):
-                    record, exception = _run_in_process(spec, progress, done)
+                # (what the loop starts ends with it: `processes.owned`)
+                with contextlib.redirect_stdout(sys.stderr), owned():
+                    record, exception = _run_in_process(spec, progress, done, started)
     except (KeyboardInterrupt, Interrupted) as exc:
         # Like a finished run: the terminal restored (the status spinner has exited), the
         # run stopped (its process killed, or torch restored in this one), and a record
         # saying where it stopped.
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         name = signal.Signals(signum).name
-        error = UserCodeError(f"interrupted by {name} after {len(done)} rung(s); the record "
-                              "holds the rungs that finished", cause=exc)
+        where = (f" during the {started[-1]} rung" if len(started) > len(done)
+                 else " while loading the spec's code" if not started else "")
+        error = UserCodeError(f"interrupted by {name}{where} after {len(done)} rung(s); the "
+                              "record holds the rungs that finished", cause=exc)
         interrupted = error_record(spec, error)
         interrupted["rungs"] = done
         err.print(f"ampdoctor: interrupted by {name}; the run was stopped.", markup=False)
@@ -244,8 +249,8 @@ def _show_tracebacks(record: dict[str, Any], err: Console) -> None:
             sys.stderr.write(inert(finding["traceback"]))
 
 
-def _run_in_process(spec: Any, progress: ProgressLine,
-                    done: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, Any]:
+def _run_in_process(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
+                    started: list[str]) -> tuple[dict[str, Any] | None, Any]:
     """The diagnose in this process (AMPDOCTOR_IN_PROCESS, or a torchrun rank 0)."""
     from ..source import ScriptSource
 
@@ -254,9 +259,11 @@ def _run_in_process(spec: Any, progress: ProgressLine,
 
     if isinstance(spec, ScriptSource):
         from ..script.diagnose import run_script
-        return run_script(spec, on_done=on_done, on_progress=progress)
+        return run_script(spec, on_start=started.append, on_done=on_done,
+                          on_progress=progress)
     from ..api import diagnose as run
-    result = run(spec, save=False, on_done=on_done, on_progress=progress)
+    result = run(spec, save=False, on_start=started.append, on_done=on_done,
+                 on_progress=progress)
     return result.data, result.exception
 
 
@@ -305,7 +312,7 @@ def show_output(record: dict[str, Any], err: Console, every: bool) -> None:
 
 
 def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
-                  err: Console, captured: Captured | None = None,
+                  err: Console, started: list[str], captured: Captured | None = None,
                   ) -> tuple[dict[str, Any] | None, Any]:
     """The diagnose in a child process (`supervise.run`): its events drive the progress line,
     its output goes to stderr (or to `captured`)."""
@@ -317,6 +324,8 @@ def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
             progress(event)
         elif kind == "done":
             done.append(event.get("rung") or {})
+        elif kind == "rung":
+            started.append(str(event.get("id")))
 
     def on_output(text: str) -> None:
         if captured is not None:

@@ -108,6 +108,17 @@ class SyncObserver:
         return ddp_model
 
 
+class EngineObserver(SyncObserver):
+    """`ddp: {wrapper: deepspeed}`: the loop's own DeepSpeed engine does the communication
+    (it reduces at its accumulation boundary, or per micro-batch under ZeRO-2/3, as its config
+    says). The loop is handed the model itself, as in a single-process run; the rung judges
+    what every rank's engine consumed (read by probe/deepspeed.py, shards summed)."""
+
+    def wrap(self, model: torch.nn.Module, probe) -> torch.nn.Module:
+        self.recording = True
+        return model
+
+
 def hsdp_shape(world_size: int) -> tuple[int, int]:
     """HSDP's device mesh, (replicas, shards per replica): replicate across nodes, shard inside
     a node. Under torchrun a node holds LOCAL_WORLD_SIZE ranks; spawned ranks share one machine,
@@ -341,7 +352,7 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
     from ..loading import UserCode, cut_micro_batches, merge_micro_batches, resolve_device
     from ..probe import patches, wrappers
     from ..probe.callsite import CallSiteFinder
-    from ..probe.events import Backward, Forward, MicroBatchFetched
+    from ..probe.events import Backward, EngineBuilt, Forward, MicroBatchFetched
     from ..rules import classify_step
     from ..session import Distributed, Session
     from ..spec import from_wire
@@ -360,7 +371,9 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
         session.dropout_off = True
         wrapper = spec.ddp.wrapper if spec.ddp else "ddp"
         observer: SyncObserver = SyncObserver(finder, device)
-        if wrapper in ("fsdp", "hsdp"):
+        if wrapper == "deepspeed":
+            observer = EngineObserver(finder, device)
+        elif wrapper in ("fsdp", "hsdp"):
             observer = ShardObserver(finder, device)
             observer.hsdp = hsdp_shape(world_size) if wrapper == "hsdp" else None
             # without a `loss`, micro-batches that cannot form one batch make the judge guess
@@ -392,6 +405,8 @@ def run_rank(rank: int, world_size: int, spec_path: str, result: dict[str, Any])
                              for e in trace.events
                              if not isinstance(e, (Forward, MicroBatchFetched))][:MAX_CALLS],
                       steps=[s.backwards for s in trace.steps],
+                      # the loop built a DeepSpeed engine (which communicates itself)
+                      engine_built=bool(trace.events_of(EngineBuilt)),
                       step_sites=[_site(s.site) for s in trace.steps])
         if trace.error is not None:
             result["error_time"] = trace.error_time

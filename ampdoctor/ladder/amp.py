@@ -49,7 +49,7 @@ from .analysis import (
     scheduler_findings,
     step_count_finding,
 )
-from .casts import loop_location, weight_cast_finding
+from .casts import engine_precision, loop_location, weight_cast_finding
 from .series import scaler_series
 
 AUTOCAST_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -66,6 +66,8 @@ def _enabled_scalers(trace: Trace) -> list[ScalerInit] | list[Scale]:
 
 def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
     precision = trace.precision
+    if engine_precision(trace) == precision:
+        return []   # DeepSpeed's mixed precision: the module cast, fp32 masters, no autocast
     want = AUTOCAST_DTYPE_NAMES[precision]
     findings: list[Finding] = []
     autocasts = trace.events_of(AutocastEntered)
@@ -171,7 +173,10 @@ def framework_change(trace: Trace) -> tuple[str, dict[str, Any]] | None:
         asked_at = (f" (asked at {os.path.basename(event.site.file)}:{event.site.line})"
                     if event.site is not None else "")
         ran = event.ran or "a mode without a rung"
-        reason = (f"{event.framework} ran {ran}, not the {trace.precision} this rung asked for"
+        reason = (f"{event.framework} refused the {trace.precision} this rung asked for"
+                  f"{asked_at}: {event.reason}; {trace.precision} was not tested here"
+                  if event.refused else
+                  f"{event.framework} ran {ran}, not the {trace.precision} this rung asked for"
                   f"{asked_at}: {event.reason}; {trace.precision} was not tested here")
         details = {"framework": event.framework, "precision_asked": event.asked,
                    "precision_ran": event.ran,
@@ -191,6 +196,25 @@ def _backend_cannot(session: Session, trace: Trace) -> bool:
     return bool(_BACKEND_LIMITS.search(safe_str(exc)))
 
 
+def _cannot_run_here(session: Session, trace: Trace, rung: RungId,
+                     details: dict[str, Any]) -> RungResult | None:
+    """A skip when the run raised because this device cannot run the precision: a framework
+    that refused it (DeepSpeed's "Type fp16 is not supported on your device"), or torch's
+    backend without the kernel; None otherwise (the loop's own error is judged)."""
+    if trace.error is None:
+        return None
+    changed = framework_change(trace)
+    if changed is not None and changed[1]["precision_ran"] is None:
+        details["framework_precision"] = changed[1]
+        return RungResult(rung, Status.SKIP, changed[0], details=details)
+    if _backend_cannot(session, trace):
+        first = (safe_str(trace.error).splitlines() or [''])[0][:160]
+        return RungResult(rung, Status.SKIP, f"torch on {session.device.type} cannot run this "
+                          f"model in {trace.precision}: {first}",
+                          details=details)
+    return None
+
+
 def run_precision(session: Session, precision: str, rung: RungId) -> RungResult:
     trace = session.trace(precision)
     details: dict[str, Any] = {}
@@ -203,11 +227,9 @@ def run_precision(session: Session, precision: str, rung: RungId) -> RungResult:
     if cast is not None:   # explains an error it caused (GradScaler refusing fp16 gradients)
         return RungResult(rung, Status.FAIL, f"the {precision} loop casts the model's weights to "
                           f"{cast.evidence['measured']} ({cast.kind})", [cast], details=details)
-    if trace.error is not None and _backend_cannot(session, trace):
-        first = (safe_str(trace.error).splitlines() or [''])[0][:160]
-        return RungResult(rung, Status.SKIP, f"torch on {session.device.type} cannot run this "
-                          f"model in {precision}: {first}",
-                          details=details)
+    cannot = _cannot_run_here(session, trace, rung, details)
+    if cannot is not None:
+        return cannot
     if trace.error is not None:
         finding = _map_loop_error(session, trace, rung)
         return RungResult(rung, Status.FAIL, f"the {precision} loop raised ({finding.kind})",

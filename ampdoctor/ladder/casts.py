@@ -18,6 +18,7 @@ from ..deciders import Observed
 from ..enums import Severity
 from ..errors import exc_text
 from ..findings import Finding, Location, location
+from ..probe.events import EngineBuilt
 from ..session import Session, Trace
 
 #: A loop line that casts the model (where the cast is pointed at when no Module method did it).
@@ -46,8 +47,8 @@ def loop_location(session: Session, pattern: re.Pattern | None = None) -> Locati
 
 def weight_cast_finding(session: Session, trace: Trace, rung: str) -> Finding | None:
     cast = trace.cast
-    if cast is None:
-        return None
+    if cast is None or engine_precision(trace) is not None:
+        return None   # (an engine's own cast, over its fp32 masters: mixed precision as designed)
     dtype = cast.dtypes[0].removeprefix("torch.")
     names = ", ".join(f"`{n}`" for n in cast.names[:3])
     more = len(cast.names) - 3
@@ -81,3 +82,13 @@ def weight_cast_finding(session: Session, trace: Trace, rung: str) -> Finding | 
                   "parameters": cast.parameters, "cast": list(cast.names[:10]),
                   "precision": trace.precision},
         location=where))
+
+
+def engine_precision(trace: Trace) -> str | None:
+    """The precision a framework engine ran the loop's model in by its own design -- DeepSpeed
+    casts the module to bf16/fp16 and steps fp32 master copies in its optimizer, with no
+    autocast -- or None when no such engine trained this run."""
+    for event in trace.events_of(EngineBuilt):
+        if event.fp32_master:
+            return event.precision
+    return None

@@ -44,6 +44,13 @@ WORDS = {
                          "window's last micro-batch(es) instead of its own"},
 }
 WORDS["hsdp"] = {**WORDS["fsdp"], "who": "HSDP"}
+#: the loop's DeepSpeed engine communicates itself: its collectives are its config's business
+#: (not counted); what every rank's engine consumed is judged
+WORDS["deepspeed"] = {"who": "DeepSpeed", "verb": "reduced", "noun": "gradient reduction",
+                      "switch": "(the engine's own accumulation boundary)",
+                      "unsynced": "stayed rank-local"}
+#: the wrappers whose communication the rung does not count
+ENGINES = ("DeepSpeed",)
 #: the wrappers whose gradient sync reduces into sharded gradients (FSDP2's fully_shard)
 SHARDED = ("FSDP", "HSDP")
 
@@ -267,6 +274,14 @@ def run(session) -> RungResult:
             **failed.details, "world_size": world_size,
             "launch": "torchrun" if launch.GROUP else "spawned"})
     wrapper = spec.ddp.wrapper if spec.ddp is not None else "ddp"
+    if wrapper != "deepspeed" and results[0].get("engine_built"):
+        # our DDP (or FSDP) around a model the loop hands to DeepSpeed: two communicators,
+        # whose extra all-reduces would be judged as the loop's
+        return RungResult(RUNG, Status.SKIP, (
+            f"the loop builds a DeepSpeed engine, which does its own communication, inside "
+            f"ampdoctor's {WORDS[wrapper]['who']} wrapper: set `ddp: {{wrapper: deepspeed}}` "
+            "so each rank's loop gets the model itself and the engine's update is judged"),
+            details={"world_size": world_size, "wrapper": WORDS[wrapper]["who"]})
     return _judge(session, results, world_size, WORDS[wrapper])
 
 
@@ -305,14 +320,22 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     worst = max((s["relative_error"] for r in results.values() for s in r["judged"]), default=0.0)
     update_right = not bad_ranks and not apart
 
+    engine = words["who"] in ENGINES
+    if engine:
+        details["communication"] = f"{words['who']}'s engine (not counted)"
     # 1. the communication volume
-    if len(synced_backwards) > windows:
+    if len(synced_backwards) > windows and not engine:
         volume = _too_many_syncs(r0, words, windows, synced_backwards, positions, per_window,
                                  one_sync_bytes, world_size, sharded, update_right, worst)
         if volume is not None:
             return conclude(RUNG, [volume], "", details)
 
     # 2. what every rank consumed
+    if update_right and engine:
+        return conclude(RUNG, [], f"{words['who']}'s engine did the communication over "
+                        f"{world_size} ranks; every rank consumed the reference gradient of the "
+                        f"global batch ({windows} steps, max relative error {worst:.2g})",
+                        details)
     if update_right:
         return conclude(RUNG, [], f"one gradient {words['noun']} per optimizer step, on the "
                         "window's "
@@ -336,13 +359,13 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
                    if "replica_reduces" in r0 else [])
     # (several syncs per window: the one that matters is the window's last backward's)
     wrong_position = ([p for p in positions if p != per_window]
-                      if len(synced_backwards) <= windows else [])
+                      if len(synced_backwards) <= windows and not engine else [])
     # before a clip that bit: the factor a clip hides (the judge's pre-clip ratio)
     unclipped = r.get("first_bad_unclipped_ratio")
     ratio = (unclipped or first.get("preclip_ratio") or first["ratio"]) if first else 0.0
     if first and ratio != first["ratio"]:
         evidence["ratio_before_clip"] = round(ratio, 6)
-    if not synced_backwards:
+    if not synced_backwards and not engine:
         stepped = sum(1 for s in r0["judged"] if s["ratio"] > 0)
         what = (f"sync was never turned back on, so the sharded .grad stayed None on every "
                 f"rank and no rank stepped at all: rank 0 consumed a gradient at {stepped} of "

@@ -24,6 +24,32 @@ from .casts import weight_cast_finding
 RUNG = RungId.FP32_ACCUM
 
 
+def no_gradient_stepped(trace) -> bool:
+    """The loop called optimizer.step() but no backward ran before any step (a Lightning
+    `training_step` that returns None: the step is called, the backward skipped)."""
+    return not trace.events_of(Backward) and all(step.backwards == 0 for step in trace.steps)
+
+
+def _no_step(session: Session, trace, findings: list[Finding]) -> RungResult:
+    """No optimizer step took a gradient: said as such (what the other rungs would read as
+    nondeterminism or a zero_grad misplaced has nothing to compare)."""
+    taken, total = trace.microbatches_taken, len(session.micro_batches)
+    backwards = len(trace.events_of(Backward))
+    how = ("it never called optimizer.step()" if not trace.steps else
+           f"it called optimizer.step() {len(trace.steps)} time(s), but no backward ran before "
+           "any of them (a Lightning `training_step` that returns None skips the backward and "
+           "the step: return the loss)")
+    finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
+                      f"No optimizer step was taken in {taken} micro-batches: the fp32 loop took "
+                      f"{taken} of {total} micro-batches and ran {backwards} backward pass(es); "
+                      f"{how}.",
+                      evidence={"measured": 0, "expected": session.N,
+                                "microbatches_taken": taken, "backwards": backwards,
+                                "optimizer_steps": len(trace.steps)}))
+    return RungResult(RUNG, Status.FAIL, "the loop never stepped the optimizer",
+                      [finding] + findings)
+
+
 def run(session: Session) -> RungResult:
     trace = session.trace("fp32")
     cast = weight_cast_finding(session, trace, RUNG)
@@ -34,6 +60,8 @@ def run(session: Session) -> RungResult:
         finding = loop_error_finding(trace, RUNG)
         return RungResult(RUNG, Status.FAIL, f"the fp32 loop raised ({finding.kind})", [finding])
     findings = scheduler_findings(session, trace, RUNG)
+    if trace.steps and no_gradient_stepped(trace):
+        return _no_step(session, trace, findings)
     count = step_count_finding(session, trace, RUNG)
     if count is not None:
         what = ("the optimizer steps on every micro-batch" if count.kind == "step-per-microbatch"
@@ -52,12 +80,7 @@ def run(session: Session) -> RungResult:
             location=location(backwards[0].site if backwards else None)))
         return RungResult(RUNG, Status.FAIL, "the loop ignores `micro_batches`", [finding])
     if not trace.steps:
-        finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
-                          f"The fp32 loop took {taken} of {total} micro-batches and never called "
-                          "optimizer.step().",
-                          evidence={"measured": 0, "expected": session.N,
-                                    "microbatches_taken": taken}))
-        return RungResult(RUNG, Status.FAIL, "the loop never stepped the optimizer", [finding])
+        return _no_step(session, trace, findings)
     steps_per_optimizer = Counter(s.optimizer for s in trace.steps)
     most = max(steps_per_optimizer.values())
     if most < session.N:

@@ -17,7 +17,9 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..errors import InputError, SpecError
 from ..spec import Spec
+from .naming import spec_where, unusable
 
 #: Lightning's precision flag for each rung.
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
@@ -44,11 +46,43 @@ def _rows(batches: list[Any]) -> list[Any]:
     return rows
 
 
+class EntryPointRefused(InputError):
+    """What an entry point the spec names returned cannot be used (exit 2, the key and its
+    YAML line, with a record): raised inside the loop ampdoctor wrote, it is not the loop's
+    error (`Session` lets it through)."""
+
+
+def _check_keys(spec: Spec, key: str, given: Mapping[str, Any], known: set[str],
+                what: str) -> None:
+    """Every key of the spec's `key` mapping is one `what` takes (SpecError, exit 2, naming
+    the key, its YAML line and the closest name), checked before any run."""
+    import difflib
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), sorted(known), n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise SpecError(f"{spec_where(spec, f'{key}.{name}')}spec key '{key}.{name}': "
+                            f"{what} takes no argument '{name}'.{hint}")
+
+
+def _refuse(spec: Spec, key: str, message: str) -> EntryPointRefused:
+    return EntryPointRefused(f"{spec_where(spec, key)}spec key '{key}': {message}")
+
+
+def _returned(value: Any) -> str:
+    return "None (a missing `return`?)" if value is None else f"a {type(value).__name__}"
+
+
 def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., Any]:
     """The loop of the `hf_trainer` key: `factory(model, args, train_dataset)` returns the
     user's Trainer, built per run with ampdoctor's TrainingArguments."""
     assert spec.hf_trainer is not None
     extra = dict(spec.hf_trainer.args)
+    ref = spec.hf_trainer.factory
+    from transformers import TrainingArguments
+    _check_keys(spec, "hf_trainer.args", extra,
+                {f.name for f in dataclasses.fields(TrainingArguments) if f.init},
+                "transformers' TrainingArguments")
 
     @functools.wraps(factory)
     def train_loop(model: Any, optimizer: Any, micro_batches: Any, run: Any) -> None:
@@ -73,7 +107,18 @@ def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., An
             }
             settings = {k: v for k, v in settings.items() if k in known}
             settings.update(extra)
-            trainer = factory(model, TrainingArguments(**settings), _rows(batches))
+            try:
+                args = TrainingArguments(**settings)
+            except (TypeError, ValueError) as exc:
+                refused = _refuse(spec, "hf_trainer.args", f"TrainingArguments refused them: "
+                                  f"{exc}")
+                raise refused from exc
+            trainer = factory(model, args, _rows(batches))
+            if not callable(getattr(trainer, "train", None)):
+                raise _refuse(spec, "hf_trainer.factory", (
+                    f"'{ref}' returned {_returned(trainer)}, not a "
+                    "transformers Trainer: return the Trainer it builds (`return Trainer(model="
+                    "model, args=args, train_dataset=train_dataset, ...)`)."))
             if "train_sampling_strategy" not in known:
                 # a transformers without the option: the same in-order sampler, set on the
                 # Trainer object ampdoctor was handed for this run
@@ -99,6 +144,10 @@ def lightning_loop(spec: Spec, module_factory: Callable[..., Any]) -> Callable[.
     micro-batches, with the optimizers ampdoctor took from its `configure_optimizers`."""
     assert spec.lightning is not None
     extra = dict(spec.lightning.trainer)
+    import inspect
+    _check_keys(spec, "lightning.trainer", extra,
+                set(inspect.signature(_lightning().Trainer.__init__).parameters) - {"self"},
+                "lightning.Trainer")
 
     @functools.wraps(module_factory)
     def train_loop(model: Any, optimizer: Any, micro_batches: Any, run: Any) -> None:
@@ -132,3 +181,22 @@ def lightning_loop(spec: Spec, module_factory: Callable[..., Any]) -> Callable[.
             trainer.fit(model, loader)
 
     return train_loop
+
+
+def check_lightning_module(spec: Spec, model: Any) -> None:
+    """What `lightning.module` built is a LightningModule with optimizers to step (exit 2, the
+    key and its YAML line, otherwise)."""
+    assert spec.lightning is not None
+    module = _lightning().LightningModule
+    ref = spec.lightning.module
+    if not isinstance(model, module):
+        raise unusable(spec, "lightning.module", (
+            f"'{ref}' returned a {type(model).__name__}, not a LightningModule: the `lightning` "
+            "key fits a LightningModule with a Trainer (define `training_step` and "
+            "`configure_optimizers` on it); a plain nn.Module goes under `model`, with a "
+            "`train_loop`."))
+    if spec.optimizer is None and type(model).configure_optimizers is module.configure_optimizers:
+        raise unusable(spec, "lightning.module", (
+            f"'{ref}' returned a {type(model).__name__}, which defines no "
+            "`configure_optimizers`: Lightning has no optimizer to step. Define it (`return "
+            "torch.optim.AdamW(self.parameters(), lr=...)`) or give the spec an `optimizer`."))

@@ -73,6 +73,9 @@ def check_model(code: UserCode, model: Any) -> None:
         what, hint = _returned(model)
         raise unusable(spec, "model", f"{factory()} returned {what}, not a torch.nn.Module"
                        f"{hint or ': return the model itself (an nn.Module)'}.")
+    if spec.lightning is not None:
+        from .entrypoints import check_lightning_module
+        check_lightning_module(spec, model)
     if isinstance(model, torch.jit.ScriptModule):
         raise unusable(spec, "model", (
             f"{factory()} returned a TorchScript module ({type(model).__name__}, from "

@@ -97,6 +97,9 @@ class UserCode:
                 self.train_loop = hf_trainer_loop(spec, self.resolve("hf_trainer.factory"))
             elif spec.lightning is not None:
                 self.train_loop = lightning_loop(spec, self.model_factory)
+            elif spec.deepspeed is not None:
+                from .deepspeed import deepspeed_loop
+                self.train_loop = deepspeed_loop(spec, self.resolve("loss"))
             else:
                 self.train_loop = self.resolve("train_loop")
             self.loss = self.resolve("loss") if spec.loss else None

@@ -171,14 +171,33 @@ class FrameworkPrecision(Event):
     ran: str | None = None
     reason: str = ""
     driver: str = ""        # what built the framework for the loop ("HF Trainer"), if not the loop
+    refused: bool = False   # the framework raised rather than run the precision on this device
     kind: ClassVar[str] = "framework_precision"
+
+
+@dataclass(frozen=True)
+class EngineBuilt(Event):
+    """The loop built a DeepSpeed engine (`deepspeed.initialize`): what its config makes it do.
+    `fp32_master`: its optimizer updates fp32 master weights of a module it cast to
+    `precision` (DeepSpeed's mixed precision: no autocast, the module itself in bf16/fp16)."""
+
+    framework: str = "DeepSpeed"
+    zero_stage: int = 0
+    precision: str = "fp32"
+    fp32_master: bool = False
+    accumulation_steps: int = 1          # the config's gradient_accumulation_steps
+    clipping: float = 0.0                # the config's gradient_clipping (0: none)
+    optimizer: str = ""                  # the class the engine's optimizer wraps
+    scheduler: str = ""                  # the config's (or the client's) scheduler class, if any
+    config_file: str | None = None       # the config's path, when it was given as one
+    kind: ClassVar[str] = "engine_built"
 
 
 #: kind -> event class (`make_event`: events built from their kind's name).
 EVENT_TYPES: dict[str, type[Event]] = {cls.kind: cls for cls in (
     MicroBatchFetched, Forward, Backward, ScalerInit, Scale, GetScale, Unscale, ScalerStep,
     OptimizerStep, Update, ZeroGrad, Clip, SchedulerStep, AutocastEntered,
-    FrameworkPrecision)}
+    FrameworkPrecision, EngineBuilt)}
 
 
 def make_event(kind: str, seq: int = 0, *, microbatch: int = -1, backwards: int = 0,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import recorder
+from . import deepspeed, recorder
 from .events import FrameworkPrecision
 from .patches import Patcher
 
@@ -167,6 +167,7 @@ _LIGHTNING = (
 
 def install(patcher: Patcher) -> None:
     """Patch the frameworks already imported in this process."""
+    deepspeed.install(patcher)
     accelerator = sys.modules.get("accelerate.accelerator")
     cls = getattr(accelerator, "Accelerator", None)
     if isinstance(cls, type):

@@ -13,7 +13,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -69,6 +69,17 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return gather() if callable(gather) else t
 
 
+@dataclass
+class Consumed:
+    """What a step consumed when a framework's optimizer keeps it away from the model's own
+    tensors (DeepSpeed's fp32 master copies and flat partitions): the gradients and the
+    weights (a state dict: masters in place of the parameters), by the model's names, as fp32
+    host tensors of their own."""
+
+    grads: dict[str, torch.Tensor | None]
+    weights: dict[str, torch.Tensor]
+
+
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -91,6 +102,7 @@ class Probe:
         if model is not None:
             self.param_names = {id(p): name for name, p in model.named_parameters()}
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._aliases: dict[int, Any] = {}
         self._scalers: list[Any] = []
         for opt in optimizers or []:
             self.optimizer_slot(opt)
@@ -131,9 +143,18 @@ class Probe:
         #: each scaler's scale as last read, with the scale tensor it was read from: scale()
         #: runs every micro-batch and the scale only changes in update() (a read is a sync)
         self.scales_seen: dict[int, tuple[Any, float | None]] = {}
+        #: Takes an optimizer step over when a framework's engine is stepping (`deepspeed`):
+        #: called with the optimizer at its step pre-hook, True when it records the step itself
+        self.framework_step: Callable[[Any], bool] | None = None
 
     # --- bookkeeping --------------------------------------------------------------------
+    def alias_optimizer(self, wrapper: Any, inner: Any) -> None:
+        """`wrapper` (a framework's optimizer around `inner`) is `inner`'s slot: what the
+        loop or a scheduler does to either is done to the optimizer that steps."""
+        self._aliases[id(wrapper)] = inner
+
     def optimizer_slot(self, optimizer: Any) -> int:
+        optimizer = self._aliases.get(id(optimizer), optimizer)
         for slot, known in enumerate(self._optimizers):
             if known is optimizer:
                 return slot
@@ -208,11 +229,12 @@ class Probe:
         self.backward_count += 1
         self.record(Backward, site=site, value=value, scaled_by=scaled_by)
 
-    def _snapshot(self) -> None:
-        """Keep the weights the current step group starts from (the reference's parameters)."""
+    def _snapshot(self, state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Keep the weights the current step group starts from (the reference's parameters):
+        the model's, or `state` where a framework keeps them (its fp32 masters)."""
         model = self.model
         assert model is not None   # (a probe without a model keeps no snapshots)
-        state = model.state_dict()
+        state = model.state_dict() if state is None else state
         kept: Mapping[str, torch.Tensor]
         if (not self.snapshots and self.initial_state is not None
                 and same_tensors(state, self.initial_state)):
@@ -222,7 +244,7 @@ class Probe:
                                       for k, v in state.items()})
         self.snapshots[self._group] = Snapshot(self._group, kept, model.training)
 
-    def _begin_group_if_new(self) -> None:
+    def _begin_group_if_new(self, state: Mapping[str, torch.Tensor] | None = None) -> None:
         """At the first step since new gradients were computed, start a step group: snapshot the
         parameters all of this group's steps were computed at (a second optimizer's pre-hook
         would otherwise see the first one's update), unless the step observer takes it."""
@@ -235,9 +257,10 @@ class Probe:
         if self.model is not None and self.capture_grads and self.step_sink is None:
             observer = self.step_observer
             if observer is None or not observer.begin_group(
-                    self._group, self._group_consumed, self.model.state_dict(),
+                    self._group, self._group_consumed,
+                    self.model.state_dict() if state is None else state,
                     self.model.training):
-                self._snapshot()
+                self._snapshot(state)
 
     def _gradients(self, optimizer: torch.optim.Optimizer, slot: int,
                    live: bool) -> tuple[dict[str, torch.Tensor | None], bool]:
@@ -262,12 +285,17 @@ class Probe:
             finite = all(g is None or all_finite(g) for g in grads.values())
         return grads, finite
 
-    def on_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+    def on_optimizer_step(self, optimizer: torch.optim.Optimizer,
+                          consumed: Consumed | None = None) -> None:
         slot = self.optimizer_slot(optimizer)
-        self._begin_group_if_new()
+        self._begin_group_if_new(consumed.weights if consumed is not None else None)
         observer = self.step_observer
         live = observer is not None and observer.observes(self._group)
-        grads, finite = self._gradients(optimizer, slot, live)
+        if consumed is not None:
+            grads = consumed.grads
+            finite = all(g is None or all_finite(g) for g in grads.values())
+        else:
+            grads, finite = self._gradients(optimizer, slot, live)
         lrs = tuple(float(g["lr"]) for g in optimizer.param_groups
                     if isinstance(g.get("lr"), (int, float, torch.Tensor)))
         site = self.finder.from_frame(_caller(2))
@@ -281,7 +309,7 @@ class Probe:
         elif live and observer is not None:
             keep = observer.on_step(record)
             if keep.state:
-                self._snapshot()
+                self._snapshot(consumed.weights if consumed is not None else None)
             if keep.names is not None:
                 record.grads = keep.names
             else:
@@ -326,6 +354,6 @@ def finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
-__all__ = ["Event", "StepRecord", "Snapshot", "Probe", "MicroBatchFeed", "MicroBatchIndex",
-           "ForwardAligner", "storages", "activate", "finite", "ACTIVE", "ProbeSettings",
-           "StepObserver", "observing", "current_settings"]
+__all__ = ["Consumed", "Event", "StepRecord", "Snapshot", "Probe", "MicroBatchFeed",
+           "MicroBatchIndex", "ForwardAligner", "storages", "activate", "finite", "ACTIVE",
+           "ProbeSettings", "StepObserver", "observing", "current_settings"]

@@ -214,6 +214,10 @@ def _wrap_scheduler_step(original):
     return step
 
 
+#: for the schedules of frameworks that are not torch LRSchedulers (probe/deepspeed.py)
+wrap_scheduler_step = _wrap_scheduler_step
+
+
 def _wrap_initial_step(original):
     @functools.wraps(original)
     def _initial_step(self, *args, **kwargs):
@@ -261,6 +265,8 @@ def _step_pre_hook(optimizer, args, kwargs):
     probe = active()
     if probe is None:
         return None
+    if probe.framework_step is not None and probe.framework_step(optimizer):
+        return None   # an engine's inner optimizer: the engine's step is recorded (deepspeed)
     closure = kwargs.get("closure", args[0] if args else None)
     if not callable(closure):
         probe.on_optimizer_step(optimizer)

@@ -19,6 +19,7 @@ from ..judge import Judgement, StepJudgement
 from ..probe.events import ZeroGrad, of_type
 from ..session import Session, Trace
 from . import unaveraged
+from .deepspeed import engine_zero_grad_fix
 from .frameworks import who_divided
 from .shapes import (
     SIZE_FACTOR_KINDS,
@@ -122,7 +123,8 @@ def _zero_grad_inside(case: StepCase) -> Finding | None:
                    f"({'before clipping, ' if case.clip_norm is not None else ''}gradient norm "
                    f"ratio {case.measured_ratio:.4g} to the reference, cosine "
                    f"{m.cosine:.4f}).",
-                   evidence=case.evidence, location=location(case.inside_zero[-1].site)))
+                   evidence=case.evidence, location=location(case.inside_zero[-1].site),
+                   fix=engine_zero_grad_fix(case.trace)))
 
 
 def _settle_size_factor_tie(case: StepCase) -> None:

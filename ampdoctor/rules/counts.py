@@ -9,6 +9,7 @@ from ..enums import Severity
 from ..findings import Finding, location
 from ..probe.events import StepRecord
 from ..session import Session, Trace
+from .deepspeed import extra_steps
 from .frameworks import framework_evidence
 
 
@@ -23,16 +24,23 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
         if len(steps) > session.N:
             mb_before_first = steps[0].backwards
             per_window = len(steps) / session.N
+            engine = extra_steps(session, trace)
             return deciders.step_per_microbatch(Observed(rung, Severity.ERROR,
                 f"The optimizer stepped {len(steps)} times for {session.N} windows of "
                 f"K={session.K} micro-batches in the {trace.precision} run "
                 f"({per_window:.3g} steps per window; the first step came after "
-                f"{mb_before_first} micro-batch(es)). Each update used a fraction of the window.",
+                f"{mb_before_first} micro-batch(es)). Each update used a fraction of the window."
+                + (f" {engine.sentence}" if engine is not None else ""),
                 evidence={"measured": len(steps), "expected": expected,
                           "steps_per_window": round(per_window, 6),
                           "microbatches_before_first_step": mb_before_first,
-                          "optimizer": slot, **framework_evidence(trace)},
-                location=location(steps[0].site)))
+                          "optimizer": slot, **framework_evidence(trace),
+                          **({"config_gradient_accumulation_steps": engine.config_value}
+                             if engine is not None and engine.config_value is not None
+                             else {})},
+                location=(engine.location if engine is not None and engine.location
+                          else location(steps[0].site)),
+                fix=engine.fix if engine is not None else ""))
     # As many steps as windows, but not on window boundaries: an off-by-one accumulation
     # condition (`i % K == 0` with i from 0 steps after the first micro-batch).
     if not trace.lazy_feed:   # micro-batches fetched up front: cadence cannot be read

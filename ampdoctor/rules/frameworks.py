@@ -1,7 +1,7 @@
 """Which party divides by K when a framework runs the accumulation, so the fix of an
 accumulation-average finding names the right side: the user's line, `accelerator.backward`
-(inside `accumulate()`), Lightning's automatic optimization, Fabric, or the HF Trainer
-(`num_items_in_batch` / loss kwargs)."""
+(inside `accumulate()`), Lightning's automatic optimization, Fabric, the HF Trainer
+(`num_items_in_batch` / loss kwargs), or DeepSpeed's `engine.backward` (`scale_wrt_gas`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ _DOUBLE = {
                  "accumulate_grad_batches, so a division in training_step is the second one "
                  "(manual optimization divides nowhere: there the loop must, once).",
     "Fabric": "`fabric.backward` does not divide: the loss is divided twice in the loop.",
+    "DeepSpeed": "`engine.backward(loss)` already divides the loss by the config's "
+                 "gradient_accumulation_steps (its `scale_wrt_gas=True` default), so the loop's "
+                 "own division is the second one: remove it (or pass `scale_wrt_gas=False` and "
+                 "keep exactly one).",
 }
 _MISSING = {
     "accelerate": "`accelerator.backward` divides by K only inside `accelerator.accumulate()` "
@@ -31,6 +35,9 @@ _MISSING = {
     "Lightning": "Lightning divides by accumulate_grad_batches only in automatic optimization; "
                  "with manual optimization (`manual_backward`) the loop must divide.",
     "Fabric": "`fabric.backward` does not divide by K: the loop must divide the loss.",
+    "DeepSpeed": "`engine.backward(loss, scale_wrt_gas=False)` does not divide by the config's "
+                 "gradient_accumulation_steps: with it the loop must divide, once (the default "
+                 "`scale_wrt_gas=True` divides for it).",
 }
 
 

@@ -13,6 +13,7 @@ from ..findings import Finding, location
 from ..judge import step_groups
 from ..probe.events import Backward, Forward, OptimizerStep, ScalerStep, SchedulerStep
 from ..session import Session, Trace
+from .deepspeed import scheduler_cause
 from .frameworks import framework_evidence
 
 
@@ -52,7 +53,7 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             f"{optimizer_steps} optimizer steps in the {trace.precision} run, up to {worst} "
             f"times between two optimizer steps: optimizer step {step} used lr {used:.6g} where "
             f"the schedule gives {meant:.6g} for that step; the schedule runs {per_step:.3g}x "
-            "too fast.",
+            "too fast." + scheduler_cause(trace, first.scheduler_type),
             evidence={"measured": round(per_step, 6), "expected": 1.0,
                       "scheduler_steps": len(events), "optimizer_steps": optimizer_steps,
                       "max_between_optimizer_steps": worst, "lr_used": used,

@@ -101,6 +101,10 @@ def _dotted(path: tuple[str, ...]) -> str:
     return ".".join(path)
 
 
+#: How a DeepSpeed bf16 section left to the launcher ("auto") is described.
+BF16_AUTO = "bf16 auto"
+
+
 def deepspeed_sites(
     data: dict, file: str, locate: Locate, prefix: tuple[str, ...] = ()
 ) -> list[Site]:
@@ -153,7 +157,7 @@ def deepspeed_sites(
                 key = _key(prefix, name, "enabled")
                 sites.append(
                     Site("DeepSpeed bf16", file, locate(key), _dotted(key),
-                         f"bf16 {'auto' if _is_auto(enabled) else 'on'}: "
+                         f"{BF16_AUTO if _is_auto(enabled) else 'bf16 on'}: "
                          "mixed precision without loss scaling",
                          "info", "")
                 )

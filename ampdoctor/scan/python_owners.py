@@ -144,8 +144,8 @@ class OwnerCalls(VisitorState):
         bf16 = kw.get("bf16")
         if bf16 is not None and const(bf16) is True:
             self._add(Site("Trainer bf16", self.path, node.lineno, None,
-                           f"{name}(bf16=True): mixed precision without loss scaling", "info", ""),
-                      node)
+                           f"{name}(bf16=True): mixed precision without loss scaling", "info", "",
+                           delegates=delegates), node)
 
     def _accelerator(self, node: ast.Call, kw: dict[str, ast.expr]) -> None:
         delegates = "deepspeed_plugin" in kw

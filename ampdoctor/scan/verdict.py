@@ -33,6 +33,7 @@ from ampdoctor.deciders import Observed
 from ampdoctor.enums import RungId, Severity
 from ampdoctor.findings import Finding, Location
 from ampdoctor.scan.graph import Graph
+from ampdoctor.scan.precision_agreement import trainer_deepspeed_mismatch
 from ampdoctor.scan.sites import DELEGATING_FRAMEWORKS, SINGLETON_FRAMEWORKS, FileScan, Site
 
 RUNG = RungId.DOUBLE_SCALING
@@ -127,6 +128,7 @@ def decide(scans: dict[str, FileScan], graph: Graph, base: str | None) -> Decisi
         (s for s in sites if not is_owner(s) and s.role in ("info", "possible")), key=Site.sort_key
     )
     all_machines, entries_of = _same_path_findings(decision, kept, is_owner, base)
+    decision.findings += trainer_deepspeed_mismatch(kept, base)
     if not decision.findings and all_machines:
         _separate_paths_warning(decision, all_machines, entries_of, base)
     return decision

@@ -10,6 +10,7 @@ steps are judged and explained by the same code as a spec's.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -141,12 +142,16 @@ class ScriptSession:
         """The fp32 run of the script (and first the reference's first window, when asked
         for, to learn K x b): what the rest of the diagnose is built on."""
         if self.command.reference_args is not None:
+            cmd_args = self.command.reference_args
             first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
             self.reference_probe = first
             if first.error is not None:
+                how = (f"exited ({first.ended})" if first.ended.startswith("exit")
+                       else "raised")
                 raise UserCodeError(
-                    "the script run with --reference-args raised before its first optimizer "
-                    f"step: {first.error.get('text')}", location=_where(first.error))
+                    f"the script run with the reference's arguments ({' '.join(cmd_args)}) "
+                    f"{how} before its first optimizer step: {first.error.get('text')}",
+                    location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
             if first.steps and first.steps[0].backwards > 1:
@@ -157,6 +162,7 @@ class ScriptSession:
                     "holding the whole step's data: set the script's accumulation option to 1")
         outcome = self.run(self.job("fp32", min_samples=self.N * self.reference_rows),
                            "fp32 run")
+        self._check_reference_model(outcome)
         if outcome.param_shapes:
             self.param_shapes = dict(outcome.param_shapes)
             self.param_order = list(outcome.param_shapes)
@@ -175,6 +181,29 @@ class ScriptSession:
         if outcome.steps and outcome.error is None:
             self.prepare_references(trace)   # (and whether the reference reads the same data)
         return trace
+
+    def _check_reference_model(self, outcome: Outcome) -> None:
+        """The reference must train the run's model: the same parameters, of the same shapes
+        (UsageError, exit 2, with both sizes, before any reference is compared)."""
+        ref = self.reference_probe
+        mine = dict(outcome.param_shapes or {})
+        theirs = dict(ref.param_shapes or {}) if ref is not None else {}
+        if not mine or not theirs or mine == theirs:
+            return
+
+        def size(shapes: dict[str, Any]) -> str:
+            count = sum(math.prod(shape) for shape in shapes.values())
+            return f"{count:,} parameters in {len(shapes)} tensors"
+
+        differ = next((n for n in mine if n in theirs and tuple(mine[n]) != tuple(theirs[n])),
+                      None)
+        detail = (f" (`{differ}`: {tuple(theirs[differ])} in the reference, "
+                  f"{tuple(mine[differ])} in the run)" if differ is not None else "")
+        raise UsageError(
+            f"--reference-args: the reference builds another model than the run: "
+            f"{size(theirs)} in the reference, {size(mine)} in the run{detail}. Give the "
+            "reference the run's model arguments; only the accumulation (K = 1) and the batch "
+            "(K x b) change")
 
     def _check_reference_batch(self, outcome: Outcome) -> None:
         """The reference's window must hold the run's whole window: K x b rows."""

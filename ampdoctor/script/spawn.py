@@ -5,7 +5,8 @@ ampdoctor once and never ran a parallel region: a fork of a process whose OpenMP
 can hang in the child, and a fresh interpreter per run would import torch every time. Each run
 starts from that clean state: nothing one run of the script does (its globals, its imports,
 torch's settings) reaches the next. The child's stdout goes to stderr (`--json` keeps stdout
-for the record); it dies with this process.
+for the record); it dies with this process, and what it started (in its own process group)
+dies with the run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import types
 from typing import Any
 
+from .. import processes
 from ..errors import UserCodeError
 from . import prefork
 
@@ -35,6 +37,9 @@ def _context() -> Any:
             _CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "ampdoctor.script.child",
                                             "ampdoctor.script.spawn",
                                             "ampdoctor.script.prefork"])
+            from multiprocessing import resource_tracker
+            with processes.quiet_fd2():     # it warns about what the killed runs left
+                resource_tracker.ensure_running()
     return _CONTEXT
 
 
@@ -44,6 +49,8 @@ def _child_main(job: Any, conn: Any, log_path: str | None = None) -> None:
     stderr go to `log_path` when given (captured), else both to stderr."""
     code = 0
     try:
+        with contextlib.suppress(OSError):
+            os.setpgid(0, 0)         # a group of its own: what the run starts ends with it
         with contextlib.suppress(OSError):
             if log_path is not None:
                 fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -126,6 +133,9 @@ def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None
         if process.is_alive():
             process.kill()
         process.join()
+        # what the run started (DataLoader workers, daemonic children, `subprocess` helpers)
+        # is in its group, even once orphaned; one that left it is the worker's to end
+        processes.end(groups=(process.pid,))
     if payload is None:
         code = process.exitcode
         how = (f"was killed by signal {-code}" if code is not None and code < 0

@@ -1,0 +1,300 @@
+"""Every process a run starts is ampdoctor's, and has ended when ampdoctor is done with the run.
+
+A run's processes (the worker, the script's children and grandchildren, DataLoader workers,
+multiprocessing's fork server and resource tracker, daemonic children, `subprocess` helpers)
+are found three ways, on Linux through /proc:
+
+- the run token: `AMPDOCTOR_RUN_TOKEN` in the environment of the worker (or of this process
+  while an in-process diagnose runs) holds a fresh token; every descendant inherits it. Nested
+  runs append theirs, `:`-separated, so an inner run ends only its own;
+- a session or process group: the worker starts in a session of its own, one run of a script
+  in a process group of its own; a descendant that cleared its environment is still in it
+  unless it left it (setsid, setpgid);
+- parenthood: the worker is a child subreaper (`become_subreaper`), so what its descendants
+  orphan becomes its child, and its descendants are found from it.
+
+`end` kills (SIGKILL) what it finds, again until nothing is left, never this process or one of
+its ancestors. A SIGKILL to the CLI leaves no time to do it: `Guardian` is a small process of
+ampdoctor's own (its own session, stdin a pipe from the CLI, stdout and stderr /dev/null so it
+never holds the caller's pipes) that does it when that pipe closes, whatever closed it.
+
+Standard library only (the guardian runs this file as a script, `python -I -S processes.py`);
+without /proc, only process groups are killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+#: The environment variable that marks a run's processes.
+TOKEN_ENV = "AMPDOCTOR_RUN_TOKEN"
+#: How long `end` keeps killing what it finds (a process that forks while it is killed).
+END_WAIT_S = 3.0
+#: How long the caller waits for its guardian to leave once done with it.
+GUARDIAN_WAIT_S = 2.0
+_PROC = "/proc"
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def with_token(env: dict[str, str], token: str) -> dict[str, str]:
+    """`env` with `token` added to the run tokens it carries."""
+    held = env.get(TOKEN_ENV, "")
+    return dict(env, **{TOKEN_ENV: f"{held}:{token}" if held else token})
+
+
+def _stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, parent, process group, session) of `pid`, None when it is gone."""
+    try:
+        with open(f"{_PROC}/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        return fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3])
+    except (IndexError, ValueError):
+        return None
+
+
+def _tokens(pid: int) -> set[str]:
+    """The run tokens in the environment `pid` started with (empty when it cannot be read)."""
+    try:
+        with open(f"{_PROC}/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:
+        return set()
+    prefix = TOKEN_ENV.encode() + b"="
+    for entry in data.split(b"\0"):
+        if entry.startswith(prefix):
+            return set(entry[len(prefix):].decode(errors="replace").split(":"))
+    return set()
+
+
+def _table() -> dict[int, tuple[str, int, int, int]]:
+    """Every process there is, by pid (empty without /proc)."""
+    try:
+        names = os.listdir(_PROC)
+    except OSError:
+        return {}
+    table = {}
+    for name in names:
+        if name.isdigit():
+            stat = _stat(int(name))
+            if stat is not None:
+                table[int(name)] = stat
+    return table
+
+
+def _ancestors(table: dict[int, tuple[str, int, int, int]]) -> set[int]:
+    """This process and its ancestors: never killed."""
+    pid, seen = os.getpid(), set()
+    while pid > 0 and pid not in seen:
+        seen.add(pid)
+        stat = table.get(pid) or _stat(pid)
+        pid = stat[1] if stat is not None else 0
+    return seen
+
+
+def find(token: str | None = None, sessions: Iterable[int] = (), groups: Iterable[int] = (),
+         roots: Iterable[int] = (), spare: Iterable[int] = ()) -> set[int]:
+    """The live processes (not zombies) carrying `token`, in one of `sessions` or `groups`, or
+    one of `roots` or descending from one; never this process nor its ancestors, nor `spare`."""
+    table = _table()
+    keep = _ancestors(table) | set(spare)
+    sessions, groups = set(sessions), set(groups)
+    found = set()
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid, pgrp, sid) in table.items():
+        children.setdefault(ppid, []).append(pid)
+        if sid in sessions or pgrp in groups or (token and token in _tokens(pid)):
+            found.add(pid)
+    stack = [pid for pid in roots if pid in table]
+    found.update(stack)
+    while stack:
+        for child in children.get(stack.pop(), ()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return {pid for pid in found - keep if table[pid][0] not in ("Z", "X")}
+
+
+def end(token: str | None = None, sessions: Iterable[int] = (), groups: Iterable[int] = (),
+        roots: Iterable[int] = (), reap: bool = False, wait_s: float = END_WAIT_S,
+        spare: Iterable[int] = ()) -> int:
+    """Kill (SIGKILL) what `find` finds, again until nothing is left or `wait_s` has passed;
+    how many were killed. `reap`: collect this process's dead children too (the worker, which
+    owns them all, at its end)."""
+    sessions, groups, roots, spare = list(sessions), list(groups), list(roots), list(spare)
+    for group in groups:             # what cannot be found without /proc
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
+    killed: set[int] = set()
+    deadline = time.monotonic() + wait_s
+    while True:
+        if reap:
+            _reap()
+        alive = find(token, sessions, groups, roots, spare)
+        if not alive or time.monotonic() > deadline:
+            return len(killed)
+        for pid in alive:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= alive
+        time.sleep(0.02)
+
+
+def _reap() -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def become_subreaper() -> bool:
+    """Linux: orphans of this process's descendants become its children (PR_SET_CHILD_SUBREAPER),
+    so none escapes `end(roots=(os.getpid(),))` by losing its parent."""
+    return _prctl(36, 1)
+
+
+def die_with_parent() -> bool:
+    """Linux: SIGKILL to this process when the thread that started it ends (PR_SET_PDEATHSIG)."""
+    return _prctl(1, int(signal.SIGKILL))
+
+
+def end_descendants() -> None:
+    """The end of a worker's job: every process it started ends, multiprocessing's resource
+    tracker last and by itself (its pipe closed, it unlinks the semaphores the runs left, then
+    leaves), so nothing is left in /dev/shm."""
+    tracker = _resource_tracker()
+    pid = tracker._pid if tracker is not None else None
+    spare = (pid,) if pid else ()
+    end(roots=(os.getpid(),), sessions=(os.getpid(),), reap=True, spare=spare)
+    if tracker is not None and pid:
+        with contextlib.suppress(OSError):
+            os.close(tracker._fd)
+        deadline = time.monotonic() + END_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:
+                break                # not ours to wait for: swept below
+            time.sleep(0.02)
+        end(roots=(os.getpid(),), sessions=(os.getpid(),), reap=True)
+
+
+def _resource_tracker() -> Any:
+    """multiprocessing's resource tracker of this process, when it started one."""
+    module = sys.modules.get("multiprocessing.resource_tracker")
+    tracker = getattr(module, "_resource_tracker", None)
+    if tracker is None or getattr(tracker, "_pid", None) is None:
+        return None
+    return tracker
+
+
+@contextlib.contextmanager
+def quiet_fd2() -> Iterator[None]:
+    """fd 2 on /dev/null for what is started inside (multiprocessing's resource tracker: its
+    warnings about what a killed run left are not the user's to read)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(2)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def owned() -> Iterator[str]:
+    """A diagnose in this process (the Python API): what it starts is killed when it is over,
+    however it ends: the children of this process that were not there before it (and theirs),
+    and what carries a fresh token put in the environment meanwhile (a program it executed
+    that left this process's tree; a forked child shows only the environment it was executed
+    with in /proc, hence the children). The token is taken back from the environment."""
+    token = new_token()
+    held = os.environ.get(TOKEN_ENV)
+    before = find(roots=(os.getpid(),))
+    os.environ[TOKEN_ENV] = with_token({TOKEN_ENV: held} if held else {}, token)[TOKEN_ENV]
+    try:
+        yield token
+    finally:
+        if held is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = held
+        # this process's resource tracker stays: multiprocessing here would warn that it died
+        tracker = _resource_tracker()
+        keep = before | ({tracker._pid} if tracker is not None else set())
+        started = find(roots=(os.getpid(),)) - keep
+        end(token, roots=started, spare=keep)
+
+
+class Guardian:
+    """A process of ampdoctor's own that ends the run's processes once the pipe from this
+    process closes: when this process is done (`close`), or dies, SIGKILL included. It is in a
+    session of its own (a SIGKILL to this process's group does not reach it) and holds none of
+    this process's files."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        env = dict(os.environ)
+        env.pop(TOKEN_ENV, None)
+        self.proc: subprocess.Popen[bytes] | None = None
+        with contextlib.suppress(OSError):
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", os.path.abspath(__file__), "guard", token],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, env=env)
+
+    def watch_session(self, sid: int) -> None:
+        """Also end the processes of session `sid` (the worker's)."""
+        if self.proc is not None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.proc.stdin.write(f"{sid}\n".encode())
+                self.proc.stdin.flush()
+
+    def close(self) -> None:
+        """Done: the guardian makes its sweep (nothing is left: the caller swept first) and
+        leaves; waited for briefly, so that it is not left a zombie of a long-lived caller."""
+        if self.proc is not None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=GUARDIAN_WAIT_S)
+
+
+def _guard(token: str) -> None:
+    """The guardian: read sessions until the pipe closes, then end the run."""
+    for sig in (signal.SIGINT, signal.SIGHUP):    # a terminal's signals are the CLI's to handle
+        signal.signal(sig, signal.SIG_IGN)
+    sessions = set()
+    for line in sys.stdin.buffer:
+        with contextlib.suppress(ValueError):
+            sessions.add(int(line))
+    end(token, sessions)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "guard":
+        _guard(sys.argv[2])
