@@ -43,7 +43,7 @@ from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecor
 from ..probe.observer import ProbeSettings
 from ..probe.trace import WeightCast, weight_cast
 from ..safetext import exc_text, safe_str
-from . import files, forcing
+from . import files, forcing, prefork
 
 
 @dataclass
@@ -292,6 +292,7 @@ class ScriptProbe:
 def run(job: Job) -> Outcome:
     """Run the script once as `job` says, in this (child) process; what it did."""
     spill.SPILL_BYTES = 1 << 62   # everything goes back through the pipe, nothing to disk
+    prefork.plain_start_method()
     os.chdir(job.cwd)
     os.environ.clear()
     os.environ.update(job.env)
@@ -305,9 +306,13 @@ def run(job: Job) -> Outcome:
     overlay = files.Overlay(job.scratch or tempfile.mkdtemp(prefix="ampdoctor-run-"))
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, overlay.root, True)
-        stack.enter_context(patches.installed(wrappers.install))
-        stack.enter_context(patches.installed(lambda p: files.install(overlay, p)))
-        stack.enter_context(patches.installed(lambda p: forcing.install(probe, p)))
+        patched = stack.enter_context(patches.installed(wrappers.install)).patched
+        patched += stack.enter_context(
+            patches.installed(lambda p: files.install(overlay, p))).patched
+        patched += stack.enter_context(
+            patches.installed(lambda p: forcing.install(probe, p))).patched
+        # a preloaded library's own copy of a patched function points at the patched one
+        prefork.rebind(patched)
         stack.enter_context(recorder.observing(ProbeSettings(dropout_off=True)))
         if job.inject is not None:
             from ..ladder.skips import OverflowInjector

@@ -142,10 +142,14 @@ class ScriptSession:
         if self.command.output_dir is None:
             return spawn.run_child(job, self.command.timeout_s, what)
         log = os.path.join(self.command.output_dir, f"{len(self.outputs):03d}.log")
+        outcome = None
         try:
-            return spawn.run_child(job, self.command.timeout_s, what, log)
+            outcome = spawn.run_child(job, self.command.timeout_s, what, log)
+            return outcome
         finally:
             self.outputs.append({"run": what, "args": list(job.args),
+                                 "optimizer_steps": None if outcome is None
+                                 else len(outcome.steps),
                                  "text": _read_bounded(log)})
             with contextlib.suppress(OSError):
                 os.unlink(log)

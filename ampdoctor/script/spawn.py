@@ -22,6 +22,7 @@ from typing import Any
 
 from .. import processes
 from ..errors import UserCodeError
+from . import prefork
 
 _CONTEXT: Any = None
 
@@ -34,7 +35,8 @@ def _context() -> Any:
         _CONTEXT = multiprocessing.get_context(method)
         if method == "forkserver":
             _CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "ampdoctor.script.child",
-                                            "ampdoctor.script.spawn"])
+                                            "ampdoctor.script.spawn",
+                                            "ampdoctor.script.prefork"])
             from multiprocessing import resource_tracker
             with processes.quiet_fd2():     # it warns about what the killed runs left
                 resource_tracker.ensure_running()
@@ -93,6 +95,8 @@ def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None
     when it does not finish within `timeout_s` or the process died without a word (os._exit,
     a crash in native code). `log_path`: where the script's output goes (else stderr)."""
     ctx = _context()
+    if ctx.get_start_method() == "forkserver":   # the script's libraries imported once
+        prefork.serve(ctx, prefork.script_imports(job.script, job.cwd))
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child_main, args=(job, sender, log_path))
     # The child must not import the parent's __main__ again (the CLI, a test runner, the

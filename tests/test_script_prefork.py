@@ -1,0 +1,119 @@
+"""Script mode's start-up paid once (script/prefork.py): which imports the fork server takes on,
+that a run's DataLoader workers start as in a plain run, and that a preloaded library's own
+reference to a patched torch function still reaches the probe."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ampdoctor.probe.events import Clip
+from ampdoctor.script import child, prefork, spawn
+
+pytestmark = pytest.mark.xdist_group("script_mode")
+
+
+def test_the_server_takes_libraries_only(tmp_path):
+    (tmp_path / "helpers.py").write_text("X = 1\n")
+    (tmp_path / "pkg").mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import os, argparse
+        import torch, torch.nn as nn
+        import numpy as np
+        import yaml
+        from PIL import Image
+        from transformers import ViTConfig, ViTModel
+        from . import sibling
+        import helpers
+        from pkg import thing
+        import no_such_library_anywhere
+
+        def main():
+            from numpy import linalg
+    """))
+    got = prefork.script_imports(str(script), str(tmp_path))
+    assert got == ["numpy", "yaml", "PIL:Image", "transformers:ViTConfig",
+                   "transformers:ViTModel", "numpy:linalg"]
+
+
+def test_an_unparsable_script_preloads_nothing(tmp_path):
+    script = tmp_path / "broken.py"
+    script.write_text("def (:\n")
+    assert prefork.script_imports(str(script), str(tmp_path)) == []
+
+
+def _run(script: Path, cwd: Path, **job) -> child.Outcome:
+    return spawn.run_child(child.Job(script=str(script), args=[], precision="fp32", steps=2,
+                                     cwd=str(cwd), env=dict(os.environ), **job),
+                           120, "fp32 run")
+
+
+def test_dataloader_workers_start_the_way_a_plain_run_starts_them(tmp_path):
+    script = tmp_path / "loader.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing
+        import torch
+        from torch.utils.data import DataLoader, Dataset
+
+        class Rows(Dataset):
+            def __len__(self):
+                return 64
+            def __getitem__(self, i):
+                return torch.full((4,), float(i)), multiprocessing.get_start_method()
+
+        net = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for x, how in DataLoader(Rows(), batch_size=8, num_workers=1):
+            if set(how) != {multiprocessing.get_all_start_methods()[0]}:
+                raise RuntimeError(f"workers started by {set(how)}")
+            net(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    out = _run(script, tmp_path)
+    assert out.error is None, out.error
+    assert out.ended == "stopped" and len(out.steps) == 2
+
+
+def test_a_preloaded_librarys_alias_of_a_patched_function_reaches_the_probe(tmp_path,
+                                                                            monkeypatch):
+    lib = tmp_path / "site"
+    lib.mkdir()
+    (lib / "cliplib_for_prefork_test.py").write_text(textwrap.dedent("""
+        from torch.nn.utils import clip_grad_norm_
+
+        def clip(params):
+            return clip_grad_norm_(params, 0.5)
+    """))
+    monkeypatch.syspath_prepend(str(lib))   # (here; the fork server reads PYTHONPATH)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(lib), os.environ.get("PYTHONPATH", "")]))
+    work = tmp_path / "work"
+    work.mkdir()
+    script = work / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        import cliplib_for_prefork_test
+        from ampdoctor.script import prefork
+
+        if "cliplib_for_prefork_test" not in prefork.PRELOADED:
+            raise RuntimeError("the library was not preloaded by the fork server")
+        torch.manual_seed(0)
+        net = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for _ in range(5):
+            net(torch.randn(8, 4)).sum().backward()
+            cliplib_for_prefork_test.clip(net.parameters())
+            opt.step()
+            opt.zero_grad()
+    """))
+    assert prefork.script_imports(str(script), str(work)) == ["cliplib_for_prefork_test"]
+    out = _run(script, work)
+    assert out.error is None, out.error
+    assert "cliplib_for_prefork_test" not in sys.modules   # imported by the server, not here
+    clips = [e for e in out.events if isinstance(e, Clip)]
+    assert len(clips) == 2 and {c.max_norm for c in clips} == {0.5}
