@@ -132,9 +132,10 @@ def test_missing_spec_file_is_exit_2(tmp_path):
 def test_torch_warnings_from_a_wrapped_call_name_the_users_line(tmp_path):
     """torch warns about scheduler.step() before optimizer.step() at its caller's line; with
     the probe in between that caller is ampdoctor, so the warning is said again at the user's
-    scheduler call, once. (In a process of its own: pytest records warnings in this one.)"""
-    result = run_cli_process("diagnose", CONFIGS / "broken_scheduler_per_microbatch.yaml", "--out",
-                     tmp_path)
+    scheduler call, once. (In a process of its own: pytest records warnings in this one.)
+    --verbose shows the loop's output (warnings included) as it comes."""
+    result = run_cli_process("diagnose", CONFIGS / "broken_scheduler_per_microbatch.yaml",
+                             "--verbose", "--out", tmp_path)
     recipe = RECIPES / "broken_scheduler_per_microbatch.py"
     line = marked_line(recipe, "scheduler-per-microbatch")
     warned = [ln for ln in result.stderr.splitlines() if "UserWarning" in ln]

@@ -150,7 +150,7 @@ class ScriptSession:
             self.outputs.append({"run": what, "args": list(job.args),
                                  "optimizer_steps": None if outcome is None
                                  else len(outcome.steps),
-                                 "text": _read_bounded(log)})
+                                 "text": spawn.read_output(log)})
             with contextlib.suppress(OSError):
                 os.unlink(log)
 
@@ -410,24 +410,6 @@ class ScriptSession:
     def random_modules(self) -> list[str]:
         fp32 = self.traces.get("fp32")
         return list(fp32.outcome.dropout) if fp32 is not None else []
-
-
-#: The most of one run's output a record keeps: its first and last halves of this.
-OUTPUT_LIMIT = 16 * 1024
-
-
-def _read_bounded(path: str) -> str:
-    """A run's captured output, its middle cut when it is longer than OUTPUT_LIMIT."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return ""
-    if len(data) > OUTPUT_LIMIT:
-        half = OUTPUT_LIMIT // 2
-        cut = len(data) - 2 * half
-        data = data[:half] + f"\n[... {cut} bytes cut ...]\n".encode() + data[-half:]
-    return data.decode("utf-8", errors="replace")
 
 
 def _per_window(injector: Any) -> int:

@@ -146,3 +146,21 @@ def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None
     if status != "ok":
         raise ChildFailed(value)
     return value
+
+
+#: The most of one run's output a record keeps: its first and last halves of this.
+OUTPUT_LIMIT = 16 * 1024
+
+
+def read_output(path: str) -> str:
+    """A run's captured output, its middle cut when it is longer than OUTPUT_LIMIT."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return ""
+    if len(data) > OUTPUT_LIMIT:
+        half = OUTPUT_LIMIT // 2
+        cut = len(data) - 2 * half
+        data = data[:half] + f"\n[... {cut} bytes cut ...]\n".encode() + data[-half:]
+    return data.decode("utf-8", errors="replace")
