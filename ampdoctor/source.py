@@ -22,7 +22,8 @@ from .errors import UsageError
 #: The longest one run of the script may take (seconds), unless AMPDOCTOR_SCRIPT_TIMEOUT_S says.
 DEFAULT_TIMEOUT_S = 600.0
 
-#: Where a ScriptSource's override came from, for messages (key -> flag).
+#: The flag that sets each key on the command line: messages about an override name it, for a
+#: spec (`cli/diagnose.py`) and a script alike.
 FLAGS = {"device": "--device", "precisions": "--precisions", "rungs": "--rungs",
          "optimizer_steps": "--steps", "keep_going": "--keep-going",
          "reference_args": "--reference-args"}
@@ -97,21 +98,10 @@ class ScriptSource(BaseModel):
     # --- what the driver reads of a source (as of a Spec) ----------------------------------
     #: no `ddp` section: a script runs in one process (the ddp-sync rung is skipped)
     ddp: None = None
-    dropout: Literal["off"] = "off"
 
     @property
     def display_name(self) -> str:
         return os.path.splitext(os.path.basename(self.script))[0]
-
-    @property
-    def script_path(self) -> str:
-        return os.path.abspath(os.path.join(self.cwd, self.script))
-
-    def command_line(self, reference: bool = False) -> str:
-        """The command line a run starts (`python train.py ARGS`), as a shell would read it."""
-        import shlex
-        args = self.reference_args if reference else self.args
-        return " ".join(shlex.quote(a) for a in ["python", self.script, *(args or [])])
 
 
 def script_source(script: Path, args: list[str], reference_args: list[str] | None,

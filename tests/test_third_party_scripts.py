@@ -51,14 +51,19 @@ def test_the_copy_is_byte_for_byte():
                        "train.py": "413bd97b40bb400a"}, digests
 
 
-def test_nanogpt_healthy_is_compared_step_by_step(tmp_path):
+def _diagnose(tmp_path: Path, eval_iters: int, *options: str):
+    """nanoGPT at K = 4 micro-batches of 2, its reference one batch of 8."""
     folder = _nanogpt(tmp_path)
-    args = [*SMALL, "--eval_iters=0"]
-    result = run_cli("diagnose", folder / "train.py", "--json", "--out", tmp_path / "runs",
-                     "--reference-args",
-                     " ".join([*args, "--batch_size=8", "--gradient_accumulation_steps=1"]),
-                     "--", *args, "--batch_size=2", "--gradient_accumulation_steps=4",
-                     cwd=folder)
+    args = [*SMALL, f"--eval_iters={eval_iters}"]
+    return run_cli("diagnose", folder / "train.py", "--json", "--out", tmp_path / "runs",
+                   *options, "--reference-args",
+                   " ".join([*args, "--batch_size=8", "--gradient_accumulation_steps=1"]),
+                   "--", *args, "--batch_size=2", "--gradient_accumulation_steps=4",
+                   cwd=folder)
+
+
+def test_nanogpt_healthy_is_compared_step_by_step(tmp_path):
+    result = _diagnose(tmp_path, 0)
     assert result.returncode == 0, result.stderr
     record = result.record
     assert record["verdict"] == "healthy" and record["findings"] == []
@@ -72,13 +77,7 @@ def test_nanogpt_healthy_is_compared_step_by_step(tmp_path):
 
 
 def test_nanogpt_with_its_evaluation_is_inconclusive_not_healthy(tmp_path):
-    folder = _nanogpt(tmp_path)
-    args = [*SMALL, "--eval_iters=1"]
-    result = run_cli("diagnose", folder / "train.py", "--json", "--out", tmp_path / "runs",
-                     "--rungs", "reproducibility,fp32-accum", "--reference-args",
-                     " ".join([*args, "--batch_size=8", "--gradient_accumulation_steps=1"]),
-                     "--", *args, "--batch_size=2", "--gradient_accumulation_steps=4",
-                     cwd=folder)
+    result = _diagnose(tmp_path, 1, "--rungs", "reproducibility,fp32-accum")
     assert result.returncode == 2, result.stderr
     record = result.record
     assert record["verdict"] == "inconclusive" and record["findings"] == []

@@ -100,9 +100,6 @@ def diagnose(
                                   verbose=verbose))
 
 
-#: the spec key each override flag sets: messages name the flag, not the spec's line
-FLAGS = {"device": "--device", "precisions": "--precisions", "rungs": "--rungs",
-         "optimizer_steps": "--steps", "keep_going": "--keep-going"}
 
 
 def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
@@ -110,6 +107,7 @@ def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
                  verbose: bool = False) -> int:
     """Load the spec (with the command line's overrides) and diagnose it; the exit code."""
     from ..api import load
+    from ..source import FLAGS  # the flag of each override: messages name it, not the line
     try:
         spec = load(spec_path, origins={k: FLAGS[k] for k in overrides or {} if k in FLAGS},
                     **(overrides or {}))
