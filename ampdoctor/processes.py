@@ -14,7 +14,12 @@ are found three ways, on Linux through /proc:
   orphan becomes its child, and its descendants are found from it.
 
 `end` kills (SIGKILL) what it finds, again until nothing is left, never this process or one of
-its ancestors. A SIGKILL to the CLI leaves no time to do it: `Guardian` is a small process of
+its ancestors. A session or group id, or a root pid, is a number the kernel gives again once the
+last process holding it is gone: it is used only while it cannot have been given again (its
+leader not yet reaped, `carrying` a token, or the same process: same start time as first seen),
+so a sweep never reaches a stranger that was given a recycled number.
+
+A SIGKILL to the CLI leaves no time to do it: `Guardian` is a small process of
 ampdoctor's own (its own session, stdin a pipe from the CLI, stdout and stderr /dev/null so it
 never holds the caller's pipes) that does it when that pipe closes, whatever closed it.
 
@@ -55,6 +60,23 @@ def with_token(env: dict[str, str], token: str) -> dict[str, str]:
 
 def _stat(pid: int) -> tuple[str, int, int, int] | None:
     """(state, parent, process group, session) of `pid`, None when it is gone."""
+    full = _full_stat(pid)
+    return None if full is None else full[:4]
+
+
+def started_at(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot): with the pid, the identity of a process."""
+    full = _full_stat(pid)
+    return None if full is None else full[4]
+
+
+def own_token() -> str | None:
+    """The innermost run token this process carries (None outside a run)."""
+    held = os.environ.get(TOKEN_ENV)
+    return held.rsplit(":", 1)[-1] if held else None
+
+
+def _full_stat(pid: int) -> tuple[str, int, int, int, int] | None:
     try:
         with open(f"{_PROC}/{pid}/stat", "rb") as f:
             data = f.read()
@@ -62,7 +84,8 @@ def _stat(pid: int) -> tuple[str, int, int, int] | None:
         return None
     fields = data[data.rfind(b")") + 2:].split()
     try:
-        return fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3])
+        return (fields[0].decode(), int(fields[1]), int(fields[2]), int(fields[3]),
+                int(fields[19]))
     except (IndexError, ValueError):
         return None
 
@@ -81,8 +104,9 @@ def _tokens(pid: int) -> set[str]:
     return set()
 
 
-def _table() -> dict[int, tuple[str, int, int, int]]:
-    """Every process there is, by pid (empty without /proc)."""
+def _table() -> dict[int, tuple[str, int, int, int, int]]:
+    """Every process there is, by pid: (state, parent, group, session, start time); empty
+    without /proc."""
     try:
         names = os.listdir(_PROC)
     except OSError:
@@ -90,13 +114,13 @@ def _table() -> dict[int, tuple[str, int, int, int]]:
     table = {}
     for name in names:
         if name.isdigit():
-            stat = _stat(int(name))
+            stat = _full_stat(int(name))
             if stat is not None:
                 table[int(name)] = stat
     return table
 
 
-def _ancestors(table: dict[int, tuple[str, int, int, int]]) -> set[int]:
+def _ancestors(table: dict[int, tuple[str, int, int, int, int]]) -> set[int]:
     """This process and its ancestors: never killed."""
     pid, seen = os.getpid(), set()
     while pid > 0 and pid not in seen:
@@ -107,19 +131,30 @@ def _ancestors(table: dict[int, tuple[str, int, int, int]]) -> set[int]:
 
 
 def find(token: str | None = None, sessions: Iterable[int] = (), groups: Iterable[int] = (),
-         roots: Iterable[int] = (), spare: Iterable[int] = ()) -> set[int]:
+         roots: Iterable[int] = (), spare: Iterable[int] = (), carrying: str | None = None,
+         known: dict[int, int] | None = None) -> set[int]:
     """The live processes (not zombies) carrying `token`, in one of `sessions` or `groups`, or
-    one of `roots` or descending from one; never this process nor its ancestors, nor `spare`."""
+    one of `roots` or descending from one; never this process nor its ancestors, nor `spare`.
+    `carrying`: a process found by its session or group must carry that token too (the number
+    may have been given again). `known`: pid -> start time of the roots as first seen; a root
+    now another process (a recycled pid) is not one (filled in for the roots not in it)."""
     table = _table()
     keep = _ancestors(table) | set(spare)
     sessions, groups = set(sessions), set(groups)
     found = set()
     children: dict[int, list[int]] = {}
-    for pid, (_, ppid, pgrp, sid) in table.items():
+    for pid, (_, ppid, pgrp, sid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
-        if sid in sessions or pgrp in groups or (token and token in _tokens(pid)):
+        by_token = bool(token) and token in _tokens(pid)
+        by_id = (sid in sessions or pgrp in groups) and (carrying is None
+                                                         or carrying in _tokens(pid))
+        if by_token or by_id:
             found.add(pid)
-    stack = [pid for pid in roots if pid in table]
+    known = {} if known is None else known
+    stack = []
+    for pid in roots:
+        if pid in table and known.setdefault(pid, table[pid][4]) == table[pid][4]:
+            stack.append(pid)
     found.update(stack)
     while stack:
         for child in children.get(stack.pop(), ()):
@@ -131,20 +166,23 @@ def find(token: str | None = None, sessions: Iterable[int] = (), groups: Iterabl
 
 def end(token: str | None = None, sessions: Iterable[int] = (), groups: Iterable[int] = (),
         roots: Iterable[int] = (), reap: bool = False, wait_s: float = END_WAIT_S,
-        spare: Iterable[int] = ()) -> int:
+        spare: Iterable[int] = (), carrying: str | None = None) -> int:
     """Kill (SIGKILL) what `find` finds, again until nothing is left or `wait_s` has passed;
     how many were killed. `reap`: collect this process's dead children too (the worker, which
-    owns them all, at its end)."""
+    owns them all, at its end). Sessions and groups are this caller's to vouch for: their leader
+    not yet reaped, or `carrying` given. Without /proc, the groups are killed whole."""
     sessions, groups, roots, spare = list(sessions), list(groups), list(roots), list(spare)
-    for group in groups:             # what cannot be found without /proc
-        with contextlib.suppress(OSError):
-            os.killpg(group, signal.SIGKILL)
+    if not os.path.isdir(_PROC):     # what cannot be found without /proc
+        for group in groups:
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal.SIGKILL)
     killed: set[int] = set()
+    known: dict[int, int] = {}
     deadline = time.monotonic() + wait_s
     while True:
         if reap:
             _reap()
-        alive = find(token, sessions, groups, roots, spare)
+        alive = find(token, sessions, groups, roots, spare, carrying, known)
         if not alive or time.monotonic() > deadline:
             return len(killed)
         for pid in alive:
@@ -268,31 +306,47 @@ class Guardian:
                 start_new_session=True, env=env)
 
     def watch_session(self, sid: int) -> None:
-        """Also end the processes of session `sid` (the worker's)."""
-        if self.proc is not None and self.proc.stdin is not None:
-            with contextlib.suppress(OSError, ValueError):
-                self.proc.stdin.write(f"{sid}\n".encode())
-                self.proc.stdin.flush()
+        """Also end the processes of session `sid` (the worker's, its leader alive now)."""
+        self._send(f"{sid} {started_at(sid) or 0}")
 
     def close(self) -> None:
-        """Done: the guardian makes its sweep (nothing is left: the caller swept first) and
-        leaves; waited for briefly, so that it is not left a zombie of a long-lived caller."""
+        """Done: the caller ended the run; the guardian sweeps by the token only (a session the
+        caller reaped may since be a stranger's) and leaves; waited for briefly, so that it is
+        not left a zombie of a long-lived caller."""
+        self._send("done")
         if self.proc is not None and self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=GUARDIAN_WAIT_S)
 
+    def _send(self, line: str) -> None:
+        if self.proc is not None and self.proc.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.proc.stdin.write(f"{line}\n".encode())
+                self.proc.stdin.flush()
+
 
 def _guard(token: str) -> None:
-    """The guardian: read sessions until the pipe closes, then end the run."""
+    """The guardian: read sessions until the pipe closes, then end the run: by the token when
+    the caller said it was done, else by the token and the sessions that are still the run's
+    (a session whose id now names another leader is a stranger's)."""
     for sig in (signal.SIGINT, signal.SIGHUP):    # a terminal's signals are the CLI's to handle
         signal.signal(sig, signal.SIG_IGN)
-    sessions = set()
+    sessions: dict[int, int] = {}
+    done = False
     for line in sys.stdin.buffer:
+        words = line.split()
+        if words == [b"done"]:
+            done = True
         with contextlib.suppress(ValueError):
-            sessions.add(int(line))
-    end(token, sessions)
+            sid, started = (int(w) for w in words)
+            sessions[sid] = started
+    if done:
+        end(token)
+        return
+    end(token, [sid for sid, started in sessions.items()
+                if started_at(sid) in (None, started)])
 
 
 if __name__ == "__main__":

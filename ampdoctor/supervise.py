@@ -248,12 +248,35 @@ class Watch:
 
     # ------------------------------------------------------------------------ stopping
     def kill(self) -> None:
+        """Kill the worker's group and the worker, left unreaped (`close` reaps it)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(OSError):
             self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
+        self._exited(wait_s=10)
+
+    def _exited(self, wait_s: float = 0.0) -> bool:
+        """Whether the worker has exited, waiting up to `wait_s`; it is left unreaped, so that
+        its pid, the id of its session, names nothing else until `_reap`."""
+        deadline = time.monotonic() + wait_s
+        while self.proc.returncode is None:
+            try:
+                if os.waitid(os.P_PID, self.proc.pid,
+                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def _reap(self) -> None:
+        """The worker has exited: end what is left of its session (its id still the worker's:
+        the worker is not reaped yet), then reap it."""
+        if self.proc.returncode is None:
+            processes.end(self.token, sessions=(self.proc.pid,))
+        self.proc.wait()
 
     def stacks(self) -> str:
         """Ask the child for its Python stacks (SIGUSR2) and read what it wrote."""
@@ -276,7 +299,11 @@ class Watch:
 
     def close(self) -> None:
         """Every process of the run ended (the worker, anything it started), the pipes closed."""
-        processes.end(self.token, sessions=(self.proc.pid,))
+        if self.proc.returncode is None:
+            if not self._exited():
+                self.kill()
+            self._reap()
+        processes.end(self.token)        # by the token only: the session's id is free now
         self.guardian.close()
         for stream in (self.channel, self.proc.stdout, self.proc.stderr):
             try:
@@ -292,14 +319,16 @@ class Watch:
     def run(self) -> Outcome:
         while True:
             open_pipes = self._pump(0.2)
-            if self.proc.poll() is not None:
+            if self._exited():
                 # gone: read what is left, briefly (a grandchild may hold a pipe open)
                 end = time.monotonic() + 2.0
                 while self._pump(0.05) and time.monotonic() < end:
                     pass
+                self._reap()
                 break
             if not open_pipes and self.result_seen:
-                self.proc.wait()
+                self._exited(wait_s=float("inf"))
+                self._reap()
                 break
             elapsed = time.monotonic() - self.phase_started
             if elapsed > self._bound():

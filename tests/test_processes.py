@@ -8,6 +8,7 @@ DataLoader workers, a daemonic multiprocessing child and a `sleep 300` helper, a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -132,6 +133,58 @@ def test_end_kills_a_token_s_tree_and_nothing_else():
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_recycled_session_group_or_pid_is_a_stranger_s():
+    """A session, group or pid number that the kernel may have given again names another
+    process: `find` leaves it alone unless it is vouched for (the token it must carry, the
+    start time it had when first seen)."""
+    token = processes.new_token()
+    stranger = subprocess.Popen(["sleep", "300"], start_new_session=True)   # no token
+    ours = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                            env=processes.with_token(dict(os.environ), token))
+    try:
+        assert processes.find(sessions=(stranger.pid,)) == {stranger.pid}
+        assert processes.find(groups=(stranger.pid,), carrying=token) == set()
+        assert processes.find(groups=(ours.pid,), carrying=token) == {ours.pid}
+        started = processes.started_at(stranger.pid)
+        assert started is not None
+        assert processes.find(roots=(stranger.pid,), known={stranger.pid: started}) \
+            == {stranger.pid}
+        assert processes.find(roots=(stranger.pid,), known={stranger.pid: started - 1}) == set()
+    finally:
+        for proc in (stranger, ours):
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("how", ["owner-died", "recycled", "done"])
+def test_the_guardian_ends_a_session_only_while_it_is_the_run_s(how):
+    """Its owner dead, the guardian ends the sessions it was given, each while its id still
+    names the leader it was given (same start time); after a clean `close` the caller has ended
+    the run and reaped the leader, so the guardian sweeps by the token alone."""
+    session = subprocess.Popen(["sleep", "300"], start_new_session=True)   # no token
+    try:
+        guardian = processes.Guardian(processes.new_token())
+        assert guardian.proc is not None and guardian.proc.stdin is not None
+        started = processes.started_at(session.pid)
+        assert started is not None
+        if how == "recycled":
+            guardian._send(f"{session.pid} {started + 1}")
+        else:
+            guardian.watch_session(session.pid)
+        if how == "done":
+            guardian.close()
+        else:
+            guardian.proc.stdin.close()            # what the owner's death does
+            guardian.proc.wait(timeout=30)
+        killed = how == "owner-died"
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            session.wait(timeout=5 if killed else 0.5)
+        assert (session.returncode == -signal.SIGKILL) if killed else session.poll() is None
+    finally:
+        session.kill()
+        session.wait()
 
 
 def test_nested_tokens_end_only_the_inner_run():

@@ -134,8 +134,10 @@ def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None
             process.kill()
         process.join()
         # what the run started (DataLoader workers, daemonic children, `subprocess` helpers)
-        # is in its group, even once orphaned; one that left it is the worker's to end
-        processes.end(groups=(process.pid,))
+        # is in its group, even once orphaned; one that left it is the worker's to end. The
+        # fork server reaped the child: the group's id may be a stranger's by now, so only
+        # what carries this worker's run token is the run's
+        processes.end(groups=(process.pid,), carrying=processes.own_token())
     if payload is None:
         code = process.exitcode
         how = (f"was killed by signal {-code}" if code is not None and code < 0
