@@ -89,6 +89,7 @@ def main() -> None:
         faulthandler.register(signal.SIGUSR2, file=dump, all_threads=True)
     code = 0
     try:
+        _warm_script_runs(job)
         # ampdoctor's own start (torch's import can take seconds on a loaded machine) is done
         # before "hello": the parent's bound on loading the user's code starts there
         import torch  # noqa: F401
@@ -116,6 +117,17 @@ def main() -> None:
         with contextlib.suppress(Exception):
             processes.end_descendants()
         _EXIT(code)
+
+
+def _warm_script_runs(job: dict[str, Any]) -> None:
+    """A script's diagnose: the fork server its runs start from imports torch and the script's
+    libraries while this process imports its own (two interpreters' start-up at once, not one
+    after the other)."""
+    from .source import from_wire, is_script_wire
+    if is_script_wire(job.get("spec") or ""):
+        from .script import spawn
+        source = from_wire(job["spec"])
+        spawn.warm(source.script, source.cwd)
 
 
 def _run(job: dict[str, Any], channel: Channel) -> None:

@@ -43,6 +43,27 @@ def _context() -> Any:
     return _CONTEXT
 
 
+def warm(script: str, cwd: str) -> None:
+    """Start the fork server for `script` now (it imports torch and the script's libraries
+    while the caller imports its own: the worker calls this before it imports torch)."""
+    ctx = _context()
+    if ctx.get_start_method() == "forkserver":
+        with _empty_main():
+            prefork.serve(ctx, prefork.script_imports(script, cwd))
+
+
+@contextlib.contextmanager
+def _empty_main() -> Any:
+    """The child must not import the parent's __main__ again (the CLI, a test runner, the
+    user's own program): it is shown an empty one while the process starts."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _child_main(job: Any, conn: Any, log_path: str | None = None) -> None:
     """In the child: run the job, send back its outcome (pickled), leave without cleanup (a
     thread the script left running cannot keep the child alive). The script's stdout and
@@ -94,19 +115,12 @@ def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None
     """Run `job` (a `child.Job`) in a child process; its `child.Outcome`. UserCodeError (exit 3)
     when it does not finish within `timeout_s` or the process died without a word (os._exit,
     a crash in native code). `log_path`: where the script's output goes (else stderr)."""
+    warm(job.script, job.cwd)         # the script's libraries imported once
     ctx = _context()
-    if ctx.get_start_method() == "forkserver":   # the script's libraries imported once
-        prefork.serve(ctx, prefork.script_imports(job.script, job.cwd))
     receiver, sender = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child_main, args=(job, sender, log_path))
-    # The child must not import the parent's __main__ again (the CLI, a test runner, the
-    # user's own program): it is shown an empty one while the process starts.
-    main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
+    with _empty_main():
         process.start()
-    finally:
-        sys.modules["__main__"] = main
     sender.close()
     deadline = time.monotonic() + timeout_s
     payload = None
