@@ -73,6 +73,26 @@ class AmpdoctorFixture:
         return assert_healthy(self.spec_path(spec), allow_warnings=allow_warnings, out=self.out,
                               **overrides)
 
+    def assert_fixed(self, *, spec: Any = None, script: Any = None, args: Any = None,
+                     reference_args: Any = None, cwd: Any = None, rungs: Any = None,
+                     steps: int | None = 3, device: str | None = "cpu",
+                     kinds: Any = None) -> dict[str, Any]:
+        """Re-run a diagnosis (what `ampdoctor export-test` writes a call of): `spec=` a YAML
+        spec, or `script=` with its `args`, `reference_args` and `cwd`; on `rungs`, `steps`
+        optimizer steps, `device`. Fails the test, with the diagnosis (kind, rung, numbers,
+        file:line, fix) as its message, unless the verdict is healthy and none of `kinds`
+        (the bugs it guards) is found, at any severity. The record, when it passes."""
+        from .export_test import run_guard
+        if spec is not None:
+            spec = self.spec_path(spec)
+        record, why = run_guard(spec=spec, script=script, args=args,
+                                reference_args=reference_args, cwd=cwd, rungs=rungs,
+                                steps=steps, device=device, kinds=kinds, out=self.out)
+        if why is not None:
+            pytest.fail(f"ampdoctor: {why}", pytrace=False)
+        assert record is not None
+        return record
+
 
 @pytest.fixture
 def ampdoctor(request: pytest.FixtureRequest, tmp_path: Path) -> AmpdoctorFixture:

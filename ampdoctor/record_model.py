@@ -109,6 +109,8 @@ class RecordModel(_Open):
     args: list[str] | None = None
     reference_args: list[str] | None = None
     reference_args_origin: Literal["given", "inferred"] | None = None
+    #: script mode: the working directory the script ran in
+    cwd: str | None = None
     #: the training code's own output, captured (each script run's, or the loop's runs')
     output: list[dict[str, Any]] | None = None
     exit_code: int | None = None

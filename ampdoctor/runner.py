@@ -208,7 +208,7 @@ def new_record(spec: Spec | ScriptSource, device: str) -> dict[str, Any]:
             source={"script": spec.script, "args": list(spec.args),
                     "reference_args": (list(spec.reference_args)
                                        if spec.reference_args is not None else None),
-                    "reference_args_origin": spec.reference_origin},
+                    "reference_args_origin": spec.reference_origin, "cwd": spec.cwd},
             name=spec.display_name, device=device, accumulation_steps=None,
             optimizer_steps=spec.optimizer_steps, micro_batch_size=None,
             environment=environment(None))

@@ -14,6 +14,7 @@ from .demo import demo
 from .diagnose import diagnose
 from .env import env
 from .explain import explain
+from .export_test import export_test
 from .init import init
 from .report import report
 from .scan import scan
@@ -28,7 +29,8 @@ app = typer.Typer(add_completion=True, no_args_is_help=True, rich_markup_mode=No
                          "hung, or exited), 4 an internal ampdoctor error; 128 + N after "
                          "signal N (Ctrl-C 130, SIGTERM 143). scan: 0 nothing found, 1 more "
                          "than one loss-scale owner (or, with --strict, a static hint), 2 a bad "
-                         "path. report: 0 rendered, 2 a missing or invalid record.")
+                         "path. report, export-test: 0 rendered or written, 2 a missing or invalid "
+                         "record.")
 
 
 def _version(value: bool) -> None:
@@ -47,6 +49,7 @@ def main_callback(version: bool = typer.Option(False, "--version", callback=_ver
 # `--help` lists the commands in this order
 for command in (diagnose, report, scan, explain, schema, init, env, demo):
     app.command()(command)
+app.command("export-test")(export_test)
 
 
 def main() -> None:
