@@ -28,7 +28,8 @@ higher one (cycles within a layer are caught by the cycle check):
   explain     rules/: why a step is off (kind, numbers, file:line)
   ladder      ladder/ (one module per rung, the driver of the extra passes a rule asks for)
               and ddp/ (the ddp-sync rung's processes, each a small rung driver)
-  drivers     runner, api: one diagnose end to end; script/: one diagnose of a script
+  drivers     runner, api: one diagnose end to end; script/: one diagnose of a script;
+              export_test: a diagnosis re-run as a test (the CLI in a process of its own)
               (script mode: its runs in child processes, its rungs, its record)
   entry       cli/ (one module per command), supervise (+ its records), worker, pytest_plugin,
               __main__
@@ -66,7 +67,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("judge", ("ampdoctor.judge", "ampdoctor.judge_step", "ampdoctor.judge_live")),
     ("explain", ("ampdoctor.rules.*",)),
     ("ladder", ("ampdoctor.ladder.*", "ampdoctor.ddp.*")),
-    ("drivers", ("ampdoctor.runner", "ampdoctor.api", "ampdoctor.script.*")),
+    ("drivers", ("ampdoctor.runner", "ampdoctor.api", "ampdoctor.script.*",
+                 "ampdoctor.export_test")),
     ("entry", ("ampdoctor.cli.*", "ampdoctor.supervise", "ampdoctor.supervise_records",
                "ampdoctor.worker",
                "ampdoctor.pytest_plugin", "ampdoctor.__main__")),
