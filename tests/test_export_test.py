@@ -83,7 +83,8 @@ def test_a_spec_record_round_trips(tmp_path):
 
 def test_an_entry_point_record_round_trips(tmp_path):
     pytest.importorskip("transformers")
-    project = _project(tmp_path, ["frameworks/entry_points.py", "common.py"], "frameworks/broken_hf_trainer_key_sum.yaml")
+    project = _project(tmp_path, ["frameworks/entry_points.py", "common.py"],
+                       "frameworks/broken_hf_trainer_key_sum.yaml")
     _round_trip(project, ["triage.yaml"], project / "frameworks" / "entry_points.py",
                 'F.mse_loss(outputs, y, reduction="sum")', "F.mse_loss(outputs, y)",
                 "reduction-mismatch", 31)
@@ -174,7 +175,8 @@ def test_export_refuses_what_it_cannot_rerun_and_never_overwrites(tmp_path):
     proc = run_cli_process("export-test", str(record), "-o", str(tmp_path / "t.py"))
     assert proc.returncode == 2 and "exists" in proc.stderr
     assert (tmp_path / "t.py").read_text() == "mine\n"
-    proc = run_cli_process("export-test", str(record), "-o", str(tmp_path / "t.py"), "--force")
+    proc = run_cli_process("export-test", str(record), "-o", str(tmp_path / "t.py"),
+                           "--force")
     assert proc.returncode == 0, proc.stderr
     assert "def test_run_stays_healthy(ampdoctor):" in (tmp_path / "t.py").read_text()
     proc = run_cli_process("export-test", str(tmp_path / "nope.json"))
