@@ -121,7 +121,7 @@ class StepJudge:
             squares = _squares(ref.full)
         except (KeyboardInterrupt, AmpdoctorInterrupt):
             raise
-        except Exception:
+        except Exception:  # noqa: BLE001 - the ladder's judge decides; live judging stops
             self.failed = True   # (a reference that failed half-way keeps no gradients)
             return False
         self.groups[group] = JudgedGroup(ordinal, window, squares)
@@ -139,7 +139,7 @@ class StepJudge:
             return self._judge_one(step)
         except (KeyboardInterrupt, AmpdoctorInterrupt):
             raise
-        except Exception:
+        except Exception:  # noqa: BLE001 - the ladder's judge decides; live judging stops
             self.failed = True
             done = self.groups.get(step.group)
             if done is not None and done.steps:

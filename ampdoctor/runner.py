@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import __version__
+from ._version import __version__
 from .errors import (
     AmpdoctorError,
     InputError,

@@ -7,12 +7,31 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if TYPE_CHECKING:
     from .evidence import Evidence
-    from .supervise import Watch
+
+
+class Watch(Protocol):
+    """What these records read of the run that was stopped (`supervise.Watch`, which imports
+    this module: a protocol, not an import back)."""
+
+    @property
+    def spec(self) -> Any: ...
+    @property
+    def phase(self) -> str: ...
+    @property
+    def main_thread(self) -> int | None: ...
+    @property
+    def last_progress(self) -> dict[str, Any] | None: ...
+    @property
+    def outcome(self) -> Any: ...
+    @property
+    def proc(self) -> subprocess.Popen[bytes]: ...
+    def limit(self) -> tuple[float, str]: ...
 
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>.+)$')
 _THREAD = re.compile(r"^(?:Current thread|Thread) (?P<ident>0x[0-9a-fA-F]+)")

@@ -101,7 +101,7 @@ def _grads_dict(d) -> list:
     if isinstance(d, dict) or type(d).__name__ == "_Kept":
         try:
             return [v for v in d.values() if isinstance(v, torch.Tensor)]
-        except Exception:
+        except Exception:  # noqa: BLE001 - any container the probe keeps
             return []
     return []
 

@@ -597,7 +597,7 @@ def test_the_postmortem_runs_no_script_and_loads_nothing_in_a_browser(tmp_path):
     requests: list[str] = []
 
     class Recorder(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's name
+        def do_GET(self):  # http.server's name for it
             requests.append(self.path)
             self.send_response(404)
             self.send_header("Content-Length", "0")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from .. import __version__
+from .._version import __version__
 from .demo import demo
 from .diagnose import diagnose
 from .env import env

@@ -216,7 +216,7 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         if debug and exc.remote_traceback:
             sys.stderr.write(inert(exc.remote_traceback))
         return internal(exc, False)
-    except Exception as exc:  # a bug in ampdoctor itself
+    except Exception as exc:  # noqa: BLE001 - a bug in ampdoctor itself
         return internal(exc, debug)
     if record is None:            # stopped by an error before there was anything to record
         assert exception is not None

@@ -19,7 +19,7 @@ from typing import Any
 
 import typer
 
-from .. import __version__
+from .._version import __version__
 from ..safetext import exc_text, inert
 
 _LABEL = 19

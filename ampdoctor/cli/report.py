@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from .. import __version__
+from .._version import __version__
 from ..errors import AmpdoctorError, UsageError
 from ..safetext import FIELD_LIMIT, inert
 from .common import fail, stderr_console, stdout_console

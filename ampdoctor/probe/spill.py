@@ -132,7 +132,7 @@ class Spilled(Mapping):
         # (not contextlib.suppress: at interpreter exit the module's globals may be gone)
         try:  # noqa: SIM105
             self.release()
-        except Exception:
+        except Exception:  # noqa: BLE001 - a finaliser never raises
             pass
 
 

@@ -182,7 +182,7 @@ def _read(scan: FileScan, size: int | None = None) -> None:
             scan_shell(scan.path, data, scan)
     except RecursionError:
         scan.skipped = "nested too deeply to analyse"
-    except Exception as exc:  # a file the analysers do not expect must not stop the scan
+    except Exception as exc:  # noqa: BLE001 - a file the analysers do not expect must not stop the scan
         scan.skipped = f"could not be analysed ({exc_text(exc, FIELD_LIMIT)})"
 
 

@@ -63,7 +63,7 @@ def run_scan(
     except ScanPathError as exc:
         _say(f"ampdoctor scan: {inert(safe_str(exc), limit=FIELD_LIMIT, multiline=False)}")
         return 2
-    except Exception as exc:  # a bug in the scan itself, not in the user's code
+    except Exception as exc:  # noqa: BLE001 - a bug in the scan itself, not in the user's code
         if debug:
             traceback.print_exc()
         _say(f"ampdoctor scan: internal error: {inert(exc_text(exc), multiline=False)} "

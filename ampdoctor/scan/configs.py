@@ -376,7 +376,7 @@ def scan_shell(path: str, data: bytes, scan: FileScan) -> None:
     """A launcher script: the files it names, and `accelerate launch --mixed_precision`."""
     try:
         text = data.decode("utf-8", errors="replace")
-    except Exception:  # pragma: no cover - errors="replace" cannot fail
+    except Exception:  # noqa: BLE001  # pragma: no cover - errors="replace" cannot fail
         return
     launches_accelerate = "accelerate" in text
     for lineno, line in enumerate(text.splitlines(), 1):

@@ -12,7 +12,7 @@ from ampdoctor.scan.configs import MISSING
 def source_text(node: ast.AST, limit: int = 100) -> str:
     try:
         text = ast.unparse(node)
-    except Exception:  # pragma: no cover - unparse handles every parsed tree
+    except Exception:  # noqa: BLE001  # pragma: no cover - unparse handles every parsed tree
         return "<expr>"
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -185,7 +185,7 @@ def _rule(kind: str) -> dict[str, Any]:
 def to_sarif(report: ScanReport) -> str:
     """SARIF 2.1.0 for code-scanning CI: the rule `double-scaling`, then one rule per kind of
     static hint found (warnings)."""
-    from ampdoctor import __version__
+    from ampdoctor._version import __version__
 
     base = report.display_base or os.getcwd()
     kind = CATALOGUE["double-scaling"]

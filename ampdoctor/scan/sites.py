@@ -136,7 +136,7 @@ class ScanReport:
         return 1 if self.findings or (self.strict and self.hints) else 0
 
     def to_dict(self) -> dict[str, Any]:
-        from ampdoctor import __version__
+        from ampdoctor._version import __version__
 
         return {
             "ampdoctor_version": __version__,

@@ -8,14 +8,27 @@ from __future__ import annotations
 
 import functools
 import sys
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from ..probe import patches
+from ..probe.callsite import CallSiteFinder
 
-if TYPE_CHECKING:
-    from .child import ScriptProbe
+
+class ScriptProbe(Protocol):
+    """What the switches use of a child run's probe (`child.ScriptProbe`, which imports this
+    module: a protocol, not an import back)."""
+
+    @property
+    def job(self) -> Any: ...
+    @property
+    def finder(self) -> CallSiteFinder: ...
+    @property
+    def out(self) -> Any: ...
+    def module_built(self, module: torch.nn.Module) -> None: ...
+    def optimizer_built(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def keep_reference(self) -> None: ...
 
 #: autocast dtype per forced precision (None: autocast disabled)
 FORCED_DTYPE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}

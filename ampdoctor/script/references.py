@@ -14,14 +14,33 @@ the mismatch from the whole window only.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from .infer import with_batch
 
 if TYPE_CHECKING:
-    from .session import ScriptSession
+    from .child import Job, Outcome
+
+
+class ScriptSession(Protocol):
+    """What a reference per micro-batch uses of the session (`session.ScriptSession`, which
+    imports this module: a protocol, not an import back)."""
+
+    K: int
+    notes: set[str]
+
+    @property
+    def traces(self) -> dict[str, Any]: ...
+    @property
+    def spec(self) -> Any: ...        # session.ScriptSpec
+    @property
+    def command(self) -> Any: ...     # session.Command
+    @property
+    def script(self) -> str: ...
+    def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job: ...
+    def run(self, job: Job, what: str) -> Outcome: ...
 
 Grads = dict[str, torch.Tensor | None]
 
