@@ -206,3 +206,31 @@ def test_the_inferred_reference_diagnoses_as_the_written_one(tmp_path):
     assert (first["rung"], first["kind"]) == ("fp32-accum", "missing-accumulation-average")
     assert first["location"]["line"] == marked_line(amp, "missing-accumulation-average")
     assert result.record["accumulation_steps"] == 4
+
+
+@pytest.mark.parametrize(("source", "builds"), [
+    ("import deepspeed\nengine, *_ = deepspeed.initialize(model=m)\n", True),
+    ("import deepspeed as ds\nengine, *_ = ds.initialize(args=a, model=m)\n", True),
+    ("from deepspeed import initialize\ne = initialize(model=m)\n", True),
+    ("import deepspeed\nparser = deepspeed.add_config_arguments(p)\n", False),   # no engine
+    ("import torch\nx = torch.distributed.initialize()\n", False),
+])
+def test_a_script_that_builds_a_deepspeed_engine_is_recognised(source, builds):
+    import ast
+
+    from ampdoctor.script.infer import builds_deepspeed_engine
+    assert builds_deepspeed_engine(ast.parse(source)) is builds
+
+
+def test_a_deepspeed_script_is_told_what_to_do_instead(tmp_path):
+    """Its K and batch live in the DeepSpeed config; script mode does not drive an engine yet:
+    exit 2 before any run, naming what to use instead (a spec's train_loop, scan)."""
+    script = SCRIPTS / "deepspeed_getting_started.py"
+    config = SCRIPTS / "deepspeed_getting_started.json"
+    result = run_cli("diagnose", script, "--out", tmp_path / "runs", "--",
+                     "--deepspeed", "--deepspeed_config", config)
+    assert result.returncode == 2, result.stderr
+    assert "builds a DeepSpeed engine (deepspeed.initialize)" in result.stderr
+    assert "does not run DeepSpeed scripts yet" in result.stderr
+    assert "train_loop" in result.stderr and "ampdoctor scan" in result.stderr
+    assert not (tmp_path / "runs").exists()

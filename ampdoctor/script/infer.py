@@ -151,6 +151,35 @@ def _to_try(script: str, args: list[str], k: Flag | None, batch: Flag | None,
             f"{shlex.quote(shlex.join(ref))} -- {run}")
 
 
+#: what a user with a DeepSpeed script is told (script mode does not drive an engine yet)
+DEEPSPEED_HINT = (
+    "Script mode does not run DeepSpeed scripts yet (their runs would need a process group of "
+    "their own and the engine's precision switched per rung in its config): diagnose the loop "
+    "with a spec whose train_loop builds the engine from `run` (the README's 'Training that a "
+    "framework runs', DeepSpeed), and `ampdoctor scan` the script and its config for a second "
+    "loss-scale owner")
+
+
+def builds_deepspeed_engine(tree: ast.AST) -> bool:
+    """Whether the script calls `deepspeed.initialize` (through any name `deepspeed` is
+    imported as, or `from deepspeed import initialize`)."""
+    names, functions = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name for a in node.names if a.name == "deepspeed"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "deepspeed":
+            functions |= {a.asname or a.name for a in node.names if a.name == "initialize"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr == "initialize" and isinstance(
+                    func.value, ast.Name) and func.value.id in names:
+                return True
+            if isinstance(func, ast.Name) and func.id in functions:
+                return True
+    return False
+
+
 def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inferred:
     """The reference command line of `script` run with `args` (module docstring); UsageError
     with the command line to try when it cannot be inferred."""
@@ -164,6 +193,9 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
     all_flags = init_script.flags(tree, undefaulted=True)
     k = _pick(all_flags, K_FLAGS)
     batch = _pick(all_flags, BATCH_FLAGS)
+    if (k is None or batch is None) and builds_deepspeed_engine(tree):
+        raise UsageError(f"{script} builds a DeepSpeed engine (deepspeed.initialize): its K "
+                         "and micro-batch are in the DeepSpeed config. " + DEEPSPEED_HINT)
     if k is None or batch is None:
         missing = " and ".join(w for w, f in (("the gradient accumulation steps (K)", k),
                                                ("the micro-batch size", batch)) if f is None)

@@ -27,6 +27,7 @@ from ..probe.trace import Trace
 from ..reference import WindowReference
 from . import spawn
 from .child import Job, Outcome
+from .infer import DEEPSPEED_HINT
 from .references import per_microbatch
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
@@ -164,9 +165,11 @@ class ScriptSession:
             if first.error is not None:
                 how = (f"exited ({first.ended})" if first.ended.startswith("exit")
                        else "raised")
+                hint = (f". {DEEPSPEED_HINT}"
+                        if "deepspeed" in str(first.error.get("traceback") or "") else "")
                 raise UserCodeError(
                     f"the script run with the reference's arguments ({' '.join(cmd_args)}) "
-                    f"{how} before its first optimizer step: {first.error.get('text')}",
+                    f"{how} before its first optimizer step: {first.error.get('text')}{hint}",
                     location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
