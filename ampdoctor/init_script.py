@@ -15,10 +15,15 @@ from typing import Any
 
 #: option names (dashes as underscores, lower case) that hold K, the micro-batch size, the clip
 K_FLAGS = ("accumulation_steps", "gradient_accumulation_steps", "grad_accum_steps",
-           "accum_iter", "accum_steps", "update_freq", "grad_accum", "accum",
-           "gradient_accumulation", "accumulate_grad_batches", "accumulation")
+           "grad_accumulation_steps", "accum_iter", "accum_iters", "accum_steps", "update_freq",
+           "grad_accum", "accum", "accumulate", "gradient_accumulation",
+           "accumulate_grad_batches", "accumulation", "iters_to_accumulate",
+           "gradient_accumulation_iters", "gradient_accumulate_every", "grad_acc_steps",
+           "accum_freq", "num_accumulation_steps")
 BATCH_FLAGS = ("batch_size", "micro_batch_size", "bs", "per_device_train_batch_size",
-               "train_batch_size", "batch")
+               "per_device_batch_size", "per_gpu_train_batch_size", "batch_size_per_device",
+               "batch_size_per_gpu", "train_micro_batch_size_per_gpu", "device_batch_size",
+               "local_batch_size", "micro_batch", "mini_batch_size", "train_batch_size", "batch")
 CLIP_FLAGS = ("max_grad_norm", "clip_grad", "grad_clip", "clip_norm", "max_norm", "clip")
 
 

@@ -234,3 +234,22 @@ def test_a_deepspeed_script_is_told_what_to_do_instead(tmp_path):
     assert "does not run DeepSpeed scripts yet" in result.stderr
     assert "train_loop" in result.stderr and "ampdoctor scan" in result.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("k_option", "batch_option"), [
+    ("--grad-accumulation-steps", "--train-batch-size"),
+    ("--accumulate", "--batch-size"),
+    ("--gradient-accumulation-steps", "--per-device-batch-size"),
+    ("--iters-to-accumulate", "--batch-size-per-gpu"),
+    ("--gradient_accumulate_every", "--micro_batch"),
+])
+def test_the_option_names_of_common_repositories_are_read(tmp_path, k_option, batch_option):
+    """The names real training scripts give K and the micro-batch (MaxText/EasyLM, YOLO,
+    PyTorch's AMP docs, lucidrains): each read as K and batch, set to 1 and K x b."""
+    script = tmp_path / "train.py"
+    script.write_text("import argparse\np = argparse.ArgumentParser()\n"
+                      f"p.add_argument('{k_option}', type=int, default=4)\n"
+                      f"p.add_argument('{batch_option}', type=int, default=8)\n"
+                      "args = p.parse_args()\n")
+    inferred = infer_reference(str(script), [], cwd=str(tmp_path))
+    assert inferred.args == [k_option, "1", batch_option, "32"]
