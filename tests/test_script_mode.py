@@ -292,3 +292,18 @@ def test_a_forced_fp16_rungs_skips_never_fail_a_script_without_a_scaler(tmp_path
         assert "this is what it would do in fp16" in finding["message"]
     else:
         assert record["failed_rung"] == "skips"
+
+
+def test_an_epoch_s_partial_last_window_is_no_off_by_one(tmp_path):
+    """5 micro-batches with K = 2 make windows of 2, 2, 1: the short last window is an epoch's
+    remainder, not an off-by-one condition. Its reference (batch 32) ends after 2 steps: exit 2
+    saying which --steps compares the windows both have; with it, healthy."""
+    script = RECIPES / "scripts" / "partial_last_window.py"
+    reference = "--use-amp --grad-accumulation-steps 1 --train-batch-size 32"
+    result = diagnose(tmp_path, script, ["--use-amp"], reference)
+    assert result.returncode == 2, result.stderr
+    assert "ended after 2 optimizer step(s)" in result.stderr and "--steps 2" in result.stderr
+    assert "off by one" not in result.stdout + result.stderr
+    result = diagnose(tmp_path, script, ["--use-amp"], reference, "--steps", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.record["verdict"] == "healthy" and result.record["findings"] == []

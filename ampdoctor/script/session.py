@@ -373,10 +373,19 @@ class ScriptSession:
         if grads is None:
             ref = self.run(self.job("fp32", reference=True, steps=window + 1,
                                     teacher=[state] * (window + 1)), "reference run")
-            if ref.error is not None or len(ref.ref_grads) <= window:
+            if ref.error is not None:
                 raise UserCodeError("the script run with --reference-args did not reach "
-                                    f"window {window}" + (f": {ref.error.get('text')}"
-                                                          if ref.error else ""))
+                                    f"window {window}: {ref.error.get('text')}",
+                                    location=_where(ref.error))
+            if len(ref.ref_grads) <= window:
+                reached = len(ref.ref_grads)
+                raise UsageError(
+                    f"the script run with the reference's arguments ended after {reached} "
+                    f"optimizer step(s), before window {window} of the run: its data hold "
+                    "fewer full batches than the run's windows (a last, partial window the "
+                    "reference's batch size drops). Compare the windows both have: "
+                    f"--steps {reached}" if reached else
+                    "the script run with the reference's arguments made no optimizer step")
             grads = ref.ref_grads[window]
             if rng_seed is None:
                 self._refs[id(state)] = grads
