@@ -120,6 +120,9 @@ class Watch:
         self._undo: list[Callable[[], None]] = []
         self.started = time.perf_counter()
         self.record: dict[str, Any] | None = None
+        #: where the loop built its GradScaler (the line a frequent-skips finding names)
+        self.scaler_site = _built_at(self.scaler, sys._getframe(1), self.finder) \
+            if self.scaler is not None else None
 
     # ------------------------------------------------------------------ set up and take down
     def __enter__(self) -> Watch:
@@ -400,7 +403,8 @@ class Watch:
                           "skipped": len(steady), "steps": after,
                           "scale": float(sc.get_scale()),
                           "growth_factor": sc.get_growth_factor(),
-                          "growth_interval": sc.get_growth_interval()})))
+                          "growth_interval": sc.get_growth_interval()},
+                location=location(self.scaler_site))))
         if self.scheduler is None or not self.scheduler_on_skip:
             return
         on_calibration = sum(1 for s in self.scheduler_on_skip if s < first_real)
@@ -598,6 +602,32 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
     return Watch(model, optimizer, accumulation_steps=accumulation_steps, scaler=scaler,
                  scheduler=scheduler, loss_fn=loss_fn, every=every, on_error=on_error,
                  out=out, name=name)
+
+
+def _built_at(obj: Any, frame: Any, finder: CallSiteFinder) -> Site | None:
+    """Where the user's code built `obj`: in the first of the user's frames above `frame`
+    that holds it in a variable, the line of the assignment to that variable (read with
+    `ast` from the function's source)."""
+    import ast
+    import inspect
+    while frame is not None:
+        code = frame.f_code
+        if not finder._classify(code.co_filename)[0]:
+            names = {name for name, value in frame.f_locals.items() if value is obj}
+            if names:
+                with contextlib.suppress(OSError, TypeError, SyntaxError):
+                    lines, start = inspect.getsourcelines(code)
+                    start = max(start, 1)
+                    import textwrap
+                    tree = ast.parse(textwrap.dedent("".join(lines)))
+                    for node in ast.walk(tree):
+                        if isinstance(node, ast.Assign) and any(
+                                isinstance(t, ast.Name) and t.id in names for t in node.targets):
+                            return Site(code.co_filename, start + node.lineno - 1,
+                                        code.co_name)
+                return None
+        frame = frame.f_back
+    return None
 
 
 def _precision_now(scaler: Any, params: list[torch.Tensor]) -> str:
