@@ -11,15 +11,17 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 __all__ = ["diagnose", "assert_healthy", "load", "Spec", "Record", "Unhealthy", "SpecError",
-           "UserCodeError", "__version__"]
+           "UserCodeError", "watch", "Watch", "WatchError", "__version__"]
 
 if TYPE_CHECKING:
     from .api import Record, Unhealthy, assert_healthy, diagnose, load
     from .errors import SpecError, UserCodeError
+    from .sentinel import Watch, WatchError, watch
     from .spec import Spec
 
 _LAZY = {"diagnose": "api", "assert_healthy": "api", "load": "api", "Record": "api",
-         "Unhealthy": "api", "Spec": "spec", "SpecError": "errors", "UserCodeError": "errors"}
+         "Unhealthy": "api", "Spec": "spec", "SpecError": "errors", "UserCodeError": "errors",
+         "watch": "sentinel", "Watch": "sentinel", "WatchError": "sentinel"}
 
 
 def __getattr__(name: str) -> Any:

@@ -160,4 +160,7 @@ Evidence = TypedDict("Evidence", {
     "timeout_s": Any,
     "ddp.timeout_s": Any,
     "ampdoctor's start bound": Any,
+    # the sentinel (`ampdoctor.watch`): what its counts saw in the first windows
+    "backwards_per_step": list[int],
+    "scheduler_steps_per_update": list[int],
 }, total=False)

@@ -31,7 +31,8 @@ higher one (cycles within a layer are caught by the cycle check):
   ladder      ladder/ (one module per rung, the driver of the extra passes a rule asks for)
               and ddp/ (the ddp-sync rung's processes, each a small rung driver)
   drivers     runner, api: one diagnose end to end; script/: one diagnose of a script;
-              export_test: a diagnosis re-run as a test (the CLI in a process of its own)
+              export_test: a diagnosis re-run as a test (the CLI in a process of its own);
+              sentinel/: `ampdoctor.watch`, the checks inside a real training run
               (script mode: its runs in child processes, its rungs, its record)
   entry       cli/ (one module per command), supervise (+ its records), worker, pytest_plugin,
               __main__
@@ -73,7 +74,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("explain", ("ampdoctor.rules.*",)),
     ("ladder", ("ampdoctor.ladder.*", "ampdoctor.ddp.*")),
     ("drivers", ("ampdoctor.runner", "ampdoctor.api", "ampdoctor.script.*",
-                 "ampdoctor.export_test")),
+                 "ampdoctor.export_test", "ampdoctor.sentinel", "ampdoctor.sentinel.*")),
     ("entry", ("ampdoctor.cli.*", "ampdoctor.supervise", "ampdoctor.supervise_records",
                "ampdoctor.worker",
                "ampdoctor.pytest_plugin", "ampdoctor.__main__")),

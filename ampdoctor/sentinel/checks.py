@@ -1,0 +1,178 @@
+"""The sentinel's cheap, exact checks (`ampdoctor.watch`): counts of calls per window, the
+scaler's skips, judged as the ladder judges them, through the kinds' deciders."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import deciders, thresholds
+from ..deciders import Observed
+from ..findings import Finding, Severity, location
+from ..probe.callsite import CallSiteFinder, Site
+
+#: the rung id of what the sentinel finds (a watched run has no ladder)
+RUNG = "watch"
+#: steps whose backward counts decide `step-per-microbatch` (a ragged last window of an
+#: epoch is normal; a count of one on every one of these is not)
+COUNT_WINDOWS = 3
+
+
+@dataclass
+class Window:
+    """What happened since the last optimizer step (or skipped scaler step)."""
+
+    backwards: int = 0
+    backward_site: Site | None = None
+    zero_grad_after: int | None = None        # backwards before a zero_grad inside the window
+    zero_grad_site: Site | None = None
+    unscaled: bool = False
+    clip_norm: float | None = None            # what the clip returned (the pre-clip norm)
+    clip_max: float | None = None
+    clip_scaled: bool = False                 # the clip saw still-scaled gradients
+    scheduler_steps: int = 0
+    scheduler_site: Site | None = None
+    batches: list[Any] = field(default_factory=list)
+    rng: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    precision: str = "fp32"
+
+
+class WatchState:
+    """What the checks read and keep of the run (set by `Watch.__init__`; the mixins below
+    share it)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    K: int
+    scaler: Any
+    scheduler: Any
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None
+    params: list[torch.Tensor]
+    window: Window
+    windows: int
+    updates: int
+    skips: list[int]
+    scheduler_on_skip: list[int]
+    counts: list[int]
+    scheduler_counts: list[int]
+    checked: list[dict[str, Any]]
+    notes: list[str]
+    scheduler_site: Site | None
+    scaler_site: Site | None
+    _replaying: bool
+
+    def _found(self, finding: Finding) -> None:
+        raise NotImplementedError
+
+
+class CountChecks(WatchState):
+    """The checks made from counts when a window closes."""
+
+    def _judge_counts(self, w: Window) -> None:
+        if self.K > 1 and all(c == 1 for c in self.counts):
+            self._found(deciders.step_per_microbatch(Observed(
+                RUNG, Severity.ERROR,
+                f"Each of the first {COUNT_WINDOWS} optimizer steps consumed the gradient of one "
+                f"backward where K={self.K} were meant: the optimizer steps every micro-batch, "
+                f"{self.K}x as many updates each on 1/{self.K} of the data.",
+                evidence={"measured": 1, "expected": self.K, "accumulation_steps": self.K,
+                          "backwards_per_step": list(self.counts)},
+                location=location(w.backward_site))))
+
+    def _zero_grad_inside(self, w: Window) -> None:
+        kept = w.backwards - (w.zero_grad_after or 0)
+        self._found(deciders.zero_grad_inside_accumulation(Observed(
+            RUNG, Severity.ERROR,
+            f"Optimizer step {self.updates}: zero_grad ran after {w.zero_grad_after} of the "
+            f"window's {w.backwards} backwards, so the step consumed the gradient of only the "
+            f"last {kept} micro-batch(es): the earlier ones were thrown away.",
+            evidence={"measured": kept, "expected": w.backwards,
+                      "accumulation_steps": self.K, "step": self.updates},
+            location=location(w.zero_grad_site))))
+
+    def _judge_scheduler(self, w: Window) -> None:
+        counts = self.scheduler_counts
+        # once per micro-batch: K per window (K - 1 in the first, whose step ends it before
+        # the last micro-batch's scheduler step)
+        if self.K > 1 and all(c >= max(2, self.K - 1) for c in counts):
+            self._found(deciders.scheduler_per_microbatch(Observed(
+                RUNG, Severity.ERROR,
+                f"The scheduler ({type(self.scheduler).__name__}) stepped {max(counts)} times per "
+                f"optimizer step, once per micro-batch: the schedule runs {self.K}x too fast "
+                "(a 10,000-step schedule is over after "
+                f"{10_000 // self.K:,} real updates).",
+                evidence={"measured": max(counts), "expected": 1, "accumulation_steps": self.K,
+                          "scheduler_steps_per_update": list(counts)},
+                location=location(w.scheduler_site))))
+
+    def _judge_skips(self) -> None:
+        """A scaler that keeps skipping after it settled, and a scheduler that advanced on
+        the skips (by consequence: `deciders.schedule_on_skips`)."""
+        skipped = set(self.skips)
+        first_real = next((i for i in range(self.windows) if i not in skipped), 0)
+        steady = [s for s in self.skips if s > first_real]
+        after = self.windows - first_real - 1
+        rate = len(steady) / after if after > 0 else 0.0
+        if len(steady) >= thresholds.MIN_COUNTED_SKIPS and rate > thresholds.SKIP_RATE_THRESHOLD \
+                and self.scaler is not None:
+            sc = self.scaler
+            settings = (f"growth_factor={sc.get_growth_factor():g}, growth_interval="
+                        f"{sc.get_growth_interval()}, backoff_factor={sc.get_backoff_factor():g}")
+            self._found(deciders.frequent_skips(Observed(
+                RUNG, Severity.ERROR,
+                f"After the loss scale settled, {len(steady)} of the {after} optimizer steps that "
+                f"followed were skipped (inf/nan gradients; a rate of {rate:.0%}): those "
+                f"windows' data never reaches the weights. The GradScaler runs with {settings}; "
+                "the defaults (2.0, 2000, 0.5) settle to a skip every few thousand steps.",
+                evidence={"measured": round(rate, 6), "expected": 0.0,
+                          "threshold": thresholds.SKIP_RATE_THRESHOLD,
+                          "skipped": len(steady), "steps": after,
+                          "scale": float(sc.get_scale()),
+                          "growth_factor": sc.get_growth_factor(),
+                          "growth_interval": sc.get_growth_interval()},
+                location=location(self.scaler_site))))
+        if self.scheduler is None or not self.scheduler_on_skip:
+            return
+        on_calibration = sum(1 for s in self.scheduler_on_skip if s < first_real)
+        on_steady = sum(1 for s in self.scheduler_on_skip if s > first_real)
+        finding = deciders.schedule_on_skips(deciders.ScheduleOnSkips(
+            rung=RUNG, scheduler_type=type(self.scheduler).__name__,
+            location=location(self.scheduler_site),
+            calibration_skips=on_calibration, steady_skips=on_steady,
+            steps_after_settling=after, scheduler_steps=self.updates + len(self.skips),
+            real_updates=self.updates, lr_shift=0.0, lr_step=None, lr_used=None,
+            lr_meant=None, tolerance=thresholds.FP16_RTOL, own_scaler=True))
+        if finding is not None:
+            self._found(finding)
+
+
+def built_at(obj: Any, frame: Any, finder: CallSiteFinder) -> Site | None:
+    """Where the user's code built `obj`: in the first of the user's frames above `frame`
+    that holds it in a variable, the line of the assignment to that variable (read with
+    `ast` from the function's source)."""
+    import ast
+    import inspect
+    while frame is not None:
+        code = frame.f_code
+        if not finder._classify(code.co_filename)[0]:
+            names = {name for name, value in frame.f_locals.items() if value is obj}
+            if names:
+                with contextlib.suppress(OSError, TypeError, SyntaxError):
+                    lines, start = inspect.getsourcelines(code)
+                    start = max(start, 1)
+                    import textwrap
+                    tree = ast.parse(textwrap.dedent("".join(lines)))
+                    for node in ast.walk(tree):
+                        if isinstance(node, ast.Assign) and any(
+                                isinstance(t, ast.Name) and t.id in names for t in node.targets):
+                            return Site(code.co_filename, start + node.lineno - 1,
+                                        code.co_name)
+                return None
+        frame = frame.f_back
+    return None
+
+
