@@ -41,7 +41,9 @@ def _no_reference(ss: ScriptSession) -> str:
     return (f"the reference does not read the run's data ({ss.unaligned}): nothing compared. "
             "The script draws or orders its data differently for another batch size (random "
             "data per step, a shuffle without a seeded generator): seed it or turn shuffling "
-            "off in both argument lists")
+            "off in both argument lists. Or the model runs more than one forward per "
+            "micro-batch (two views of each sample), which script mode cannot align: write a "
+            "spec for that loop")
 
 
 # --- reproducibility ---------------------------------------------------------------------

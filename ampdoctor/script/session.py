@@ -234,10 +234,14 @@ class ScriptSession:
             return
         if rows % b or rows < observed * b:
             raise UsageError(
-                f"--reference-args: the reference's optimizer step read {rows} row(s), the "
-                f"run's {observed} micro-batch(es) of {b} per step hold {observed * b}: give "
-                "the reference a batch K x b (here "
-                f"{observed * b}) with one micro-batch per optimizer step")
+                f"the reference's optimizer step read {rows} row(s), the run's {observed} "
+                f"micro-batch(es) of {b} per step hold {observed * b}: give the reference a "
+                f"batch K x b (here {observed * b}) with one micro-batch per optimizer step "
+                "(--reference-args). If the reference already holds the whole window, the rows "
+                "were counted on another dimension than the batch: ampdoctor reads the first "
+                "dimension of the model's first tensor argument (a sequence-first (T, B) "
+                "input, or several forwards per micro-batch, cannot be compared in script "
+                "mode: write a spec for that loop)")
 
     def _accumulation(self, outcome: Outcome) -> int:
         """K: the reference's window over the run's micro-batch when the reference ran (what
