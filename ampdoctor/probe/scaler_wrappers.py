@@ -94,8 +94,10 @@ def _wrap_scale(original):
 
 
 #: Scaled losses walked per scaler: a scaler's later losses are taken to reach what its first
-#: ones reached (the judgement, `rules.scaler_ownership`, takes the union).
+#: ones reached (the judgement, `rules.scaler_ownership`, takes the union); and in all (a loop
+#: that builds a fresh GradScaler per step would otherwise walk every loss).
 REACH_WALKS = 8
+REACH_WALKS_IN_ALL = 64
 
 
 def _reaches(probe, slot: int, result) -> tuple[int, ...] | None:
@@ -104,7 +106,9 @@ def _reaches(probe, slot: int, result) -> tuple[int, ...] | None:
     GradScalers exist (whose losses and optimizers must not mix), for a scaler's first
     REACH_WALKS losses."""
     if (not isinstance(result, torch.Tensor) or result.grad_fn is None
-            or probe.reach_walks.get(slot, 0) >= REACH_WALKS or probe.enabled_scalers() < 2):
+            or probe.reach_walks.get(slot, 0) >= REACH_WALKS
+            or sum(probe.reach_walks.values()) >= REACH_WALKS_IN_ALL
+            or probe.enabled_scalers() < 2):
         return None
     probe.reach_walks[slot] = probe.reach_walks.get(slot, 0) + 1
     leaves: set[int] = set()
