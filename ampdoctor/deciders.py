@@ -166,8 +166,9 @@ def update_per_microbatch(seen: Observed) -> Finding:
 
 def double_scaling(seen: Observed) -> Finding:
     """`double-scaling`: two loss-scale state machines on one loss.
-    Error: a second scale factor measured, or two owners on one path; warning: separate entry
-    points. (kind_text.ERROR_WHEN)"""
+    Error: a second scale factor measured, or two owners on one path (two GradScalers: seen
+    by the run on one loss or optimizer); warning: separate entry points, or GradScalers no
+    run could tell apart. (kind_text.ERROR_WHEN)"""
     return Finding(seen.rung, KindId.DOUBLE_SCALING, seen.severity, **seen.fields())
 
 

@@ -64,8 +64,12 @@ ERROR_WHEN: dict[str, str] = {
         "more than once, or torch refused an update() with no inf check before it.",
     KindId.DOUBLE_SCALING:
         "the loss reaching backward carries a second scale factor (measured in the fp16 run), "
-        "or two loss-scale owners stand on one training path. Warning: owners in separate "
-        "entry points that no scanned file runs together.",
+        "or two loss-scale owners stand on one training path; for two GradScalers of the "
+        "diagnosed loop, only when the run saw them on one loss or one optimizer's gradients "
+        "(one scaled what the other unscales or steps, both step one optimizer, or one scaled "
+        "an already scaled loss); each on its own losses and optimizer is no finding. "
+        "Warning: owners in separate entry points that no scanned file runs together, or two "
+        "GradScalers of the loop that no run could tell apart.",
     KindId.SCHEDULER_PER_MICROBATCH:
         "an optimizer step used another learning rate than the schedule's value for that step "
         "(the scheduler stepped more than once between two steps). A constant schedule stepped "

@@ -9,6 +9,7 @@ check one config's record share that run, and its xdist_group keeps them on one 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,10 @@ BROKEN = {
                                      "broken_update_per_microbatch.py"),
     "broken_double_scaling": ("fp16-scaler", "double-scaling", "extra_factor", (1000, 1050),
                               "broken_double_scaling.py"),
+    # an aux loss with a GradScaler of its own, in a module of three loops: the two owners of
+    # the spec's loop, located at its first (the sibling loops' scalers are not counted)
+    "broken_two_scalers_sibling_loops": ("double-scaling", "double-scaling", "measured", (2, 2),
+                                         "broken_two_scalers_sibling_loops.py"),
     # the static scale on its own line: the finding points there, not at backward
     "broken_apex_static_scale": ("fp16-scaler", "double-scaling", "extra_factor", (1000, 1050),
                                  "broken_apex_static_scale.py"),
@@ -267,6 +272,49 @@ def test_a_gradscaler_the_loop_never_builds_is_not_an_owner(diagnosed):
                          if 'GradScaler("cuda")' in text)
     assert [(d["kind"], d["line"]) for d in dormant] == [("GradScaler", pretrain_line)]
     assert "never built by this loop" in rung["summary"]
+
+
+@pytest.mark.xdist_group("broken_two_scalers_sibling_loops")
+def test_double_scaling_counts_and_locates_only_this_loops_owners(diagnosed):
+    """A module of three loops, each building a GradScaler: the finding, its message and its
+    location are about the two scalers of the diagnosed loop, as the rung's summary is."""
+    run = diagnosed("broken_two_scalers_sibling_loops")
+    record = run.record
+    recipe = RECIPES / "broken_two_scalers_sibling_loops.py"
+    lines = recipe.read_text().splitlines()
+    built = [i for i, text in enumerate(lines, 1) if "torch.amp.GradScaler(" in text]
+    assert len(built) == 4                       # pretrain, train (2), finetune
+    [finding] = [f for f in record["findings"] if f["kind"] == "double-scaling"]
+    ours = built[1:3]
+    assert finding["location"]["line"] == ours[0] == marked_line(recipe, "double-scaling")
+    assert finding["evidence"]["measured"] == 2
+    assert sorted(o["line"] for o in finding["evidence"]["owners"]) == ours
+    assert finding["message"].startswith("2 loss-scale owners on one training path")
+    named = {int(n) for n in re.findall(r"broken_two_scalers_sibling_loops\.py:(\d+)",
+                                        finding["message"])}
+    assert named == set(ours), finding["message"]
+    # what the fp16 run saw: the aux scaler's loss in the optimizer the main scaler steps
+    assert "held a loss scaled by GradScaler at" in finding["message"]
+    rung = _rung(record, "double-scaling")
+    assert rung["summary"].startswith("2 loss-scale owners on one training path")
+    assert sorted(d["line"] for d in rung["details"]["dormant_owners"]) == [built[0], built[3]]
+
+
+@pytest.mark.xdist_group("healthy_gan_two_scalers")
+def test_double_scaling_one_scaler_per_gan_network_is_healthy(diagnosed):
+    """One GradScaler per network, each scaling its own loss and stepping its own optimizer:
+    two separate state machines, judged from what the fp16 run saw them do."""
+    run = diagnosed("healthy_gan_two_scalers")
+    assert run.returncode == 0, run.stderr
+    record = run.record
+    assert record["verdict"] == "healthy" and record["findings"] == []
+    rung = _rung(record, "double-scaling")
+    assert rung["status"] == "pass"
+    assert "separate state machines, not a double scaling" in rung["summary"]
+    scalers = rung["details"]["scaler_ownership"]["scalers"]
+    assert sorted((s["optimizers_stepped"], s["optimizers_reached"]) for s in scalers) == [
+        ([0], [0]), ([1], [1])]
+    assert rung["details"]["scaler_ownership"]["shared"] == []
 
 
 @pytest.mark.xdist_group("broken_scale_never_settles")

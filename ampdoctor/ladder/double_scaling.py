@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ampdoctor.enums import RungId
+from ampdoctor.enums import RungId, Severity
 from ampdoctor.findings import RungResult, status_from_findings
 from ampdoctor.scan import describe, scan_paths
+from ampdoctor.scan.verdict import same_path_finding
+
+if TYPE_CHECKING:
+    from ampdoctor.rules.scaler_ownership import Ownership
 
 RUNG = RungId.DOUBLE_SCALING
 
@@ -31,75 +35,44 @@ def _base(paths: list[str]) -> str | None:
 
 def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] | None = None,
              focus_files: list[str] | None = None,
-             constructed: set[tuple[str, int]] | None = None) -> RungResult:
+             constructed: set[tuple[str, int]] | None = None,
+             ownership: Ownership | None = None) -> RungResult:
     """Run the static search over `scan_paths_` and turn it into the rung's result.
 
     `runtime_owner`: `{"kind": "GradScaler", "file": "/abs/train.py", "line": 12}` from the
     fp16-scaler trace, or None. `constructed`: every (file, line) where the diagnosed runs
-    built a GradScaler; with a runtime owner known, a GradScaler in the loop's own files that
-    no run ever built (another function's, never called) is not on this loop's path.
-    Paths that do not exist are listed under `skipped`.
+    built a GradScaler (None: no run was traced); a GradScaler in the loop's own files that no
+    run ever built (another function's, never called) is not on this loop's path.
+    `ownership`: which GradScaler scaled which loss and stepped which optimizer in a run
+    (`rules.scaler_ownership`); two owners that run saw on disjoint losses and optimizers are
+    two separate state machines, not a double scaling. Paths that do not exist are listed
+    under `skipped`.
     """
     paths = [os.path.abspath(os.fspath(p)) for p in scan_paths_]
     base = _base(paths)
     report = scan_paths(paths, runtime_owner=runtime_owner, display_base=base, missing_ok=True)
     owners = report.owners
     findings = list(report.findings)
+    focus = {os.path.realpath(f) for f in focus_files or []}
     elsewhere = 0
-    if focus_files:
+    if focus:
         # In a diagnose, only owners on the diagnosed loop's own path matter: another script's
         # scaler elsewhere in project_root is that script's business (`ampdoctor scan` shows it).
-        focus = {os.path.realpath(f) for f in focus_files}
         kept = [f for f in findings if _touches(f, focus)]
         elsewhere = len(findings) - len(kept)
         findings = kept
     dormant: list[dict[str, Any]] = []
-    if runtime_owner is not None and constructed is not None and focus_files:
-        findings, dormant = _without_dormant_scalers(findings, constructed, focus_files)
-    errors = [f for f in findings if f.severity == "error"]
-    warnings = [f for f in findings if f.severity == "warning"]
-    runtime = next((s for s in owners if s.runtime), None)
-    runtime_note = ""
-    if runtime is not None:
-        runtime_note = f"; the fp16 run used {describe(runtime, base)}"
-
-    if errors:
-        worst = max(errors, key=lambda f: f.evidence.get("measured", 0))
-        named = [f"{o['kind']} at {_where(o, base)}" for o in worst.evidence["owners"]]
-        summary = (f"{worst.evidence['measured']} loss-scale owners on one training path: "
-                   + " and ".join(named) + runtime_note)
-    elif warnings:
-        named = [f"{o['kind']} at {_where(o, base)}" for o in warnings[0].evidence["owners"]]
-        summary = ("loss-scale owners in separate entry points: " + " and ".join(named)
-                   + runtime_note)
-    elif len(owners) == 1:
-        summary = f"one loss-scale owner: {describe(owners[0], base)}"
-        if owners[0].runtime:
-            summary += " (the one the fp16 run used)"
-    elif focus_files and len(owners) > 1:
-        # Name the owners on this loop's path; count the other scripts' owners, not list them.
-        focus = {os.path.realpath(f) for f in focus_files}
-        on_path = [o for o in owners if o.runtime or os.path.realpath(o.file) in focus]
-        counted = ("one loss-scale owner" if len(on_path) == 1
-                   else f"{len(on_path)} loss-scale owners")
-        listed = ", ".join(describe(o, base) + (" (the one the fp16 run used)" if o.runtime else "")
-                           for o in on_path)
-        summary = (f"{counted} on this loop's path: {listed}" if on_path
-                   else "no loss-scale owner on this loop's path")
-        others = len(owners) - len(on_path)
-        if others:
-            summary += (f"; {others} more in other scripts of the scanned tree, each alone on "
-                        "its own path (see `ampdoctor scan`)")
-    elif owners:
-        listed = ", ".join(describe(o, base) for o in owners[:4])
-        if len(owners) > 4:
-            listed += f", ... ({len(owners) - 4} more)"
-        summary = (f"{len(owners)} loss-scale owners, each alone on its training path: "
-                   + listed + runtime_note)
-    else:
-        summary = f"no loss-scale owner in {report.files_scanned} file(s)"
+    separate: list[str] = []
+    if focus and constructed is not None:
+        built = {(os.path.realpath(f), line) for f, line in constructed}
+        dormant = [o.to_dict() for o in owners if _idle(o.to_dict(), focus, built)]
+        findings = [t for f in findings if (t := _without(f, dormant, base)) is not None]
+        findings, separate = _judged_by_run(findings, ownership, base)
+    summary = _summary(findings, report, focus, dormant, base)
+    if separate:
+        summary += "; " + "; ".join(separate)
     if dormant:
-        summary += ("; not counted, never built by this loop: "
+        summary += ("; not counted, never built by this loop's runs: "
                     + ", ".join(f"{o['kind']} at {_where(o, base)}" for o in dormant))
     if report.skipped:
         summary += f" ({len(report.skipped)} file(s) skipped)"
@@ -122,31 +95,167 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
             "runtime_owner": report.runtime_owner,
             "scan_paths": paths,
             "dormant_owners": dormant,
+            "scaler_ownership": ownership.to_dict() if ownership is not None else None,
         },
     )
 
 
-def _without_dormant_scalers(findings: list, constructed: set[tuple[str, int]],
-                             focus_files: list[str]) -> tuple[list, list[dict[str, Any]]]:
-    """Drop from each double-scaling finding the GradScalers of the loop's own files that no run
-    built; a finding left with a single owner is no finding."""
-    focus = {os.path.realpath(f) for f in focus_files}
-    built = {(os.path.realpath(f), line) for f, line in constructed}
-    kept, dormant = [], []
+def _summary(findings: list, report, focus: set[str], dormant: list[dict[str, Any]],
+             base: str | None) -> str:
+    """The rung's summary, before its notes: the worst finding's owners, or this loop's owners
+    (a diagnose), or every owner the scan found."""
+    owners = report.owners
+    errors = [f for f in findings if f.severity == "error"]
+    warnings = [f for f in findings if f.severity == "warning"]
+    runtime = next((s for s in owners if s.runtime), None)
+    runtime_note = ""
+    if runtime is not None:
+        runtime_note = f"; the fp16 run used {describe(runtime, base)}"
+
+    if errors or warnings:
+        worst = max(errors or warnings, key=lambda f: f.evidence.get("measured", 0))
+        named = " and ".join(f"{o['kind']} at {_where(o, base)}" for o in worst.evidence["owners"])
+        if worst.evidence.get("scope") == "separate-entry-points":
+            summary = "loss-scale owners in separate entry points: " + named + runtime_note
+        else:
+            summary = (f"{worst.evidence['measured']} loss-scale owners on one training path: "
+                       + named + runtime_note)
+    elif focus:
+        summary = _loop_summary(owners, focus, dormant, base)
+    elif len(owners) == 1:
+        summary = f"one loss-scale owner: {describe(owners[0], base)}"
+        if owners[0].runtime:
+            summary += " (the one the fp16 run used)"
+    elif owners:
+        listed = ", ".join(describe(o, base) for o in owners[:4])
+        if len(owners) > 4:
+            listed += f", ... ({len(owners) - 4} more)"
+        summary = (f"{len(owners)} loss-scale owners, each alone on its training path: "
+                   + listed + runtime_note)
+    else:
+        summary = f"no loss-scale owner in {report.files_scanned} file(s)"
+    return summary
+
+
+def _loop_summary(owners: list, focus: set[str], dormant: list[dict[str, Any]],
+                  base: str | None) -> str:
+    """Name the owners on this loop's path (its files, less the scalers no run of it built);
+    count the other scripts' owners, not list them."""
+    idle = {(os.path.realpath(o["file"]), o.get("line")) for o in dormant}
+    on_path = [o for o in owners if (o.runtime or os.path.realpath(o.file) in focus)
+               and (os.path.realpath(o.file), o.line) not in idle]
+    others = sum(1 for o in owners if not o.runtime and os.path.realpath(o.file) not in focus)
+    counted = "one loss-scale owner" if len(on_path) == 1 else f"{len(on_path)} loss-scale owners"
+    if len(on_path) > 1 or others or dormant:
+        counted += " on this loop's path"
+    listed = ", ".join(describe(o, base) + (" (the one the fp16 run used)" if o.runtime else "")
+                       for o in on_path)
+    summary = f"{counted}: {listed}" if on_path else "no loss-scale owner on this loop's path"
+    if others:
+        summary += (f"; {others} more in other scripts of the scanned tree, each alone on "
+                    "its own path (see `ampdoctor scan`)")
+    return summary
+
+
+def _idle(owner: dict[str, Any], focus: set[str], built: set[tuple[str, int]]) -> bool:
+    """A GradScaler built in the loop's own files at a line where no run built one (a
+    `scale()` whose GradScaler is built outside the scanned files is no construction)."""
+    return (owner.get("kind") == "GradScaler" and bool(owner.get("file"))
+            and not owner.get("runtime")
+            and "outside the scanned files" not in owner.get("detail", "")
+            and os.path.realpath(owner["file"]) in focus
+            and (os.path.realpath(owner["file"]), owner.get("line")) not in built)
+
+
+def _same_owner(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return (os.path.realpath(a["file"]), a.get("line")) == (os.path.realpath(b["file"]),
+                                                            b.get("line"))
+
+
+def _without(finding, dormant: list[dict[str, Any]], base: str | None):
+    """A same-path finding over the owners this loop's runs built: rebuilt (message, count and
+    location from those owners) when some of its owners are dormant, None when fewer than two
+    are left."""
+    owners = finding.evidence.get("owners", [])
+    left = [o for o in owners if not any(_same_owner(o, d) for d in dormant)]
+    if len(left) == len(owners):
+        return finding
+    if len(left) < 2:
+        return None
+    if finding.evidence.get("scope") != "same-path":
+        return finding      # owners in separate entry points: a warning naming them all
+    return same_path_finding(left, finding.evidence["entry"], base)
+
+
+def _judged_by_run(findings: list, ownership: Ownership | None,
+                   base: str | None) -> tuple[list, list[str]]:
+    """Same-path findings whose owners are all GradScalers the loop's runs built, judged by what
+    a run saw them do: kept as errors (with what they shared) when two of them met on one loss
+    or optimizer, dropped when each scaled its own losses into its own optimizers, a warning
+    when the runs could not tell (no run had them enabled, or one of them scaled nothing or
+    stepped nothing)."""
+    kept, separate = [], []
     for finding in findings:
         owners = finding.evidence.get("owners", [])
-        idle = [o for o in owners if o.get("kind") == "GradScaler" and o.get("file")
-                and os.path.realpath(o["file"]) in focus
-                and (os.path.realpath(o["file"]), o.get("line")) not in built]
-        if not idle:
+        if (finding.evidence.get("scope") != "same-path"
+                or any(o.get("kind") != "GradScaler" or o.get("also_at") for o in owners)):
             kept.append(finding)
             continue
-        dormant += [o for o in idle if o not in dormant]
-        if len(owners) - len(idle) > 1:
-            finding.evidence["owners"] = [o for o in owners if o not in idle]
-            finding.evidence["measured"] = len(finding.evidence["owners"])
+        entry = finding.evidence["entry"]
+        if ownership is None:
+            kept.append(same_path_finding(
+                owners, entry, base, " No run of this loop had a GradScaler enabled, so none "
+                "could tell whether they act on one loss.", Severity.WARNING))
+            continue
+        slots = [ownership.slots_at(os.path.realpath(o["file"]), o.get("line")) for o in owners]
+        if not all(slots):
             kept.append(finding)
-    return kept, dormant
+            continue
+        site_of = {slot: i for i, group in enumerate(slots) for slot in group}
+        met = [m for m in ownership.shared
+               if m["how"] == "scaled-twice" or len({site_of.get(s) for s in m["scalers"]}) > 1]
+        if met:
+            kept.append(same_path_finding(owners, entry, base, _met_note(met, ownership, base)))
+            continue
+        uses = [[ownership.scalers[s] for s in group] for group in slots]
+        if all(any(u.scaled and u.stepped for u in group) for group in uses):
+            steps = [", ".join(str(s) for s in sorted(set().union(*(u.stepped for u in group))))
+                     for group in uses]
+            separate.append(
+                "each scaled its own losses and stepped its own optimizer in the run ("
+                + ", ".join(f"{_where(o, base)}: optimizer {opts}"
+                            for o, opts in zip(owners, steps, strict=True))
+                + "): separate state machines, not a double scaling")
+            continue
+        kept.append(same_path_finding(
+            owners, entry, base,
+            " The run could not tell whether they act on one loss: at least one of them "
+            "scaled no loss or stepped no optimizer.", Severity.WARNING))
+    return kept, separate
+
+
+def _met_note(met: list[dict[str, Any]], ownership: Ownership, base: str | None) -> str:
+    """What the run saw the scalers do to one loss or one optimizer's gradients."""
+    parts = []
+    for m in met[:3]:
+        by = _site(ownership, m["by"], base)
+        others = " and ".join(_site(ownership, s, base) for s in m["scalers"] if s != m["by"])
+        if m["how"] == "scaled-twice":
+            parts.append(f"{by} scaled a loss another scale had already multiplied")
+        elif m["how"] == "foreign-gradients":
+            parts.append(f"optimizer {m['optimizer']}'s gradients held a loss scaled by "
+                         f"{others} when {by} unscaled or stepped them")
+        else:
+            parts.append(f"optimizer {m['optimizer']} was unscaled or stepped by {others} "
+                         f"and by {by}")
+    return " The run saw it: " + "; ".join(parts) + "."
+
+
+def _site(ownership: Ownership, slot: int, base: str | None) -> str:
+    use = ownership.scalers.get(slot)
+    if use is None or use.file is None:
+        return f"GradScaler #{slot}"
+    return "GradScaler at " + _where({"file": use.file, "line": use.line}, base)
 
 
 def _touches(finding, focus: set[str]) -> bool:

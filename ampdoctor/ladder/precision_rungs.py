@@ -25,10 +25,22 @@ def run_double_scaling(session) -> RungResult:
         if inits:
             runtime_owner = {"kind": "GradScaler", "file": inits[0].site.file,
                              "line": inits[0].site.line}
-    constructed = {(e.site.file, e.site.line) for t in session.traces.values()
-                   for e in t.events_of(ScalerInit) if e.site}
+    traces = list(session.traces.values())
+    constructed = {(e.site.file, e.site.line) for t in traces
+                   for e in t.events_of(ScalerInit) if e.site} if traces else None
     return evaluate(session.spec.scan_paths(), runtime_owner, session.code.source_files(),
-                    constructed)
+                    constructed, _ownership(session))
+
+
+def _ownership(session):
+    """What the run with enabled GradScalers (the fp16 one first) saw them do, or None."""
+    from ..rules.scaler_ownership import ownership
+
+    for name in ["fp16", *(n for n in session.traces if n != "fp16")]:
+        trace = session.traces.get(name)
+        if trace is not None and any(e.enabled for e in trace.events_of(ScalerInit)):
+            return ownership(trace.events, trace.parameter_owners())
+    return None
 
 
 def run_clip_space(session) -> RungResult:

@@ -72,6 +72,9 @@ class Scale(Event):
     scale: float | None = None
     enabled: bool = False
     input_already_scaled: float | None = None   # scaler.scale() of an already scaled loss
+    #: id() of each leaf tensor (parameter) the scaled loss's backward reaches, read from its
+    #: autograd graph while two enabled GradScalers exist (None: not read)
+    reaches: tuple[int, ...] | None = None
     kind: ClassVar[str] = "scale"
 
 

@@ -143,6 +143,8 @@ class Probe:
         #: each scaler's scale as last read, with the scale tensor it was read from: scale()
         #: runs every micro-batch and the scale only changes in update() (a read is a sync)
         self.scales_seen: dict[int, tuple[Any, float | None]] = {}
+        #: how many scaled losses' graphs were walked for the leaves they reach, per scaler
+        self.reach_walks: dict[int, int] = {}
         #: Takes an optimizer step over when a framework's engine is stepping (`deepspeed`):
         #: called with the optimizer at its step pre-hook, True when it records the step itself
         self.framework_step: Callable[[Any], bool] | None = None
@@ -167,6 +169,10 @@ class Probe:
                 return slot
         self._scalers.append(scaler)
         return len(self._scalers) - 1
+
+    def enabled_scalers(self) -> int:
+        """How many of the run's GradScalers are enabled."""
+        return sum(1 for s in self._scalers if s.is_enabled())
 
     @property
     def optimizers(self) -> list[Any]:

@@ -85,12 +85,46 @@ def _wrap_scale(original):
             value = _scale_value(self)
             probe.scales_seen[slot] = (current, value)
         probe.record(Scale, scaler=slot, scale=value, enabled=bool(self.is_enabled()),
-                     input_already_scaled=already)
+                     input_already_scaled=already, reaches=_reaches(probe, slot, result))
         if isinstance(result, torch.Tensor) and value is not None:
             with contextlib.suppress(AttributeError, RuntimeError):
                 result._ampdoctor_scale = value * (already or 1.0)
         return result
     return scale
+
+
+#: Scaled losses walked per scaler: a scaler's later losses are taken to reach what its first
+#: ones reached (the judgement, `rules.scaler_ownership`, takes the union); and in all (a loop
+#: that builds a fresh GradScaler per step would otherwise walk every loss).
+REACH_WALKS = 8
+REACH_WALKS_IN_ALL = 64
+
+
+def _reaches(probe, slot: int, result) -> tuple[int, ...] | None:
+    """The leaves (parameters) a scaled loss's backward reaches, by their id(): read from its
+    autograd graph (the leaves that still require a gradient) only while two enabled
+    GradScalers exist (whose losses and optimizers must not mix), for a scaler's first
+    REACH_WALKS losses."""
+    if (not isinstance(result, torch.Tensor) or result.grad_fn is None
+            or probe.reach_walks.get(slot, 0) >= REACH_WALKS
+            or sum(probe.reach_walks.values()) >= REACH_WALKS_IN_ALL
+            or probe.enabled_scalers() < 2):
+        return None
+    probe.reach_walks[slot] = probe.reach_walks.get(slot, 0) + 1
+    leaves: set[int] = set()
+    seen: set[int] = set()
+    stack: list[Any] = [result.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)   # AccumulateGrad: a leaf's gradient
+        # a leaf frozen since the forward (a GAN's D during G's step) gets no gradient
+        if isinstance(variable, torch.Tensor) and variable.requires_grad:
+            leaves.add(id(variable))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return tuple(sorted(leaves))
 
 
 def _wrap_unscale(original):

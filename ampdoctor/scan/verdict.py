@@ -240,27 +240,50 @@ def _same_path_findings(
         if key in errors_seen:
             continue
         errors_seen.add(key)
-        first = _to_remove(groups)
-        names = "; ".join(_describe(g, base) for g in groups)
-        decision.findings.append(
-            deciders.double_scaling(Observed(
-                rung=RUNG,
-                severity=Severity.ERROR,
-                message=(
-                    f"{len(groups)} loss-scale owners on one training path (entry point "
-                    f"{_short(entry, base)}): {names}."
-                ),
-                evidence={
-                    "owners": [machine_dict(g) for g in groups],
-                    "measured": len(groups),
-                    "expected": 1,
-                    "scope": "same-path",
-                    "entry": entry,
-                },
-                location=Location(file=first.file, line=first.line or 1),
-            ))
-        )
+        decision.findings.append(same_path_finding([machine_dict(g) for g in groups], entry, base))
     return all_machines, entries_of
+
+
+def _owner_text(owner: dict[str, Any], base: str | None) -> str:
+    from ampdoctor.scan.sites import display_path
+
+    text = f"{owner['kind']} at {display_path(owner['file'], base)}"
+    if owner.get("line") is not None:
+        text += f":{owner['line']}"
+    if owner.get("key_path"):
+        text += f" ({owner['key_path']})"
+    return text
+
+
+def describe_owner(owner: dict[str, Any], base: str | None) -> str:
+    """`GradScaler at train.py:12` (with the sites of the same state machine) for messages."""
+    text = _owner_text(owner, base)
+    if owner.get("also_at"):
+        text += " (with " + ", ".join(_owner_text(o, base) for o in owner["also_at"]) + ")"
+    return text
+
+
+def same_path_finding(owners: list[dict[str, Any]], entry: str, base: str | None,
+                      note: str = "", severity: Severity = Severity.ERROR) -> Finding:
+    """The rule-5 error for two or more state machines (`machine_dict`s) on the path of
+    `entry`, located at the one to remove; `note` ends the message (what a run saw, and a
+    warning's `severity` where the run could not tell)."""
+    first = owners[_to_remove_index([o["kind"] for o in owners])]
+    names = "; ".join(describe_owner(o, base) for o in owners)
+    return deciders.double_scaling(Observed(
+        rung=RUNG,
+        severity=severity,
+        message=(f"{len(owners)} loss-scale owners on one training path (entry point "
+                 f"{_short(entry, base)}): {names}.{note}"),
+        evidence={
+            "owners": owners,
+            "measured": len(owners),
+            "expected": 1,
+            "scope": "same-path",
+            "entry": entry,
+        },
+        location=Location(file=first["file"], line=first.get("line") or 1),
+    ))
 
 
 def _separate_paths_warning(
@@ -314,6 +337,9 @@ def _short(path: str, base: str | None) -> str:
 _REMOVE_FIRST = {"static loss scale": 0, "GradScaler": 1}
 
 
+def _to_remove_index(kinds: list[str]) -> int:
+    return min(range(len(kinds)), key=lambda i: (_REMOVE_FIRST.get(kinds[i], 2), i))
+
+
 def _to_remove(groups):
-    ranked = sorted(enumerate(groups), key=lambda ig: (_REMOVE_FIRST.get(ig[1][0].kind, 2), ig[0]))
-    return ranked[0][1][0]
+    return groups[_to_remove_index([g[0].kind for g in groups])][0]
