@@ -74,7 +74,8 @@ class Job:
 @dataclass
 class ForwardInput:
     """One micro-batch forward: its rows (first dimension of its first tensor), per tensor
-    argument in order the digest of each row, and the window it belongs to."""
+    argument in order the digest of each row, and the window it belongs to. A 0-d tensor
+    argument (a scalar, such as a count of the window's tokens) has no rows and is left out."""
 
     rows: int
     digests: list[list[str]]
@@ -135,8 +136,6 @@ class StopScript(BaseException):
 
 def _row_digests(t: torch.Tensor) -> list[str]:
     data = t.detach().to("cpu").contiguous()
-    if data.dim() == 0:
-        data = data.reshape(1)
     rows = data.reshape(data.shape[0], -1)
     raw = rows.view(torch.uint8) if rows.numel() else rows.to(torch.uint8)
     arr = raw.numpy()
@@ -267,8 +266,11 @@ class ScriptProbe:
             with torch.no_grad():
                 self.model.load_state_dict(dict(teacher[self.windows]), strict=False)
         self.current = self.windows
-        tensors = _tensors((args, kwargs), [])
-        rows = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
+        # a 0-d tensor (a count such as transformers' `num_items_in_batch`) holds no rows: each
+        # of the run's K forwards gets the window's count, the reference's one forward gets it
+        # once, so as "rows" it would never line up with the run's (`_misaligned`)
+        tensors = [t for t in _tensors((args, kwargs), []) if t.dim()]
+        rows = int(tensors[0].shape[0]) if tensors else 1
         self.samples += rows
         self.out.forwards.append(ForwardInput(rows, [_row_digests(t) for t in tensors],
                                               self.windows))
