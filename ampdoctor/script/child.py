@@ -108,6 +108,9 @@ class Outcome:
     cast: WeightCast | None = None
     injected: dict[str, Any] | None = None
     dropout: list[str] = field(default_factory=list)
+    #: the model's modules that normalised over the batch (BatchNorm in training mode) at its
+    #: first micro-batch forward: their statistics are the micro-batch's own
+    batch_stats: list[str] = field(default_factory=list)
     #: the script's writes: {"scratch": folder, "written": [path], "hidden": [path]}
     files: dict[str, Any] = field(default_factory=dict)
     #: backward n (1-based, the run's order) -> the optimizer slots whose parameters it gave
@@ -272,6 +275,10 @@ class ScriptProbe:
         tensors = [t for t in _tensors((args, kwargs), []) if t.dim()]
         rows = int(tensors[0].shape[0]) if tensors else 1
         self.samples += rows
+        if not self.out.forwards and self.model is not None:
+            self.out.batch_stats = [
+                f"{n or '(model)'} ({type(m).__name__})" for n, m in self.model.named_modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
         self.out.forwards.append(ForwardInput(rows, [_row_digests(t) for t in tensors],
                                               self.windows))
         index = len(self.out.forwards) - 1
