@@ -51,15 +51,24 @@ class ScriptSession(Protocol):
     def script(self) -> str: ...
     def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job: ...
     def run(self, job: Job, what: str) -> Outcome: ...
-    def batch_statistics(self) -> list[str]: ...
+
+
+def batch_statistics(ss: ScriptSession) -> list[str]:
+    """The model's modules that normalise over the batch in the fp32 run (BatchNorm)."""
+    fp32 = ss.traces.get("fp32")
+    return list(fp32.outcome.batch_stats) if fp32 is not None else []
 
 
 def window_reference(ss: ScriptSession, window: int, state: Mapping[str, torch.Tensor],
-                     grads: Grads, per_mb: bool) -> WindowReference:
+                     grads: Grads, per_mb: bool, repeat: bool = False) -> WindowReference:
     """The reference of `window` at `state` from the reference run's gradient `grads`, with the
     per-micro-batch references when asked for (`per_mb`) or when the model normalises over the
-    batch, which then make the reference itself (module docstring)."""
-    normalising = ss.batch_statistics() if ss.K > 1 else []
+    batch, which then make the reference itself (module docstring). `repeat`: a run of its own
+    for the repeatability check, `grads` alone."""
+    if repeat:
+        return WindowReference(full=dict(grads), per_mb=None, counts=None, weighted=False,
+                               mode="loop")
+    normalising = batch_statistics(ss) if ss.K > 1 else []
     per = None
     if per_mb or normalising:
         key = (id(state), window)

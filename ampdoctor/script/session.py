@@ -382,10 +382,7 @@ class ScriptSession:
             if rng_seed is None:
                 self._refs[id(state)] = grads
                 self._pinned.append(state)
-        if rng_seed is not None:   # (a repeatability check: the reference run's own)
-            return WindowReference(full=dict(grads), per_mb=None, counts=None, weighted=False,
-                                   mode="loop")
-        return window_reference(self, window, state, grads, per_mb)
+        return window_reference(self, window, state, grads, per_mb, rng_seed is not None)
 
     def reference_for(self, *args: Any, **kwargs: Any) -> WindowReference:
         raise NotImplementedError("script mode cannot re-split a window")
@@ -415,11 +412,6 @@ class ScriptSession:
     def random_modules(self) -> list[str]:
         fp32 = self.traces.get("fp32")
         return list(fp32.outcome.dropout) if fp32 is not None else []
-
-    def batch_statistics(self) -> list[str]:
-        """The model's modules that normalise over the batch in the fp32 run (BatchNorm)."""
-        fp32 = self.traces.get("fp32")
-        return list(fp32.outcome.batch_stats) if fp32 is not None else []
 
 
 def _per_window(injector: Any) -> int:
