@@ -10,8 +10,13 @@ from .clips import (
                     norm_of,
                     reference_norm,
 )
-from .gradients import RANDOM_MODULE_TYPES, ReferenceBuilder, WindowReference
+from .gradients import (
+    RANDOM_MODULE_TYPES,
+    ReferenceBuilder,
+    WindowReference,
+    per_microbatch_full,
+)
 
 __all__ = ["ClipCall", "ClippedReference", "attempt_events", "clip_calls", "clip_ops",
            "norm_of", "reference_norm",
-           "RANDOM_MODULE_TYPES", "ReferenceBuilder", "WindowReference"]
+           "RANDOM_MODULE_TYPES", "ReferenceBuilder", "WindowReference", "per_microbatch_full"]

@@ -332,18 +332,10 @@ class ReferenceBuilder:
         if per_mb or batch_stats or aligned:
             per = [self.loop_gradient([mb], state, training) for mb in mbs]
         if per is not None and (batch_stats or aligned):
-            # BatchNorm normalises per micro-batch: the full-batch gradient is not what a correct
-            # accumulation computes, the mean (or, for a loss that sums over samples, the sum) of
-            # the micro-batch gradients is. Which of the two the loss does, the full-batch run
-            # still tells: it is far closer to one than to the other (a factor K apart).
-            mean = _combine(per, [1.0 / len(per)] * len(per))
-            total = _combine(per, [1.0] * len(per))
             merged = merge_micro_batches(mbs)
-            full = mean
-            if merged is not None:
-                whole = self.loop_gradient([merged], state, training)
-                if _distance(whole, total) < _distance(whole, mean):
-                    full = total
+            whole = (self.loop_gradient([merged], state, training) if merged is not None
+                     else None)
+            full = per_microbatch_full(per, whole)
             self.notes.add("the model normalises over the batch (BatchNorm): the loop-as-reference "
                            "combines per-micro-batch gradients" if batch_stats else
                            "the model has dropout, aligned per micro-batch: the "
@@ -386,6 +378,21 @@ class ReferenceBuilder:
                        "(as one batch of the whole window would): the loop-as-reference is the "
                        "mean of per-micro-batch gradients weighted so (give the spec a `loss` "
                        "to state the weighting)")
+
+
+def per_microbatch_full(per: list[dict[str, torch.Tensor | None]],
+                        whole: dict[str, torch.Tensor | None] | None
+                        ) -> dict[str, torch.Tensor | None]:
+    """The window's reference of a model that normalises over the batch (BatchNorm), from its
+    micro-batches' own gradients `per`. Its statistics are per micro-batch: the full-batch
+    gradient `whole` is not what a correct accumulation computes, the mean (or, for a loss that
+    sums over samples, the sum) of the micro-batch gradients is. Which of the two the loss does,
+    `whole` still tells: it is far closer to one than to the other (a factor K apart)."""
+    mean = _combine(per, [1.0 / len(per)] * len(per))
+    if whole is None:
+        return mean
+    total = _combine(per, [1.0] * len(per))
+    return total if _distance(whole, total) < _distance(whole, mean) else mean
 
 
 def _distance(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> float:

@@ -74,7 +74,8 @@ class Job:
 @dataclass
 class ForwardInput:
     """One micro-batch forward: its rows (first dimension of its first tensor), per tensor
-    argument in order the digest of each row, and the window it belongs to."""
+    argument in order the digest of each row, and the window it belongs to. A 0-d tensor
+    argument (a scalar, such as a count of the window's tokens) has no rows and is left out."""
 
     rows: int
     digests: list[list[str]]
@@ -107,6 +108,9 @@ class Outcome:
     cast: WeightCast | None = None
     injected: dict[str, Any] | None = None
     dropout: list[str] = field(default_factory=list)
+    #: the model's modules that normalised over the batch (BatchNorm in training mode) at its
+    #: first micro-batch forward: their statistics are the micro-batch's own
+    batch_stats: list[str] = field(default_factory=list)
     #: the script's writes: {"scratch": folder, "written": [path], "hidden": [path]}
     files: dict[str, Any] = field(default_factory=dict)
     #: backward n (1-based, the run's order) -> the optimizer slots whose parameters it gave
@@ -135,8 +139,6 @@ class StopScript(BaseException):
 
 def _row_digests(t: torch.Tensor) -> list[str]:
     data = t.detach().to("cpu").contiguous()
-    if data.dim() == 0:
-        data = data.reshape(1)
     rows = data.reshape(data.shape[0], -1)
     raw = rows.view(torch.uint8) if rows.numel() else rows.to(torch.uint8)
     arr = raw.numpy()
@@ -267,9 +269,16 @@ class ScriptProbe:
             with torch.no_grad():
                 self.model.load_state_dict(dict(teacher[self.windows]), strict=False)
         self.current = self.windows
-        tensors = _tensors((args, kwargs), [])
-        rows = int(tensors[0].shape[0]) if tensors and tensors[0].dim() else 1
+        # a 0-d tensor (a count such as transformers' `num_items_in_batch`) holds no rows: each
+        # of the run's K forwards gets the window's count, the reference's one forward gets it
+        # once, so as "rows" it would never line up with the run's (`_misaligned`)
+        tensors = [t for t in _tensors((args, kwargs), []) if t.dim()]
+        rows = int(tensors[0].shape[0]) if tensors else 1
         self.samples += rows
+        if not self.out.forwards and self.model is not None:
+            self.out.batch_stats = [
+                f"{n or '(model)'} ({type(m).__name__})" for n, m in self.model.named_modules()
+                if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
         self.out.forwards.append(ForwardInput(rows, [_row_digests(t) for t in tensors],
                                               self.windows))
         index = len(self.out.forwards) - 1

@@ -9,6 +9,11 @@ the script computes it. Each one's rows must be the run's micro-batch row for ro
 `ScriptSession._misaligned` checks the whole window); where they are not, or the script has no
 batch option ampdoctor can read, there are no per-micro-batch references and the rules name
 the mismatch from the whole window only.
+
+A model that normalises over the batch (BatchNorm in training mode) computes its statistics
+over each micro-batch: the full-batch reference (K = 1, batch K x b) is not what a correct
+accumulation consumes, the mean (or sum) of these per-micro-batch references is
+(`reference.per_microbatch_full`, as spec mode's loop-as-reference combines them).
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..reference import WindowReference, per_microbatch_full
 from .infer import with_batch
 
 if TYPE_CHECKING:
     from .child import Job, Outcome
+
+Grads = dict[str, torch.Tensor | None]
 
 
 class ScriptSession(Protocol):
@@ -30,6 +38,8 @@ class ScriptSession(Protocol):
 
     K: int
     notes: set[str]
+    #: (id(state), window) -> `per_microbatch` (the states are pinned by the session)
+    per_mb_cache: dict[tuple[int, int], tuple[list[Grads], list[float]] | None]
 
     @property
     def traces(self) -> dict[str, Any]: ...
@@ -42,7 +52,44 @@ class ScriptSession(Protocol):
     def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job: ...
     def run(self, job: Job, what: str) -> Outcome: ...
 
-Grads = dict[str, torch.Tensor | None]
+
+def batch_statistics(ss: ScriptSession) -> list[str]:
+    """The model's modules that normalise over the batch in the fp32 run (BatchNorm)."""
+    fp32 = ss.traces.get("fp32")
+    return list(fp32.outcome.batch_stats) if fp32 is not None else []
+
+
+def window_reference(ss: ScriptSession, window: int, state: Mapping[str, torch.Tensor],
+                     grads: Grads, per_mb: bool, repeat: bool = False) -> WindowReference:
+    """The reference of `window` at `state` from the reference run's gradient `grads`, with the
+    per-micro-batch references when asked for (`per_mb`) or when the model normalises over the
+    batch, which then make the reference itself (module docstring). `repeat`: a run of its own
+    for the repeatability check, `grads` alone."""
+    if repeat:
+        return WindowReference(full=dict(grads), per_mb=None, counts=None, weighted=False,
+                               mode="loop")
+    normalising = batch_statistics(ss) if ss.K > 1 else []
+    per = None
+    if per_mb or normalising:
+        key = (id(state), window)
+        if key not in ss.per_mb_cache:
+            ss.per_mb_cache[key] = per_microbatch(ss, window, state)
+        per = ss.per_mb_cache[key]
+    full = dict(grads)
+    if normalising:
+        shown = ", ".join(normalising[:3]) + (", ..." if len(normalising) > 3 else "")
+        if per is not None:
+            full = per_microbatch_full(per[0], full)
+            ss.notes.add(f"the model normalises over the batch ({shown}): the reference "
+                         "combines the micro-batches' own fp32 gradients, as a correct "
+                         "accumulation does")
+        else:
+            ss.notes.add(f"the model normalises over the batch ({shown}) and there are no "
+                         "per-micro-batch references: the reference's full batch has other "
+                         "batch statistics than the run's micro-batches, so a small mismatch "
+                         "may be theirs")
+    return WindowReference(full=full, per_mb=per[0] if per else None,
+                           counts=per[1] if per else None, weighted=False, mode="loop")
 
 
 def per_microbatch(ss: ScriptSession, window: int, state: Mapping[str, torch.Tensor]

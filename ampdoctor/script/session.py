@@ -28,7 +28,7 @@ from ..reference import WindowReference
 from . import spawn
 from .child import Job, Outcome
 from .infer import DEEPSPEED_HINT
-from .references import per_microbatch
+from .references import window_reference
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
 
@@ -113,6 +113,7 @@ class ScriptSession:
         #: each run's captured output, in the order the runs ran
         self.outputs: list[dict[str, Any]] = []
         self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
+        self.per_mb_cache: dict[tuple[int, int], Any] = {}
         self._pinned: list[Any] = []
         #: where the script's file writes land: a folder per run (`scratch`, `files`)
         self.scratch = Scratch()
@@ -394,9 +395,7 @@ class ScriptSession:
             if rng_seed is None:
                 self._refs[id(state)] = grads
                 self._pinned.append(state)
-        per = per_microbatch(self, window, state) if per_mb and rng_seed is None else None
-        return WindowReference(full=dict(grads), per_mb=per[0] if per else None,
-                               counts=per[1] if per else None, weighted=False, mode="loop")
+        return window_reference(self, window, state, grads, per_mb, rng_seed is not None)
 
     def reference_for(self, *args: Any, **kwargs: Any) -> WindowReference:
         raise NotImplementedError("script mode cannot re-split a window")
