@@ -239,7 +239,7 @@ def test_reference_args_that_are_not_the_full_batch_are_exit_2(tmp_path, referen
     result = diagnose(tmp_path, AMP, ["--amp"], reference)
     assert result.returncode == 2
     assert said in result.record["error"]["message"]
-    assert "ampdoctor: usage error: --reference-args" in result.stderr
+    assert "ampdoctor: usage error:" in result.stderr and "--reference-args" in result.stderr
 
 
 def test_without_reference_args_the_reference_is_inferred_and_said(tmp_path):
