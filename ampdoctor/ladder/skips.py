@@ -37,7 +37,13 @@ from ..rules.schedule import lr_shift
 from ..rules.skip_rate import frequent_skips
 from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
-from .analysis import last_unscale_pair, location, loop_error_finding, update_missing
+from .analysis import (
+    last_unscale_pair,
+    location,
+    loop_error_finding,
+    script_amp,
+    update_missing,
+)
 from .series import keep, run_series
 
 RUNG = RungId.SKIPS
@@ -218,13 +224,10 @@ def own_precision_scaled(session: Session) -> bool:
     """Does the user's own training use a GradScaler? In spec mode the rung runs only when fp16
     is among the spec's `precisions`; a script tells by what it built when left alone (its fp32
     run records the GradScaler and autocast it asked for, before ampdoctor forced them)."""
-    outcome = getattr(session.trace("fp32"), "outcome", None)
-    if outcome is None:
+    own = script_amp(session)
+    if own is None:
         return "fp16" in session.spec.precisions
-    return (any(s.get("enabled") for s in outcome.scalers)
-            or any(a.get("enabled") and (a.get("dtype") == "float16" or (
-                a.get("dtype") is None and str(a.get("device")).startswith("cuda")))
-                for a in outcome.autocasts))
+    return bool(own.scalers) or "float16" in own.dtypes
 
 
 def _schedule_on_skips(session: Session, plain: Trace, owner: int | None,
