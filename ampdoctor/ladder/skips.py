@@ -34,7 +34,7 @@ from ..probe.events import (
 from ..probe.recorder import Probe
 from ..rules.frameworks import framework_of
 from ..rules.schedule import lr_shift
-from ..rules.skip_rate import frequent_skips
+from ..rules.skip_rate import frequent_skips, scale_reset
 from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
 from .analysis import (
@@ -388,7 +388,11 @@ def run(session: Session) -> RungResult:
     stepped = _schedule_on_skips(session, plain, owner, own_scaler)
     if stepped is not None:
         findings.append(stepped)
-    frequent = frequent_skips(plain, RUNG, own_scaler=own_scaler)
+    # A scaler rebuilt per step restarts the scale: the skips that follow are its doing.
+    runs = [("fp16 run", plain),
+            (f"fp16 run with an overflow injected in window {inject_window}", trace)]
+    frequent = (scale_reset(runs, RUNG, own_scaler=own_scaler)
+                or frequent_skips(plain, RUNG, own_scaler=own_scaler))
     if frequent is not None:
         findings.append(frequent)
     if not applied_plain and not any(f.severity == "error" for f in findings):
