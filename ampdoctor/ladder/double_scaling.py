@@ -31,13 +31,15 @@ def _base(paths: list[str]) -> str | None:
 
 def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] | None = None,
              focus_files: list[str] | None = None,
-             constructed: set[tuple[str, int]] | None = None) -> RungResult:
+             constructed: set[tuple[str, int]] | None = None,
+             executed: list[str] | None = None) -> RungResult:
     """Run the static search over `scan_paths_` and turn it into the rung's result.
 
     `runtime_owner`: `{"kind": "GradScaler", "file": "/abs/train.py", "line": 12}` from the
     fp16-scaler trace, or None. `constructed`: every (file, line) where the diagnosed runs
     built a GradScaler; with a runtime owner known, a GradScaler in the loop's own files that
-    no run ever built (another function's, never called) is not on this loop's path.
+    no run ever built (another function's, never called) is not on this loop's path; so is one
+    in `executed`, the files the runs ran code in (a helper module's step function).
     Paths that do not exist are listed under `skipped`.
     """
     paths = [os.path.abspath(os.fspath(p)) for p in scan_paths_]
@@ -55,7 +57,8 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
         findings = kept
     dormant: list[dict[str, Any]] = []
     if runtime_owner is not None and constructed is not None and focus_files:
-        findings, dormant = _without_dormant_scalers(findings, constructed, focus_files)
+        findings, dormant = _without_dormant_scalers(findings, constructed,
+                                                     focus_files + (executed or []))
     errors = [f for f in findings if f.severity == "error"]
     warnings = [f for f in findings if f.severity == "warning"]
     runtime = next((s for s in owners if s.runtime), None)

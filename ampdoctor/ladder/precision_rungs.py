@@ -27,12 +27,11 @@ def run_double_scaling(session) -> RungResult:
                              "line": inits[0].site.line}
     constructed = {(e.site.file, e.site.line) for t in session.traces.values()
                    for e in t.events_of(ScalerInit) if e.site}
-    # The loop's own files: those defining the spec's callables and those its runs executed
-    # (a step function imported from a helper module is on the loop's path as much).
-    ran = {e.site.file for t in session.traces.values() for e in t.events if e.site}
-    own = session.code.source_files()
-    return evaluate(session.spec.scan_paths(), runtime_owner,
-                    own + sorted(ran - set(own)), constructed)
+    # the files the runs executed: a step function imported from a helper module is on the
+    # loop's path, and a GradScaler there that no run built is dormant as in the loop's own files
+    executed = sorted({e.site.file for t in session.traces.values() for e in t.events if e.site})
+    return evaluate(session.spec.scan_paths(), runtime_owner, session.code.source_files(),
+                    constructed, executed)
 
 
 def run_clip_space(session) -> RungResult:
