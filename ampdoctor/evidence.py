@@ -88,6 +88,8 @@ Evidence = TypedDict("Evidence", {
     "skip_rate_after_first_update": Any,
     "initial_search_skips": Any,
     "search_skips_beyond_halvings": Any,
+    "scale_resets": int,
+    "scalers_built": int,
     "applied_windows": Any,
     "steps_on_nonfinite_gradients": Any,
     "zero_grad_on_skip_path": Any,

@@ -92,7 +92,9 @@ ERROR_WHEN: dict[str, str] = {
     KindId.FREQUENT_SKIPS:
         "after the first real update more than `SKIP_RATE_THRESHOLD` of the steps were skipped "
         "(at least `MIN_COUNTED_SKIPS`, or one right after growing at a short growth_interval): "
-        "updates the reference makes are dropped. Warning: the scale settling, a scale below "
+        "updates the reference makes are dropped; or a GradScaler rebuilt during training "
+        "restarted the scale (the next step started from another scale than the last update "
+        "left): a backoff that does not last. Warning: the scale settling, a scale below "
         "`MIN_SCALE`, a run that never settles, and any of it in a run forced into fp16.",
     KindId.GRADIENT_MISMATCH:
         "a consumed update differs from the reference beyond tolerance in no known shape "

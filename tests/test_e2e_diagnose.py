@@ -195,6 +195,14 @@ BROKEN = {
     # backoff 0.9 and growth_interval=1: all 4 steps after the first update are skipped
     "broken_timid_backoff": ("skips", "frequent-skips", "skipped_after_first_update", (4, 4),
                              "broken_timid_backoff.py"),
+    # a GradScaler built inside train_step: the injected overflow backs the scale off to 32768,
+    # and the next step's new scaler starts again from 65536 (measured)
+    "broken_scaler_per_step": ("skips", "frequent-skips", "measured", (65536, 65536),
+                               "broken_scaler_per_step.py"),
+    # ... and with targets that overflow at 65536: one scaler backs off once and stays there
+    # (healthy_scaler_passed_in_overflowing: 1 skip), a new one per step skips 10 of the 12
+    "broken_scaler_per_step_overflowing": ("skips", "frequent-skips", "skipped", (10, 10),
+                                           "broken_scaler_per_step.py"),
 }
 
 # Warnings: the rung is `warn`, the verdict stays healthy (exit 0).
@@ -632,3 +640,29 @@ def test_the_textbook_scheduler_steps_on_the_injected_skip_and_passes(diagnosed)
     assert skips["status"] == "pass"
     assert skips["details"]["scheduler_stepped_on_injected_skip"] is True
     assert "the scheduler advanced on the injected skip too" in skips["summary"]
+
+
+@pytest.mark.parametrize("name, reached, restarted", [
+    pytest.param("broken_scaler_per_step", 32768, 65536,
+                 marks=pytest.mark.xdist_group("broken_scaler_per_step")),
+    pytest.param("broken_scaler_per_step_overflowing", 32768, 65536,
+                 marks=pytest.mark.xdist_group("broken_scaler_per_step_overflowing")),
+])
+def test_a_scaler_rebuilt_every_step_is_named_at_its_construction(name, reached, restarted,
+                                                                   diagnosed):
+    """One persistent GradScaler carries its backoff into the next step; a new one per step
+    starts again from its initial scale: the scale trajectory says it, the finding names the
+    GradScaler(...) line inside the step and says to build it once, outside the loop."""
+    record = diagnosed(name).record
+    finding = record["findings"][0]
+    evidence = finding["evidence"]
+    assert (evidence["expected"], evidence["measured"]) == (reached, restarted)
+    assert evidence["scale_resets"] >= 1
+    assert evidence["scalers_built"] == evidence["steps"] == yaml.safe_load(
+        (CONFIGS / f"{name}.yaml").read_text())["optimizer_steps"]
+    assert finding["location"]["function"] == "train_step"
+    assert "GradScaler once, before the training loop" in finding["fix"]
+    assert "Start from GradScaler's defaults" not in finding["fix"]
+    assert f"backed off to {reached}" in finding["message"]
+    # the frequent-skips of the scale settling is not said a second time
+    assert [f["kind"] for f in record["findings"]].count("frequent-skips") == 1

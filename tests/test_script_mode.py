@@ -21,11 +21,13 @@ LOADER = SCRIPTS / "main_dataloader.py"
 NANOGPT = SCRIPTS / "nanogpt_style.py"
 MODULE = SCRIPTS / "module_loop.py"
 BF16 = SCRIPTS / "bf16_scheduler.py"
+FINETUNE = SCRIPTS / "bf16_finetune.py"
 
 AMP_REF = "--accum-steps 1 --batch-size 32 --amp"
 LOADER_REF = "--grad-accum 1 --batch-size 32 --amp"
 MODULE_REF = "--accum 1 --bs 24"
 NANOGPT_REF = "--gradient_accumulation_steps=1 --batch_size=16"
+FINETUNE_REF = "--grad-accum-steps 1 --batch-size 32"
 
 
 def diagnose(tmp_path: Path, script: Path, args: list[str], reference: str | None = None,
@@ -307,3 +309,32 @@ def test_an_epoch_s_partial_last_window_is_no_off_by_one(tmp_path):
     result = diagnose(tmp_path, script, ["--use-amp"], reference, "--steps", "2")
     assert result.returncode == 0, result.stderr
     assert result.record["verdict"] == "healthy" and result.record["findings"] == []
+
+
+@pytest.mark.parametrize("args, warned", [
+    (["--bug", "scaler-always-on"], True),
+    ([], False),                                               # enabled for fp16 only
+    (["--amp-dtype", "float16", "--bug", "scaler-always-on"], False),   # fp16 needs it
+], ids=["bf16-scaler-on", "bf16-scaler-off", "fp16-scaler-on"])
+def test_a_scaler_the_script_enables_for_its_bf16_training_is_half_open(tmp_path, args, warned):
+    """The bf16 rung forces the script's scaler off, so it judges the script as written from
+    what its fp32 run recorded (autocast bfloat16, a GradScaler it enables): the same
+    half-open-amp warning spec mode gives a bf16 run with a scaler, at the GradScaler line."""
+    result = diagnose(tmp_path, FINETUNE, args, " ".join([FINETUNE_REF, *args]))
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["verdict"] == "healthy"
+    if not warned:
+        assert record["findings"] == []
+        assert statuses(record)["bf16-no-scaler"] == "pass"
+        return
+    assert "GradScaler, autocast bf16" in record["found"]["text"]
+    [finding] = record["findings"]
+    assert (finding["rung"], finding["kind"], finding["severity"]) == (
+        "bf16-no-scaler", "half-open-amp", "warning")
+    assert Path(finding["location"]["file"]).resolve() == FINETUNE.resolve()
+    assert finding["location"]["line"] == marked_line(FINETUNE, "half-open-amp")
+    assert finding["evidence"]["scale"] == 65536.0
+    assert statuses(record)["bf16-no-scaler"] == "warn"
+    assert all(s in ("pass", "skip") for r, s in statuses(record).items()
+               if r != "bf16-no-scaler")

@@ -47,6 +47,7 @@ from .analysis import (
     location,
     loop_error_finding,
     scheduler_findings,
+    script_amp,
     step_count_finding,
 )
 from .casts import engine_precision, loop_location, weight_cast_finding
@@ -97,16 +98,10 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
                    and not scalers else "."),
                 evidence={"measured": e.dtype, "expected": want},
                 location=location(e.site))))
-    if precision == "bf16" and scalers:
-        scaler = scalers[0]
-        findings.append(deciders.half_open_amp(Observed(rung, Severity.WARNING,
-            "A GradScaler is enabled in the bf16 run. bf16 has fp32's exponent range and needs no "
-            "loss scaling: the scaler only multiplies and divides, and its skipped steps hide real "
-            "overflow. Enable it for fp16 only.",
-            evidence={"measured": "enabled", "expected": "disabled",
-                      "scale": (getattr(scaler, "init_scale", None)
-                                or getattr(scaler, "scale", None))},
-            location=location(scaler.site))))
+    if precision == "bf16":
+        scaler_in_bf16 = _scaler_in_bf16(session, scalers, rung)
+        if scaler_in_bf16 is not None:
+            findings.append(scaler_in_bf16)
     if precision == "fp16" and enabled and not scalers and not findings:
         e = enabled[0]
         inits = trace.events_of(ScalerInit)
@@ -116,6 +111,33 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             evidence={"measured": "no enabled scaler", "expected": "GradScaler enabled"},
             location=location(inits[0].site if inits else e.site))))
     return findings
+
+
+def _scaler_in_bf16(session: Session, scalers: list[ScalerInit] | list[Scale],
+                    rung: str) -> Finding | None:
+    """A GradScaler left on in bf16 training: the bf16 run's own enabled scaler (a spec's loop,
+    switched by `run.precision`), or, for a script -- whose bf16 run ampdoctor forced, scaler
+    off -- the script as written: autocast(bfloat16) only, with a GradScaler it enables (what its
+    fp32 run recorded before anything was forced)."""
+    own = script_amp(session)
+    if own is None:
+        if not scalers:
+            return None
+        scaler = scalers[0]
+        site, scale = scaler.site, (getattr(scaler, "init_scale", None)
+                                    or getattr(scaler, "scale", None))
+        where = "in the bf16 run"
+    else:
+        if own.dtypes != {"bfloat16"} or not own.scalers:
+            return None   # an fp16 (or fp32) script needs (or wastes nothing on) its scaler
+        site, scale = own.scalers[0].get("site"), own.scalers[0].get("init_scale")
+        where = "in the script, whose autocast asks for bfloat16 only"
+    return deciders.half_open_amp(Observed(rung, Severity.WARNING,
+        f"A GradScaler is enabled {where}. bf16 has fp32's exponent range and needs no "
+        "loss scaling: the scaler only multiplies and divides, and its skipped steps hide real "
+        "overflow. Enable it for fp16 only.",
+        evidence={"measured": "enabled", "expected": "disabled", "scale": scale},
+        location=location(site)))
 
 
 def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:

@@ -4,6 +4,7 @@ step with the rules, and run the extra passes a rule asks for (rules never run t
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,8 +27,30 @@ from . import series
 
 Grads = dict[str, torch.Tensor | None]
 
-__all__ = ["compare_trace", "location", "loop_error_finding", "last_unscale_pair",
-           "update_missing", "scheduler_findings", "step_count_finding"]
+__all__ = ["ScriptAmp", "script_amp", "compare_trace", "location", "loop_error_finding",
+           "last_unscale_pair", "update_missing", "scheduler_findings", "step_count_finding"]
+
+
+@dataclass(frozen=True)
+class ScriptAmp:
+    """A script's own mixed precision as written, before ampdoctor forced it."""
+
+    dtypes: frozenset[str]            # what its enabled autocasts ask for
+    scalers: list[dict[str, Any]]     # the GradScalers it enables (`script.forcing` records)
+
+
+def script_amp(session: Any) -> ScriptAmp | None:
+    """What a script's fp32 run recorded of the autocasts and GradScalers the script asked for
+    before ampdoctor forced them (an autocast naming no dtype asks for its device's default:
+    float16 on CUDA, bfloat16 on the CPU); None for a spec, whose every run is the loop's own
+    configuration, switched by `run.precision`."""
+    outcome = getattr(session.trace("fp32"), "outcome", None)
+    if outcome is None:
+        return None
+    dtypes = frozenset(a.get("dtype") or (
+        "float16" if str(a.get("device")).startswith("cuda") else "bfloat16")
+        for a in outcome.autocasts if a.get("enabled"))
+    return ScriptAmp(dtypes, [s for s in outcome.scalers if s.get("enabled")])
 
 
 def compare_trace(session: Session, trace: Trace, rung: str,

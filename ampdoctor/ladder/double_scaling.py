@@ -36,13 +36,15 @@ def _base(paths: list[str]) -> str | None:
 def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] | None = None,
              focus_files: list[str] | None = None,
              constructed: set[tuple[str, int]] | None = None,
-             ownership: Ownership | None = None) -> RungResult:
+             ownership: Ownership | None = None,
+             executed: list[str] | None = None) -> RungResult:
     """Run the static search over `scan_paths_` and turn it into the rung's result.
 
     `runtime_owner`: `{"kind": "GradScaler", "file": "/abs/train.py", "line": 12}` from the
     fp16-scaler trace, or None. `constructed`: every (file, line) where the diagnosed runs
     built a GradScaler (None: no run was traced); a GradScaler in the loop's own files that no
-    run ever built (another function's, never called) is not on this loop's path.
+    run ever built (another function's, never called) is not on this loop's path; so is one in
+    `executed`, the files the runs ran code in (a helper module's step function).
     `ownership`: which GradScaler scaled which loss and stepped which optimizer in a run
     (`rules.scaler_ownership`); two owners that run saw on disjoint losses and optimizers are
     two separate state machines, not a double scaling. Paths that do not exist are listed
@@ -65,7 +67,8 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
     separate: list[str] = []
     if focus and constructed is not None:
         built = {(os.path.realpath(f), line) for f, line in constructed}
-        dormant = [o.to_dict() for o in owners if _idle(o.to_dict(), focus, built)]
+        ran = focus | {os.path.realpath(f) for f in executed or []}
+        dormant = [o.to_dict() for o in owners if _idle(o.to_dict(), ran, built)]
         findings = [t for f in findings if (t := _without(f, dormant, base)) is not None]
         findings, separate = _judged_by_run(findings, ownership, base)
     summary = _summary(findings, report, focus, dormant, base)

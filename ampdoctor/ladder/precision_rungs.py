@@ -28,8 +28,11 @@ def run_double_scaling(session) -> RungResult:
     traces = list(session.traces.values())
     constructed = {(e.site.file, e.site.line) for t in traces
                    for e in t.events_of(ScalerInit) if e.site} if traces else None
+    # the files the runs executed: a step function imported from a helper module is on the
+    # loop's path, and a GradScaler there that no run built is dormant as in the loop's own files
+    executed = sorted({e.site.file for t in traces for e in t.events if e.site})
     return evaluate(session.spec.scan_paths(), runtime_owner, session.code.source_files(),
-                    constructed, _ownership(session))
+                    constructed, _ownership(session), executed)
 
 
 def _ownership(session):

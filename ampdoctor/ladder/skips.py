@@ -34,10 +34,16 @@ from ..probe.events import (
 from ..probe.recorder import Probe
 from ..rules.frameworks import framework_of
 from ..rules.schedule import lr_shift
-from ..rules.skip_rate import frequent_skips
+from ..rules.skip_rate import frequent_skips, scale_reset
 from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
-from .analysis import last_unscale_pair, location, loop_error_finding, update_missing
+from .analysis import (
+    last_unscale_pair,
+    location,
+    loop_error_finding,
+    script_amp,
+    update_missing,
+)
 from .series import keep, run_series
 
 RUNG = RungId.SKIPS
@@ -218,13 +224,10 @@ def own_precision_scaled(session: Session) -> bool:
     """Does the user's own training use a GradScaler? In spec mode the rung runs only when fp16
     is among the spec's `precisions`; a script tells by what it built when left alone (its fp32
     run records the GradScaler and autocast it asked for, before ampdoctor forced them)."""
-    outcome = getattr(session.trace("fp32"), "outcome", None)
-    if outcome is None:
+    own = script_amp(session)
+    if own is None:
         return "fp16" in session.spec.precisions
-    return (any(s.get("enabled") for s in outcome.scalers)
-            or any(a.get("enabled") and (a.get("dtype") == "float16" or (
-                a.get("dtype") is None and str(a.get("device")).startswith("cuda")))
-                for a in outcome.autocasts))
+    return bool(own.scalers) or "float16" in own.dtypes
 
 
 def _schedule_on_skips(session: Session, plain: Trace, owner: int | None,
@@ -385,7 +388,11 @@ def run(session: Session) -> RungResult:
     stepped = _schedule_on_skips(session, plain, owner, own_scaler)
     if stepped is not None:
         findings.append(stepped)
-    frequent = frequent_skips(plain, RUNG, own_scaler=own_scaler)
+    # A scaler rebuilt per step restarts the scale: the skips that follow are its doing.
+    runs = [("fp16 run", plain),
+            (f"fp16 run with an overflow injected in window {inject_window}", trace)]
+    frequent = (scale_reset(runs, RUNG, own_scaler=own_scaler)
+                or frequent_skips(plain, RUNG, own_scaler=own_scaler))
     if frequent is not None:
         findings.append(frequent)
     if not applied_plain and not any(f.severity == "error" for f in findings):

@@ -6,11 +6,19 @@ backs off on every overflow, so leading skips are normal at the start of trainin
 search -- a timid backoff_factor -- or a run too short to finish it is worth a warning). After
 its first real update the scaler has found a scale that works, and every further skip drops an
 update the fp32 reference makes: more of them than the threshold is an error (a growth_factor
-or growth_interval that grows the scale into overflow again and again)."""
+or growth_interval that grows the scale into overflow again and again).
+
+All of that assumes one loss-scale state machine that lives as long as the training: a
+GradScaler built anew for every optimizer step (inside a `train_step`) restarts from
+`init_scale` each time, so a backoff never lasts -- an overflow at the initial scale recurs on
+every step -- and the scale never grows. `scale_reset` reads that from the scale trajectory
+itself: the scale a replacing scaler started from differs from the one the scaler it replaced
+had reached (a restored `load_state_dict` carries it, and is no reset)."""
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 from .. import compare, deciders, thresholds
@@ -18,7 +26,7 @@ from ..deciders import Observed
 from ..enums import Severity
 from ..evidence import Evidence
 from ..findings import Finding, location
-from ..probe.events import ScalerInit, ScalerStep, Update
+from ..probe.events import Scale, ScalerInit, ScalerStep, Unscale, Update
 from ..session import Trace
 
 
@@ -180,3 +188,84 @@ def _settling_note(s: _Skips) -> str:
 def _grew(before: float | None, after: float | None) -> bool:
     """The scale grew from one update to the next (both known and non-zero)."""
     return bool(after and before and after > before)
+
+
+_SCALER_CALLS = (Scale, Unscale, ScalerStep, Update)
+
+
+@dataclass(frozen=True)
+class Reset:
+    """A GradScaler that took the place of another one mid-run without its scale."""
+
+    init: ScalerInit        # the replacing scaler's construction
+    reached: float          # the scale the replaced scaler's last update left
+    restarted: float        # the scale the replacing scaler's first update started from
+
+
+def scale_resets(trace: Trace) -> list[Reset]:
+    """Each enabled GradScaler built after another one had updated, when the older one is never
+    called again (replaced, not a second live scaler such as a GAN's) and the new one's first
+    update starts from another scale than the old one's last update left."""
+    calls = [e for e in trace.events if isinstance(e, _SCALER_CALLS)]
+    updates = trace.events_of(Update)
+    resets: list[Reset] = []
+    for init in trace.events_of(ScalerInit):
+        if not init.enabled:
+            continue
+        earlier = [u for u in updates if u.seq < init.seq and u.scaler != init.scaler
+                   and u.scale_after]
+        first = next((u for u in updates if u.seq > init.seq and u.scaler == init.scaler
+                      and u.scale_before), None)
+        if not earlier or first is None:
+            continue
+        old = earlier[-1]
+        if any(e.scaler == old.scaler and e.seq > init.seq for e in calls):
+            continue   # the older scaler lives on beside it
+        assert old.scale_after is not None and first.scale_before is not None
+        if not math.isclose(first.scale_before, old.scale_after, rel_tol=1e-6):
+            resets.append(Reset(init, old.scale_after, first.scale_before))
+    return resets
+
+
+RESET_FIX = ("Build the GradScaler once, before the training loop, and hand the same object to "
+             "every step (a `scaler` argument of the step function, or an attribute of the "
+             "trainer): its scale and growth tracker must live as long as the training. To "
+             "resume, restore it with `scaler.load_state_dict(checkpoint['scaler'])`.")
+
+
+def scale_reset(traces: list[tuple[str, Trace]], rung: str,
+                own_scaler: bool = True) -> Finding | None:
+    """The finding for a loss-scale state machine restarted mid-run (module docstring), from
+    the first of `traces` (label, trace) that shows it. Its consequence is measured in the
+    scale trajectory the skips rung judges (a backoff undone, so an overflow at the initial
+    scale never stops): an error in a run whose own precision uses a GradScaler."""
+    found = next(((label, trace, resets) for label, trace in traces
+                  if (resets := scale_resets(trace))), None)
+    if found is None:
+        return None
+    label, trace, resets = found
+    first = resets[0]
+    built = sum(1 for e in trace.events_of(ScalerInit) if e.enabled)
+    flags = [bool(e.skipped) for e in trace.events_of(ScalerStep)]
+    scales = [u.scale_after for u in trace.events_of(Update) if u.scale_after]
+    fell = first.restarted > first.reached
+    site = first.init.site
+    where = f" at {os.path.basename(site.file)}:{site.line}" if site is not None else ""
+    return deciders.frequent_skips(Observed(rung,
+        deciders.skip_severity(True, own_scaler=own_scaler),
+        f"The {label} built {built} GradScalers for {len(flags)} optimizer steps, each "
+        f"replacing the last (the GradScaler(...) call{where} runs again inside the training "
+        f"loop): the loss-scale state machine starts over with every new scaler. The scale "
+        f"{'backed off' if fell else 'moved'} to {first.reached:g}, yet the next step started "
+        f"again from {first.restarted:g} (scale after each update: "
+        f"{', '.join(f'{v:g}' for v in scales)})"
+        + (": a backoff never lasts, so an overflow at the initial scale recurs on every step"
+           if fell else "") + "; and the scale never grows (growth needs "
+        f"{first.init.growth_interval} good steps of one scaler). "
+        f"{sum(flags)} of {len(flags)} steps were skipped."
+        + ("" if own_scaler else deciders.FORCED_FP16),
+        evidence={"measured": first.restarted, "expected": first.reached,
+                  "scale_resets": len(resets), "scalers_built": built, "steps": len(flags),
+                  "skipped": sum(flags), "scale": scales,
+                  "growth_interval": first.init.growth_interval},
+        location=location(site), fix=RESET_FIX))

@@ -68,8 +68,12 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
                  "enabled")
         bound = dict(zip(names, args, strict=False))
         bound.update(kwargs)
+        init_scale = bound.get("init_scale", 2.0**16)
         probe.out.scalers.append({"enabled": bool(bound.get("enabled", True)),
                                   "device": str(bound.get("device", "cuda")),
+                                  "init_scale": (float(init_scale)
+                                                 if isinstance(init_scale, (int, float))
+                                                 else None),
                                   "site": probe.finder.from_frame(sys._getframe(1))})
         bound["enabled"] = job.precision == "fp16"
         return scaler_init(self, **bound)
