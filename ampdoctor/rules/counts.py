@@ -43,14 +43,15 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
                 fix=engine.fix if engine is not None else ""))
     # As many steps as windows, but not on window boundaries: an off-by-one accumulation
     # condition (`i % K == 0` with i from 0 steps after the first micro-batch). It shows in
-    # the first window, which holds 1 (or K + 1) micro-batches; a short window later on is an
-    # epoch's remainder (5 micro-batches with K = 2: windows of 2, 2, 1), which the gradient
+    # the first step, after 1 (or K + 1) micro-batches (a multiple of K when the first windows'
+    # steps were skipped, which is no off-by-one); a short window later on is an epoch's
+    # remainder (5 micro-batches with K = 2: windows of 2, 2, 1), which the gradient
     # comparison judges like any other window.
     if not trace.lazy_feed:   # micro-batches fetched up front: cadence cannot be read
         return None
     for slot, steps in sorted(per_optimizer.items()):
         consumed = [s.microbatch + 1 for s in steps]
-        if consumed and consumed[0] != session.K:
+        if consumed and consumed[0] % session.K != 0:
             step, n = steps[0], consumed[0]
             return deciders.gradient_mismatch(Observed(rung, Severity.ERROR,
                 f"The optimizer stepped after {n} micro-batch(es), not on a boundary of "
