@@ -194,9 +194,11 @@ class Watch(CountChecks, ReplayCheck):
         watch = self
 
         def backward(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            site = watch._site()
-            if site is not None:
-                watch.window.backward_site = site
+            w = watch.window
+            # the line is read where a finding may name it (the first windows, a checked one):
+            # a stack walk per backward is the sentinel's largest cheap cost
+            if w.backward_site is None and (watch.windows < COUNT_WINDOWS or w.batches):
+                w.backward_site = watch._site()
             return original(tensor, *args, **kwargs)
         return backward
 
