@@ -214,18 +214,21 @@ def metrics_of(user: Grads, ref: Grads, names: Sequence[str], shapes: dict[str, 
     if replicas:
         a, b, c, d = shards.all_sum(pieces, replicas)
         su, sr, sd, dot = su + a, sr + b, sd + c, dot + d
-    return _metrics(math.sqrt(su), math.sqrt(sr), math.sqrt(sd), lambda: dot, numel, tol)
+    return metrics_from(math.sqrt(su), math.sqrt(sr), math.sqrt(sd), lambda: dot, numel, tol)
 
 
 def metrics(user: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Metrics:
     if user.numel() != ref.numel():
         raise ValueError(f"cannot compare vectors of {user.numel()} and {ref.numel()} elements")
     (su, sr, sd), dot = _chunked(user, ref)
-    return _metrics(math.sqrt(su), math.sqrt(sr), math.sqrt(sd), lambda: dot, ref.numel(), tol)
+    return metrics_from(math.sqrt(su), math.sqrt(sr), math.sqrt(sd), lambda: dot, ref.numel(),
+                        tol)
 
 
-def _metrics(norm_u: float, norm_r: float, diff: float, dot, numel: int,
-             tol: Tolerance) -> Metrics:
+def metrics_from(norm_u: float, norm_r: float, diff: float, dot, numel: int,
+                 tol: Tolerance) -> Metrics:
+    """The metrics of two vectors of `numel` elements from their norms, the norm of their
+    difference and (called only when both norms are positive) their dot product."""
     allowed = tol.rtol * norm_r + tol.atol * math.sqrt(max(numel, 1))
     rel = diff / norm_r if norm_r > 0 else (0.0 if diff == 0 else math.inf)
     if norm_u > 0 and norm_r > 0:

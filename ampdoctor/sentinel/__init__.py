@@ -81,6 +81,7 @@ class Watch(CountChecks, ReplayCheck):
         self.window = Window()
         self.windows = 0                 # windows closed (optimizer steps and skips)
         self.updates = 0                 # real optimizer steps
+        self.first_update_window: int | None = None   # the window of the first real update
         self.skips: list[int] = []       # the windows whose scaler step skipped
         self.scheduler_on_skip: list[int] = []
         self.counts: list[int] = []      # backwards of the first windows
@@ -298,6 +299,8 @@ class Watch(CountChecks, ReplayCheck):
             self._stepped_in_scaler = True
         if self.window.batches and self.window.backwards:
             self._pending = not self._check_update()
+        if self.first_update_window is None:
+            self.first_update_window = self.windows
         self.updates += 1
         self._close_window(stepped=True)
 

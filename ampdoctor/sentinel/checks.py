@@ -3,7 +3,10 @@ scaler's skips, judged as the ladder judges them, through the kinds' deciders.""
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import inspect
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +58,7 @@ class WatchState:
     window: Window
     windows: int
     updates: int
+    first_update_window: int | None
     skips: list[int]
     scheduler_on_skip: list[int]
     counts: list[int]
@@ -112,8 +116,7 @@ class CountChecks(WatchState):
     def _judge_skips(self) -> None:
         """A scaler that keeps skipping after it settled, and a scheduler that advanced on
         the skips (by consequence: `deciders.schedule_on_skips`)."""
-        skipped = set(self.skips)
-        first_real = next((i for i in range(self.windows) if i not in skipped), 0)
+        first_real = self.first_update_window or 0
         steady = [s for s in self.skips if s > first_real]
         after = self.windows - first_real - 1
         rate = len(steady) / after if after > 0 else 0.0
@@ -154,8 +157,6 @@ def built_at(obj: Any, frame: Any, finder: CallSiteFinder) -> Site | None:
     """Where the user's code built `obj`: in the first of the user's frames above `frame`
     that holds it in a variable, the line of the assignment to that variable (read with
     `ast` from the function's source)."""
-    import ast
-    import inspect
     while frame is not None:
         code = frame.f_code
         if not finder._classify(code.co_filename)[0]:
@@ -164,7 +165,6 @@ def built_at(obj: Any, frame: Any, finder: CallSiteFinder) -> Site | None:
                 with contextlib.suppress(OSError, TypeError, SyntaxError):
                     lines, start = inspect.getsourcelines(code)
                     start = max(start, 1)
-                    import textwrap
                     tree = ast.parse(textwrap.dedent("".join(lines)))
                     for node in ast.walk(tree):
                         if isinstance(node, ast.Assign) and any(

@@ -31,16 +31,14 @@ class ReplayCheck(WatchState):
         reference = self._reference(w)
         if reference is None:
             return False
-        uu = rr = ur = 0.0
-        for p, r in zip(params, reference, strict=True):
-            g = p.grad
-            rr += float(r.double().pow(2).sum())
-            if g is not None:
-                gd = g.detach().double()
-                uu += float(gd.pow(2).sum())
-                ur += float((gd * r.double()).sum())
-        numel = sum(p.numel() for p in params)
-        norm_u, norm_r = math.sqrt(uu), math.sqrt(rr)
+        names = [str(i) for i in range(len(params))]
+        tol = compare.DEFAULT_TOLERANCES[w.precision]
+        plain = compare.metrics_of(dict(zip(names, (p.grad for p in params), strict=True)),
+                                   dict(zip(names, reference, strict=True)), names,
+                                   {n: p.shape for n, p in zip(names, params, strict=True)},
+                                   tol)
+        norm_u, norm_r, numel = plain.norm_user, plain.norm_ref, sum(p.numel() for p in params)
+        uu, rr, ur = norm_u ** 2, norm_r ** 2, plain.cosine * norm_u * norm_r
         # a clip after unscale_: the consumed gradient is the pre-clip one times its coefficient;
         # its size before the clip is what the clip returned, its direction what is consumed
         coef_r = 1.0
@@ -48,9 +46,9 @@ class ReplayCheck(WatchState):
         if w.clip_max is not None and w.clip_norm is not None and math.isfinite(w.clip_norm):
             coef_r = min(1.0, w.clip_max / (norm_r + thresholds.CLIP_EPSILON))
             pre = pre if w.clip_scaled else w.clip_norm
+        # against the reference as the loop's clip leaves it (c r): from the same three sums
         diff = math.sqrt(max(uu - 2 * coef_r * ur + coef_r ** 2 * rr, 0.0))
-        tol = compare.DEFAULT_TOLERANCES[w.precision]
-        m = compare._metrics(norm_u, coef_r * norm_r, diff, lambda: coef_r * ur, numel, tol)
+        m = compare.metrics_from(norm_u, coef_r * norm_r, diff, lambda: coef_r * ur, numel, tol)
         ratio = pre / norm_r if norm_r > 0 else math.inf
         # a clip that bit on both sides hides a factor in the update it consumed now, not in
         # the gradient: the size before the clip must match too (it decides every update the
