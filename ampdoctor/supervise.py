@@ -298,12 +298,13 @@ class Watch:
             return ""
 
     def close(self) -> None:
-        """Every process of the run ended (the worker, anything it started), the pipes closed."""
+        """Every process of the run ended (the worker, anything it started: `_reap` swept
+        them, here or when the run ended; the guardian sweeps by the token once more), the
+        pipes closed."""
         if self.proc.returncode is None:
             if not self._exited():
                 self.kill()
             self._reap()
-        processes.end(self.token)        # by the token only: the session's id is free now
         self.guardian.close()
         for stream in (self.channel, self.proc.stdout, self.proc.stderr):
             try:
