@@ -122,12 +122,17 @@ def main() -> None:
 def _warm_script_runs(job: dict[str, Any]) -> None:
     """A script's diagnose: the fork server its runs start from imports torch and the script's
     libraries while this process imports its own (two interpreters' start-up at once, not one
-    after the other)."""
-    from .source import from_wire, is_script_wire
-    if is_script_wire(job.get("spec") or ""):
+    after the other). The wire is read as plain JSON here (`source.from_wire` validates it
+    later): pydantic's import would delay the server's start."""
+    text = job.get("spec") or ""
+    try:
+        wire = json.loads(text) if text.lstrip().startswith("{") else None
+    except ValueError:
+        return
+    script = wire.get("script_source") if isinstance(wire, dict) else None
+    if isinstance(script, dict) and isinstance(script.get("script"), str):
         from .script import spawn
-        source = from_wire(job["spec"])
-        spawn.warm(source.script, source.cwd)
+        spawn.warm(script["script"], str(script.get("cwd") or os.getcwd()))
 
 
 def _run(job: dict[str, Any], channel: Channel) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import linecache
 import os
 import re
@@ -16,6 +17,18 @@ _AMPDOCTOR_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 
 
 _TORCH_DIRS: list[str] = []
+
+
+def _real(filename: str) -> str:
+    """`os.path.realpath` of a code object's file name, once per absolute name (a probe asks
+    for the call site of every event it records); a relative one depends on the working
+    directory and is resolved each time."""
+    return _real_absolute(filename) if os.path.isabs(filename) else os.path.realpath(filename)
+
+
+@functools.lru_cache(maxsize=4096)
+def _real_absolute(filename: str) -> str:
+    return os.path.realpath(filename)
 
 
 def _torch_dir() -> str:
@@ -74,7 +87,7 @@ class CallSiteFinder:
             if filename.startswith("<"):
                 hit = (True, False)
             else:
-                path = os.path.realpath(filename)
+                path = _real(filename)
                 # Installed code is never the user's, even under project_root (a project's own
                 # .venv holding torch and ampdoctor).
                 library = (path.startswith(self.library_dirs)
@@ -95,9 +108,9 @@ class CallSiteFinder:
             filename = frame.f_code.co_filename
             is_library, is_user = self._classify(filename)
             if is_user:
-                return Site(os.path.realpath(filename), frame.f_lineno, frame.f_code.co_name)
+                return Site(_real(filename), frame.f_lineno, frame.f_code.co_name)
             if not is_library and first_outside is None:
-                first_outside = Site(os.path.realpath(filename), frame.f_lineno,
+                first_outside = Site(_real(filename), frame.f_lineno,
                                      frame.f_code.co_name)
             frame = frame.f_back
         return first_outside
@@ -108,11 +121,11 @@ class CallSiteFinder:
         (a framework) made the call."""
         torch_dir = _torch_dir()
         while frame is not None and \
-                os.path.realpath(frame.f_code.co_filename).startswith(torch_dir):
+                _real(frame.f_code.co_filename).startswith(torch_dir):
             frame = frame.f_back
         if frame is None or not self._classify(frame.f_code.co_filename)[1]:
             return None
-        return Site(os.path.realpath(frame.f_code.co_filename), frame.f_lineno,
+        return Site(_real(frame.f_code.co_filename), frame.f_lineno,
                     frame.f_code.co_name)
 
     def from_stack_dump(self, text: str) -> Site | None:
@@ -120,7 +133,7 @@ class CallSiteFinder:
         for match in _DUMP_FRAME.finditer(text):
             filename, line, function = match.group(1), int(match.group(2)), match.group(3)
             if self._classify(filename)[1]:
-                return Site(os.path.realpath(filename), line, function)
+                return Site(_real(filename), line, function)
         return None
 
     def here(self) -> Site | None:
@@ -128,7 +141,7 @@ class CallSiteFinder:
 
     def user_sites(self, tb: TracebackType | None) -> list[Site]:
         """Every frame of the traceback that is the user's code, outermost first."""
-        return [Site(os.path.realpath(frame.f_code.co_filename), lineno, frame.f_code.co_name)
+        return [Site(_real(frame.f_code.co_filename), lineno, frame.f_code.co_name)
                 for frame, lineno in traceback.walk_tb(tb)
                 if self._classify(frame.f_code.co_filename)[1]]
 
@@ -139,7 +152,7 @@ class CallSiteFinder:
         for frame, lineno in traceback.walk_tb(tb):
             filename = frame.f_code.co_filename
             is_library, is_user = self._classify(filename)
-            site = Site(os.path.realpath(filename), lineno, frame.f_code.co_name)
+            site = Site(_real(filename), lineno, frame.f_code.co_name)
             if is_user:
                 best = site
             elif not is_library:

@@ -324,7 +324,7 @@ def run(job: Job) -> Outcome:
         prefork.rebind(patched)
         stack.enter_context(recorder.observing(ProbeSettings(dropout_off=True)))
         if job.inject is not None:
-            from ..ladder.skips import OverflowInjector
+            from ..probe.inject import OverflowInjector
             injector = OverflowInjector(*job.inject)
             probe.probe.before_backward = injector
         recorder.activate(probe.probe)

@@ -287,7 +287,7 @@ class ScriptSession:
     def run_loop(self, precision: str, *, before_backward: Any = None,
                  step_sink: Any = None, max_grad_norm: Any = "spec", **extra: Any) -> Trace:
         """What a spec-mode rung asks of `Session.run_loop`, where a script can give it: another
-        plain run of a precision, with an overflow injected (`ladder.skips.OverflowInjector`),
+        plain run of a precision, with an overflow injected (`probe.inject.OverflowInjector`),
         its steps handed to `step_sink` after the run. A re-split window or another clip
         threshold cannot be asked of a script: a run that raised NotImplementedError."""
         unsupported = {k for k, v in extra.items()
