@@ -34,7 +34,8 @@ from ..deciders import Observed
 from ..findings import Finding, Location, Severity, location
 from ..probe.callsite import CallSiteFinder, Site
 from .checks import COUNT_WINDOWS, RUNG, CountChecks, Window, built_at
-from .replay import ReplayCheck, device_of, precision_now
+from .distributed import DistributedReplay, ranks_record, replica_group, writes_record
+from .replay import device_of, precision_now
 
 #: optimizer steps between two expensive checks, by default
 DEFAULT_EVERY = 500
@@ -52,7 +53,7 @@ class WatchError(AssertionError):
         super().__init__(f"ampdoctor watch: {finding.kind}{loc}: {finding.message}")
 
 
-class Watch(CountChecks, ReplayCheck):
+class Watch(CountChecks, DistributedReplay):
     """The sentinel of one training run (see the module docstring). Use it as a context
     manager around the loop; `batches(iterable)` hands the loop its micro-batches and keeps
     those of a checked window."""
@@ -68,7 +69,11 @@ class Watch(CountChecks, ReplayCheck):
             raise ValueError(f"every must be >= 1, not {every}")
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
-        self.model, self.optimizer = model, optimizer
+        # under DistributedDataParallel the module it wraps is hooked and replayed (a replay
+        # through DDP's forward would arm its reducer) and the ranks' references are averaged
+        self.group = replica_group(model)
+        self.wrapper, self.optimizer = model, optimizer
+        self.model = getattr(model, "module", model) if self.group is not None else model
         self.K = int(accumulation_steps)
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
@@ -113,7 +118,7 @@ class Watch(CountChecks, ReplayCheck):
         self._patch_attr(torch.Tensor, "backward", self._wrap_backward(torch.Tensor.backward))
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             self._patch_attr(owner, "clip_grad_norm_", self._wrap_clip(owner.clip_grad_norm_))
-        for obj in (self.optimizer, self.model):
+        for obj in {id(o): o for o in (self.optimizer, self.model, self.wrapper)}.values():
             self._patch_instance(obj, "zero_grad", self._wrap_zero_grad(obj.zero_grad))
         if self.scaler is not None:
             self._patch_instance(self.scaler, "step", self._wrap_scaler_step(self.scaler.step))
@@ -131,8 +136,9 @@ class Watch(CountChecks, ReplayCheck):
         if self.skips and exc[0] is None:
             with contextlib.suppress(WatchError):
                 self._judge_skips()
-        self.record = self._make_record()
-        if self.out is not None:
+        self.record = self._make_record() if self.group is None \
+            else ranks_record(self, gathered=exc[0] is None)
+        if self.out is not None and writes_record(self.group):
             from ..record import save
             self.record["path"] = str(save(self.record, Path(self.out)))
 
@@ -294,7 +300,27 @@ class Watch(CountChecks, ReplayCheck):
         return step
 
     # ------------------------------------------------------------------ the optimizer step
-    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        # torch hands the hook the step's arguments with the optimizer first
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._step_now()
+            return None
+        # `optimizer.step(closure)` (Lightning, LBFGS): the window's last backward runs in the
+        # closure, inside the step: the step is judged when the closure returns (once)
+        done: list[bool] = []
+
+        def judged_closure() -> Any:
+            result = closure()
+            if not done:
+                done.append(True)
+                self._step_now()
+            return result
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": judged_closure}
+        return (args[0], judged_closure, *args[2:]), kwargs
+
+    def _step_now(self) -> None:
         if self._in_scaler_step:
             self._stepped_in_scaler = True
         if self.window.batches and self.window.backwards:
@@ -337,7 +363,11 @@ class Watch(CountChecks, ReplayCheck):
         text = f"ampdoctor watch: {finding.severity} {finding.kind}"
         if finding.location is not None:
             text += f" at {finding.location.file}:{finding.location.line}"
-        warnings.warn(f"{text}: {finding.message}", stacklevel=4)
+        self._say(f"{text}: {finding.message}", finding)
+
+    def _say(self, text: str, finding: Finding) -> None:
+        """Tell the user of a finding (a framework's callback says it its framework's way)."""
+        warnings.warn(text, stacklevel=5)
 
     def _make_record(self) -> dict[str, Any]:
         from ..runner import blank_record, environment
