@@ -320,6 +320,13 @@ class Watch(CountChecks, DistributedReplay):
             return args, {**kwargs, "closure": judged_closure}
         return (args[0], judged_closure, *args[2:]), kwargs
 
+    def _explained(self, w: Window) -> str | None:
+        # one backward per step where K were meant: the replay of that one micro-batch shows
+        # the loss's 1/K, which is the step count's consequence (judged after the first steps)
+        if self.K > 1 and w.backwards == 1:
+            return "step-per-microbatch"
+        return super()._explained(w)
+
     def _step_now(self) -> None:
         if self._in_scaler_step:
             self._stepped_in_scaler = True

@@ -1,0 +1,161 @@
+"""`ampdoctor.sentinel.lightning.WatchCallback`: the sentinel as a Lightning callback, with the
+real installed `lightning` Trainer on CPU (issue 37, part 2).
+
+The module is `recipes/watch/lightning_module.py`; each bug is planted by an argument and marked
+`# BUG: <kind>` on its line. Every check runs a real `Trainer.fit`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import ampdoctor  # noqa: E402
+from conftest import RECIPES, marked_line  # noqa: E402
+
+MODULE = RECIPES / "watch" / "lightning_module.py"
+sys.path.insert(0, str(MODULE.parent))
+from lightning_module import train  # noqa: E402
+
+
+def _fit(bug="none", precision="32-true", **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return train(bug, precision, **kwargs)
+
+
+def _found(cb):
+    return {f["kind"]: f for f in cb.record["findings"]}
+
+
+@pytest.mark.parametrize(("precision", "clip"), [("32-true", None), ("bf16-mixed", 0.05),
+                                                 ("32-true", 0.05)])
+def test_the_training_is_bit_identical_with_the_callback(precision, clip):
+    """12 optimizer steps of 4 micro-batches, dropout on, a check every 2 steps: the weights and
+    the random state end as they end without the callback."""
+    watched, cb, _ = _fit("none", precision, clip=clip, every=2)
+    rng_watched = torch.get_rng_state()
+    plain, _, _ = _fit("none", precision, clip=clip, watched=False)
+    for (name, a), b in zip(watched.state_dict().items(), plain.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(rng_watched, torch.get_rng_state())
+    assert len(cb.record["watch"]["checked"]) >= 5
+    assert cb.record["verdict"] == "healthy"
+
+
+@pytest.mark.parametrize(("precision", "clip"), [("32-true", None), ("32-true", 0.05),
+                                                 ("bf16-mixed", None), ("bf16-mixed", 0.05)])
+def test_a_healthy_module_is_silent(precision, clip):
+    _, cb, trainer = _fit("none", precision, clip=clip)
+    assert cb.record["verdict"] == "healthy" and cb.record["findings"] == []
+    checked = cb.record["watch"]["checked"]
+    assert checked and all(c["ok"] for c in checked) and checked[0]["step"] == 1
+    assert checked[0]["precision"] == {"32-true": "fp32", "bf16-mixed": "bf16"}[precision]
+    assert cb.record["accumulation_steps"] == trainer.accumulate_grad_batches == 4
+    assert cb.record["optimizer_steps"] == trainer.global_step == 12
+
+
+def test_a_healthy_manual_optimization_module_is_silent():
+    _, cb, _ = _fit("manual")
+    assert cb.record["verdict"] == "healthy" and cb.record["findings"] == []
+    assert cb.record["watch"]["checked"] and all(c["ok"] for c in cb.record["watch"]["checked"])
+
+
+@pytest.mark.parametrize(("precision", "clip"), [("32-true", None), ("bf16-mixed", 0.05)])
+def test_a_training_step_that_divides_by_k_itself_is_a_double_average(precision, clip):
+    _, cb, _ = _fit("double-average", precision, clip=clip)
+    found = _found(cb)
+    assert list(found) == ["double-average"] and cb.record["verdict"] == "failed"
+    finding = found["double-average"]
+    assert finding["severity"] == "error" and finding["rung"] == "watch"
+    assert finding["evidence"]["measured"] == pytest.approx(0.25, rel=0.02)
+    assert finding["evidence"]["factor"] == 0.25
+    assert finding["location"]["line"] == marked_line(MODULE, "double-average")
+    assert finding["location"]["file"].endswith("lightning_module.py")
+
+
+@pytest.mark.parametrize("bug", ["step-per-microbatch", "zero-grad-inside-accumulation"])
+def test_manual_optimization_bugs_are_named_at_their_line(bug):
+    _, cb, _ = _fit(bug)
+    found = _found(cb)
+    assert list(found) == [bug], found
+    finding = found[bug]
+    assert finding["severity"] == "error"
+    assert finding["location"]["line"] == marked_line(MODULE, bug)
+    if bug == "step-per-microbatch":
+        assert finding["evidence"]["backwards_per_step"] == [1, 1, 1]
+        assert finding["evidence"]["expected"] == 4
+    else:
+        assert finding["evidence"]["measured"] == 3 and finding["evidence"]["expected"] == 4
+
+
+def test_on_error_raise_stops_fit_with_the_finding():
+    with pytest.raises(ampdoctor.WatchError, match="double-average") as info:
+        _fit("double-average", on_error="raise")
+    assert info.value.finding.location.line == marked_line(MODULE, "double-average")
+
+
+def test_on_error_stop_ends_the_fit_cleanly(tmp_path):
+    _, cb, trainer = _fit("double-average", on_error="stop", out=tmp_path)
+    assert trainer.should_stop and trainer.global_step == 2     # stopped after the checked step
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert saved["verdict"] == "failed" and saved["findings"][0]["kind"] == "double-average"
+
+
+def test_findings_go_to_the_logger_and_as_a_lightning_warning(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+    logger = CSVLogger(tmp_path, name="run")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        train("double-average", logger=logger)
+    texts = [str(w.message) for w in said if "ampdoctor watch" in str(w.message)]
+    assert texts and "double-average" in texts[0] and "lightning_module.py:" in texts[0]
+    header = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()[0]
+    assert "ampdoctor/double-average" in header.split(",")
+
+
+def test_what_it_cannot_watch_is_refused_plainly():
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ampdoctor.sentinel.lightning import WatchCallback
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            return None
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
+                    torch.optim.SGD(self.b.parameters(), lr=0.1)]
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[
+        WatchCallback(accumulation_steps=2)], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="one optimizer; configure_optimizers gave 2"):
+        trainer.fit(TwoOptimizers(), loader)
+    with pytest.raises(ValueError, match="manual optimization.*accumulation_steps=K"):
+        train("manual", accumulation_steps=None)
+    with pytest.raises(ValueError, match="on_error"):
+        WatchCallback(on_error="panic")
+
+
+def test_importing_ampdoctor_does_not_import_lightning():
+    code = ("import sys, ampdoctor; ampdoctor.watch; "
+            "print('lightning' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True"]
