@@ -17,8 +17,8 @@ import torch
 
 pytest.importorskip("lightning")
 
-import ampdoctor  # noqa: E402
-from conftest import RECIPES, marked_line  # noqa: E402
+import ampdoctor
+from conftest import RECIPES, marked_line
 
 MODULE = RECIPES / "watch" / "lightning_module.py"
 sys.path.insert(0, str(MODULE.parent))

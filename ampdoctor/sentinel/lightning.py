@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -67,14 +68,15 @@ class _LossLine(TorchFunctionMode):
 
     def __init__(self, finder: CallSiteFinder) -> None:
         super().__init__()
-        self.finder, self.site = finder, None
+        self.finder = finder
+        self.site: Site | None = None
         self.torch_dir = str(Path(torch.__file__).resolve().parent) + os.sep
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         result = func(*args, **(kwargs or {}))
         if isinstance(result, torch.Tensor) and result.dim() == 0 and result.requires_grad:
-            frame = sys._getframe(1)
+            frame: FrameType | None = sys._getframe(1)
             while frame is not None and \
                     os.path.realpath(frame.f_code.co_filename).startswith(self.torch_dir):
                 frame = frame.f_back
@@ -156,7 +158,7 @@ class WatchCallback(Callback):
     def _accumulation(self, trainer: Any, automatic: bool) -> int:
         K = self.accumulation_steps
         if automatic:
-            if K is not None and K != trainer.accumulate_grad_batches:
+            if K is not None and trainer.accumulate_grad_batches != K:
                 raise ValueError(
                     f"WatchCallback(accumulation_steps={K}) but the Trainer accumulates "
                     f"{trainer.accumulate_grad_batches} batches (automatic optimization): "
