@@ -85,6 +85,7 @@ def ranks_record(watch: Any, gathered: bool) -> dict[str, Any]:
         watch.notes.append(f"the run stopped with an exception on rank {rank}: the ranks' "
                            f"findings were not gathered; this record holds rank {rank}'s alone")
     record: dict[str, Any] = watch._make_record()
+    record["rungs"][0]["summary"] += f", on each of {world} DDP ranks"
     record["watch"]["world_size"] = world
     record["watch"]["rank"] = rank
     record["watch"]["gathered"] = gathered
