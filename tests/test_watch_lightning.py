@@ -159,3 +159,32 @@ def test_importing_ampdoctor_does_not_import_lightning():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "True"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "double-average"])
+def test_under_the_ddp_strategy_each_rank_checks_and_rank_0_writes_one_record(bug, tmp_path):
+    """`Trainer(strategy="ddp", devices=2)` under torchrun, 2 gloo ranks on CPU, each on its
+    DistributedSampler shard: the reference is the mean of the ranks' replays."""
+    import os
+    out, result = tmp_path / "out", tmp_path / "result"
+    out.mkdir()
+    result.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(MODULE),
+         bug, str(out), str(result)], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(out.glob("*.json"))) == 1
+    for rank in (0, 1):
+        held = json.loads((result / f"rank{rank}.json").read_text())
+        record = held["record"]
+        assert held["identical"] and record["watch"]["world_size"] == 2
+        ratios = [c["ratio"] for c in record["watch"]["checked"]]
+        expected = 1.0 if bug == "none" else 0.25
+        assert len(ratios) == 3 and all(r == pytest.approx(expected, rel=1e-4) for r in ratios)
+        kinds = [f["kind"] for f in record["findings"]]
+        assert kinds == ([] if bug == "none" else ["double-average"])
+        if kinds:
+            assert record["findings"][0]["evidence"]["rank"] == [0, 1]
+            assert record["findings"][0]["location"]["line"] == marked_line(MODULE, bug)

@@ -6,6 +6,8 @@ Automatic optimization (Lightning accumulates and divides by `accumulate_grad_ba
 the bug is one of manual optimization's, where `training_step` accumulates K micro-batches itself.
 """
 
+import warnings
+
 import lightning.pytorch as pl
 import torch
 import torch.nn as nn
@@ -54,7 +56,8 @@ def loss_fn(module, batch):
 
 
 def train(bug="none", precision="32-true", steps=12, K=4, b=8, watched=True, every=5,
-          on_error="warn", out=None, clip=None, logger=False, root=None, **callback):
+          on_error="warn", out=None, clip=None, logger=False, root=None, devices=1,
+          **callback):
     torch.manual_seed(0)
     module = Regressor(bug, K)
     data = torch.randn(steps * K * b, 16, generator=torch.Generator().manual_seed(1))
@@ -66,8 +69,32 @@ def train(bug="none", precision="32-true", steps=12, K=4, b=8, watched=True, eve
                        **options) if watched else None
     trainer = pl.Trainer(
         max_steps=steps * (K if manual else 1), accumulate_grad_batches=1 if manual else K,
-        precision=precision, accelerator="cpu", devices=1, gradient_clip_val=clip,
+        precision=precision, accelerator="cpu", devices=devices, gradient_clip_val=clip,
+        strategy="ddp" if devices > 1 else "auto",
         callbacks=[cb] if cb is not None else [], logger=logger, default_root_dir=root,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, loader)
     return module, cb, trainer
+
+
+def main():
+    """Under `torchrun --nproc-per-node 2 lightning_module.py BUG OUT RESULT`: the DDP strategy
+    on 2 CPU ranks (each its DistributedSampler shard); every rank writes its callback's record
+    and its final weights to RESULT."""
+    import json
+    import sys
+    from pathlib import Path
+
+    bug, out, result = sys.argv[1:4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        watched, cb, trainer = train(bug, steps=6, every=2, out=out, devices=2)
+        plain, _, _ = train(bug, steps=6, watched=False, devices=2)
+    identical = all(torch.equal(a, b) for a, b in zip(watched.state_dict().values(),
+                                                      plain.state_dict().values(), strict=True))
+    Path(result, f"rank{trainer.global_rank}.json").write_text(
+        json.dumps({"identical": identical, "record": cb.record}, default=str))
+
+
+if __name__ == "__main__":
+    main()
