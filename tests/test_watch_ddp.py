@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from ampdoctor.ddp.launch import free_port
 from conftest import RECIPES, marked_line, run_cli_process
 
 LOOP = RECIPES / "watch" / "ddp_loop.py"
@@ -25,7 +26,8 @@ def _torchrun(bug: str, tmp_path: Path) -> tuple[list[dict], list[Path]]:
     result.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(LOOP),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(LOOP),
          "--bug", bug, "--out", str(out), "--result", str(result)],
         capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("lightning")
 
 import ampdoctor
+from ampdoctor.ddp.launch import free_port
 from conftest import RECIPES, marked_line
 
 MODULE = RECIPES / "watch" / "lightning_module.py"
@@ -171,7 +172,8 @@ def test_under_the_ddp_strategy_each_rank_checks_and_rank_0_writes_one_record(bu
     out.mkdir()
     result.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(MODULE),
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(MODULE),
          bug, str(out), str(result)], capture_output=True, text=True, timeout=300,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -188,3 +190,29 @@ def test_under_the_ddp_strategy_each_rank_checks_and_rank_0_writes_one_record(bu
         if kinds:
             assert record["findings"][0]["evidence"]["rank"] == [0, 1]
             assert record["findings"][0]["location"]["line"] == marked_line(MODULE, bug)
+
+
+# ------------------------------------------------------------------------------ Fabric
+FABRIC = RECIPES / "watch" / "fabric_loop.py"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_fabric_loop_watched_as_it_is_set_up(precision):
+    """`ampdoctor.watch(model, optimizer, ...)` with the objects `fabric.setup` returned: the
+    module and optimizer inside are hooked and replayed (Fabric's forward would autocast the
+    replay); silent and bit-identical when healthy, a missing ÷K named at its line."""
+    from fabric_loop import train as fabric_train
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        watched, watch = fabric_train("none", precision)
+        plain, _ = fabric_train("none", precision, watched=False)
+        _, broken = fabric_train("missing-accumulation-average", precision)
+    for a, b in zip(watched.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert watch.record["verdict"] == "healthy" and len(watch.checked) == 3
+    assert {c["precision"] for c in watch.checked} == {"32-true": {"fp32"},
+                                                      "bf16-mixed": {"bf16"}}[precision]
+    (finding,) = broken.findings
+    assert finding.kind == "missing-accumulation-average"
+    assert finding.evidence["measured"] == pytest.approx(4.0, rel=0.01)
+    assert finding.location.line == marked_line(FABRIC, "missing-accumulation-average")

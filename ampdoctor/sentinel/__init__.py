@@ -34,7 +34,7 @@ from ..deciders import Observed
 from ..findings import Finding, Location, Severity, location
 from ..probe.callsite import CallSiteFinder, Site
 from .checks import COUNT_WINDOWS, RUNG, CountChecks, Window, built_at
-from .distributed import DistributedReplay, ranks_record, replica_group, writes_record
+from .distributed import DistributedReplay, ranks_record, unwrap, writes_record
 from .replay import device_of, precision_now
 
 #: optimizer steps between two expensive checks, by default
@@ -69,11 +69,11 @@ class Watch(CountChecks, DistributedReplay):
             raise ValueError(f"every must be >= 1, not {every}")
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
-        # under DistributedDataParallel the module it wraps is hooked and replayed (a replay
-        # through DDP's forward would arm its reducer) and the ranks' references are averaged
-        self.group = replica_group(model)
-        self.wrapper, self.optimizer = model, optimizer
-        self.model = getattr(model, "module", model) if self.group is not None else model
+        # the module and optimizer a DDP or Fabric wrapper holds are hooked and replayed (a
+        # replay through DDP's forward would arm its reducer, Fabric's would autocast); under
+        # DDP the ranks' references are averaged
+        self.wrapper, self.wrapped_optimizer = model, optimizer
+        self.model, self.optimizer, self.group = unwrap(model, optimizer)
         self.K = int(accumulation_steps)
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
@@ -118,7 +118,8 @@ class Watch(CountChecks, DistributedReplay):
         self._patch_attr(torch.Tensor, "backward", self._wrap_backward(torch.Tensor.backward))
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             self._patch_attr(owner, "clip_grad_norm_", self._wrap_clip(owner.clip_grad_norm_))
-        for obj in {id(o): o for o in (self.optimizer, self.model, self.wrapper)}.values():
+        for obj in {id(o): o for o in (self.optimizer, self.model, self.wrapper,
+                                            self.wrapped_optimizer)}.values():
             self._patch_instance(obj, "zero_grad", self._wrap_zero_grad(obj.zero_grad))
         if self.scaler is not None:
             self._patch_instance(self.scaler, "step", self._wrap_scaler_step(self.scaler.step))

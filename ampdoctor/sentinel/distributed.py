@@ -35,6 +35,26 @@ def replica_group(model: torch.nn.Module) -> Any:
     return getattr(model, "process_group", None) or dist.group.WORLD
 
 
+def unwrap(model: torch.nn.Module, optimizer: Any) -> tuple[torch.nn.Module, Any, Any]:
+    """(module, optimizer, DDP process group or None): what the sentinel hooks and replays
+    when the loop holds wrappers: DistributedDataParallel's `module`, Fabric's `_FabricModule`
+    (its original module; its forward module may be DDP) and `_FabricOptimizer` (the
+    optimizer it wraps)."""
+    forward = getattr(model, "_forward_module", None)
+    original = getattr(model, "_original_module", None)
+    if isinstance(forward, torch.nn.Module) and isinstance(original, torch.nn.Module):
+        model = original
+    else:
+        forward = model
+    group = replica_group(forward)
+    if group is not None and model is forward:
+        model = getattr(forward, "module")  # noqa: B009 - DDP's, typed as a Tensor | Module
+    inner = getattr(optimizer, "_optimizer", None)
+    if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+        optimizer = inner
+    return model, optimizer, group
+
+
 def writes_record(group: Any) -> bool:
     """Whether this process writes the record: always outside DDP, rank 0 under it."""
     if group is None:
