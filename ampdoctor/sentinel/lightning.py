@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.overrides import TorchFunctionMode
 
@@ -131,6 +132,11 @@ class WatchCallback(Callback):
             loss_fn = None
             notes.append(f"precision={trainer.precision!r} keeps weights the fp32 replay cannot "
                          "use: only the cheap checks ran")
+        ddp = trainer.world_size > 1 and isinstance(trainer.strategy, DDPStrategy)
+        if trainer.world_size > 1 and not ddp and loss_fn is not None:
+            loss_fn = None
+            notes.append(f"{type(trainer.strategy).__name__} is not DDP: a rank's consumed "
+                         "gradient is not compared with the replay, only the cheap checks ran")
         if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "value" \
                 and loss_fn is not None:
             loss_fn = None
@@ -144,8 +150,9 @@ class WatchCallback(Callback):
             out=self.out, name=self.name)
         watch.trainer, watch.precision = trainer, precision or "fp32"
         watch.notes.extend(notes)
-        if trainer.world_size > 1 and torch.distributed.is_initialized():
-            watch.group = torch.distributed.group.WORLD
+        if ddp:
+            watch.group = getattr(trainer.strategy.model, "process_group", None) \
+                or torch.distributed.group.WORLD
         watch.__enter__()
         # the LightningOptimizer that manual optimization hands `self.optimizers()` finds
         # zero_grad on its class, not on the optimizer it wraps
