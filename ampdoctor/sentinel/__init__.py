@@ -214,9 +214,14 @@ class Watch(CountChecks, DistributedReplay):
         watch = self
 
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            if watch._replaying:        # a replayed training_step's: the run's .grad stays
+                return None
             w = watch.window
-            if w.backwards and w.zero_grad_after is None:
-                w.zero_grad_after, w.zero_grad_site = w.backwards, watch._site()
+            if w.backwards:
+                # the last zero_grad decides what the step keeps; the first names the line
+                if w.zero_grad_after is None:
+                    w.zero_grad_site = watch._site()
+                w.zero_grad_after = w.backwards
             return original(*args, **kwargs)
         return zero_grad
 
@@ -273,10 +278,15 @@ class Watch(CountChecks, DistributedReplay):
         watch = self
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            if watch._replaying:        # a replayed training_step's: the schedule stays
+                return None
             w = watch.window
             w.scheduler_steps += 1
-            if w.scheduler_site is None:
-                w.scheduler_site = watch._site()
+            # the line: a call the user's code makes itself over one a framework makes for it
+            # (Lightning steps the scheduler after each optimizer step)
+            direct = not watch.finder._classify(sys._getframe(1).f_code.co_filename)[0]
+            if w.scheduler_site is None or (direct and not w.scheduler_direct):
+                w.scheduler_site, w.scheduler_direct = watch._site(), direct
                 watch.scheduler_site = watch.scheduler_site or w.scheduler_site
             if watch.skips and watch.skips[-1] == watch.windows - 1 and w.backwards == 0:
                 watch.scheduler_on_skip.append(watch.windows - 1)

@@ -15,7 +15,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ampdoctor.sentinel.lightning import WatchCallback
 
-MANUAL = ("manual", "step-per-microbatch", "zero-grad-inside-accumulation")
+MANUAL = ("manual", "step-per-microbatch", "zero-grad-inside-accumulation",
+          "missing-accumulation-average")
 
 
 class Regressor(pl.LightningModule):
@@ -32,12 +33,16 @@ class Regressor(pl.LightningModule):
         self.log("train_loss", loss)
         if self.bug == "double-average":
             loss = loss / self.trainer.accumulate_grad_batches  # BUG: double-average
+        if self.bug == "scheduler-per-microbatch":
+            self.lr_schedulers().step()  # BUG: scheduler-per-microbatch
+        opt = self.optimizers()
+        if self.bug in ("zero-grad-inside-accumulation", "zero-grad-in-training-step"):
+            opt.zero_grad()  # BUG: zero-grad-inside-accumulation
         if self.automatic_optimization:
             return loss
-        opt = self.optimizers()
-        if self.bug == "zero-grad-inside-accumulation":
-            opt.zero_grad()  # BUG: zero-grad-inside-accumulation
-        self.manual_backward(loss / self.K)  # BUG: step-per-microbatch
+        if self.bug != "missing-accumulation-average":
+            loss = loss / self.K
+        self.manual_backward(loss)  # BUG: step-per-microbatch # BUG: missing-accumulation-average
         if self.bug == "step-per-microbatch" or (batch_idx + 1) % self.K == 0:
             opt.step()
             opt.zero_grad()
