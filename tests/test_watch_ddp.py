@@ -67,3 +67,20 @@ def test_a_missing_average_is_named_once_with_its_ratio_and_line(tmp_path):
     assert ranks[1]["record"]["findings"] == record["findings"]
     proc = run_cli_process("report", saved[0])
     assert proc.returncode == 0 and "missing-accumulation-average" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_bug_on_one_rank_is_named_for_that_rank_and_explains_the_others(tmp_path):
+    """rank 1 alone zeroes its gradients inside every window: its cheap check names it; the
+    averaged gradient both ranks consume is off, and rank 0 (which saw no zero_grad) takes
+    rank 1's finding as the explanation instead of naming a second, vaguer kind."""
+    ranks, saved = _torchrun("zero-grad-inside-accumulation", tmp_path)
+    record = json.loads(saved[0].read_text())
+    assert [f["kind"] for f in record["findings"]] == ["zero-grad-inside-accumulation"]
+    finding = record["findings"][0]
+    assert finding["evidence"]["rank"] == [1] and finding["evidence"]["measured"] == 1
+    assert finding["location"]["line"] == marked_line(LOOP, "zero-grad-inside-accumulation")
+    for rank in ranks:
+        checked = rank["record"]["watch"]["checked"]
+        assert checked and all(not c["ok"] for c in checked)
+        assert {c["explained_by"] for c in checked} == {"zero-grad-inside-accumulation"}

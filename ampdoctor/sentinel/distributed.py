@@ -67,6 +67,13 @@ class DistributedReplay(ReplayCheck):
     """The expensive check with the reference averaged over the ranks (module docstring)."""
 
     group: Any = None
+    #: what a cheap check of another rank found in this window, when this rank's found nothing
+    _peer_explained: str | None = None
+
+    def _explained(self, w: Window) -> str | None:
+        """A finding of another rank explains this rank's mismatch too (a zero_grad inside the
+        window on one rank changes the averaged gradient every rank consumes)."""
+        return super()._explained(w) or self._peer_explained
 
     def _reference(self, w: Window) -> list[torch.Tensor] | None:
         reference = super()._reference(w)
@@ -74,6 +81,10 @@ class DistributedReplay(ReplayCheck):
             return reference
         import torch.distributed as dist
         world = dist.get_world_size(self.group)
+        self._peer_explained = None
+        explained: list[Any] = [None] * world
+        dist.all_gather_object(explained, self._explained(w), group=self.group)
+        self._peer_explained = next((e for e in explained if e is not None), None)
         device = self.params[0].device if self.params else torch.device("cpu")
         # every rank joins both collectives: whether all replayed, then the replays' sum
         replayed = torch.tensor([0.0 if reference is None else 1.0], device=device)

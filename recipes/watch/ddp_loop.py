@@ -44,6 +44,8 @@ def train(bug, rank, world, watched, steps=8, K=4, b=8, out=None, every=3):
         micro_batches = watch.batches(batches) if watch is not None else batches
         for i, (x, y) in enumerate(micro_batches):
             last = (i + 1) % K == 0
+            if bug == "zero-grad-inside-accumulation" and rank == 1:
+                opt.zero_grad()  # BUG: zero-grad-inside-accumulation
             with model.no_sync() if not last else contextlib.nullcontext():
                 loss = criterion(model(x), y)
                 if bug != "missing-accumulation-average":
