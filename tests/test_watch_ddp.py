@@ -20,7 +20,7 @@ from conftest import RECIPES, marked_line, run_cli_process
 LOOP = RECIPES / "watch" / "ddp_loop.py"
 
 
-def _torchrun(bug: str, tmp_path: Path) -> tuple[list[dict], list[Path]]:
+def _torchrun(bug: str, tmp_path: Path, precision: str = "fp32") -> tuple[list[dict], list[Path]]:
     out, result = tmp_path / "out", tmp_path / "result"
     out.mkdir()
     result.mkdir()
@@ -28,7 +28,7 @@ def _torchrun(bug: str, tmp_path: Path) -> tuple[list[dict], list[Path]]:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(free_port()), str(LOOP),
-         "--bug", bug, "--out", str(out), "--result", str(result)],
+         "--bug", bug, "--out", str(out), "--result", str(result), "--precision", precision],
         capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads((result / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -36,15 +36,18 @@ def _torchrun(bug: str, tmp_path: Path) -> tuple[list[dict], list[Path]]:
 
 
 @pytest.mark.slow
-def test_a_healthy_ddp_loop_is_silent_and_unchanged(tmp_path):
-    ranks, saved = _torchrun("none", tmp_path)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_healthy_ddp_loop_is_silent_and_unchanged(tmp_path, precision):
+    ranks, saved = _torchrun("none", tmp_path, precision)
     for rank in ranks:
         record = rank["record"]
         assert rank["identical"]                       # weights bit-identical, unwatched
         assert record["verdict"] == "healthy" and record["findings"] == []
         checked = record["watch"]["checked"]
         # the ranks' shards differ: only the mean of their replays matches what DDP consumed
-        assert len(checked) == 3 and all(c["ok"] and c["ratio"] == pytest.approx(1.0, abs=1e-5)
+        tolerance = {"fp32": 1e-5, "bf16": 0.02}[precision]
+        assert len(checked) == 3 and all(c["ok"] and c["precision"] == precision
+                                         and c["ratio"] == pytest.approx(1.0, abs=tolerance)
                                          for c in checked)
         assert record["watch"]["world_size"] == 2 and record["watch"]["gathered"]
     assert len(saved) == 1                             # one record, rank 0's

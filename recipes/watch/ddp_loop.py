@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ampdoctor
 
 
-def train(bug, rank, world, watched, steps=8, K=4, b=8, out=None, every=3):
+def train(bug, rank, world, watched, steps=8, K=4, b=8, out=None, every=3, precision="fp32"):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.ReLU(), nn.Linear(32, 1))
     model = DDP(net)
@@ -47,7 +47,8 @@ def train(bug, rank, world, watched, steps=8, K=4, b=8, out=None, every=3):
             if bug == "zero-grad-inside-accumulation" and rank == 1:
                 opt.zero_grad()  # BUG: zero-grad-inside-accumulation
             with model.no_sync() if not last else contextlib.nullcontext():
-                loss = criterion(model(x), y)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                    loss = criterion(model(x).float(), y)
                 if bug != "missing-accumulation-average":
                     loss = loss / K
                 loss.backward()  # BUG: missing-accumulation-average
@@ -62,13 +63,15 @@ def main():
     parser.add_argument("--bug", default="none")
     parser.add_argument("--out", required=True)
     parser.add_argument("--result", required=True)
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        watched, watch = train(args.bug, rank, world, True, out=args.out)
-        plain, _ = train(args.bug, rank, world, False)
+        watched, watch = train(args.bug, rank, world, True, out=args.out,
+                               precision=args.precision)
+        plain, _ = train(args.bug, rank, world, False, precision=args.precision)
     identical = all(torch.equal(a, b) for a, b in zip(watched.state_dict().values(),
                                                       plain.state_dict().values(), strict=True))
     result = {"rank": rank, "identical": identical, "record": watch.record,
