@@ -34,7 +34,8 @@ from ..deciders import Observed
 from ..findings import Finding, Location, Severity, location
 from ..probe.callsite import CallSiteFinder, Site
 from .checks import COUNT_WINDOWS, RUNG, CountChecks, Window, built_at
-from .replay import ReplayCheck, device_of, precision_now
+from .distributed import DistributedReplay, ranks_record, unwrap, writes_record
+from .replay import device_of, precision_now
 
 #: optimizer steps between two expensive checks, by default
 DEFAULT_EVERY = 500
@@ -52,7 +53,7 @@ class WatchError(AssertionError):
         super().__init__(f"ampdoctor watch: {finding.kind}{loc}: {finding.message}")
 
 
-class Watch(CountChecks, ReplayCheck):
+class Watch(CountChecks, DistributedReplay):
     """The sentinel of one training run (see the module docstring). Use it as a context
     manager around the loop; `batches(iterable)` hands the loop its micro-batches and keeps
     those of a checked window."""
@@ -68,7 +69,11 @@ class Watch(CountChecks, ReplayCheck):
             raise ValueError(f"every must be >= 1, not {every}")
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', not {on_error!r}")
-        self.model, self.optimizer = model, optimizer
+        # the module and optimizer a DDP or Fabric wrapper holds are hooked and replayed (a
+        # replay through DDP's forward would arm its reducer, Fabric's would autocast); under
+        # DDP the ranks' references are averaged
+        self.wrapper, self.wrapped_optimizer = model, optimizer
+        self.model, self.optimizer, self.group = unwrap(model, optimizer)
         self.K = int(accumulation_steps)
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.scheduler = scheduler
@@ -113,7 +118,8 @@ class Watch(CountChecks, ReplayCheck):
         self._patch_attr(torch.Tensor, "backward", self._wrap_backward(torch.Tensor.backward))
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             self._patch_attr(owner, "clip_grad_norm_", self._wrap_clip(owner.clip_grad_norm_))
-        for obj in (self.optimizer, self.model):
+        for obj in {id(o): o for o in (self.optimizer, self.model, self.wrapper,
+                                            self.wrapped_optimizer)}.values():
             self._patch_instance(obj, "zero_grad", self._wrap_zero_grad(obj.zero_grad))
         if self.scaler is not None:
             self._patch_instance(self.scaler, "step", self._wrap_scaler_step(self.scaler.step))
@@ -131,8 +137,9 @@ class Watch(CountChecks, ReplayCheck):
         if self.skips and exc[0] is None:
             with contextlib.suppress(WatchError):
                 self._judge_skips()
-        self.record = self._make_record()
-        if self.out is not None:
+        self.record = self._make_record() if self.group is None \
+            else ranks_record(self, gathered=exc[0] is None)
+        if self.out is not None and writes_record(self.group):
             from ..record import save
             self.record["path"] = str(save(self.record, Path(self.out)))
 
@@ -207,9 +214,14 @@ class Watch(CountChecks, ReplayCheck):
         watch = self
 
         def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            if watch._replaying:        # a replayed training_step's: the run's .grad stays
+                return None
             w = watch.window
-            if w.backwards and w.zero_grad_after is None:
-                w.zero_grad_after, w.zero_grad_site = w.backwards, watch._site()
+            if w.backwards:
+                # the last zero_grad decides what the step keeps; the first names the line
+                if w.zero_grad_after is None:
+                    w.zero_grad_site = watch._site()
+                w.zero_grad_after = w.backwards
             return original(*args, **kwargs)
         return zero_grad
 
@@ -266,10 +278,15 @@ class Watch(CountChecks, ReplayCheck):
         watch = self
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            if watch._replaying:        # a replayed training_step's: the schedule stays
+                return None
             w = watch.window
             w.scheduler_steps += 1
-            if w.scheduler_site is None:
-                w.scheduler_site = watch._site()
+            # the line: a call the user's code makes itself over one a framework makes for it
+            # (Lightning steps the scheduler after each optimizer step)
+            direct = not watch.finder._classify(sys._getframe(1).f_code.co_filename)[0]
+            if w.scheduler_site is None or (direct and not w.scheduler_direct):
+                w.scheduler_site, w.scheduler_direct = watch._site(), direct
                 watch.scheduler_site = watch.scheduler_site or w.scheduler_site
             if watch.skips and watch.skips[-1] == watch.windows - 1 and w.backwards == 0:
                 watch.scheduler_on_skip.append(watch.windows - 1)
@@ -294,7 +311,34 @@ class Watch(CountChecks, ReplayCheck):
         return step
 
     # ------------------------------------------------------------------ the optimizer step
-    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        # torch hands the hook the step's arguments with the optimizer first
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._step_now()
+            return None
+        # `optimizer.step(closure)` (Lightning, LBFGS): the window's last backward runs in the
+        # closure, inside the step: the step is judged when the closure returns (once)
+        done: list[bool] = []
+
+        def judged_closure() -> Any:
+            result = closure()
+            if not done:
+                done.append(True)
+                self._step_now()
+            return result
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": judged_closure}
+        return (args[0], judged_closure, *args[2:]), kwargs
+
+    def _explained(self, w: Window) -> str | None:
+        # one backward per step where K were meant: the replay of that one micro-batch shows
+        # the loss's 1/K, which is the step count's consequence (judged after the first steps)
+        if self.K > 1 and w.backwards == 1:
+            return "step-per-microbatch"
+        return super()._explained(w)
+
+    def _step_now(self) -> None:
         if self._in_scaler_step:
             self._stepped_in_scaler = True
         if self.window.batches and self.window.backwards:
@@ -337,7 +381,11 @@ class Watch(CountChecks, ReplayCheck):
         text = f"ampdoctor watch: {finding.severity} {finding.kind}"
         if finding.location is not None:
             text += f" at {finding.location.file}:{finding.location.line}"
-        warnings.warn(f"{text}: {finding.message}", stacklevel=4)
+        self._say(f"{text}: {finding.message}", finding)
+
+    def _say(self, text: str, finding: Finding) -> None:
+        """Tell the user of a finding (a framework's callback says it its framework's way)."""
+        warnings.warn(text, stacklevel=5)
 
     def _make_record(self) -> dict[str, Any]:
         from ..runner import blank_record, environment

@@ -31,7 +31,7 @@ class Window:
 
     backwards: int = 0
     backward_site: Site | None = None
-    zero_grad_after: int | None = None        # backwards before a zero_grad inside the window
+    zero_grad_after: int | None = None        # backwards before the last zero_grad inside it
     zero_grad_site: Site | None = None
     unscaled: bool = False
     clip_norm: float | None = None            # what the clip returned (the pre-clip norm)
@@ -39,6 +39,7 @@ class Window:
     clip_scaled: bool = False                 # the clip saw still-scaled gradients
     scheduler_steps: int = 0
     scheduler_site: Site | None = None
+    scheduler_direct: bool = False            # that line called the scheduler itself
     batches: list[Any] = field(default_factory=list)
     rng: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
     precision: str = "fp32"

@@ -1,0 +1,105 @@
+"""A LightningModule trained by a real `lightning.Trainer` and watched by ampdoctor's
+`WatchCallback` the documented way (docs/watch.md). `bug` plants one of the classic mistakes;
+the lines that carry them are marked `# BUG: <kind>` (tests/test_watch_lightning.py reads them).
+
+Automatic optimization (Lightning accumulates and divides by `accumulate_grad_batches`) unless
+the bug is one of manual optimization's, where `training_step` accumulates K micro-batches itself.
+"""
+
+import warnings
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ampdoctor.sentinel.lightning import WatchCallback
+
+MANUAL = ("manual", "step-per-microbatch", "zero-grad-inside-accumulation",
+          "missing-accumulation-average")
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, bug="none", K=4, width=32, dropout=0.1):
+        super().__init__()
+        self.bug, self.K = bug, K
+        self.net = nn.Sequential(nn.Linear(16, width), nn.Dropout(dropout), nn.ReLU(),
+                                 nn.Linear(width, 1))
+        self.automatic_optimization = bug not in MANUAL
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        self.log("train_loss", loss)
+        if self.bug == "double-average":
+            loss = loss / self.trainer.accumulate_grad_batches  # BUG: double-average
+        if self.bug == "scheduler-per-microbatch":
+            self.lr_schedulers().step()  # BUG: scheduler-per-microbatch
+        opt = self.optimizers()
+        if self.bug in ("zero-grad-inside-accumulation", "zero-grad-in-training-step"):
+            opt.zero_grad()  # BUG: zero-grad-inside-accumulation
+        if self.automatic_optimization:
+            return loss
+        if self.bug != "missing-accumulation-average":
+            loss = loss / self.K
+        self.manual_backward(loss)  # BUG: step-per-microbatch # BUG: missing-accumulation-average
+        if self.bug == "step-per-microbatch" or (batch_idx + 1) % self.K == 0:
+            opt.step()
+            opt.zero_grad()
+        return None
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loss_fn(module, batch):
+    """One micro-batch's loss, for the replay of manual optimization."""
+    x, y = batch
+    return nn.functional.mse_loss(module.net(x).float(), y)
+
+
+def train(bug="none", precision="32-true", steps=12, K=4, b=8, watched=True, every=5,
+          on_error="warn", out=None, clip=None, logger=False, root=None, devices=1,
+          **callback):
+    torch.manual_seed(0)
+    module = Regressor(bug, K)
+    data = torch.randn(steps * K * b, 16, generator=torch.Generator().manual_seed(1))
+    loader = DataLoader(TensorDataset(data, data[:, :1] * 0.5), batch_size=b, shuffle=False)
+    manual = bug in MANUAL
+    options = {"accumulation_steps": K, "loss_fn": loss_fn} if manual else {}
+    options.update(callback)
+    cb = WatchCallback(every=every, on_error=on_error, out=out, name=f"lightning {bug}",
+                       **options) if watched else None
+    trainer = pl.Trainer(
+        max_steps=steps * (K if manual else 1), accumulate_grad_batches=1 if manual else K,
+        precision=precision, accelerator="cpu", devices=devices, gradient_clip_val=clip,
+        strategy="ddp" if devices > 1 else "auto",
+        callbacks=[cb] if cb is not None else [], logger=logger, default_root_dir=root,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(module, loader)
+    return module, cb, trainer
+
+
+def main():
+    """Under `torchrun --nproc-per-node 2 lightning_module.py BUG OUT RESULT`: the DDP strategy
+    on 2 CPU ranks (each its DistributedSampler shard); every rank writes its callback's record
+    and its final weights to RESULT."""
+    import json
+    import sys
+    from pathlib import Path
+
+    bug, out, result = sys.argv[1:4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        watched, cb, trainer = train(bug, steps=6, every=2, out=out, devices=2)
+        plain, _, _ = train(bug, steps=6, watched=False, devices=2)
+    identical = all(torch.equal(a, b) for a, b in zip(watched.state_dict().values(),
+                                                      plain.state_dict().values(), strict=True))
+    Path(result, f"rank{trainer.global_rank}.json").write_text(
+        json.dumps({"identical": identical, "record": cb.record}, default=str))
+
+
+if __name__ == "__main__":
+    main()

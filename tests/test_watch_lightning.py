@@ -1,0 +1,237 @@
+"""`ampdoctor.sentinel.lightning.WatchCallback`: the sentinel as a Lightning callback, with the
+real installed `lightning` Trainer on CPU (issue 37, part 2).
+
+The module is `recipes/watch/lightning_module.py`; each bug is planted by an argument and marked
+`# BUG: <kind>` on its line. Every check runs a real `Trainer.fit`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+import ampdoctor
+from ampdoctor.ddp.launch import free_port
+from conftest import RECIPES, marked_line
+
+MODULE = RECIPES / "watch" / "lightning_module.py"
+sys.path.insert(0, str(MODULE.parent))
+from lightning_module import train  # noqa: E402
+
+
+def _fit(bug="none", precision="32-true", **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return train(bug, precision, **kwargs)
+
+
+def _found(cb):
+    return {f["kind"]: f for f in cb.record["findings"]}
+
+
+@pytest.mark.parametrize(("precision", "clip"), [("32-true", None), ("bf16-mixed", 0.05),
+                                                 ("32-true", 0.05)])
+def test_the_training_is_bit_identical_with_the_callback(precision, clip):
+    """12 optimizer steps of 4 micro-batches, dropout on, a check every 2 steps: the weights and
+    the random state end as they end without the callback."""
+    watched, cb, _ = _fit("none", precision, clip=clip, every=2)
+    rng_watched = torch.get_rng_state()
+    plain, _, _ = _fit("none", precision, clip=clip, watched=False)
+    for (name, a), b in zip(watched.state_dict().items(), plain.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(rng_watched, torch.get_rng_state())
+    assert len(cb.record["watch"]["checked"]) >= 5
+    assert cb.record["verdict"] == "healthy"
+
+
+@pytest.mark.parametrize(("precision", "clip"), [("32-true", None), ("32-true", 0.05),
+                                                 ("bf16-mixed", None), ("bf16-mixed", 0.05)])
+def test_a_healthy_module_is_silent(precision, clip):
+    _, cb, trainer = _fit("none", precision, clip=clip)
+    assert cb.record["verdict"] == "healthy" and cb.record["findings"] == []
+    checked = cb.record["watch"]["checked"]
+    assert checked and all(c["ok"] for c in checked) and checked[0]["step"] == 1
+    assert checked[0]["precision"] == {"32-true": "fp32", "bf16-mixed": "bf16"}[precision]
+    assert cb.record["accumulation_steps"] == trainer.accumulate_grad_batches == 4
+    assert cb.record["optimizer_steps"] == trainer.global_step == 12
+
+
+def test_a_healthy_manual_optimization_module_is_silent():
+    _, cb, _ = _fit("manual")
+    assert cb.record["verdict"] == "healthy" and cb.record["findings"] == []
+    assert cb.record["watch"]["checked"] and all(c["ok"] for c in cb.record["watch"]["checked"])
+
+
+@pytest.mark.parametrize(("precision", "clip"), [("32-true", None), ("bf16-mixed", 0.05)])
+def test_a_training_step_that_divides_by_k_itself_is_a_double_average(precision, clip):
+    _, cb, _ = _fit("double-average", precision, clip=clip)
+    found = _found(cb)
+    assert list(found) == ["double-average"] and cb.record["verdict"] == "failed"
+    finding = found["double-average"]
+    assert finding["severity"] == "error" and finding["rung"] == "watch"
+    assert finding["evidence"]["measured"] == pytest.approx(0.25, rel=0.02)
+    assert finding["evidence"]["factor"] == 0.25
+    assert finding["location"]["line"] == marked_line(MODULE, "double-average")
+    assert finding["location"]["file"].endswith("lightning_module.py")
+
+
+#: bug -> (kind, evidence that must hold): manual optimization's first, then automatic's
+BROKEN = {
+    "step-per-microbatch": ("step-per-microbatch",
+                            {"backwards_per_step": [1, 1, 1], "expected": 4}),
+    # zero_grad at every micro-batch: the last zero_grad leaves the last micro-batch's gradient
+    "zero-grad-inside-accumulation": ("zero-grad-inside-accumulation",
+                                      {"measured": 1, "expected": 4}),
+    "missing-accumulation-average": ("missing-accumulation-average",
+                                     {"measured": 4.0, "factor": 4}),
+    # automatic optimization: zero_grad from training_step (the replay's call does nothing)
+    "zero-grad-in-training-step": ("zero-grad-inside-accumulation",
+                                   {"measured": 1, "expected": 4}),
+    # the module's own scheduler step besides Lightning's, once per optimizer step
+    "scheduler-per-microbatch": ("scheduler-per-microbatch", {"measured": 5, "expected": 1}),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(BROKEN))
+def test_each_bug_is_named_at_its_line_and_the_training_is_unchanged(bug):
+    watched, cb, _ = _fit(bug)
+    kind, evidence = BROKEN[bug]
+    found = _found(cb)
+    assert list(found) == [kind], found
+    finding = found[kind]
+    assert finding["severity"] == "error"
+    assert finding["location"]["line"] == marked_line(MODULE, kind)
+    for key, value in evidence.items():
+        assert finding["evidence"][key] == pytest.approx(value), (key, finding["evidence"])
+    # the replayed training_step's own zero_grad / scheduler step touch nothing of the run
+    plain, _, _ = _fit(bug, watched=False)
+    for a, b in zip(watched.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_on_error_raise_stops_fit_with_the_finding():
+    with pytest.raises(ampdoctor.WatchError, match="double-average") as info:
+        _fit("double-average", on_error="raise")
+    assert info.value.finding.location.line == marked_line(MODULE, "double-average")
+
+
+def test_on_error_stop_ends_the_fit_cleanly(tmp_path):
+    _, cb, trainer = _fit("double-average", on_error="stop", out=tmp_path)
+    assert trainer.should_stop and trainer.global_step == 2     # stopped after the checked step
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert saved["verdict"] == "failed" and saved["findings"][0]["kind"] == "double-average"
+
+
+def test_findings_go_to_the_logger_and_as_a_lightning_warning(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+    logger = CSVLogger(tmp_path, name="run")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        train("double-average", logger=logger)
+    texts = [str(w.message) for w in said if "ampdoctor watch" in str(w.message)]
+    assert texts and "double-average" in texts[0] and "lightning_module.py:" in texts[0]
+    header = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()[0]
+    assert "ampdoctor/double-average" in header.split(",")
+
+
+def test_what_it_cannot_watch_is_refused_plainly():
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from ampdoctor.sentinel.lightning import WatchCallback
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+            self.automatic_optimization = False
+
+        def training_step(self, batch, batch_idx):
+            return None
+
+        def configure_optimizers(self):
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1),
+                    torch.optim.SGD(self.b.parameters(), lr=0.1)]
+
+    loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=2)
+    trainer = pl.Trainer(max_steps=1, accelerator="cpu", logger=False, callbacks=[
+        WatchCallback(accumulation_steps=2)], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ValueError, match="one optimizer; configure_optimizers gave 2"):
+        trainer.fit(TwoOptimizers(), loader)
+    with pytest.raises(ValueError, match="manual optimization.*accumulation_steps=K"):
+        train("manual", accumulation_steps=None)
+    with pytest.raises(ValueError, match="on_error"):
+        WatchCallback(on_error="panic")
+
+
+def test_importing_ampdoctor_does_not_import_lightning():
+    code = ("import sys, ampdoctor; ampdoctor.watch; "
+            "print('lightning' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "True"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["none", "double-average"])
+def test_under_the_ddp_strategy_each_rank_checks_and_rank_0_writes_one_record(bug, tmp_path):
+    """`Trainer(strategy="ddp", devices=2)` under torchrun, 2 gloo ranks on CPU, each on its
+    DistributedSampler shard: the reference is the mean of the ranks' replays."""
+    import os
+    out, result = tmp_path / "out", tmp_path / "result"
+    out.mkdir()
+    result.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(MODULE),
+         bug, str(out), str(result)], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list(out.glob("*.json"))) == 1
+    for rank in (0, 1):
+        held = json.loads((result / f"rank{rank}.json").read_text())
+        record = held["record"]
+        assert held["identical"] and record["watch"]["world_size"] == 2
+        ratios = [c["ratio"] for c in record["watch"]["checked"]]
+        expected = 1.0 if bug == "none" else 0.25
+        assert len(ratios) == 3 and all(r == pytest.approx(expected, rel=1e-4) for r in ratios)
+        kinds = [f["kind"] for f in record["findings"]]
+        assert kinds == ([] if bug == "none" else ["double-average"])
+        if kinds:
+            assert record["findings"][0]["evidence"]["rank"] == [0, 1]
+            assert record["findings"][0]["location"]["line"] == marked_line(MODULE, bug)
+
+
+# ------------------------------------------------------------------------------ Fabric
+FABRIC = RECIPES / "watch" / "fabric_loop.py"
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_fabric_loop_watched_as_it_is_set_up(precision):
+    """`ampdoctor.watch(model, optimizer, ...)` with the objects `fabric.setup` returned: the
+    module and optimizer inside are hooked and replayed (Fabric's forward would autocast the
+    replay); silent and bit-identical when healthy, a missing ÷K named at its line."""
+    from fabric_loop import train as fabric_train
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        watched, watch = fabric_train("none", precision)
+        plain, _ = fabric_train("none", precision, watched=False)
+        _, broken = fabric_train("missing-accumulation-average", precision)
+    for a, b in zip(watched.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    assert watch.record["verdict"] == "healthy" and len(watch.checked) == 3
+    assert {c["precision"] for c in watch.checked} == {"32-true": {"fp32"},
+                                                      "bf16-mixed": {"bf16"}}[precision]
+    (finding,) = broken.findings
+    assert finding.kind == "missing-accumulation-average"
+    assert finding.evidence["measured"] == pytest.approx(4.0, rel=0.01)
+    assert finding.location.line == marked_line(FABRIC, "missing-accumulation-average")
