@@ -176,6 +176,14 @@ def _notes(ss: ScriptSession, source: ScriptSource) -> set[str]:
     if dropout:
         notes.add("dropout was off in every run (" + ", ".join(dropout[:3]) + "): a reference "
                   "over the whole window cannot draw the micro-batches' masks")
+    fp32 = ss.traces.get("fp32")
+    draws = fp32.outcome.expected_draws if fp32 is not None else []
+    if draws:
+        notes.add("random draws in the model's forward took their expected values in every run "
+                  "(" + ", ".join(draws[:3]) + "): a keep-mask is its probability (stochastic "
+                  "depth passes its input through), a uniform draw its midpoint, a normal draw "
+                  "its mean; a reference over the whole window would draw them in another "
+                  "order than the micro-batches")
     return notes
 
 
