@@ -28,6 +28,7 @@ from ..rules.scale_state import (
     runtime_double_scaling,
     violation_findings,
 )
+from .lrs import lr_mismatch
 from .session import ScriptSession, ScriptTrace
 
 NO_REFERENCE = ("no reference to compare the updates with: give --reference-args, the "
@@ -119,7 +120,11 @@ def reproducibility(ss: ScriptSession) -> RungResult:
 def fp32_accum_rung(ss: ScriptSession) -> RungResult:
     rung = RungId.FP32_ACCUM
     if ss.has_reference:
-        return fp32_accum.run(ss)  # type: ignore[arg-type]
+        result = fp32_accum.run(ss)  # type: ignore[arg-type]
+        if result.status is Status.FAIL:
+            return result
+        lr = lr_mismatch(ss, ss.trace("fp32"))
+        return result if lr is None else conclude(rung, [*result.findings, lr], "")
     trace = ss.trace("fp32")
     return _without_reference(ss, trace, rung)
 

@@ -108,6 +108,8 @@ class ScriptSession:
         #: rows of the reference's first window (its batch, K x b), when it ran
         self.reference_rows = 0
         self.reference_probe: Outcome | None = None
+        #: the whole-window reference run of the fp32 run's windows (teacher-forced)
+        self.window_reference: Outcome | None = None
         #: why the reference cannot be used (None: it can, or was not asked for)
         self.unaligned: str | None = None
         #: each run's captured output, in the order the runs ran
@@ -157,8 +159,7 @@ class ScriptSession:
                 os.unlink(log)
 
     def start(self) -> ScriptTrace:
-        """The fp32 run of the script (and first the reference's first window, when asked
-        for, to learn K x b): what the rest of the diagnose is built on."""
+        """The fp32 run (first the reference's first window, if any, for K x b)."""
         if self.command.reference_args is not None:
             cmd_args = self.command.reference_args
             first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
@@ -340,8 +341,9 @@ class ScriptSession:
             raise UserCodeError(
                 "the script run with --reference-args (the fp32 reference) raised: "
                 f"{ref.error.get('text')}", location=_where(ref.error))
-        if self.unaligned is None and trace.precision == "fp32":
-            self.unaligned = self._misaligned(trace, ref)
+        if trace.precision == "fp32":
+            self.window_reference = ref
+            self.unaligned = self.unaligned or self._misaligned(trace, ref)
         for window, (state, group) in enumerate(states):
             # (a window without a step borrowed the weights before it: not its reference)
             if group >= 0 and window < len(ref.ref_grads) and ref.ref_grads[window]:
