@@ -24,6 +24,10 @@ BATCH_FLAGS = ("batch_size", "micro_batch_size", "bs", "per_device_train_batch_s
                "per_device_batch_size", "per_gpu_train_batch_size", "batch_size_per_device",
                "batch_size_per_gpu", "train_micro_batch_size_per_gpu", "device_batch_size",
                "local_batch_size", "micro_batch", "mini_batch_size", "train_batch_size", "batch")
+#: a total (global, effective) batch per optimizer step from which the script derives K itself
+#: (build-nanogpt / llm.c: `grad_accum_steps = total_batch_size // (B * T)`)
+TOTAL_FLAGS = ("total_batch_size", "global_batch_size", "effective_batch_size", "total_batch",
+               "global_batch", "batch_size_total", "tokens_per_step", "total_batch_tokens")
 CLIP_FLAGS = ("max_grad_norm", "clip_grad", "grad_clip", "clip_norm", "max_norm", "clip")
 
 

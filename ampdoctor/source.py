@@ -65,6 +65,9 @@ class ScriptSource(BaseModel):
     reference_origin: Origin | None = None
     #: how an inferred reference was read from the script ("--accum-steps 4 (ARGS) -> 1, ...")
     reference_how: str | None = None
+    #: the reference is the run's args with this batch option set to K x b, once the first fp32
+    #: step shows K (a script that derives K from a total batch)
+    reference_batch_option: str | None = None
     optimizer_steps: StrictInt = Field(default=3, ge=1, le=1_000_000)
     timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0)
     device: str = "auto"

@@ -253,3 +253,42 @@ def test_the_option_names_of_common_repositories_are_read(tmp_path, k_option, ba
                       "args = p.parse_args()\n")
     inferred = infer_reference(str(script), [], cwd=str(tmp_path))
     assert inferred.args == [k_option, "1", batch_option, "32"]
+
+
+TOTAL_BATCH = SCRIPTS / "total_batch_lm.py"
+
+
+def test_a_script_that_derives_k_from_a_total_batch_defers_the_batch():
+    """build-nanogpt's shape: no K option, `grad_accum_steps = total_batch_size // (B * T)`:
+    the reference is the run's own args with the batch option at K x b, once K is seen."""
+    inferred = infer_reference(str(TOTAL_BATCH), ["-B", "2"])
+    assert inferred.deferred and inferred.args == ["-B", "2"]
+    assert (inferred.k_option, inferred.batch_option) == ("--total_batch_size",
+                                                          "--micro_batch_size")
+
+
+@pytest.mark.xdist_group("script_mode")
+@pytest.mark.parametrize("bug", ["none", "no-average"])
+def test_a_total_batch_script_is_diagnosed_with_the_batch_set_after_a_first_step(tmp_path,
+                                                                                 bug):
+    result = run_cli("diagnose", TOTAL_BATCH, "--json", "--out", tmp_path / "runs", "--",
+                     "-B", "2", "--bug", bug)
+    record = result.record
+    # K = 256 tokens / (2 x 16) = 8 micro-batches of 2 rows: the reference sets -B to 16
+    assert record["accumulation_steps"] == 8
+    assert record["reference_args"] == ["-B", "16", "--bug", bug]
+    assert record["reference_args_origin"] == "inferred"
+    assert "reference: --micro_batch_size K x the micro-batch" in result.stderr
+    assert any("its first fp32 step showed K = 8 micro-batches of 2" in n
+               for n in record["notes"])
+    if bug == "none":
+        assert result.returncode == 0, result.stderr
+        assert record["findings"] == []
+        assert {r["id"]: r["status"] for r in record["rungs"]}["fp32-accum"] == "pass"
+    else:
+        assert result.returncode == 1, result.stderr
+        found = next(f for f in record["findings"] if f["severity"] == "error")
+        assert (found["rung"], found["kind"]) == ("fp32-accum", "missing-accumulation-average")
+        assert found["location"]["line"] == marked_line(TOTAL_BATCH,
+                                                        "missing-accumulation-average")
+        assert found["evidence"]["measured"] == pytest.approx(8.0, rel=1e-3)

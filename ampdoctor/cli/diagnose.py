@@ -90,6 +90,11 @@ def diagnose(
             stderr_console().print(f"reference: {shlex.join(source.reference_args)} (inferred: "
                                    f"{source.reference_how})", markup=False, highlight=False,
                                    soft_wrap=True)
+        elif source.reference_batch_option is not None:
+            stderr_console().print(f"reference: {source.reference_batch_option} K x the "
+                                   "micro-batch, K read from a first fp32 step (inferred: "
+                                   f"{source.reference_how})", markup=False, highlight=False,
+                                   soft_wrap=True)
         raise typer.Exit(diagnose_here(source, json_out, debug, out, ci=ci, verbose=verbose))
     if script_args or reference_args is not None or no_reference:
         raise typer.Exit(fail(UsageError("arguments after the spec, --reference-args and "

@@ -48,4 +48,7 @@ def script_source_of(script: Path, args: list[str], reference_args: str | None,
                              "--no-reference runs only the checks that need none (the "
                              "verdict is then at best inconclusive)", cause=exc) from exc
         reference, origin, how = inferred.args, "inferred", inferred.how
+        if inferred.deferred:
+            reference = None
+            overrides = {**overrides, "reference_batch_option": inferred.batch_option}
     return script_source(script, args, reference, origin, reference_how=how, **overrides)

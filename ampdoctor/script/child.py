@@ -43,7 +43,7 @@ from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecor
 from ..probe.observer import ProbeSettings
 from ..probe.trace import WeightCast, weight_cast
 from ..safetext import exc_text, safe_str
-from . import files, forcing, prefork
+from . import expectation, files, forcing, prefork
 
 
 @dataclass
@@ -108,6 +108,9 @@ class Outcome:
     cast: WeightCast | None = None
     injected: dict[str, Any] | None = None
     dropout: list[str] = field(default_factory=list)
+    #: the random draws of the model's forward that took their expected values
+    #: (`expectation`): "file:line name" of the first few
+    expected_draws: list[str] = field(default_factory=list)
     #: the model's modules that normalised over the batch (BatchNorm in training mode) at its
     #: first micro-batch forward: their statistics are the micro-batch's own
     batch_stats: list[str] = field(default_factory=list)
@@ -170,6 +173,7 @@ class ScriptProbe:
         self.finder = finder
         self.probe = recorder.Probe(finder)
         self.out = Outcome()
+        self.expectation = expectation.Expectation(finder)
         self.modules: list[tuple[weakref.ref, Site | None]] = []
         self.roots: list[torch.nn.Module] = []
         self.model: torch.nn.Module | None = None
@@ -239,6 +243,8 @@ class ScriptProbe:
         if id(first) not in self.hooked:
             self.hooked.add(id(first))
             first.register_forward_pre_hook(self.on_forward, with_kwargs=True)
+        for root in self.roots:
+            self.expectation.track(root)
 
     # --- each micro-batch forward ---------------------------------------------------------
     def _count_windows(self) -> None:
@@ -320,6 +326,8 @@ def run(job: Job) -> Outcome:
             patches.installed(lambda p: files.install(overlay, p))).patched
         patched += stack.enter_context(
             patches.installed(lambda p: forcing.install(probe, p))).patched
+        patched += stack.enter_context(
+            patches.installed(lambda p: expectation.install(probe.expectation, p))).patched
         # a preloaded library's own copy of a patched function points at the patched one
         prefork.rebind(patched)
         stack.enter_context(recorder.observing(ProbeSettings(dropout_off=True)))
@@ -363,6 +371,7 @@ def _finish(probe: ScriptProbe) -> Outcome:
     out.steps = list(p.steps)
     out.snapshots = dict(p.snapshots)
     out.backward_count = p.backward_count
+    out.expected_draws = list(probe.expectation.sites)
     out.random_site = p.random_site
     model = probe.model
     if model is not None:

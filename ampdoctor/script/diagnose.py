@@ -17,7 +17,8 @@ from typing import Any
 from ..errors import AmpdoctorError, UsageError, UserCodeError
 from ..findings import RungResult
 from ..source import ScriptSource
-from .session import Command, ScriptSession
+from .command import Command
+from .session import ScriptSession
 
 
 def _count(n: int) -> str:
@@ -83,7 +84,8 @@ def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = No
                           list(source.reference_args) if source.reference_args is not None
                           else None, steps=source.optimizer_steps, timeout_s=source.timeout_s,
                           cwd=source.cwd, env=_environment(source.device),
-                          output_dir=output_dir if source.capture_output else None)
+                          output_dir=output_dir if source.capture_output else None,
+                          defer_batch=source.reference_batch_option)
         return _diagnose(source, command, started, on_start, on_done, on_progress)
 
 
@@ -127,6 +129,8 @@ def _diagnose(source: ScriptSource, command: Command, started: float,
                 failed["output"] = ss.outputs
             return failed, exc
     fill_record(record, results)
+    if ss.command.reference_args is not None:     # a reference inferred after a first step
+        record["reference_args"] = list(ss.command.reference_args)
     record["notes"] = sorted(_notes(ss, source))
     record["runs"] = ss.charts
     record["seconds"] = round(time.perf_counter() - started, 3)
@@ -164,7 +168,7 @@ def _notes(ss: ScriptSession, source: ScriptSource) -> set[str]:
         notes.add(f"the reference does not read the run's micro-batches: {ss.unaligned}. The "
                   "rungs that compare updates were not run; make the data the same for every "
                   "batch size (seed it, no shuffling) to compare them")
-    if source.reference_origin == "inferred":
+    if source.reference_origin == "inferred" and source.reference_batch_option is None:
         notes.add("the reference's arguments were inferred from the script's options ("
                   f"{source.reference_how}); give --reference-args to set them yourself")
     if command.reference_args is None:
@@ -176,6 +180,14 @@ def _notes(ss: ScriptSession, source: ScriptSource) -> set[str]:
     if dropout:
         notes.add("dropout was off in every run (" + ", ".join(dropout[:3]) + "): a reference "
                   "over the whole window cannot draw the micro-batches' masks")
+    fp32 = ss.traces.get("fp32")
+    draws = fp32.outcome.expected_draws if fp32 is not None else []
+    if draws:
+        notes.add("random draws in the model's forward took their expected values in every run "
+                  "(" + ", ".join(draws[:3]) + "): a keep-mask is its probability (stochastic "
+                  "depth passes its input through), a uniform draw its midpoint, a normal draw "
+                  "its mean; a reference over the whole window would draw them in another "
+                  "order than the micro-batches")
     return notes
 
 

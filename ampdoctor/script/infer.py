@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import init_script
 from ..errors import UsageError
-from ..init_script import BATCH_FLAGS, K_FLAGS, Flag
+from ..init_script import BATCH_FLAGS, K_FLAGS, TOTAL_FLAGS, Flag
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,9 @@ class Inferred:
     inferred: bool = True
     #: where each of the two values came from: "args", "default" or "config FILE"
     sources: dict[str, str] = field(default_factory=dict)
+    #: the script derives K from a total batch (`k_option`): `args` are the run's own, and the
+    #: batch option is set to K x b once the first fp32 step shows K (`references.deferred`)
+    deferred: bool = False
 
     def to_record(self) -> dict[str, Any]:
         """The record's description of the reference (`reference_inferred`)."""
@@ -196,6 +199,12 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
     if (k is None or batch is None) and builds_deepspeed_engine(tree):
         raise UsageError(f"{script} builds a DeepSpeed engine (deepspeed.initialize): its K "
                          "and micro-batch are in the DeepSpeed config. " + DEEPSPEED_HINT)
+    total = _pick(all_flags, TOTAL_FLAGS) if k is None else None
+    if total is not None and batch is not None:
+        return Inferred(args=list(args), text=f"{batch.option} K x b (inferred once K is seen)",
+                        how=f"{total.option} sets K, {batch.option} the micro-batch",
+                        K=0, micro_batch=0, k_option=total.option, batch_option=batch.option,
+                        deferred=True)
     if k is None or batch is None:
         missing = " and ".join(w for w, f in (("the gradient accumulation steps (K)", k),
                                                ("the micro-batch size", batch)) if f is None)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from ..errors import UsageError
 from ..reference import WindowReference, per_microbatch_full
 from .infer import with_batch
 
@@ -57,6 +58,30 @@ def batch_statistics(ss: ScriptSession) -> list[str]:
     """The model's modules that normalise over the batch in the fp32 run (BatchNorm)."""
     fp32 = ss.traces.get("fp32")
     return list(fp32.outcome.batch_stats) if fp32 is not None else []
+
+
+def deferred(ss: ScriptSession, batch_option: str) -> list[str]:
+    """The reference command line of a script that derives K itself from a total batch
+    (build-nanogpt: `grad_accum_steps = total_batch_size // (B * T)`): one fp32 step shows K
+    and the micro-batch b; the reference is the run's arguments with `batch_option` at K x b
+    (the total unchanged, so the script's K comes out 1). UsageError (exit 2) when the step
+    does not show them."""
+    first = ss.run(ss.job("fp32", steps=1), "fp32 run (to read K)")
+    K = first.micro_batches()
+    b = first.forwards[0].rows if first.forwards else 0
+    args = with_batch(ss.script, list(ss.command.args), K * b, ss.command.cwd) \
+        if first.error is None and first.steps and b else None
+    if args is None:
+        why = (f"it raised: {first.error.get('text')}" if first.error is not None
+               else "it made no optimizer step" if not first.steps
+               else f"{batch_option} could not be set")
+        raise UsageError(f"cannot infer the reference of {ss.script}: a first fp32 step was to "
+                         f"show K and the micro-batch, but {why}. Give --reference-args: the "
+                         f"script's arguments with {batch_option} K times the micro-batch")
+    ss.notes.add(f"the script derives K itself: its first fp32 step showed K = {K} "
+                 f"micro-batches of {b}, so the reference sets {batch_option} to {K * b} "
+                 f"({' '.join(args)}); give --reference-args to set it yourself")
+    return args
 
 
 def window_reference(ss: ScriptSession, window: int, state: Mapping[str, torch.Tensor],

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..enums import RungId, Severity, Status
@@ -28,7 +30,10 @@ from ..rules.scale_state import (
     runtime_double_scaling,
     violation_findings,
 )
+from .lrs import lr_mismatch
 from .session import ScriptSession, ScriptTrace
+
+Grads = dict[str, torch.Tensor | None]
 
 NO_REFERENCE = ("no reference to compare the updates with: give --reference-args, the "
                 "script's arguments for one micro-batch per optimizer step holding the whole "
@@ -100,9 +105,11 @@ def reproducibility(ss: ScriptSession) -> RungResult:
     summary = (f"two fp32 runs agree (max relative difference "
                f"{worst.rel_err if worst else 0:.2g}) on the same data")
     if ss.has_reference:
-        r1 = ss.reference(0, ss.initial_state, rng_seed=1)
-        r2 = ss.reference(0, ss.initial_state, rng_seed=2)
-        m = compare.metrics_of(r2.full, r1.full, ss.param_order, ss.param_shapes,
+        pair = _reference_pair(ss)
+        if pair is None:
+            pair = (ss.reference(0, ss.initial_state, rng_seed=1).full,
+                    ss.reference(0, ss.initial_state, rng_seed=2).full)
+        m = compare.metrics_of(pair[1], pair[0], ss.param_order, ss.param_shapes,
                                repeat_tolerance())
         if not m.ok:
             finding = deciders.nondeterministic_baseline(Observed(rung, Severity.ERROR,
@@ -115,11 +122,30 @@ def reproducibility(ss: ScriptSession) -> RungResult:
     return RungResult(rung, Status.PASS, summary, details={"reference_mode": "script"})
 
 
+def _reference_pair(ss: ScriptSession) -> tuple[Grads, Grads] | None:
+    """Two fp32 reference gradients of the first window at the run's initial weights from runs
+    the diagnose made anyway: the first reference run (at its own initial weights) and the one
+    teacher-forced to the fp32 run's windows. None unless the reference's own initial weights
+    are the run's (then two runs of their own are made)."""
+    first, forced = ss.reference_probe, ss.window_reference
+    if first is None or forced is None or not first.ref_grads or not forced.ref_grads \
+            or not first.ref_grads[0] or not forced.ref_grads[0]:
+        return None
+    own, run = first.initial_state or {}, ss.initial_state
+    if not own or set(own) != set(run) or any(not torch.equal(own[k], run[k]) for k in own):
+        return None
+    return first.ref_grads[0], forced.ref_grads[0]
+
+
 # --- precision rungs ---------------------------------------------------------------------
 def fp32_accum_rung(ss: ScriptSession) -> RungResult:
     rung = RungId.FP32_ACCUM
     if ss.has_reference:
-        return fp32_accum.run(ss)  # type: ignore[arg-type]
+        result = fp32_accum.run(ss)  # type: ignore[arg-type]
+        if result.status is Status.FAIL:
+            return result
+        lr = lr_mismatch(ss, ss.trace("fp32"))
+        return result if lr is None else conclude(rung, [*result.findings, lr], "")
     trace = ss.trace("fp32")
     return _without_reference(ss, trace, rung)
 

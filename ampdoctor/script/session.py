@@ -14,7 +14,7 @@ import math
 import os
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,60 +27,11 @@ from ..probe.trace import Trace
 from ..reference import WindowReference
 from . import spawn
 from .child import Job, Outcome
+from .command import Command, ScriptCode, ScriptSpec
 from .infer import DEEPSPEED_HINT
-from .references import window_reference
+from .references import deferred, window_reference
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
-
-
-@dataclass
-class Command:
-    """`ampdoctor diagnose SCRIPT.py [--steps N] [--reference-args ARGS] -- ARGS`."""
-
-    script: str
-    args: list[str]
-    reference_args: list[str] | None
-    steps: int = 3
-    timeout_s: float = 600.0
-    cwd: str = field(default_factory=os.getcwd)
-    env: dict[str, str] = field(default_factory=lambda: dict(os.environ))
-    #: where each run's output is captured (None: shown on stderr as it runs)
-    output_dir: str | None = None
-
-
-@dataclass
-class ScriptSpec:
-    """What the rungs read of `session.spec`, for a script."""
-
-    script: str
-    max_grad_norm: float | None = None
-    micro_batch_size: int | None = None
-    optimizer_steps: int = 3
-    accumulation_steps: int = 1
-    timeout_s: float = 600.0
-    seed: int = 0
-    tolerances: dict[str, Any] = field(default_factory=dict)
-    precisions: list[str] = field(default_factory=lambda: ["fp32", "bf16", "fp16"])
-    rungs: list[str] | None = None
-    keep_going: bool = False
-    dropout: str = "off"
-    device: str = "auto"
-
-    def scan_paths(self) -> list[Path]:
-        return [Path(self.script)]
-
-
-class ScriptCode:
-    """What the rungs read of `session.code`: no train_loop, no loss, the script's source."""
-
-    train_loop = None
-    loss = None
-
-    def __init__(self, script: str):
-        self.script = script
-
-    def source_files(self) -> list[str]:
-        return [self.script]
 
 
 class ScriptSession:
@@ -108,6 +59,8 @@ class ScriptSession:
         #: rows of the reference's first window (its batch, K x b), when it ran
         self.reference_rows = 0
         self.reference_probe: Outcome | None = None
+        #: the whole-window reference run of the fp32 run's windows (teacher-forced)
+        self.window_reference: Outcome | None = None
         #: why the reference cannot be used (None: it can, or was not asked for)
         self.unaligned: str | None = None
         #: each run's captured output, in the order the runs ran
@@ -157,8 +110,9 @@ class ScriptSession:
                 os.unlink(log)
 
     def start(self) -> ScriptTrace:
-        """The fp32 run of the script (and first the reference's first window, when asked
-        for, to learn K x b): what the rest of the diagnose is built on."""
+        """The fp32 run (first the reference's first window, if any, for K x b)."""
+        if self.command.reference_args is None and self.command.defer_batch is not None:
+            self.command.reference_args = deferred(self, self.command.defer_batch)
         if self.command.reference_args is not None:
             cmd_args = self.command.reference_args
             first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
@@ -340,8 +294,9 @@ class ScriptSession:
             raise UserCodeError(
                 "the script run with --reference-args (the fp32 reference) raised: "
                 f"{ref.error.get('text')}", location=_where(ref.error))
-        if self.unaligned is None and trace.precision == "fp32":
-            self.unaligned = self._misaligned(trace, ref)
+        if trace.precision == "fp32":
+            self.window_reference = ref
+            self.unaligned = self.unaligned or self._misaligned(trace, ref)
         for window, (state, group) in enumerate(states):
             # (a window without a step borrowed the weights before it: not its reference)
             if group >= 0 and window < len(ref.ref_grads) and ref.ref_grads[window]:

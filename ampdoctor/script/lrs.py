@@ -1,0 +1,92 @@
+"""A script's learning rate against its reference's, step by step.
+
+The reference is the same script with the accumulation set to 1 and the batch K times the
+micro-batch: the same training, written without accumulation. Its optimizer must see the same
+learning rate at every optimizer step as the run's. Where it does not, the script derives its
+learning rate, or its schedule's length, from the micro-batch or the number of micro-batches
+(a linear scaling rule applied to `--batch-size` alone; a schedule of `epochs * len(loader)`
+steps that runs K times too long) instead of from the optimizer step's batch and the optimizer
+steps: every update is off by the ratio of the two, though each gradient matches. The gradient
+comparison cannot see it; this check reads the learning rate each step used (group by group,
+the first optimizer) in both runs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from .. import deciders
+from ..deciders import Observed
+from ..enums import RungId, Severity
+from ..findings import Finding, location
+from ..probe.events import SchedulerStep
+
+if TYPE_CHECKING:
+    from .session import ScriptSession, ScriptTrace
+
+#: relative difference of two learning rates that counts (float32 round-trips, printing)
+LR_RTOL = 1e-5
+
+
+def _differ(a: float, b: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return a != b
+    return abs(a - b) > LR_RTOL * max(abs(a), abs(b), 1e-12)
+
+
+def lr_mismatch(ss: ScriptSession, trace: ScriptTrace) -> Finding | None:
+    """`gradient-mismatch` at the first optimizer step whose learning rate differs from the
+    reference's (fp32-accum), or None."""
+    ref = ss.window_reference
+    if ref is None or trace.error is not None:
+        return None
+    mine = [s.lrs for s in trace.steps if s.optimizer == 0]
+    theirs = [s.lrs for s in ref.steps if s.optimizer == 0]
+    for step, (used, meant) in enumerate(zip(mine, theirs, strict=False)):
+        if len(used) != len(meant):
+            return None          # another set of parameter groups: not the same optimizer
+        bad = [g for g, (a, b) in enumerate(zip(used, meant, strict=True)) if _differ(a, b)]
+        if not bad:
+            continue
+        group = bad[0]
+        run_lr, ref_lr = used[group], meant[group]
+        ratio = run_lr / ref_lr if ref_lr else math.inf
+        return _finding(ss, trace, step, group, run_lr, ref_lr, ratio)
+    return None
+
+
+def _finding(ss: ScriptSession, trace: ScriptTrace, step: int, group: int, run_lr: float,
+             ref_lr: float, ratio: float) -> Finding:
+    reference = " ".join(ss.command.reference_args or [])
+    optimizer = next((o for o in trace.outcome.optimizers if o.get("slot") == 0), None)
+    schedule = [e for e in trace.events if isinstance(e, SchedulerStep)]
+    if not schedule:
+        where = optimizer.get("site") if optimizer else None
+        cause = ("the script sets the optimizer's learning rate from the micro-batch (a "
+                 "linear scaling rule on the batch option alone?), not from the optimizer "
+                 f"step's batch of K x b = {ss.K} x {ss.spec.micro_batch_size}")
+        fix = ("compute it from the effective batch: batch size x accumulation steps "
+               "(x world size)")
+    else:
+        # at step 0 either the learning rate or the schedule's warm-up was set from the
+        # micro-batch; later, the schedule moves at another pace
+        where = (optimizer.get("site") if optimizer else None) if step == 0 \
+            else schedule[0].site
+        cause = ("the script derives the learning rate from the micro-batch, or its "
+                 "schedule (warm-up, length) from the number of micro-batches (len(loader)) "
+                 "instead of optimizer steps")
+        fix = ("compute the learning rate from the effective batch (batch size x "
+               "accumulation steps) and count the schedule in optimizer steps (len(loader) "
+               "// accumulation steps per epoch)")
+    group_text = f" (parameter group {group})" if group else ""
+    message = (f"Step {step}: the optimizer's learning rate{group_text} is {run_lr:.6g} in "
+               f"the run and {ref_lr:.6g} in the reference ({reference}), {ratio:.4g}x: "
+               f"{cause}. Each gradient matches the full-batch one, but every update is "
+               f"{ratio:.4g}x the one the same training without accumulation makes. Fix: "
+               f"{fix}.")
+    return deciders.gradient_mismatch(Observed(
+        RungId.FP32_ACCUM, Severity.ERROR, message,
+        evidence={"measured": round(ratio, 6) if math.isfinite(ratio) else str(ratio),
+                  "expected": 1.0, "step": step, "lr_used": run_lr, "lr_expected": ref_lr},
+        location=location(where)))
