@@ -33,7 +33,7 @@ from .. import deciders
 from ..deciders import Observed
 from ..findings import Finding, Location, Severity, location
 from ..probe.callsite import CallSiteFinder, Site
-from .checks import COUNT_WINDOWS, RUNG, CountChecks, Window, built_at
+from .checks import COUNT_WINDOWS, RUNG, CountChecks, LossFn, Window, built_at
 from .replay import ReplayCheck, device_of, precision_now
 
 #: optimizer steps between two expensive checks, by default
@@ -59,7 +59,7 @@ class Watch(CountChecks, ReplayCheck):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  accumulation_steps: int, scaler: Any = None, scheduler: Any = None,
-                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+                 loss_fn: LossFn | None = None,
                  every: int = DEFAULT_EVERY, on_error: str = "warn",
                  out: str | Path | None = None, name: str = "watched run"):
         if accumulation_steps < 1:
@@ -365,7 +365,7 @@ class Watch(CountChecks, ReplayCheck):
 
 def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
           accumulation_steps: int, scaler: Any = None, scheduler: Any = None,
-          loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+          loss_fn: LossFn | None = None,
           every: int = DEFAULT_EVERY, on_error: str = "warn", out: str | Path | None = None,
           name: str = "watched run") -> Watch:
     """The sentinel of a plain training loop: `with ampdoctor.watch(model, optimizer,
