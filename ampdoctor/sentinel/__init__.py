@@ -113,6 +113,11 @@ class Watch(CountChecks, ReplayCheck):
         self._patch_attr(torch.Tensor, "backward", self._wrap_backward(torch.Tensor.backward))
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             self._patch_attr(owner, "clip_grad_norm_", self._wrap_clip(owner.clip_grad_norm_))
+            # the second half of a clip split in two (accelerate's clip_grad_norm_ calls
+            # get_total_norm, then this with the norm it got)
+            if hasattr(owner, "clip_grads_with_norm_"):
+                self._patch_attr(owner, "clip_grads_with_norm_",
+                                 self._wrap_clip(owner.clip_grads_with_norm_, norm_given=True))
         for obj in (self.optimizer, self.model):
             self._patch_instance(obj, "zero_grad", self._wrap_zero_grad(obj.zero_grad))
         if self.scaler is not None:
@@ -222,19 +227,24 @@ class Watch(CountChecks, ReplayCheck):
             return original(optimizer)
         return unscale_
 
-    def _wrap_clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_clip(self, original: Callable[..., Any],
+                   norm_given: bool = False) -> Callable[..., Any]:
+        """`clip_grad_norm_(parameters, max_norm)`, which returns the norm, or (`norm_given`)
+        `clip_grads_with_norm_(parameters, max_norm, total_norm)`, which is handed it."""
         watch = self
 
-        def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
             if isinstance(parameters, torch.Tensor):
                 parameters = [parameters]
             parameters = list(parameters)
-            norm = original(parameters, max_norm, *args, **kwargs)
+            result = original(parameters, max_norm, *args, **kwargs)
+            norm = (args[0] if args else kwargs.get("total_norm")) if norm_given else result
             ours = {id(p) for p in watch.params}
-            if any(id(p) in ours for p in parameters):
+            if norm is not None and any(id(p) in ours for p in parameters):
                 watch._on_clip(norm, float(max_norm), watch._site())
-            return norm
-        return clip_grad_norm_
+            return result
+        clip.__name__ = getattr(original, "__name__", "clip_grad_norm_")
+        return clip
 
     def _on_clip(self, norm: Any, max_norm: float, site: Site | None) -> None:
         w = self.window
