@@ -123,12 +123,52 @@ def test_a_model_loss_that_ignores_num_items_is_a_weighted_average_mismatch():
     assert "num_items_in_batch" in finding.fix
 
 
+@pytest.mark.parametrize("ragged", [True, False])
+def test_a_model_loss_that_takes_loss_kwargs_and_ignores_them_is_a_missing_average(ragged):
+    """The Trainer passes num_items_in_batch and leaves the division to the loss; the loss
+    averages each micro-batch alone: K x the equal-weight mean of the micro-batch means."""
+    _, callback = _run("missing-accumulation-average", ragged=ragged)
+    found = {f.kind: f for f in callback.findings}
+    assert set(found) == {"missing-accumulation-average"}
+    finding = found["missing-accumulation-average"]
+    assert finding.location.line == marked_line(LOOP, "missing-accumulation-average")
+    assert finding.evidence["factor"] == K and finding.evidence["hypothesis_error"] < 1e-4
+    assert "num_items_in_batch" in finding.fix
+
+
 def test_on_error_raise_stops_the_trainer_and_leaves_torch_as_it_was():
     backward, clip = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_
     with pytest.raises(ampdoctor.WatchError, match="double-average") as info:
         _run("double-average", on_error="raise", steps=4)
     assert info.value.finding.location.line == marked_line(LOOP, "double-average")
     assert torch.Tensor.backward is backward and torch.nn.utils.clip_grad_norm_ is clip
+
+
+def test_an_error_in_a_training_step_leaves_torch_as_it_was(tmp_path):
+    from hf_trainer import build_model
+    from transformers import Trainer, TrainingArguments
+
+    class Failing(Trainer):
+        calls = 0
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            Failing.calls += 1
+            if Failing.calls == 6:
+                raise RuntimeError("the user's loss failed")
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+    backward, clip = torch.Tensor.backward, torch.nn.utils.clip_grad_norm_
+    model = build_model()
+    callback = ampdoctor.WatchCallback(every=1)
+    trainer = Failing(model=model, train_dataset=rows(4 * K * B), callbacks=[callback],
+                      args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                             per_device_train_batch_size=B,
+                                             gradient_accumulation_steps=K, max_steps=4,
+                                             report_to="none", disable_tqdm=True))
+    with pytest.raises(RuntimeError, match="the user's loss failed"):
+        trainer.train()
+    assert torch.Tensor.backward is backward and torch.nn.utils.clip_grad_norm_ is clip
+    assert "training_step" not in vars(trainer) and not model._forward_pre_hooks
+    assert callback.watch.record is not None
 
 
 def test_the_record_is_saved(tmp_path):

@@ -28,6 +28,7 @@ from ..probe.callsite import CallSiteFinder, Site, _torch_dir
 from . import DEFAULT_EVERY, Watch
 from .checks import LossFn
 from .frameworks import FrameworkWatch, accelerate_precision
+from .replay import ItemLoss
 
 #: the Trainer's own logger: a finding shows where the Trainer's messages show
 logger = logging.get_logger("transformers.trainer")
@@ -67,13 +68,19 @@ class _LossLine(TorchFunctionMode):
 
 def _training_step(watch: Watch, original: Any) -> Any:
     """The Trainer's `training_step` (or its override), run under `_LossLine` in a checked
-    window; the line it finds is the one a finding of that window names."""
+    window (the line it finds is the one a finding of that window names). An exception out of
+    it takes the watch out of torch first: no `on_train_end` follows it."""
 
     def training_step(*args: Any, **kwargs: Any) -> Any:
-        if not watch._checking():
-            return original(*args, **kwargs)
-        with _LossLine(watch.finder) as line:
-            result = original(*args, **kwargs)
+        try:
+            if not watch._checking():
+                return original(*args, **kwargs)
+            with _LossLine(watch.finder) as line:
+                result = original(*args, **kwargs)
+        except BaseException as error:
+            if watch._undo:
+                watch.__exit__(type(error), error, None)
+            raise
         if line.site is not None:
             watch.window.backward_site = line.site
         return result
@@ -128,11 +135,12 @@ def trainer_loss(trainer: Trainer | None) -> LossFn:
             if tokens > 0 and abs(float(loss_sum) / tokens - float(own)) \
                     <= SAME_LOSS_RTOL * max(abs(float(own)), 1e-12):
                 if not passes_items:
-                    return loss_sum, tokens
+                    return ItemLoss(loss_sum, tokens, tokens)
                 counted = inputs.get("shift_labels")
-                if isinstance(counted, torch.Tensor):
-                    return loss_sum, int(counted.ne(IGNORE_INDEX).sum())
-                return loss_sum, predicted if trainer_shifts else every
+                items = int(counted.ne(IGNORE_INDEX).sum()) \
+                    if isinstance(counted, torch.Tensor) else \
+                    (predicted if trainer_shifts else every)
+                return ItemLoss(loss_sum, items, tokens)
         return own
     return loss_fn
 

@@ -30,11 +30,25 @@ class Replayed:
     reference: list[torch.Tensor]
     equal: list[torch.Tensor] | None = None
     counts: list[float] | None = None
+    own: list[float] | None = None          # the items each micro-batch's own mean divides by
 
     @property
     def ragged(self) -> bool:
-        """Weighted, with counts that differ: the equal-weight mean is another gradient."""
-        return self.counts is not None and len(set(self.counts)) > 1
+        """Weighted, and the equal-weight mean of the micro-batch means is another gradient:
+        the counts differ, or a micro-batch's mean divides by other items than the window's."""
+        return self.counts is not None and (len(set(self.counts)) > 1 or self.own != self.counts)
+
+
+@dataclass(frozen=True)
+class ItemLoss:
+    """A `loss_fn` result of the framework callbacks: `(loss_sum, n_items)`, and the items the
+    model's own per-micro-batch mean divides `loss_sum` by where they are not `n_items` (the
+    HF Trainer's `num_items_in_batch` may count a causal LM's tokens unshifted while its loss
+    averages over the shifted ones)."""
+
+    loss_sum: torch.Tensor
+    n_items: float
+    own_items: float
 
 
 class ReplayCheck(WatchState):
@@ -183,6 +197,9 @@ class ReplayCheck(WatchState):
         weights = (f" The run weighted its micro-batches {_shown(used)}; the reference (the "
                    f"window's {_number(total)} items, counted {_shown(replayed.counts)}) "
                    f"weighs them {_shown(meant)}.")
+        if replayed.own is not None and replayed.own != replayed.counts:
+            weights += (f" Each micro-batch's own mean divides by {_shown(replayed.own)} "
+                        "items.")
         what = {"weighted-average-mismatch": ": micro-batches with few tokens count as much as "
                                              "full ones.",
                 "missing-accumulation-average": f": the loss is not divided over the window "
@@ -211,7 +228,7 @@ class ReplayCheck(WatchState):
         try:
             with torch.random.fork_rng(devices=cuda), torch.enable_grad(), \
                     _autocast_off(params):
-                total, equal, counts = self._replay_window(w, cuda)
+                total, equal, counts, own = self._replay_window(w, cuda)
         except Exception as exc:  # noqa: BLE001 - the training goes on; the check says why
             warnings.warn(f"ampdoctor watch: the replay of optimizer step {self.updates} "
                           f"failed ({type(exc).__name__}: {exc}); that window is not checked",
@@ -232,23 +249,26 @@ class ReplayCheck(WatchState):
             self.notes.append(f"optimizer step {self.updates}: no items in the window (every "
                               "n_items was 0); the window is not checked")
             return None
-        return Replayed([t / items for t in total], [e / len(counts) for e in equal], counts)
+        return Replayed([t / items for t in total], [e / len(counts) for e in equal], counts,
+                        own)
 
     def _replay_window(self, w: Window, cuda: list[torch.device]) -> tuple[
-            list[torch.Tensor], list[torch.Tensor] | None, list[float]]:
+            list[torch.Tensor], list[torch.Tensor] | None, list[float], list[float]]:
         """Each kept micro-batch's fp32 gradient under its random state: their sum, and for
-        a weighted loss the sum of each divided by its items, with the counts."""
+        a weighted loss the sum of each divided by the items of its own mean, with the
+        counts and those items."""
         assert self.loss_fn is not None
         params = self.params
         total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         equal: list[torch.Tensor] | None = None
         counts: list[float] = []
+        own: list[float] = []
         weighted: bool | None = None
         for batch, (cpu_rng, cuda_rng) in zip(w.batches, w.rng, strict=True):
             torch.set_rng_state(cpu_rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state(cuda_rng, cuda[0])
-            loss, count = _loss_and_count(self.loss_fn(self.model, batch))
+            loss, count, own_count = _loss_and_count(self.loss_fn(self.model, batch))
             if weighted is None:
                 weighted = count is not None
             if weighted != (count is not None):
@@ -256,6 +276,7 @@ class ReplayCheck(WatchState):
                                 "window and a (loss_sum, n_items) pair for others")
             if count is not None:
                 counts.append(count)
+                own.append(own_count if own_count is not None else count)
                 if equal is None:
                     equal = [torch.zeros_like(t) for t in total]
                 if count <= 0:       # no items: the micro-batch adds nothing
@@ -266,18 +287,21 @@ class ReplayCheck(WatchState):
                     continue
                 total[i].add_(g.detach().float())
                 if equal is not None and count is not None:
-                    equal[i].add_(g.detach().float(), alpha=1.0 / count)
-        return total, equal, counts
+                    equal[i].add_(g.detach().float(), alpha=1.0 / (own[-1] or count))
+        return total, equal, counts, own
 
-def _loss_and_count(out: Any) -> tuple[torch.Tensor, float | None]:
-    """A `loss_fn` result as (the loss to differentiate in fp32, its item count or None)."""
+def _loss_and_count(out: Any) -> tuple[torch.Tensor, float | None, float | None]:
+    """A `loss_fn` result as (the loss to differentiate in fp32, its item count or None, the
+    items its own mean divides by where an `ItemLoss` says)."""
+    if isinstance(out, ItemLoss):
+        return out.loss_sum.float(), float(out.n_items), float(out.own_items)
     if isinstance(out, (tuple, list)):
         if len(out) != 2:
             raise TypeError(f"loss_fn returned {len(out)} values; a (loss_sum, n_items) pair "
                             "or a scalar loss is expected")
         loss_sum, count = out
-        return loss_sum.float(), float(count)
-    return out.float(), None
+        return loss_sum.float(), float(count), None
+    return out.float(), None, None
 
 
 def _number(value: float) -> float | int:

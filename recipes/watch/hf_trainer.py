@@ -8,7 +8,9 @@ marked `# BUG: <kind>` (tests/test_watch_hf.py reads them):
   loss and divides it by K again;
 - `weighted-average-mismatch`: a model whose forward averages each micro-batch's tokens itself
   and takes no loss kwargs, so the Trainer divides each micro-batch's mean by K (the
-  accumulation bug transformers fixed in October 2024).
+  accumulation bug transformers fixed in October 2024);
+- `missing-accumulation-average`: the same model taking `**kwargs` but ignoring
+  `num_items_in_batch`: the Trainer then leaves the division to the loss, and nobody divides.
 """
 
 import contextlib
@@ -41,8 +43,16 @@ class MeanLossLM(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, labels=None):
         logits = self.lm(input_ids=input_ids, attention_mask=attention_mask).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE)  # BUG: weighted-average-mismatch
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), labels[:, 1:].reshape(-1), ignore_index=IGNORE)  # BUG: weighted-average-mismatch # BUG: missing-accumulation-average
         return {"loss": loss, "logits": logits}
+
+
+class KwargsMeanLossLM(MeanLossLM):
+    """Takes the Trainer's loss kwargs (so the Trainer does not divide by K) and ignores
+    them."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None, **kwargs):
+        return super().forward(input_ids, attention_mask, labels)
 
 
 def rows(count, seed=3, ragged=True):
@@ -66,7 +76,9 @@ def build_model(bug="none"):
     torch.manual_seed(0)
     lm = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1,
                                     n_head=2, bos_token_id=0, eos_token_id=0))
-    return MeanLossLM(lm) if bug == "weighted-average-mismatch" else lm
+    wrapper = {"weighted-average-mismatch": MeanLossLM,
+               "missing-accumulation-average": KwargsMeanLossLM}.get(bug)
+    return wrapper(lm) if wrapper is not None else lm
 
 
 def train(bug="none", precision="fp32", steps=4, K=4, b=2, watched=True, every=2,
