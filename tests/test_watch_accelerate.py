@@ -81,3 +81,15 @@ def test_the_prepared_wrappers_are_seen_through():
     assert watch.optimizer is opt and watch.scheduler is sched and watch.K == 3
     with pytest.raises(TypeError, match="Accelerator"):
         ampdoctor.watch_accelerate(model, model, popt)
+
+
+def test_the_framework_names_are_lazy():
+    """`import ampdoctor` and `ampdoctor.watch_accelerate` import neither accelerate nor
+    transformers (only `ampdoctor.WatchCallback` imports transformers: it subclasses its
+    TrainerCallback)."""
+    import subprocess
+    code = ("import sys, ampdoctor; ampdoctor.watch_accelerate; "
+            "print(sorted(m for m in ('accelerate', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["[]"]
