@@ -85,6 +85,16 @@ def test_training_is_bit_identical_with_the_callback(precision):
     assert len(callback.watch.checked) == 4          # every window but the first replayed
 
 
+def test_the_trainer_saves_checkpoints_while_watched():
+    """A checkpoint pickles the scheduler's state (its `__dict__`): nothing of the watch may be
+    in it."""
+    watched, callback = _run("none", steps=4, save_steps=2, every=1)
+    plain, _ = _run("none", steps=4, save_steps=2, watched=False)
+    assert callback.record["verdict"] == "healthy" and len(callback.watch.checked) == 3
+    for a, b in zip(watched.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_compute_loss_that_divides_by_k_again_is_a_double_average():
     handler = _Collect()
     logging.getLogger("transformers").addHandler(handler)

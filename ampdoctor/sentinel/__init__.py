@@ -19,6 +19,8 @@ a checked window, nothing between.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import sys
 import time
@@ -147,6 +149,21 @@ class Watch(CountChecks, ReplayCheck):
         self._undo.append(lambda: setattr(owner, name, original))
 
     def _patch_instance(self, obj: Any, name: str, value: Any) -> None:
+        """`obj.name` becomes `value` for `obj` alone. Patched on the class that defines the
+        method, dispatching on identity: an attribute of the instance would travel with it
+        (a scheduler's `state_dict()` is its `__dict__`, so a checkpoint would fail to pickle
+        the wrapper or load it back; `copy.deepcopy(model)` for an EMA would share it)."""
+        owner = next((c for c in type(obj).__mro__ if name in vars(c)), None)
+        method = vars(owner).get(name) if owner is not None else None
+        if owner is not None and name not in vars(obj) and inspect.isfunction(method):
+            def dispatch(this: Any, *args: Any, **kwargs: Any) -> Any:
+                if this is obj:
+                    return value(*args, **kwargs)
+                return method(this, *args, **kwargs)
+            functools.update_wrapper(dispatch, method)
+            setattr(owner, name, dispatch)
+            self._undo.append(lambda: setattr(owner, name, method))
+            return
         had = name in obj.__dict__
         original = obj.__dict__.get(name)
         obj.__dict__[name] = value

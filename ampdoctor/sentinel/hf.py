@@ -118,7 +118,11 @@ def trainer_loss(trainer: Trainer | None) -> LossFn:
 
     def loss_fn(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
         out = model(**inputs)
-        own = out["loss"] if isinstance(out, dict) else out[0]
+        own = out.get("loss") if isinstance(out, dict) else out[0]
+        if not isinstance(own, torch.Tensor):
+            raise ValueError("the model's forward returned no loss: it got no labels (the "
+                             "Trainer takes them out of the inputs for a compute_loss_func or "
+                             "label smoothing), or computes none")
         labels = inputs.get("labels")
         logits = out.get("logits") if isinstance(out, dict) else None
         if not isinstance(labels, torch.Tensor) or labels.is_floating_point() \

@@ -82,7 +82,7 @@ def build_model(bug="none"):
 
 
 def train(bug="none", precision="fp32", steps=4, K=4, b=2, watched=True, every=2,
-          on_error="warn", out=None, ragged=True, max_grad_norm=1.0):
+          on_error="warn", out=None, ragged=True, max_grad_norm=1.0, save_steps=None):
     model = build_model(bug)
     callback = WatchCallback(every=every, on_error=on_error, out=out) if watched else None
     trainer_class = DoubleAverageTrainer if bug == "double-average" else Trainer
@@ -91,8 +91,8 @@ def train(bug="none", precision="fp32", steps=4, K=4, b=2, watched=True, every=2
             output_dir=output_dir, per_device_train_batch_size=b, gradient_accumulation_steps=K,
             max_steps=steps, bf16=precision == "bf16", learning_rate=1e-3,
             max_grad_norm=max_grad_norm, train_sampling_strategy="sequential", use_cpu=True,
-            report_to="none", save_strategy="no", logging_strategy="no", disable_tqdm=True,
-            seed=0)
+            report_to="none", save_strategy="steps" if save_steps else "no",
+            save_steps=save_steps or 500, logging_strategy="no", disable_tqdm=True, seed=0)
         trainer = trainer_class(model=model, args=args,
                                 train_dataset=rows(steps * K * b, ragged=ragged),
                                 callbacks=[callback] if callback is not None else None)
