@@ -54,6 +54,17 @@ def test_a_healthy_trainer_run_is_silent(precision, max_grad_norm):
     assert checked[0]["counts"] == counted and len(set(counted)) > 1
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_healthy_loss_that_is_no_plain_cross_entropy_is_silent(precision):
+    """A z-loss added to the token cross-entropy, divided by num_items_in_batch: the watch
+    replays the model's summed loss over the Trainer's count, on ragged tokens."""
+    _, callback = _run("z-loss", precision, steps=4, every=1)
+    assert callback.record["findings"] == []
+    checked = callback.watch.checked
+    assert len(checked) == 3 and all(c["ok"] for c in checked)
+    assert len(set(checked[0]["counts"])) > 1
+
+
 def test_the_counts_are_the_trainer_s_own_num_items_in_batch():
     """The oracle is the Trainer's own count, asked of a Trainer on the same model."""
     import tempfile

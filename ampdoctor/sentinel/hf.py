@@ -104,49 +104,68 @@ def _counts(labels: torch.Tensor) -> tuple[int, int]:
 
 
 def trainer_loss(trainer: Trainer | None) -> LossFn:
-    """The loss of one micro-batch the way the Trainer weighs a whole window: the model's
-    summed token cross-entropy (recomputed from its logits, shifted or not as the model's own
-    loss is) and the items the window is divided by -- the Trainer's `num_items_in_batch`
-    count when it passes one (the model or `compute_loss_func` takes loss kwargs), else the
-    tokens the model averages over (what one forward of the whole window would average).
-    A model whose output has no logits, or labels that are not token ids, is weighed as its
-    own loss says, micro-batches equally."""
-    passes_items = trainer is not None and bool(
-        getattr(trainer, "model_accepts_loss_kwargs", False)
-        or getattr(trainer, "compute_loss_func", None) is not None)
+    """The loss of one micro-batch the way the Trainer weighs a whole window.
+
+    Where the Trainer passes `num_items_in_batch` (the model takes loss kwargs, the labels are
+    token ids), the window's loss is the sum of the micro-batches' summed losses over the
+    Trainer's count of the window's items: the model is asked for its summed loss
+    (`num_items_in_batch=1`) and the count is taken as the Trainer takes it. Otherwise the
+    Trainer divides each micro-batch's mean by K, while the full window in one forward
+    averages over all its tokens: the reference is the summed token losses over the tokens the
+    model averages over. The summed token cross-entropy is recomputed from the logits (shifted
+    or not, as the model's own loss turns out to be), so a model that ignores
+    `num_items_in_batch` is not copied; a loss that is no cross-entropy of its logits is taken
+    as the model gives it (a sum where the Trainer passes the count, else a mean weighing
+    micro-batches equally)."""
+    summing = trainer is not None and bool(getattr(trainer, "model_accepts_loss_kwargs", False))
     trainer_shifts = bool(getattr(trainer, "_loss_shifts_labels", False))
 
     def loss_fn(model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
-        out = model(**inputs)
+        labels = inputs.get("labels")
+        token_ids = isinstance(labels, torch.Tensor) and not labels.is_floating_point()
+        out = model(**inputs, num_items_in_batch=1) if summing and token_ids \
+            else model(**inputs)
         own = out.get("loss") if isinstance(out, dict) else out[0]
         if not isinstance(own, torch.Tensor):
             raise ValueError("the model's forward returned no loss: it got no labels (the "
                              "Trainer takes them out of the inputs for a compute_loss_func or "
                              "label smoothing), or computes none")
-        labels = inputs.get("labels")
-        logits = out.get("logits") if isinstance(out, dict) else None
-        if not isinstance(labels, torch.Tensor) or labels.is_floating_point() \
-                or not isinstance(logits, torch.Tensor) or logits.dim() != labels.dim() + 1:
+        if not isinstance(labels, torch.Tensor) or not token_ids:
             return own
-        logits = logits.float()
-        shifted = F.cross_entropy(logits[..., :-1, :].reshape(-1, logits.shape[-1]),
-                                  labels[..., 1:].reshape(-1), ignore_index=IGNORE_INDEX,
-                                  reduction="sum")
-        plain = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                ignore_index=IGNORE_INDEX, reduction="sum")
         every, predicted = _counts(labels)
-        for loss_sum, tokens in ((shifted, predicted), (plain, every)):
-            if tokens > 0 and abs(float(loss_sum) / tokens - float(own)) \
-                    <= SAME_LOSS_RTOL * max(abs(float(own)), 1e-12):
-                if not passes_items:
-                    return ItemLoss(loss_sum, tokens, tokens)
-                counted = inputs.get("shift_labels")
-                items = int(counted.ne(IGNORE_INDEX).sum()) \
-                    if isinstance(counted, torch.Tensor) else \
-                    (predicted if trainer_shifts else every)
-                return ItemLoss(loss_sum, items, tokens)
-        return own
+        counted = inputs.get("shift_labels")
+        items = int(counted.ne(IGNORE_INDEX).sum()) if isinstance(counted, torch.Tensor) \
+            else (predicted if trainer_shifts else every)
+        found = _token_loss(out, labels, float(own))
+        if found is None:           # not a cross-entropy of the logits: as the model gives it
+            return (own, items) if summing else own
+        loss_sum, tokens = found
+        return ItemLoss(loss_sum, items if summing else tokens, tokens)
     return loss_fn
+
+
+def _token_loss(out: Any, labels: torch.Tensor, own: float) -> tuple[torch.Tensor, int] | None:
+    """The summed token cross-entropy of the output's logits, shifted as a causal LM's or not,
+    whichever the model's own loss is (its sum, or its mean over the tokens it predicts), and
+    those tokens; None when it is neither."""
+    logits = out.get("logits") if isinstance(out, dict) else None
+    if not isinstance(logits, torch.Tensor) or logits.dim() != labels.dim() + 1:
+        return None
+    logits = logits.float()
+    vocab = logits.shape[-1]
+    shifted = F.cross_entropy(logits[..., :-1, :].reshape(-1, vocab), labels[..., 1:].reshape(-1),
+                              ignore_index=IGNORE_INDEX, reduction="sum")
+    plain = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    every, predicted = _counts(labels)
+
+    def close(value: float) -> bool:
+        return abs(own - value) <= SAME_LOSS_RTOL * max(abs(value), 1e-12)
+    for loss_sum, tokens in ((shifted, predicted), (plain, every)):
+        total = float(loss_sum)
+        if tokens > 0 and (close(total) or close(total / tokens)):
+            return loss_sum, tokens
+    return None
 
 
 class WatchCallback(TrainerCallback):

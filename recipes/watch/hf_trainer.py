@@ -11,6 +11,8 @@ marked `# BUG: <kind>` (tests/test_watch_hf.py reads them):
   accumulation bug transformers fixed in October 2024);
 - `missing-accumulation-average`: the same model taking `**kwargs` but ignoring
   `num_items_in_batch`: the Trainer then leaves the division to the loss, and nobody divides.
+
+`bug="z-loss"` is a healthy twin whose loss is no plain cross-entropy (`ZLossLM`).
 """
 
 import contextlib
@@ -55,6 +57,27 @@ class KwargsMeanLossLM(MeanLossLM):
         return super().forward(input_ids, attention_mask, labels)
 
 
+class ZLossLM(nn.Module):
+    """Healthy: a causal LM whose loss adds a z-loss (the squared log-partition of each
+    predicted token) to the cross-entropy, summed and divided by the Trainer's
+    `num_items_in_batch` (its own token count without it): not a plain cross-entropy of the
+    logits, so the watch takes the model's summed loss as it is."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, attention_mask=None, labels=None, num_items_in_batch=None,
+                **kwargs):
+        logits = self.lm(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        targets = labels[:, 1:].reshape(-1)
+        flat = logits[:, :-1].reshape(-1, VOCAB)
+        real = targets != IGNORE
+        loss_sum = F.cross_entropy(flat, targets, ignore_index=IGNORE, reduction="sum") \
+            + 1e-2 * (torch.logsumexp(flat, -1)[real] ** 2).sum()
+        return {"loss": loss_sum / (num_items_in_batch or real.sum()), "logits": logits}
+
+
 def rows(count, seed=3, ragged=True):
     """`count` sequences; the real length of each run of 4 rows drawn together (so the
     micro-batches of 2 rows differ in tokens), the rest padding."""
@@ -77,7 +100,7 @@ def build_model(bug="none"):
     lm = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=16, n_layer=1,
                                     n_head=2, bos_token_id=0, eos_token_id=0))
     wrapper = {"weighted-average-mismatch": MeanLossLM,
-               "missing-accumulation-average": KwargsMeanLossLM}.get(bug)
+               "missing-accumulation-average": KwargsMeanLossLM, "z-loss": ZLossLM}.get(bug)
     return wrapper(lm) if wrapper is not None else lm
 
 
