@@ -46,8 +46,10 @@ def test_a_healthy_accelerate_loop_is_silent(precision):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_watched_loop_trains_bit_identically(precision):
-    watched, _ = _run("none", precision, every=1)
-    plain, _ = _run("none", precision, watched=False)
+    """50 optimizer steps (dropout on, a clip, a replay every 5 steps)."""
+    watched, watch = _run("none", precision, steps=50, every=5)
+    assert len(watch.checked) == 10 and watch.record["verdict"] == "healthy"
+    plain, _ = _run("none", precision, steps=50, watched=False)
     for (name, a), b in zip(watched.state_dict().items(), plain.state_dict().values(),
                             strict=True):
         assert torch.equal(a, b), name
@@ -65,6 +67,19 @@ def test_dividing_by_k_under_accelerator_backward_is_a_double_average(precision)
     assert finding.evidence["framework"] == "accelerate"
     assert "accelerator.backward" in finding.fix           # said in accelerate's terms
     assert watch.record["verdict"] == "failed"
+
+
+@pytest.mark.parametrize("bug", ["missing-accumulation-average",
+                                 "zero-grad-inside-accumulation", "scheduler-per-microbatch"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_classic_bug_is_named_at_its_line(bug, precision):
+    _, watch = _run(bug, precision)
+    found = {f.kind: f for f in watch.findings}
+    assert set(found) == {bug}, found
+    assert found[bug].severity == "error"
+    assert found[bug].location.line == marked_line(LOOP, bug)
+    if bug == "missing-accumulation-average":
+        assert found[bug].evidence["measured"] == pytest.approx(K, rel=0.01)
 
 
 def test_the_prepared_wrappers_are_seen_through():

@@ -84,16 +84,29 @@ def test_the_counts_are_the_trainer_s_own_num_items_in_batch():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_training_is_bit_identical_with_the_callback(precision):
+    """50 optimizer steps (dropout on, a clip, ragged tokens, a replay every 5 steps): the
+    weights and the random state end as they end without the callback."""
     torch.manual_seed(0)
-    watched, callback = _run("none", precision, steps=5, every=1)
+    watched, callback = _run("none", precision, steps=50, every=5)
     rng_watched = torch.get_rng_state()
     torch.manual_seed(0)
-    plain, _ = _run("none", precision, steps=5, watched=False)
+    plain, _ = _run("none", precision, steps=50, watched=False)
     for (name, a), b in zip(watched.state_dict().items(), plain.state_dict().values(),
                             strict=True):
         assert torch.equal(a, b), name
     assert torch.equal(rng_watched, torch.get_rng_state())
-    assert len(callback.watch.checked) == 4          # every window but the first replayed
+    assert len(callback.watch.checked) == 10          # window 1, then every 5th
+    assert callback.record["verdict"] == "healthy"
+
+
+@pytest.mark.parametrize("bug", ["zero-grad-inside-accumulation", "scheduler-per-microbatch"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_classic_bug_in_a_trainer_override_is_named_at_its_line(bug, precision):
+    _, callback = _run(bug, precision, steps=4)
+    found = {f.kind: f for f in callback.findings}
+    assert set(found) == {bug}, found
+    assert found[bug].severity == "error"
+    assert found[bug].location.line == marked_line(LOOP, bug)
 
 
 def test_the_trainer_saves_checkpoints_while_watched():

@@ -7,12 +7,15 @@ autocast accelerate wraps around a prepared model's forward. Nothing here import
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ..findings import Finding
+from ..probe.callsite import _AMPDOCTOR_DIR, CallSiteFinder, Site, _torch_dir
 from . import Watch, WatchError
 from .checks import Window
 from .replay import Replayed
@@ -41,6 +44,27 @@ class FrameworkWatch(Watch):
             self.log(f"ampdoctor watch: {finding.severity} {finding.kind}{where}: "
                      f"{finding.message}")
 
+    #: the window whose scheduler line is one the user's code stepped itself
+    _scheduler_direct: Window | None = None
+
+    def _wrap_scheduler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        """As the plain loop's, but the line a scheduler finding names is one where the
+        user's code steps the scheduler itself (a `training_step` override, a loop of its
+        own), not the framework's own step, which comes first in each window."""
+        counted = super()._wrap_scheduler_step(original)
+        watch = self
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            w = watch.window
+            direct = None if watch._scheduler_direct is w else \
+                direct_site(sys._getframe(1), watch.finder)
+            result = counted(*args, **kwargs)
+            if direct is not None:
+                w.scheduler_site = watch.scheduler_site = direct
+                watch._scheduler_direct = w
+            return result
+        return step
+
     def _reference(self, w: Window) -> Replayed | None:
         with _plain_forward(self.model):
             return super()._reference(w)
@@ -50,6 +74,19 @@ class FrameworkWatch(Watch):
         w = self.window
         if w.batches and w.precision == "fp32" and self.autocast_precision is not None:
             w.precision = self.autocast_precision
+
+
+def direct_site(frame: Any, finder: CallSiteFinder) -> Site | None:
+    """The caller past ampdoctor's and torch's own frames when it is the user's code (not a
+    framework's or the standard library's), else None."""
+    torch_dir = _torch_dir()
+    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(
+            (_AMPDOCTOR_DIR, torch_dir)):
+        frame = frame.f_back
+    if frame is None or finder._classify(frame.f_code.co_filename)[0]:
+        return None
+    return Site(os.path.realpath(frame.f_code.co_filename), frame.f_lineno,
+                frame.f_code.co_name)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ marked `# BUG: <kind>` (tests/test_watch_hf.py reads them):
 
 - `double-average`: a `compute_loss` override that takes the Trainer's `num_items_in_batch`
   loss and divides it by K again;
+- `zero-grad-inside-accumulation`: a `compute_loss` override that clears the gradients first;
+- `scheduler-per-microbatch`: a `training_step` override that steps the scheduler;
 - `weighted-average-mismatch`: a model whose forward averages each micro-batch's tokens itself
   and takes no loss kwargs, so the Trainer divides each micro-batch's mean by K (the
   accumulation bug transformers fixed in October 2024);
@@ -33,6 +35,19 @@ class DoubleAverageTrainer(Trainer):
         outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
         loss = outputs.loss / self.args.gradient_accumulation_steps  # BUG: double-average
         return (loss, outputs) if return_outputs else loss
+
+
+class ZeroGradTrainer(Trainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        model.zero_grad()  # BUG: zero-grad-inside-accumulation
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class SchedulerPerMicroBatchTrainer(Trainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.lr_scheduler.step()  # BUG: scheduler-per-microbatch
+        return loss
 
 
 class MeanLossLM(nn.Module):
@@ -108,7 +123,9 @@ def train(bug="none", precision="fp32", steps=4, K=4, b=2, watched=True, every=2
           on_error="warn", out=None, ragged=True, max_grad_norm=1.0, save_steps=None):
     model = build_model(bug)
     callback = WatchCallback(every=every, on_error=on_error, out=out) if watched else None
-    trainer_class = DoubleAverageTrainer if bug == "double-average" else Trainer
+    trainer_class = {"double-average": DoubleAverageTrainer,
+                     "zero-grad-inside-accumulation": ZeroGradTrainer,
+                     "scheduler-per-microbatch": SchedulerPerMicroBatchTrainer}.get(bug, Trainer)
     with tempfile.TemporaryDirectory() as output_dir, contextlib.ExitStack():
         args = TrainingArguments(
             output_dir=output_dir, per_device_train_batch_size=b, gradient_accumulation_steps=K,
