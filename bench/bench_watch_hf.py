@@ -5,8 +5,9 @@ downloaded) trains with the Trainer for `--steps` optimizer steps of K = 4 micro
 padded sequences whose real lengths vary (labels -100 on the padding), AdamW, clipping at 1.0,
 in `--precision` (bf16 or fp32 on a CPU), once plainly and once with
 `callbacks=[WatchCallback(every=500)]` (the second window and every 500th replayed in fp32), in
-turn, `--repeats` times each. It prints the median wall time of `trainer.train()` for each and
-the overhead.
+turn, `--repeats` times each. It prints the median wall time and the median CPU time of the
+process (all threads; steadier than the wall time on a shared machine) of `trainer.train()` for
+each, and the overheads.
 
     python bench/bench_watch_hf.py                      # 300 steps, 1 repeat
     python bench/bench_watch_hf.py --steps 600 --repeats 2 --precision fp32
@@ -49,7 +50,7 @@ def rows(count: int) -> list[dict]:
     return out
 
 
-def run(watched: bool, args: argparse.Namespace) -> tuple[float, WatchCallback | None]:
+def run(watched: bool, args: argparse.Namespace) -> tuple[float, float, WatchCallback | None]:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=args.width,
                                        n_layer=args.layers, n_head=4, bos_token_id=0,
@@ -64,9 +65,9 @@ def run(watched: bool, args: argparse.Namespace) -> tuple[float, WatchCallback |
                               bf16=args.precision == "bf16", use_cpu=True, report_to="none",
                               save_strategy="no", logging_strategy="no", disable_tqdm=True,
                               train_sampling_strategy="sequential", seed=0))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         trainer.train()
-        return time.perf_counter() - start, callback
+        return time.perf_counter() - start, time.process_time() - cpu, callback
 
 
 def main() -> None:
@@ -79,21 +80,25 @@ def main() -> None:
     args = parser.parse_args()
     logging.set_verbosity_error()
     warnings.simplefilter("ignore")
-    plain, watched = [], []
+    plain, watched, plain_cpu, watched_cpu = [], [], [], []
     callback = None
     for _ in range(args.repeats):
-        plain.append(run(False, args)[0])
-        seconds, callback = run(True, args)
+        seconds, cpu, _ = run(False, args)
+        plain.append(seconds)
+        plain_cpu.append(cpu)
+        seconds, cpu, callback = run(True, args)
         watched.append(seconds)
+        watched_cpu.append(cpu)
     p, w = statistics.median(plain), statistics.median(watched)
+    pc, wc = statistics.median(plain_cpu), statistics.median(watched_cpu)
     assert callback is not None and callback.record is not None
     params = sum(t.numel() for t in callback.watch.params) if callback.watch else 0
     print(f"GPT-2 {params / 1e6:.2f} M parameters, {args.steps} steps of K={K} x {B} rows, "
           f"{args.precision}, torch {torch.__version__}")
-    print(f"plain   {p:8.2f} s")
-    print(f"watched {w:8.2f} s   overhead {100 * (w - p) / p:+.1f} %   "
-          f"({len(callback.watch.checked)} window(s) replayed, verdict "
-          f"{callback.record['verdict']})")
+    print(f"plain   {p:8.2f} s wall {pc:8.2f} s CPU")
+    print(f"watched {w:8.2f} s wall {wc:8.2f} s CPU   overhead {100 * (w - p) / p:+.1f} % wall, "
+          f"{100 * (wc - pc) / pc:+.1f} % CPU   ({len(callback.watch.checked)} window(s) "
+          f"replayed, verdict {callback.record['verdict']})")
 
 
 if __name__ == "__main__":

@@ -213,6 +213,11 @@ class WatchCallback(TrainerCallback):
         if trainer is not None:
             watch._patch_instance(trainer, "training_step",
                                   _training_step(watch, trainer.training_step))
+        else:
+            watch.notes.append("the Trainer was not found above on_train_begin: the replay "
+                               "weighs windows by the tokens the model averages over, not by "
+                               "the Trainer's num_items_in_batch count, and findings name the "
+                               "backward's line")
 
     def _keep(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         """A training forward of a checked window: its keyword inputs (without the Trainer's
