@@ -227,7 +227,10 @@ class WatchCallback(TrainerCallback):
                 or not torch.is_grad_enabled() or not watch._checking():
             return
         if args:
-            watch.notes.append("a training forward with positional inputs: not replayed")
+            note = ("the model's training forwards take positional inputs: their windows are "
+                    "not replayed (only the Trainer's keyword inputs are kept)")
+            if note not in watch.notes:
+                watch.notes.append(note)
             return
         watch.window.batches.append({k: v for k, v in kwargs.items()
                                      if k != "num_items_in_batch"})
