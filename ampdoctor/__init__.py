@@ -11,17 +11,22 @@ from typing import TYPE_CHECKING, Any
 from ._version import __version__
 
 __all__ = ["diagnose", "assert_healthy", "load", "Spec", "Record", "Unhealthy", "SpecError",
-           "UserCodeError", "watch", "Watch", "WatchError", "__version__"]
+           "UserCodeError", "watch", "Watch", "WatchError", "watch_accelerate", "WatchCallback",
+           "__version__"]
 
 if TYPE_CHECKING:
     from .api import Record, Unhealthy, assert_healthy, diagnose, load
     from .errors import SpecError, UserCodeError
     from .sentinel import Watch, WatchError, watch
+    from .sentinel.accel import watch_accelerate
+    from .sentinel.hf import WatchCallback
     from .spec import Spec
 
 _LAZY = {"diagnose": "api", "assert_healthy": "api", "load": "api", "Record": "api",
          "Unhealthy": "api", "Spec": "spec", "SpecError": "errors", "UserCodeError": "errors",
-         "watch": "sentinel", "Watch": "sentinel", "WatchError": "sentinel"}
+         "watch": "sentinel", "Watch": "sentinel", "WatchError": "sentinel",
+         # the framework callbacks: transformers is imported only when WatchCallback is asked
+         "watch_accelerate": "sentinel.accel", "WatchCallback": "sentinel.hf"}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,8 @@ a checked window, nothing between.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import sys
 import time
@@ -33,7 +35,7 @@ from .. import deciders
 from ..deciders import Observed
 from ..findings import Finding, Location, Severity, location
 from ..probe.callsite import CallSiteFinder, Site
-from .checks import COUNT_WINDOWS, RUNG, CountChecks, Window, built_at
+from .checks import COUNT_WINDOWS, RUNG, CountChecks, LossFn, Window, built_at
 from .distributed import DistributedReplay, ranks_record, unwrap, writes_record
 from .replay import device_of, precision_now
 
@@ -60,7 +62,7 @@ class Watch(CountChecks, DistributedReplay):
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  accumulation_steps: int, scaler: Any = None, scheduler: Any = None,
-                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+                 loss_fn: LossFn | None = None,
                  every: int = DEFAULT_EVERY, on_error: str = "warn",
                  out: str | Path | None = None, name: str = "watched run"):
         if accumulation_steps < 1:
@@ -118,6 +120,11 @@ class Watch(CountChecks, DistributedReplay):
         self._patch_attr(torch.Tensor, "backward", self._wrap_backward(torch.Tensor.backward))
         for owner in (torch.nn.utils, torch.nn.utils.clip_grad):
             self._patch_attr(owner, "clip_grad_norm_", self._wrap_clip(owner.clip_grad_norm_))
+            # the second half of a clip split in two (accelerate's clip_grad_norm_ calls
+            # get_total_norm, then this with the norm it got)
+            if hasattr(owner, "clip_grads_with_norm_"):
+                self._patch_attr(owner, "clip_grads_with_norm_",
+                                 self._wrap_clip(owner.clip_grads_with_norm_, norm_given=True))
         for obj in {id(o): o for o in (self.optimizer, self.model, self.wrapper,
                                             self.wrapped_optimizer)}.values():
             self._patch_instance(obj, "zero_grad", self._wrap_zero_grad(obj.zero_grad))
@@ -149,6 +156,21 @@ class Watch(CountChecks, DistributedReplay):
         self._undo.append(lambda: setattr(owner, name, original))
 
     def _patch_instance(self, obj: Any, name: str, value: Any) -> None:
+        """`obj.name` becomes `value` for `obj` alone. Patched on the class that defines the
+        method, dispatching on identity: an attribute of the instance would travel with it
+        (a scheduler's `state_dict()` is its `__dict__`, so a checkpoint would fail to pickle
+        the wrapper or load it back; `copy.deepcopy(model)` for an EMA would share it)."""
+        owner = next((c for c in type(obj).__mro__ if name in vars(c)), None)
+        method = vars(owner).get(name) if owner is not None else None
+        if owner is not None and name not in vars(obj) and inspect.isfunction(method):
+            def dispatch(this: Any, *args: Any, **kwargs: Any) -> Any:
+                if this is obj:
+                    return value(*args, **kwargs)
+                return method(this, *args, **kwargs)
+            functools.update_wrapper(dispatch, method)
+            setattr(owner, name, dispatch)
+            self._undo.append(lambda: setattr(owner, name, method))
+            return
         had = name in obj.__dict__
         original = obj.__dict__.get(name)
         obj.__dict__[name] = value
@@ -234,19 +256,24 @@ class Watch(CountChecks, DistributedReplay):
             return original(optimizer)
         return unscale_
 
-    def _wrap_clip(self, original: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap_clip(self, original: Callable[..., Any],
+                   norm_given: bool = False) -> Callable[..., Any]:
+        """`clip_grad_norm_(parameters, max_norm)`, which returns the norm, or (`norm_given`)
+        `clip_grads_with_norm_(parameters, max_norm, total_norm)`, which is handed it."""
         watch = self
 
-        def clip_grad_norm_(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
+        def clip(parameters: Any, max_norm: float, *args: Any, **kwargs: Any) -> Any:
             if isinstance(parameters, torch.Tensor):
                 parameters = [parameters]
             parameters = list(parameters)
-            norm = original(parameters, max_norm, *args, **kwargs)
+            result = original(parameters, max_norm, *args, **kwargs)
+            norm = (args[0] if args else kwargs.get("total_norm")) if norm_given else result
             ours = {id(p) for p in watch.params}
-            if any(id(p) in ours for p in parameters):
+            if norm is not None and any(id(p) in ours for p in parameters):
                 watch._on_clip(norm, float(max_norm), watch._site())
-            return norm
-        return clip_grad_norm_
+            return result
+        clip.__name__ = getattr(original, "__name__", "clip_grad_norm_")
+        return clip
 
     def _on_clip(self, norm: Any, max_norm: float, site: Site | None) -> None:
         w = self.window
@@ -413,7 +440,7 @@ class Watch(CountChecks, DistributedReplay):
 
 def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
           accumulation_steps: int, scaler: Any = None, scheduler: Any = None,
-          loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+          loss_fn: LossFn | None = None,
           every: int = DEFAULT_EVERY, on_error: str = "warn", out: str | Path | None = None,
           name: str = "watched run") -> Watch:
     """The sentinel of a plain training loop: `with ampdoctor.watch(model, optimizer,

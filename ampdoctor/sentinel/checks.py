@@ -18,6 +18,10 @@ from ..deciders import Observed
 from ..findings import Finding, Severity, location
 from ..probe.callsite import CallSiteFinder, Site
 
+#: `loss_fn(model, micro_batch)`: the micro-batch's mean loss (micro-batches weigh equally), or
+#: a pair `(loss_sum, n_items)` (the window's loss is its sums over its items: tokens, samples)
+LossFn = Callable[[torch.nn.Module, Any], Any]
+
 #: the rung id of what the sentinel finds (a watched run has no ladder)
 RUNG = "watch"
 #: steps whose backward counts decide `step-per-microbatch` (a ragged last window of an
@@ -54,7 +58,7 @@ class WatchState:
     K: int
     scaler: Any
     scheduler: Any
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None
+    loss_fn: LossFn | None
     params: list[torch.Tensor]
     window: Window
     windows: int

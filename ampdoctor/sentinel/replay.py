@@ -8,6 +8,7 @@ import contextlib
 import math
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,8 +20,42 @@ from ..findings import Severity, location
 from .checks import RUNG, WatchState, Window
 
 
+@dataclass
+class Replayed:
+    """The fp32 replay of one window: the reference gradient (the window's mean loss, or
+    for a `(loss_sum, n_items)` loss the sum of the loss sums over the sum of the items), and
+    for a weighted loss the equal-weight mean of the micro-batches' own means and their counts
+    (what a loop that averages per micro-batch consumes instead)."""
+
+    reference: list[torch.Tensor]
+    equal: list[torch.Tensor] | None = None
+    counts: list[float] | None = None
+    own: list[float] | None = None          # the items each micro-batch's own mean divides by
+
+    @property
+    def ragged(self) -> bool:
+        """Weighted, and the equal-weight mean of the micro-batch means is another gradient:
+        the counts differ, or a micro-batch's mean divides by other items than the window's."""
+        return self.counts is not None and (len(set(self.counts)) > 1 or self.own != self.counts)
+
+
+@dataclass(frozen=True)
+class ItemLoss:
+    """A `loss_fn` result of the framework callbacks: `(loss_sum, n_items)`, and the items the
+    model's own per-micro-batch mean divides `loss_sum` by where they are not `n_items` (the
+    HF Trainer's `num_items_in_batch` may count a causal LM's tokens unshifted while its loss
+    averages over the shifted ones)."""
+
+    loss_sum: torch.Tensor
+    n_items: float
+    own_items: float
+
+
 class ReplayCheck(WatchState):
     """The check of a kept window at its optimizer step."""
+
+    #: the framework that drives the run ("HF Trainer", "accelerate"), for the fix's terms
+    framework: str | None = None
 
     def _check_update(self) -> bool:
         """The gradient this step consumes against the fp32 reference of its window; whether
@@ -28,9 +63,10 @@ class ReplayCheck(WatchState):
         w = self.window
         assert self.loss_fn is not None
         params = self.params
-        reference = self._reference(w)
-        if reference is None:
+        replayed = self._reference(w)
+        if replayed is None:
             return False
+        reference = replayed.reference
         names = [str(i) for i in range(len(params))]
         tol = compare.DEFAULT_TOLERANCES[w.precision]
         plain = compare.metrics_of(dict(zip(names, (p.grad for p in params), strict=True)),
@@ -61,9 +97,11 @@ class ReplayCheck(WatchState):
         explained = self._explained(w)
         if explained:
             entry["explained_by"] = explained
+        if replayed.counts is not None:
+            entry["counts"] = [_number(c) for c in replayed.counts]
         self.checked.append(entry)
         if not entry["ok"] and not explained:
-            self._name_mismatch(w, m, ratio)
+            self._name_mismatch(w, m, ratio, replayed, pre / norm_u if norm_u > 0 else 1.0)
         return True
 
     def _explained(self, w: Window) -> str | None:
@@ -74,7 +112,8 @@ class ReplayCheck(WatchState):
             return "clip-before-unscale"
         return None
 
-    def _name_mismatch(self, w: Window, m: compare.Metrics, ratio: float) -> None:
+    def _name_mismatch(self, w: Window, m: compare.Metrics, ratio: float, replayed: Replayed,
+                       pre_scale: float) -> None:
         tol = compare.hypothesis_tolerance(compare.DEFAULT_TOLERANCES[w.precision].rtol)
         same_way = m.cosine >= thresholds.SAME_DIRECTION_COSINE
         base = m.as_evidence()
@@ -82,6 +121,8 @@ class ReplayCheck(WatchState):
         base["step"] = self.updates
         base["accumulation_steps"] = self.K
         base["precision"] = w.precision
+        if self.framework:
+            base["framework"] = self.framework
         where = location(w.backward_site)
         lead = f"Optimizer step {self.updates}: the optimizer consumed {ratio:.4g}x the fp32 " \
                f"full-window reference gradient (cosine {m.cosine:.5f})"
@@ -102,16 +143,79 @@ class ReplayCheck(WatchState):
                 RUNG, Severity.ERROR, f"{lead} = 1/K of it: the gradient is averaged twice "
                 f"(the loss divided by K={self.K} once too often).",
                 evidence=evidence(factor=round(1 / self.K, 6)), location=where)))
-        else:
+        elif not (replayed.ragged and self._name_weighting(w, m, ratio, replayed, pre_scale,
+                                                           tol, base)):
             self._found(deciders.gradient_mismatch(Observed(
                 RUNG, Severity.ERROR, f"{lead}, beyond the {w.precision} tolerance (relative "
                 f"error {m.rel_err:.3g}, allowed {m.allowed / max(m.norm_ref, 1e-30):.3g}).",
                 evidence=evidence(), location=where)))
 
-    def _reference(self, w: Window) -> list[torch.Tensor] | None:
-        """The fp32 gradient of the window's mean loss at the weights the step starts from:
-        each micro-batch replayed under the random state it was drawn with, autocast off,
-        the model's buffers put back; `.grad` is never touched."""
+    def _name_weighting(self, w: Window, m: compare.Metrics, ratio: float, replayed: Replayed,
+                        pre_scale: float, tol: float, base: Evidence) -> bool:
+        """A weighted loss on ragged micro-batches: the consumed gradient (before its clip)
+        against what a loop that averages each micro-batch alone consumes -- the equal-weight
+        mean of the micro-batch means (`weighted-average-mismatch`), K times it (no average
+        over the window), 1/K of it (averaged twice). Whether one of them named it."""
+        assert replayed.equal is not None and replayed.counts is not None
+        n = len(replayed.counts)
+        params = self.params
+        names = [str(i) for i in range(len(params))]
+        shapes = {name: p.shape for name, p in zip(names, params, strict=True)}
+        consumed = dict(zip(names, (p.grad for p in params), strict=True))
+        shapes_of = (("weighted-average-mismatch", 1.0),
+                     ("missing-accumulation-average", float(self.K)),
+                     ("double-average", 1.0 / self.K))
+        best: tuple[float, str, float] | None = None
+        for kind, factor in shapes_of:
+            if kind != "weighted-average-mismatch" and self.K == 1:
+                continue
+            # the consumed gradient before the clip is `pre_scale` x the one consumed
+            scale = factor / pre_scale
+            hyp = dict(zip(names, (e * scale for e in replayed.equal), strict=True))
+            err = compare.metrics_of(consumed, hyp, names, shapes,
+                                     compare.Tolerance(tol, 0.0)).rel_err
+            if err <= tol and (best is None or err < best[0]):
+                best = (err, kind, factor)
+        if best is None:
+            return False
+        err, kind, factor = best
+        total = sum(replayed.counts)
+        used = [round(1.0 / n, 6)] * n
+        meant = [round(c / total, 6) for c in replayed.counts]
+        evidence = base.copy()
+        evidence.update({"measured": round(ratio, 6), "expected": 1.0,
+                         "hypothesis": "equal-weight mean of the per-micro-batch weighted means"
+                                       + ("" if factor == 1.0 else f" x {factor:.6g}"),
+                         "hypothesis_error": round(err, 6), "weights": used,
+                         "reference_weights": meant})
+        if factor != 1.0:
+            evidence["factor"] = self.K if factor > 1 else round(factor, 6)
+        lead = (f"Optimizer step {self.updates}: the optimizer consumed "
+                + ("" if factor == 1.0 else f"{factor:.4g}x ")
+                + "the equal-weight mean of the micro-batches' own means (norm ratio "
+                f"{ratio:.4g}, cosine {m.cosine:.5f} to the weighted fp32 reference)")
+        weights = (f" The run weighted its micro-batches {_shown(used)}; the reference (the "
+                   f"window's {_number(total)} items, counted {_shown(replayed.counts)}) "
+                   f"weighs them {_shown(meant)}.")
+        if replayed.own is not None and replayed.own != replayed.counts:
+            weights += (f" Each micro-batch's own mean divides by {_shown(replayed.own)} "
+                        "items.")
+        what = {"weighted-average-mismatch": ": micro-batches with few tokens count as much as "
+                                             "full ones.",
+                "missing-accumulation-average": f": the loss is not divided over the window "
+                                                f"(K={self.K}).",
+                "double-average": f": the gradient is averaged twice (once more by K={self.K})."}
+        seen = Observed(RUNG, Severity.ERROR, lead + what[kind] + weights, evidence=evidence,
+                        location=location(w.backward_site))
+        self._found(deciders.decide(kind, seen))
+        return True
+
+    def _reference(self, w: Window) -> Replayed | None:
+        """The fp32 gradient of the window's loss at the weights the step starts from: each
+        micro-batch replayed under the random state it was drawn with, autocast off, the
+        model's buffers put back; `.grad` is never touched. `loss_fn` returns a micro-batch's
+        mean (the window weighs them equally) or `(loss_sum, n_items)` (the window's
+        reference is the sum of the sums over the sum of the items)."""
         assert self.loss_fn is not None
         params = self.params
         buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
@@ -119,23 +223,12 @@ class ReplayCheck(WatchState):
             self.notes.append(f"optimizer step {self.updates}: {len(w.rng)} forwards for "
                               f"{len(w.batches)} micro-batches; the window is not replayed")
             return None
-        total: list[torch.Tensor] | None = None
         cuda = [p.device for p in params[:1] if p.device.type == "cuda"]
         self._replaying = True
         try:
             with torch.random.fork_rng(devices=cuda), torch.enable_grad(), \
                     _autocast_off(params):
-                for batch, (cpu_rng, cuda_rng) in zip(w.batches, w.rng, strict=True):
-                    torch.set_rng_state(cpu_rng)
-                    if cuda_rng is not None:
-                        torch.cuda.set_rng_state(cuda_rng, cuda[0])
-                    loss = self.loss_fn(self.model, batch).float()
-                    grads = torch.autograd.grad(loss, params, allow_unused=True)
-                    if total is None:
-                        total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-                    for t, g in zip(total, grads, strict=True):
-                        if g is not None:
-                            t.add_(g.detach().float())
+                total, equal, counts, own = self._replay_window(w, cuda)
         except Exception as exc:  # noqa: BLE001 - the training goes on; the check says why
             warnings.warn(f"ampdoctor watch: the replay of optimizer step {self.updates} "
                           f"failed ({type(exc).__name__}: {exc}); that window is not checked",
@@ -147,9 +240,76 @@ class ReplayCheck(WatchState):
                 for name, b in self.model.named_buffers():
                     if name in buffers:
                         b.copy_(buffers[name])
-        if total is None:
+        if not w.batches:
             return None
-        return [t / len(w.batches) for t in total]
+        if equal is None:
+            return Replayed([t / len(w.batches) for t in total])
+        items = sum(counts)
+        if items <= 0:
+            self.notes.append(f"optimizer step {self.updates}: no items in the window (every "
+                              "n_items was 0); the window is not checked")
+            return None
+        return Replayed([t / items for t in total], [e / len(counts) for e in equal], counts,
+                        own)
+
+    def _replay_window(self, w: Window, cuda: list[torch.device]) -> tuple[
+            list[torch.Tensor], list[torch.Tensor] | None, list[float], list[float]]:
+        """Each kept micro-batch's fp32 gradient under its random state: their sum, and for
+        a weighted loss the sum of each divided by the items of its own mean, with the
+        counts and those items."""
+        assert self.loss_fn is not None
+        params = self.params
+        total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        equal: list[torch.Tensor] | None = None
+        counts: list[float] = []
+        own: list[float] = []
+        weighted: bool | None = None
+        for batch, (cpu_rng, cuda_rng) in zip(w.batches, w.rng, strict=True):
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, cuda[0])
+            loss, count, own_count = _loss_and_count(self.loss_fn(self.model, batch))
+            if weighted is None:
+                weighted = count is not None
+            if weighted != (count is not None):
+                raise TypeError("loss_fn returned a scalar for some micro-batches of the "
+                                "window and a (loss_sum, n_items) pair for others")
+            if count is not None:
+                counts.append(count)
+                own.append(own_count if own_count is not None else count)
+                if equal is None:
+                    equal = [torch.zeros_like(t) for t in total]
+                if count <= 0:       # no items: the micro-batch adds nothing
+                    continue
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                total[i].add_(g.detach().float())
+                if equal is not None and count is not None:
+                    equal[i].add_(g.detach().float(), alpha=1.0 / (own[-1] or count))
+        return total, equal, counts, own
+
+def _loss_and_count(out: Any) -> tuple[torch.Tensor, float | None, float | None]:
+    """A `loss_fn` result as (the loss to differentiate in fp32, its item count or None, the
+    items its own mean divides by where an `ItemLoss` says)."""
+    if isinstance(out, ItemLoss):
+        return out.loss_sum.float(), float(out.n_items), float(out.own_items)
+    if isinstance(out, (tuple, list)):
+        if len(out) != 2:
+            raise TypeError(f"loss_fn returned {len(out)} values; a (loss_sum, n_items) pair "
+                            "or a scalar loss is expected")
+        loss_sum, count = out
+        return loss_sum.float(), float(count), None
+    return out.float(), None, None
+
+
+def _number(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else round(float(value), 6)
+
+
+def _shown(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.6g}" for v in values) + "]"
 
 
 def precision_now(scaler: Any, params: list[torch.Tensor]) -> str:
