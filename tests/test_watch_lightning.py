@@ -192,6 +192,7 @@ def test_a_scaler_that_keeps_growing_into_overflow_is_frequent_skips():
     on_skip = found.pop("scheduler-steps-on-skip")
     assert on_skip["evidence"]["steady_skips"] == len(steady)
     assert on_skip["evidence"]["optimizer_steps"] == adam[-1]
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == trainer.global_step > adam[-1]
     assert list(found) == ["frequent-skips"]
     plain, _, _ = _fit("frequent-skips", "16-mixed", watched=False)
     for a, b in zip(watched.state_dict().values(), plain.state_dict().values(), strict=True):
