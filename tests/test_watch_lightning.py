@@ -229,6 +229,27 @@ def test_a_clip_between_manual_backward_and_step_clips_scaled_gradients():
         assert torch.equal(a, b)
 
 
+def _line_with(text):
+    return next(n for n, line in enumerate(MODULE.read_text().splitlines(), start=1)
+                if text in line)
+
+
+def test_a_clip_in_on_after_backward_clips_scaled_gradients():
+    """Automatic optimization: Lightning calls `on_after_backward` after each micro-batch's
+    backward, before its unscale_, so a clip there clips in scaled space (`gradient_clip_val`,
+    the healthy way, is silent above)."""
+    steps = _Steps()
+    _, cb, _ = _fit("clip-in-on-after-backward", "16-mixed", extra=[steps])
+    (finding,) = cb.record["findings"]
+    assert finding["kind"] == "clip-before-unscale" and finding["severity"] == "error"
+    assert finding["location"]["line"] == _line_with("# clip on scaled grads")
+    scale = steps.scale[0]
+    assert finding["evidence"]["scale"] == scale and finding["evidence"]["measured"] == scale
+    assert finding["evidence"]["norm_seen_by_clip"] > MAX_NORM
+    # the last micro-batch's clip bit in scaled space: the step consumed MAX_NORM / scale
+    assert steps.norm[0] == pytest.approx(MAX_NORM / scale, rel=1e-3)
+
+
 def test_lightning_s_documented_manual_clip_sees_scaled_gradients_too():
     """`self.clip_gradients(opt, ...)` between `manual_backward` and `opt.step()`, as
     Lightning's manual-optimization docs show it: under 16-mixed, Lightning's own clip sees the
@@ -239,9 +260,7 @@ def test_lightning_s_documented_manual_clip_sees_scaled_gradients_too():
     _, own, _ = _fit("clip-before-unscale", "16-mixed")
     (finding,) = docs.record["findings"]
     assert finding["kind"] == "clip-before-unscale"
-    line = next(n for n, text in enumerate(MODULE.read_text().splitlines(), start=1)
-                if "self.clip_gradients(opt," in text)
-    assert finding["location"]["line"] == line
+    assert finding["location"]["line"] == _line_with("self.clip_gradients(opt,")
     mine = own.record["findings"][0]["evidence"]
     for key in ("scale", "norm_seen_by_clip", "true_norm", "measured"):
         assert finding["evidence"][key] == mine[key], key

@@ -64,6 +64,12 @@ class Regressor(pl.LightningModule):
             opt.zero_grad()
         return None
 
+    def on_after_backward(self):
+        # automatic optimization: Lightning calls this after each micro-batch's backward, before
+        # its unscale_ (Lightning's docs say so): the gradients are still scaled
+        if self.bug == "clip-in-on-after-backward":
+            torch.nn.utils.clip_grad_norm_(self.parameters(), MAX_NORM)  # clip on scaled grads
+
     def on_before_optimizer_step(self, optimizer):
         # Lightning calls this inside opt.step(), after the GradScaler's unscale_: the clip of
         # manual optimization that sees true gradients
