@@ -65,8 +65,9 @@ def test_a_healthy_module_is_silent(precision, clip):
     assert cb.record["optimizer_steps"] == trainer.global_step == 12
 
 
-def test_a_healthy_manual_optimization_module_is_silent():
-    _, cb, _ = _fit("manual")
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_a_healthy_manual_optimization_module_is_silent(precision):
+    _, cb, _ = _fit("manual", precision)
     assert cb.record["verdict"] == "healthy" and cb.record["findings"] == []
     assert cb.record["watch"]["checked"] and all(c["ok"] for c in cb.record["watch"]["checked"])
 
