@@ -23,7 +23,8 @@ from conftest import RECIPES, marked_line
 
 MODULE = RECIPES / "watch" / "lightning_module.py"
 sys.path.insert(0, str(MODULE.parent))
-from lightning_module import train  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning_module import MAX_NORM, train  # noqa: E402
 
 
 def _fit(bug="none", precision="32-true", **kwargs):
@@ -64,8 +65,9 @@ def test_a_healthy_module_is_silent(precision, clip):
     assert cb.record["optimizer_steps"] == trainer.global_step == 12
 
 
-def test_a_healthy_manual_optimization_module_is_silent():
-    _, cb, _ = _fit("manual")
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_a_healthy_manual_optimization_module_is_silent(precision):
+    _, cb, _ = _fit("manual", precision)
     assert cb.record["verdict"] == "healthy" and cb.record["findings"] == []
     assert cb.record["watch"]["checked"] and all(c["ok"] for c in cb.record["watch"]["checked"])
 
@@ -115,6 +117,154 @@ def test_each_bug_is_named_at_its_line_and_the_training_is_unchanged(bug):
     plain, _, _ = _fit(bug, watched=False)
     for a, b in zip(watched.state_dict().values(), plain.state_dict().values(), strict=True):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------ fp16 with a GradScaler on CPU
+class _Steps(Callback):
+    """What the run did at each optimizer step, read from Lightning and torch, not from the
+    sentinel: Adam's step count before it (a skipped step leaves it), the scale, and the norm
+    of the gradient the optimizer is about to consume (Lightning calls this after unscale_)."""
+
+    def __init__(self):
+        self.adam, self.scale, self.norm = [], [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.adam.append(_adam_steps(optimizer))
+        self.scale.append(trainer.precision_plugin.scaler.get_scale())
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.norm.append(float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in grads]))))
+
+
+def _adam_steps(optimizer):
+    state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+    return int(state["step"]) if "step" in state else 0
+
+
+def test_16_mixed_on_cpu_runs_fp16_with_the_user_s_grad_scaler():
+    """The recipe's explicit plugin: the forward autocasts to float16 and the callback watches
+    the GradScaler built on the recipe's line."""
+    _, cb, trainer = _fit("none", "16-mixed", steps=2)
+    scaler = trainer.precision_plugin.scaler
+    assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
+    assert str(trainer.precision) == "16-mixed"
+    with trainer.precision_plugin.forward_context():
+        assert trainer.lightning_module.net(torch.randn(2, 16)).dtype == torch.float16
+    assert cb.record["watch"]["checked"][0]["precision"] == "fp16"
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_healthy_fp16_module_is_silent_and_bit_identical(clip):
+    watched, cb, trainer = _fit("none", "16-mixed", clip=clip, every=2)
+    rng_watched = torch.get_rng_state()
+    plain, _, _ = _fit("none", "16-mixed", clip=clip, watched=False)
+    for (name, a), b in zip(watched.state_dict().items(), plain.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    assert torch.equal(rng_watched, torch.get_rng_state())
+    assert cb.record["verdict"] == "healthy" and cb.record["findings"] == []
+    checked = cb.record["watch"]["checked"]
+    assert len(checked) >= 5 and all(c["ok"] and c["precision"] == "fp16" for c in checked)
+    assert cb.record["watch"]["skipped_steps"] == 0 and trainer.global_step == 12
+
+
+def test_a_scaler_that_keeps_growing_into_overflow_is_frequent_skips():
+    """GradScaler(growth_interval=1): the scale doubles after every finite step until the fp16
+    gradients overflow, then every other step is skipped. The rate is counted from Adam's own
+    step count at each of Lightning's optimizer steps."""
+    steps = _Steps()
+    watched, cb, trainer = _fit("frequent-skips", "16-mixed", extra=[steps])
+    adam = steps.adam + [_adam_steps(trainer.optimizers[0])]
+    skipped = [i for i in range(len(steps.adam)) if adam[i + 1] == adam[i]]
+    first_real = next(i for i in range(len(steps.adam)) if adam[i + 1] > adam[i])
+    steady = [i for i in skipped if i > first_real]
+    rate = len(steady) / (len(steps.adam) - first_real - 1)
+    assert len(steps.adam) == trainer.global_step == 12 and rate > 0.25
+    found = _found(cb)
+    finding = found["frequent-skips"]
+    assert finding["severity"] == "error"
+    assert finding["location"]["line"] == marked_line(MODULE, "frequent-skips")
+    assert finding["evidence"]["measured"] == pytest.approx(rate, abs=1e-6)
+    assert finding["evidence"]["skipped"] == len(steady)
+    assert finding["evidence"]["growth_interval"] == 1
+    assert finding["evidence"]["scale"] == trainer.precision_plugin.scaler.get_scale()
+    # Lightning steps the LR scheduler after every optimizer step, skipped or not: the
+    # schedule runs ahead of the real updates by the skips
+    on_skip = found.pop("scheduler-steps-on-skip")
+    assert on_skip["evidence"]["steady_skips"] == len(steady)
+    assert on_skip["evidence"]["optimizer_steps"] == adam[-1]
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == trainer.global_step > adam[-1]
+    assert list(found) == ["frequent-skips"]
+    plain, _, _ = _fit("frequent-skips", "16-mixed", watched=False)
+    for a, b in zip(watched.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_clip_between_manual_backward_and_step_clips_scaled_gradients():
+    """Manual optimization: Lightning unscales inside `opt.step()`, so a clip_grad_norm_ before
+    it sees the loss scale times the true norm and clips in scaled space. Its healthy twin clips
+    in `on_before_optimizer_step`, after the unscale_: silent, and the true norm it clips is the
+    one the finding gives."""
+    broken_steps, twin_steps = _Steps(), _Steps()
+    watched, cb, trainer = _fit("clip-before-unscale", "16-mixed", extra=[broken_steps])
+    _, twin, _ = _fit("manual-clip", "16-mixed", extra=[twin_steps])
+    assert twin.record["verdict"] == "healthy" and twin.record["findings"] == []
+    assert twin.record["watch"]["checked"] and all(c["ok"] for c in twin.record["watch"]["checked"])
+    (finding,) = cb.record["findings"]
+    assert finding["kind"] == "clip-before-unscale" and finding["severity"] == "error"
+    assert finding["location"]["line"] == marked_line(MODULE, "clip-before-unscale")
+    evidence = finding["evidence"]
+    scale = broken_steps.scale[0]
+    assert evidence["step"] == 0 and evidence["scale"] == scale == 2.0 ** 16
+    assert evidence["measured"] == pytest.approx(scale)
+    # the same first window, unclipped and unscaled, in the twin (callbacks run before the
+    # module's hook that clips)
+    assert evidence["true_norm"] == pytest.approx(twin_steps.norm[0], rel=1e-5)
+    assert evidence["norm_seen_by_clip"] == pytest.approx(scale * twin_steps.norm[0], rel=1e-5)
+    # what the optimizer consumed: clipped to MAX_NORM in scaled space, then unscaled
+    assert broken_steps.norm[0] == pytest.approx(MAX_NORM / scale, rel=1e-3)
+    assert all(c.get("explained_by") == "clip-before-unscale"
+               for c in cb.record["watch"]["checked"])
+    plain, _, _ = _fit("clip-before-unscale", "16-mixed", watched=False)
+    for a, b in zip(watched.state_dict().values(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+
+
+def _line_with(text):
+    return next(n for n, line in enumerate(MODULE.read_text().splitlines(), start=1)
+                if text in line)
+
+
+def test_a_clip_in_on_after_backward_clips_scaled_gradients():
+    """Automatic optimization: Lightning calls `on_after_backward` after each micro-batch's
+    backward, before its unscale_, so a clip there clips in scaled space (`gradient_clip_val`,
+    the healthy way, is silent above)."""
+    steps = _Steps()
+    _, cb, _ = _fit("clip-in-on-after-backward", "16-mixed", extra=[steps])
+    (finding,) = cb.record["findings"]
+    assert finding["kind"] == "clip-before-unscale" and finding["severity"] == "error"
+    assert finding["location"]["line"] == _line_with("# clip on scaled grads")
+    scale = steps.scale[0]
+    assert finding["evidence"]["scale"] == scale and finding["evidence"]["measured"] == scale
+    assert finding["evidence"]["norm_seen_by_clip"] > MAX_NORM
+    # the last micro-batch's clip bit in scaled space: the step consumed MAX_NORM / scale
+    assert steps.norm[0] == pytest.approx(MAX_NORM / scale, rel=1e-3)
+
+
+def test_lightning_s_documented_manual_clip_sees_scaled_gradients_too():
+    """`self.clip_gradients(opt, ...)` between `manual_backward` and `opt.step()`, as
+    Lightning's manual-optimization docs show it: under 16-mixed, Lightning's own clip sees the
+    same scaled gradients (its `MixedPrecision.clip_gradients` does not unscale; Lightning
+    issue 18089). The update is the scaled-space one, so the sentinel reports it, at that line,
+    with the same numbers as the user's own clip_grad_norm_ there."""
+    _, docs, _ = _fit("manual-clip-gradients", "16-mixed")
+    _, own, _ = _fit("clip-before-unscale", "16-mixed")
+    (finding,) = docs.record["findings"]
+    assert finding["kind"] == "clip-before-unscale"
+    assert finding["location"]["line"] == _line_with("self.clip_gradients(opt,")
+    mine = own.record["findings"][0]["evidence"]
+    for key in ("scale", "norm_seen_by_clip", "true_norm", "measured"):
+        assert finding["evidence"][key] == mine[key], key
 
 
 def test_on_error_raise_stops_fit_with_the_finding():

@@ -4,6 +4,11 @@ the lines that carry them are marked `# BUG: <kind>` (tests/test_watch_lightning
 
 Automatic optimization (Lightning accumulates and divides by `accumulate_grad_batches`) unless
 the bug is one of manual optimization's, where `training_step` accumulates K micro-batches itself.
+
+`precision="16-mixed"` on the CPU: Lightning's `precision="16-mixed"` flag would turn into bf16
+there, so the run passes its own precision plugin, `MixedPrecision("16-mixed", "cpu", scaler)`,
+with a CPU `torch.amp.GradScaler` built in `train` (the line a `frequent-skips` finding names):
+fp16 autocast and loss scaling, as on a GPU.
 """
 
 import warnings
@@ -11,12 +16,16 @@ import warnings
 import lightning.pytorch as pl
 import torch
 import torch.nn as nn
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader, TensorDataset
 
 from ampdoctor.sentinel.lightning import WatchCallback
 
 MANUAL = ("manual", "step-per-microbatch", "zero-grad-inside-accumulation",
-          "missing-accumulation-average")
+          "missing-accumulation-average", "clip-before-unscale", "manual-clip",
+          "manual-clip-gradients")
+#: the norm the manual clips clip to
+MAX_NORM = 0.05
 
 
 class Regressor(pl.LightningModule):
@@ -44,9 +53,29 @@ class Regressor(pl.LightningModule):
             loss = loss / self.K
         self.manual_backward(loss)  # BUG: step-per-microbatch # BUG: missing-accumulation-average
         if self.bug == "step-per-microbatch" or (batch_idx + 1) % self.K == 0:
+            if self.bug == "clip-before-unscale":
+                # the gradients are still scaled here: Lightning unscales inside opt.step()
+                params = self.parameters()
+                torch.nn.utils.clip_grad_norm_(params, MAX_NORM)  # BUG: clip-before-unscale
+            if self.bug == "manual-clip-gradients":
+                # Lightning's manual-optimization docs' clip: scaled too (Lightning issue 18089)
+                self.clip_gradients(opt, MAX_NORM, gradient_clip_algorithm="norm")
             opt.step()
             opt.zero_grad()
         return None
+
+    def on_after_backward(self):
+        # automatic optimization: Lightning calls this after each micro-batch's backward, before
+        # its unscale_ (Lightning's docs say so): the gradients are still scaled
+        if self.bug == "clip-in-on-after-backward":
+            torch.nn.utils.clip_grad_norm_(self.parameters(), MAX_NORM)  # clip on scaled grads
+
+    def on_before_optimizer_step(self, optimizer):
+        # Lightning calls this inside opt.step(), after the GradScaler's unscale_: the clip of
+        # manual optimization that sees true gradients
+        if self.bug == "manual-clip":
+            self.clip_gradients(optimizer, gradient_clip_val=MAX_NORM,
+                                gradient_clip_algorithm="norm")
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -62,7 +91,7 @@ def loss_fn(module, batch):
 
 def train(bug="none", precision="32-true", steps=12, K=4, b=8, watched=True, every=5,
           on_error="warn", out=None, clip=None, logger=False, root=None, devices=1,
-          **callback):
+          extra=(), **callback):
     torch.manual_seed(0)
     module = Regressor(bug, K)
     data = torch.randn(steps * K * b, 16, generator=torch.Generator().manual_seed(1))
@@ -72,11 +101,21 @@ def train(bug="none", precision="32-true", steps=12, K=4, b=8, watched=True, eve
     options.update(callback)
     cb = WatchCallback(every=every, on_error=on_error, out=out, name=f"lightning {bug}",
                        **options) if watched else None
+    plugins = []
+    if precision == "16-mixed":
+        # growth_interval=1: a scale that doubles after every finite step keeps growing into
+        # overflow, and every other step is skipped (the default waits 2000 steps)
+        interval = 1 if bug == "frequent-skips" else 2000
+        scaler = torch.amp.GradScaler("cpu", growth_interval=interval)  # BUG: frequent-skips
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler))
+        precision = None
     trainer = pl.Trainer(
         max_steps=steps * (K if manual else 1), accumulate_grad_batches=1 if manual else K,
-        precision=precision, accelerator="cpu", devices=devices, gradient_clip_val=clip,
+        precision=precision, plugins=plugins, accelerator="cpu", devices=devices,
+        gradient_clip_val=clip,
         strategy="ddp" if devices > 1 else "auto",
-        callbacks=[cb] if cb is not None else [], logger=logger, default_root_dir=root,
+        callbacks=([cb] if cb is not None else []) + list(extra), logger=logger,
+        default_root_dir=root,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, loader)
     return module, cb, trainer
