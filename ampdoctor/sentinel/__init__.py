@@ -19,8 +19,6 @@ a checked window, nothing between.
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import math
 import sys
 import time
@@ -37,6 +35,7 @@ from ..findings import Finding, Location, Severity, location
 from ..probe.callsite import CallSiteFinder, Site
 from .checks import COUNT_WINDOWS, RUNG, CountChecks, LossFn, Window, built_at
 from .distributed import DistributedReplay, ranks_record, unwrap, writes_record
+from .patching import Patching, direct_site
 from .replay import device_of, precision_now
 
 #: optimizer steps between two expensive checks, by default
@@ -55,7 +54,7 @@ class WatchError(AssertionError):
         super().__init__(f"ampdoctor watch: {finding.kind}{loc}: {finding.message}")
 
 
-class Watch(CountChecks, DistributedReplay):
+class Watch(CountChecks, DistributedReplay, Patching):
     """The sentinel of one training run (see the module docstring). Use it as a context
     manager around the loop; `batches(iterable)` hands the loop its micro-batches and keeps
     those of a checked window."""
@@ -149,38 +148,6 @@ class Watch(CountChecks, DistributedReplay):
         if self.out is not None and writes_record(self.group):
             from ..record import save
             self.record["path"] = str(save(self.record, Path(self.out)))
-
-    def _patch_attr(self, owner: Any, name: str, value: Any) -> None:
-        original = owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)
-        setattr(owner, name, value)
-        self._undo.append(lambda: setattr(owner, name, original))
-
-    def _patch_instance(self, obj: Any, name: str, value: Any) -> None:
-        """`obj.name` becomes `value` for `obj` alone. Patched on the class that defines the
-        method, dispatching on identity: an attribute of the instance would travel with it
-        (a scheduler's `state_dict()` is its `__dict__`, so a checkpoint would fail to pickle
-        the wrapper or load it back; `copy.deepcopy(model)` for an EMA would share it)."""
-        owner = next((c for c in type(obj).__mro__ if name in vars(c)), None)
-        method = vars(owner).get(name) if owner is not None else None
-        if owner is not None and name not in vars(obj) and inspect.isfunction(method):
-            def dispatch(this: Any, *args: Any, **kwargs: Any) -> Any:
-                if this is obj:
-                    return value(*args, **kwargs)
-                return method(this, *args, **kwargs)
-            functools.update_wrapper(dispatch, method)
-            setattr(owner, name, dispatch)
-            self._undo.append(lambda: setattr(owner, name, method))
-            return
-        had = name in obj.__dict__
-        original = obj.__dict__.get(name)
-        obj.__dict__[name] = value
-
-        def undo() -> None:
-            if had:
-                obj.__dict__[name] = original
-            else:
-                obj.__dict__.pop(name, None)
-        self._undo.append(undo)
 
     # ------------------------------------------------------------------ the micro-batches
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
@@ -311,7 +278,8 @@ class Watch(CountChecks, DistributedReplay):
             w.scheduler_steps += 1
             # the line: a call the user's code makes itself over one a framework makes for it
             # (Lightning steps the scheduler after each optimizer step)
-            direct = not watch.finder._classify(sys._getframe(1).f_code.co_filename)[0]
+            # (past the sentinel's own frames: the class-level dispatch of `_patch_instance`)
+            direct = direct_site(sys._getframe(1), watch.finder) is not None
             if w.scheduler_site is None or (direct and not w.scheduler_direct):
                 w.scheduler_site, w.scheduler_direct = watch._site(), direct
                 watch.scheduler_site = watch.scheduler_site or w.scheduler_site

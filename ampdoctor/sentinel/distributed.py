@@ -23,7 +23,7 @@ import torch
 
 from ..findings import Finding, Severity
 from .checks import Window
-from .replay import ReplayCheck
+from .replay import ReplayCheck, Replayed
 
 
 def replica_group(model: torch.nn.Module) -> Any:
@@ -75,7 +75,7 @@ class DistributedReplay(ReplayCheck):
         window on one rank changes the averaged gradient every rank consumes)."""
         return super()._explained(w) or self._peer_explained
 
-    def _reference(self, w: Window) -> list[torch.Tensor] | None:
+    def _reference(self, w: Window) -> Replayed | None:
         reference = super()._reference(w)
         if self.group is None:
             return reference
@@ -94,9 +94,18 @@ class DistributedReplay(ReplayCheck):
                 self.notes.append(f"optimizer step {self.updates}: another rank could not "
                                   "replay its window; the step is not checked")
             return None
-        for tensor in reference:
+        # (a weighted loss: each rank's own weighting, as each rank's consumed gradient has it;
+        # the equal-weight alternative is averaged the same way, or dropped where one rank's
+        # window had none, so every rank joins the same collectives)
+        has_equal = torch.tensor([0.0 if reference.equal is None else 1.0], device=device)
+        dist.all_reduce(has_equal, group=self.group)
+        averaged = reference.reference + (reference.equal or []) \
+            if int(has_equal.item()) == world else reference.reference
+        for tensor in averaged:
             dist.all_reduce(tensor, group=self.group)
             tensor.div_(world)
+        if int(has_equal.item()) != world:
+            reference.equal = reference.counts = reference.own = None
         return reference
 
 

@@ -7,7 +7,6 @@ autocast accelerate wraps around a prepared model's forward. Nothing here import
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,9 +14,9 @@ from typing import Any
 import torch
 
 from ..findings import Finding
-from ..probe.callsite import _AMPDOCTOR_DIR, CallSiteFinder, Site, _torch_dir
 from . import Watch, WatchError
 from .checks import Window
+from .patching import direct_site
 from .replay import Replayed
 
 
@@ -74,19 +73,6 @@ class FrameworkWatch(Watch):
         w = self.window
         if w.batches and w.precision == "fp32" and self.autocast_precision is not None:
             w.precision = self.autocast_precision
-
-
-def direct_site(frame: Any, finder: CallSiteFinder) -> Site | None:
-    """The caller past ampdoctor's and torch's own frames when it is the user's code (not a
-    framework's or the standard library's), else None."""
-    torch_dir = _torch_dir()
-    while frame is not None and os.path.realpath(frame.f_code.co_filename).startswith(
-            (_AMPDOCTOR_DIR, torch_dir)):
-        frame = frame.f_back
-    if frame is None or finder._classify(frame.f_code.co_filename)[0]:
-        return None
-    return Site(os.path.realpath(frame.f_code.co_filename), frame.f_lineno,
-                frame.f_code.co_name)
 
 
 @contextlib.contextmanager
