@@ -110,3 +110,32 @@ def test_a_gan_bug_is_named_at_the_loss_of_its_own_model(tmp_path, bug, optimize
     assert found["location"]["line"] == line
     assert found["evidence"]["optimizer"] == optimizer   # opt_g is built first
     assert found["evidence"]["measured"] == pytest.approx(4.0, rel=1e-3)
+
+
+ACCELERATE = SCRIPTS / "accelerate_loop.py"
+
+
+@pytest.mark.parametrize("bug", ["none", "double-average"])
+def test_an_accelerate_script_gets_the_fix_in_accelerate_terms(tmp_path, bug):
+    """`accelerator.backward` divides by K inside `accelerator.accumulate()`: the loop's own
+    division is the one to remove (the fix says so, as in spec mode), and the healthy script
+    is clean."""
+    pytest.importorskip("accelerate")
+    result = run_cli("diagnose", ACCELERATE, "--json", "--out", tmp_path / "runs", "--",
+                     "--bug", bug)
+    record = result.record
+    assert record["reference_args"] == ["--bug", bug, "--gradient_accumulation_steps", "1",
+                                        "--per_device_train_batch_size", "32"]
+    if bug == "none":
+        assert result.returncode == 0, result.stderr
+        assert record["findings"] == []
+        return
+    assert result.returncode == 1, result.stderr
+    found = first_error(record)
+    assert (found["rung"], found["kind"]) == ("fp32-accum", "double-average")
+    assert found["location"]["line"] == marked_line(ACCELERATE, "double-average")
+    assert found["evidence"]["measured"] == pytest.approx(0.25, rel=1e-3)
+    assert found["evidence"]["framework"] == "accelerate"
+    assert "already divides" in found["message"]
+    assert found["fix"].startswith("Remove your own division")
+    assert "keep `loss" not in found["fix"]

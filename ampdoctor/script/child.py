@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import format_traceback
-from ..probe import patches, recorder, spill, wrappers
+from ..probe import frameworks, patches, recorder, spill, wrappers
 from ..probe.callsite import CallSiteFinder, Site
 from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecord
 from ..probe.observer import ProbeSettings
@@ -322,6 +322,9 @@ def run(job: Job) -> Outcome:
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, overlay.root, True)
         patched = stack.enter_context(patches.installed(wrappers.install)).patched
+        # the frameworks the script's imports preloaded (accelerate, transformers, Lightning):
+        # who divides by K and where the loss was computed, as in a spec's run
+        patched += stack.enter_context(patches.installed(frameworks.install)).patched
         patched += stack.enter_context(
             patches.installed(lambda p: files.install(overlay, p))).patched
         patched += stack.enter_context(
