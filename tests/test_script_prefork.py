@@ -117,3 +117,24 @@ def test_a_preloaded_librarys_alias_of_a_patched_function_reaches_the_probe(tmp_
     assert "cliplib_for_prefork_test" not in sys.modules   # imported by the server, not here
     clips = [e for e in out.events if isinstance(e, Clip)]
     assert len(clips) == 2 and {c.max_norm for c in clips} == {0.5}
+
+
+def test_a_run_imports_the_frameworks_the_server_did_not_preload(tmp_path):
+    """The server stops preloading at a library that starts a thread (and a run started
+    without it preloads nothing): a run imports the script's frameworks itself before the
+    probe's patches go in, so the Accelerator the script builds is watched. In a fresh
+    interpreter: only the frameworks are imported, not the script's other libraries."""
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "recipes" / "scripts" / "accelerate_loop.py"
+    probe = textwrap.dedent(f"""
+        import sys
+        from ampdoctor.script import prefork
+        assert "accelerate" not in sys.modules
+        prefork.import_frameworks({str(script)!r}, {str(tmp_path)!r})
+        print("accelerate.accelerator" in sys.modules, "PIL" in sys.modules)
+    """)
+    pytest.importorskip("accelerate")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]

@@ -318,6 +318,7 @@ def run(job: Job) -> Outcome:
     finder = CallSiteFinder([Path(folder)])
     probe = ScriptProbe(job, finder)
     out = probe.out
+    prefork.import_frameworks(script, job.cwd)
     overlay = files.Overlay(job.scratch or tempfile.mkdtemp(prefix="ampdoctor-run-"))
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, overlay.root, True)

@@ -70,6 +70,27 @@ def script_imports(script: str, cwd: str) -> list[str]:
     return wanted
 
 
+#: the frameworks whose classes the probe patches (`probe.frameworks`): a run imports those its
+#: script imports before the patches go in, when the server did not preload them
+FRAMEWORKS = ("accelerate", "transformers", "lightning", "pytorch_lightning", "lightning_fabric")
+
+
+def import_frameworks(script: str, cwd: str) -> None:
+    """In a run, before the probe's patches: import the frameworks among the script's imports
+    that the server did not preload (it stops at a library that starts a thread, and a run
+    started without the server preloads nothing), so that the Accelerator or Trainer the script
+    builds is one the probe watches. The script imports them anyway; one that fails to import
+    is left to the script."""
+    for name in script_imports(script, cwd):
+        module, _, attr = name.partition(":")
+        if module.split(".")[0] not in FRAMEWORKS:
+            continue
+        try:
+            __import__(module, fromlist=[attr] if attr else [])
+        except BaseException:  # noqa: BLE001 - the script's own import says why
+            continue
+
+
 def _local(top: str, folders: list[str]) -> bool:
     """Whether a top-level name is (or may be) the user's own: a module or package of that name
     in one of `folders`, or one that resolves under them."""
