@@ -6,8 +6,9 @@ optimizer steps of K = 4 micro-batches of 8 sequences of 64 tokens, AdamW, a war
 schedule, clipping after `unscale_`, in `--precision` (bf16 autocast by default on a CPU), once
 plainly and once under `ampdoctor.watch(..., every=500)` (the default: the second window and
 every 500th are replayed in fp32), in turn, `--repeats` times each. It prints the median wall
-time of each, the overhead, and what the sentinel holds during a checked window (the fp32
-reference gradient: one copy of the gradients) against the model's gradients.
+time of each, the overhead as the median of the pairs' ratios in wall time and in this
+process's CPU time (steadier than wall time on a shared machine), and what the sentinel holds
+during a checked window (the fp32 reference gradient: one copy of the gradients).
 
     python bench/bench_watch.py                       # 600 steps, 2 repeats
     python bench/bench_watch.py --steps 1000 --repeats 3 --precision fp16
@@ -50,7 +51,7 @@ class LM(nn.Module):
         return self.norm(h) @ self.embed.weight.T
 
 
-def run(watched: bool, args: argparse.Namespace) -> tuple[float, dict]:
+def run(watched: bool, args: argparse.Namespace) -> tuple[float, float, dict]:
     torch.manual_seed(0)
     model = LM(args.width, args.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
@@ -68,7 +69,7 @@ def run(watched: bool, args: argparse.Namespace) -> tuple[float, dict]:
 
     watch = ampdoctor.watch(model, opt, scaler=scaler, scheduler=sched, accumulation_steps=K,
                             loss_fn=loss_fn) if watched else None
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     with watch if watch is not None else contextlib.nullcontext():
         source = watch.batches(batches) if watch is not None else batches
         for i, batch in enumerate(source):
@@ -82,13 +83,13 @@ def run(watched: bool, args: argparse.Namespace) -> tuple[float, dict]:
                 scaler.update()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
-    seconds = time.perf_counter() - started
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     info = {"params": sum(p.numel() for p in model.parameters())}
     if watch is not None:
         assert watch.record is not None
         info.update(verdict=watch.record["verdict"], checked=len(watch.checked),
                     findings=[f.kind for f in watch.findings])
-    return seconds, info
+    return seconds, cpu, info
 
 
 def main() -> None:
@@ -98,24 +99,41 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="bf16")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch's intra-op threads (0: its default); 1 is steadier on a "
+                             "shared machine")
     args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
-    plain, watched = [], []
+    plain, watched, plain_cpu, watched_cpu = [], [], [], []
     info: dict = {}
-    for _ in range(args.repeats):
-        plain.append(run(False, args)[0])
-        seconds, info = run(True, args)
+    for _ in range(args.repeats):      # in turn, so a drift of the machine hits both
+        seconds, cpu, _info = run(False, args)
+        plain.append(seconds)
+        plain_cpu.append(cpu)
+        seconds, cpu, info = run(True, args)
         watched.append(seconds)
+        watched_cpu.append(cpu)
     p, w = statistics.median(plain), statistics.median(watched)
     params = info["params"]
+
+    def each(values: list[float]) -> str:
+        return ", ".join(f"{x:.2f}" for x in values)
+
+    def pairwise(a: list[float], b: list[float]) -> float:
+        return statistics.median(y / x for x, y in zip(a, b, strict=True))
+
     print(f"model: {params / 1e6:.2f} M parameters; {args.steps} optimizer steps of K = 4 "
-          f"micro-batches of 8 x {SEQ} tokens, {args.precision}")
-    print(f"plain:   {p:.2f} s (each: {', '.join(f'{x:.2f}' for x in plain)})")
-    print(f"watched: {w:.2f} s (each: {', '.join(f'{x:.2f}' for x in watched)}); "
+          f"micro-batches of 8 x {SEQ} tokens, {args.precision}, {torch.get_num_threads()} "
+          "thread(s)")
+    print(f"plain:   {p:.2f} s wall (each: {each(plain)}), CPU {each(plain_cpu)} s")
+    print(f"watched: {w:.2f} s wall (each: {each(watched)}), CPU {each(watched_cpu)} s; "
           f"verdict {info['verdict']}, {info['checked']} windows checked against fp32, "
           f"findings {info['findings'] or 'none'}")
-    print(f"overhead: {100 * (w - p) / p:+.2f} % of the training's wall time (target <= 3 %)")
+    print(f"overhead (median of the pairs, target <= 3 %): wall "
+          f"{100 * (pairwise(plain, watched) - 1):+.2f} %, CPU time "
+          f"{100 * (pairwise(plain_cpu, watched_cpu) - 1):+.2f} %")
     print(f"held during a checked window: the fp32 reference gradient, {params * 4 / 2**20:.1f} "
           f"MiB (one copy of the model's {params / 1e6:.2f} M gradients); between windows: "
           "nothing")
