@@ -138,3 +138,17 @@ def test_a_run_imports_the_frameworks_the_server_did_not_preload(tmp_path):
                          timeout=300, env=dict(os.environ))
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "False"]
+
+
+def test_a_virtual_environment_inside_the_project_holds_libraries(tmp_path, monkeypatch):
+    """A project's own `.venv` in the working directory: what is installed there is a library
+    (preloaded by the server, its framework watched), not the user's own module."""
+    site = tmp_path / ".venv" / "lib" / "python3.11" / "site-packages"
+    (site / "fakelib_for_prefork").mkdir(parents=True)
+    (site / "fakelib_for_prefork" / "__init__.py").write_text("X = 1\n")
+    (tmp_path / "own_module.py").write_text("Y = 2\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    script = tmp_path / "train.py"
+    script.write_text("import fakelib_for_prefork\nimport own_module\n")
+    assert prefork.script_imports(str(script), str(tmp_path)) == ["fakelib_for_prefork"]

@@ -107,6 +107,8 @@ def _local(top: str, folders: list[str]) -> bool:
         return True
     origin = spec.origin or (list(spec.submodule_search_locations or []) or [""])[0]
     origin = os.path.realpath(origin) if origin else ""
+    if f"{os.sep}site-packages{os.sep}" in origin or f"{os.sep}dist-packages{os.sep}" in origin:
+        return False   # installed, even in a virtual environment inside the project's folder
     return any(origin.startswith(folder + os.sep) for folder in folders)
 
 
