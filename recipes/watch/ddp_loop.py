@@ -10,6 +10,7 @@ writes to `--result` its record and whether the weights ended bit-identical.
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import warnings
@@ -77,6 +78,11 @@ def main():
     result = {"rank": rank, "identical": identical, "record": watch.record,
               "pid": os.getpid()}
     Path(args.result, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    # every rank done with its collectives, and the DDP wrappers (the watch holds one) gone,
+    # before the process group: a wrapper outliving it can abort the process at exit
+    dist.barrier()
+    del watch, watched, plain
+    gc.collect()
     dist.destroy_process_group()
 
 
