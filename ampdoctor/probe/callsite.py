@@ -31,6 +31,12 @@ def _real_absolute(filename: str) -> str:
     return os.path.realpath(filename)
 
 
+def installed(path: str) -> bool:
+    """Whether a real path lies in an installation's package folder (site-packages,
+    dist-packages): never the user's own code, even inside the project's folder (a `.venv`)."""
+    return f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+
+
 def _torch_dir() -> str:
     """torch's own Python files (skipped when asking who called a torch function); read once
     torch is imported."""
@@ -90,9 +96,7 @@ class CallSiteFinder:
                 path = _real(filename)
                 # Installed code is never the user's, even under project_root (a project's own
                 # .venv holding torch and ampdoctor).
-                library = (path.startswith(self.library_dirs)
-                           or f"{os.sep}site-packages{os.sep}" in path
-                           or f"{os.sep}dist-packages{os.sep}" in path)
+                library = path.startswith(self.library_dirs) or installed(path)
                 if library:
                     hit = (True, False)
                 elif path.startswith(self.user_roots) and self.user_roots:

@@ -41,6 +41,7 @@ class Expectation:
         self.hooked: set[int] = set()
         #: "file:line name" of the draws replaced, first seen first (at most MAX_SITES)
         self.sites: list[str] = []
+        self._seen: set[tuple[str, int, str]] = set()
         self.count = 0
 
     def track(self, model: torch.nn.Module) -> None:
@@ -62,8 +63,10 @@ class Expectation:
 
     def replaced(self, name: str, frame: Any) -> None:
         self.count += 1
-        if len(self.sites) < MAX_SITES:
-            site = self.finder.from_frame(frame)
+        key = (frame.f_code.co_filename, frame.f_lineno, name)
+        if len(self.sites) < MAX_SITES and key not in self._seen:
+            self._seen.add(key)     # (the call-site walk once per calling line: a forward
+            site = self.finder.from_frame(frame)    # makes a draw per block, every step)
             where = f"{site.file.rsplit('/', 1)[-1]}:{site.line} " if site is not None else ""
             text = f"{where}{name}"
             if text not in self.sites:

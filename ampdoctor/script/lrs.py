@@ -60,19 +60,18 @@ def _finding(ss: ScriptSession, trace: ScriptTrace, step: int, group: int, run_l
              ref_lr: float, ratio: float) -> Finding:
     reference = " ".join(ss.command.reference_args or [])
     optimizer = next((o for o in trace.outcome.optimizers if o.get("slot") == 0), None)
+    built_at = optimizer.get("site") if optimizer else None
     schedule = [e for e in trace.events if isinstance(e, SchedulerStep)]
+    # at step 0 the rate (or a warm-up set from the micro-batch) is the optimizer's; later
+    # rates part when the schedule moves at another pace
+    where = built_at if step == 0 or not schedule else schedule[0].site
     if not schedule:
-        where = optimizer.get("site") if optimizer else None
         cause = ("the script sets the optimizer's learning rate from the micro-batch (a "
                  "linear scaling rule on the batch option alone?), not from the optimizer "
                  f"step's batch of K x b = {ss.K} x {ss.spec.micro_batch_size}")
         fix = ("compute it from the effective batch: batch size x accumulation steps "
                "(x world size)")
     else:
-        # at step 0 either the learning rate or the schedule's warm-up was set from the
-        # micro-batch; later, the schedule moves at another pace
-        where = (optimizer.get("site") if optimizer else None) if step == 0 \
-            else schedule[0].site
         cause = ("the script derives the learning rate from the micro-batch, or its "
                  "schedule (warm-up, length) from the number of micro-batches (len(loader)) "
                  "instead of optimizer steps")

@@ -33,6 +33,8 @@ import sys
 import types
 from typing import Any
 
+from ..probe.callsite import installed
+
 #: the environment variable that hands the server its import list (read when it starts)
 ENV = "AMPDOCTOR_PREFORK_IMPORTS"
 
@@ -107,8 +109,8 @@ def _local(top: str, folders: list[str]) -> bool:
         return True
     origin = spec.origin or (list(spec.submodule_search_locations or []) or [""])[0]
     origin = os.path.realpath(origin) if origin else ""
-    if f"{os.sep}site-packages{os.sep}" in origin or f"{os.sep}dist-packages{os.sep}" in origin:
-        return False   # installed, even in a virtual environment inside the project's folder
+    if installed(origin):
+        return False   # even in a virtual environment inside the project's folder
     return any(origin.startswith(folder + os.sep) for folder in folders)
 
 

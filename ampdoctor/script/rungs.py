@@ -31,9 +31,8 @@ from ..rules.scale_state import (
     violation_findings,
 )
 from .lrs import lr_mismatch
+from .references import Grads
 from .session import ScriptSession, ScriptTrace
-
-Grads = dict[str, torch.Tensor | None]
 
 NO_REFERENCE = ("no reference to compare the updates with: give --reference-args, the "
                 "script's arguments for one micro-batch per optimizer step holding the whole "
