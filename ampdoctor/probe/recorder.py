@@ -233,7 +233,8 @@ class Probe:
         value = float(tensor.detach().float()) if read else None
         self._scaled_read = self._scaled_read or (read and scaled_by is not None)
         self.backward_count += 1
-        self.record(Backward, site=site, value=value, scaled_by=scaled_by)
+        self.record(Backward, site=site, value=value, scaled_by=scaled_by,
+                    lrs=tuple(_first_lr(o) for o in self._optimizers))
 
     def _snapshot(self, state: Mapping[str, torch.Tensor] | None = None) -> None:
         """Keep the weights the current step group starts from (the reference's parameters):
@@ -343,6 +344,14 @@ def _host_copy(grad: torch.Tensor, shard_wise: bool = False) -> torch.Tensor:
         return shards.piece(grad.detach(),
                             lambda local: local.to("cpu", torch.float32, copy=True))
     return full_tensor(grad.detach()).to("cpu", torch.float32, copy=True)
+
+
+def _first_lr(optimizer: Any) -> float | None:
+    """Parameter group 0's learning rate as a number, without a device sync (None when it is
+    a tensor or missing)."""
+    groups = getattr(optimizer, "param_groups", None) or [{}]
+    lr = groups[0].get("lr") if isinstance(groups[0], dict) else None
+    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
 
 
 def _caller(depth: int) -> FrameType:
