@@ -133,6 +133,10 @@ class Probe:
         #: Called with each StepRecord (gradients filled) as the step happens; the record then
         #: keeps no gradients and the probe no snapshots (a streamed comparison).
         self.step_sink: Callable[[StepRecord], None] | None = None
+        #: Called with the names of the model's parameters that do not require a gradient as
+        #: each step group begins (a loop may freeze part of the model it was handed): the
+        #: reference then trains what the loop trains
+        self.on_frozen: Callable[[frozenset[str]], None] | None = None
         #: Sees each step as it happens (`observer.StepObserver`, set by the rung driver), or
         #: None: the probe copies what every step consumed
         self.step_observer: StepObserver | None = None
@@ -261,6 +265,9 @@ class Probe:
         self._backwards_at_group = self.backward_count
         self._group_consumed = tuple(sorted(set(self._consumed)))
         self._consumed = []
+        if self.model is not None and self.on_frozen is not None:
+            self.on_frozen(frozenset(n for n, p in self.model.named_parameters()
+                                     if not p.requires_grad))
         if self.model is not None and self.capture_grads and self.step_sink is None:
             observer = self.step_observer
             if observer is None or not observer.begin_group(
