@@ -149,6 +149,12 @@ def same_tensors(a: Mapping[str, torch.Tensor | None],
     return True
 
 
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a strided tensor: a sparse gradient (an `nn.Embedding(sparse=True)`'s, for
+    `SparseAdam`) densified, so that it is compared, normed and copied like any other."""
+    return tensor.to_dense() if tensor.layout != torch.strided else tensor
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """No inf and no NaN in `tensor`: min/max propagate both (one reduction, no mask), and
     x * 0 is 0 for a finite x, NaN for inf or NaN (one read: one host sync on a GPU)."""

@@ -172,7 +172,11 @@ class StepJudge:
         done.steps.append(verdict)
         self._last = verdict
         if self._bad_seen:
-            return dropped
+            # (but the fp32 run's first group: the repeat run compares every step of it; its
+            # gradients kept, not the weights, which the group's earlier step changed)
+            first_group = self.trace.steps[0].group if self.trace.steps else step.group
+            return StepKeep(False) if (self.precision == "fp32"
+                                       and step.group == first_group) else dropped
         if verdict.bad:
             # its weights are the group's only at the group's first step (else the rules
             # explain it with the numbers alone)

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from .. import progress, shards
-from ..compare import all_finite, same_tensors
+from ..compare import all_finite, dense, same_tensors
 from ..errors import EnoughSteps
 from . import spill
 from .callsite import CallSiteFinder, Site
@@ -288,13 +288,13 @@ class Probe:
                 if self.capture_grads:
                     grads[self.param_name(param, slot, index)] = None
                 continue
+            grad = dense(param.grad)
             if live:   # seen as it happens: copied only if the observer asks
-                grads[self.param_name(param, slot, index)] = param.grad.detach()
+                grads[self.param_name(param, slot, index)] = grad.detach()
             elif self.capture_grads:
-                grads[self.param_name(param, slot, index)] = _host_copy(param.grad,
-                                                                         self.shard_wise)
+                grads[self.param_name(param, slot, index)] = _host_copy(grad, self.shard_wise)
             elif finite:
-                finite = all_finite(param.grad)
+                finite = all_finite(grad)
         if self.capture_grads:
             finite = all(g is None or all_finite(g) for g in grads.values())
         return grads, finite
@@ -351,6 +351,21 @@ def _host_copy(grad: torch.Tensor, shard_wise: bool = False) -> torch.Tensor:
         return shards.piece(grad.detach(),
                             lambda local: local.to("cpu", torch.float32, copy=True))
     return full_tensor(grad.detach()).to("cpu", torch.float32, copy=True)
+
+
+class Shared:
+    """A callback the probe holds that reaches the session (`Probe.on_frozen`): a loop that
+    deep-copies its model (an EMA) copies the probe its hooks reach, and must not copy the
+    session behind it (as `StepJudge.__deepcopy__`)."""
+
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any) -> Any:
+        return self.function(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Shared:
+        return self
 
 
 def _first_lr(optimizer: Any) -> float | None:

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from ..compare import dense
 from . import recorder
 from .recorder import Probe
 
@@ -29,5 +30,5 @@ def grad_norm(params: list[torch.Tensor]) -> float:
         return 0.0
     with torch.no_grad():
         total = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g.detach().float()) for g in grads]))
+            torch.stack([torch.linalg.vector_norm(dense(g.detach()).float()) for g in grads]))
     return float(total)

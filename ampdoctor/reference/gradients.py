@@ -155,7 +155,7 @@ class ReferenceBuilder:
                 out[n] = None
                 continue
             p.grad = None
-            g = g.detach()
+            g = compare.dense(g.detach())
             out[n] = g if g.device.type == "cpu" and g.dtype == torch.float32 \
                 and type(g) is torch.Tensor else g.to("cpu", torch.float32, copy=True)
         return out
