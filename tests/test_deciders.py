@@ -19,8 +19,8 @@ import pytest
 from ampdoctor import deciders, thresholds
 from ampdoctor.deciders import FORCED_FP16, Observed, ScheduleOnSkips
 from ampdoctor.enums import KindId, Severity
-from ampdoctor.findings import CATALOGUE, Location
-from ampdoctor.kind_text import ERROR_WHEN
+from ampdoctor.findings import Location
+from ampdoctor.kinds import CATALOGUE, ERROR_WHEN, FRAMEWORK_FIXES
 from ampdoctor.probe.events import SchedulerStep, make_event
 from ampdoctor.rules.schedule import lr_shift
 
@@ -203,7 +203,7 @@ def _observed(framework: str | None = None, fix: str = "") -> Observed:
 @pytest.mark.parametrize("framework", ["accelerate", "Lightning", "Fabric"])
 def test_accumulation_fix_is_said_in_the_frameworks_terms(decider, kind, framework):
     finding = decider(_observed(framework))
-    assert finding.fix == deciders.FRAMEWORK_FIXES[(kind, framework)]
+    assert finding.fix == FRAMEWORK_FIXES[(kind, framework)]
     assert finding.fix != CATALOGUE[kind].fix
 
 
@@ -213,11 +213,11 @@ FRAMEWORKS = ("accelerate", "HF Trainer", "Lightning", "Fabric")
 @pytest.mark.parametrize("kind", ["double-average", "missing-accumulation-average",
                                   "reduction-mismatch", "weighted-average-mismatch"])
 def test_every_division_kind_has_a_fix_in_every_frameworks_terms(kind):
-    assert all((kind, framework) in deciders.FRAMEWORK_FIXES for framework in FRAMEWORKS)
+    assert all((kind, framework) in FRAMEWORK_FIXES for framework in FRAMEWORKS)
 
 
 def test_the_division_fixes_name_who_divides():
-    fixes = deciders.FRAMEWORK_FIXES
+    fixes = FRAMEWORK_FIXES
     # accelerate divides: the loop's own division goes (the catalogue says keep `loss / K`)
     assert fixes[("double-average", "accelerate")].startswith("Remove your own division")
     assert "keep `loss" in CATALOGUE["double-average"].fix

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import quote_from_bytes
 
-from ampdoctor.findings import CATALOGUE
+from ampdoctor.kinds import CATALOGUE
 from ampdoctor.safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
 from ampdoctor.scan.sites import ScanReport, Site, display_path
 

@@ -1,0 +1,47 @@
+"""The kind of an update off the reference in no known shape: `gradient-mismatch`.
+
+Each kind here is one unit: its catalogue text (`ampdoctor explain` prints it), the measured
+consequence that makes it an error (`error_when`, which docs/kinds.md repeats), what its
+`evidence.measured` counts, its fix in a framework's terms, and its one decider (`decided_in`),
+the only function that builds a `Finding` of it.
+
+This module must not import torch: the static scan, `report` and `explain` run without it.
+"""
+
+from __future__ import annotations
+
+from ..enums import KindId
+from ..findings import Finding
+from .base import Kind, Observed
+
+GRADIENT_MISMATCH = Kind(
+    KindId.GRADIENT_MISMATCH,
+    title="The update differs from the reference in no known shape",
+    why=(
+        "The gradient the optimizer consumed differs from the fp32 full-batch reference beyond the "
+        "tolerance, and the difference matches none of the known shapes (a factor K, 1/K, b, "
+        "S...). "
+        "Also reported for an off-by-one window condition, a loop that stops early, and DDP ranks "
+        "that consume different gradients."),
+    fix=(
+        "Compare the loop with the correct skeleton: `loss / K` -> `scaler.scale(loss).backward()` "
+        "x K -> `scaler.unscale_` -> clip -> `scaler.step` -> `scaler.update` -> `zero_grad`, "
+        "stepping when `(i + 1) % K == 0`; the finding names the first bad step and its numbers."),
+    example=(
+        "for i, (x, y) in enumerate(micro_batches):\n"
+        "    scaler.scale(criterion(model(x), y) / K).backward()\n"
+        "    if i % K == 0:                # off by one: steps after micro-batch 0\n"
+        "        scaler.step(optimizer); scaler.update(); optimizer.zero_grad()"),
+    error_when=(
+        "a consumed update differs from the reference beyond tolerance in no known shape "
+        "(always with the numbers and the first bad step)."),
+    measured="consumed / reference gradient norm, first bad step",
+    decided_in=f"{__name__}:gradient_mismatch",
+)
+
+
+def gradient_mismatch(seen: Observed) -> Finding:
+    """`gradient-mismatch`: the update differs from the reference in no known shape.
+    Error: an update off the reference in no known shape. (`GRADIENT_MISMATCH.error_when`)"""
+    return Finding(seen.rung, KindId.GRADIENT_MISMATCH, seen.severity,
+                   **seen.fields(GRADIENT_MISMATCH))

@@ -1,0 +1,152 @@
+"""The loss-scale kinds: unscaling, updating and owning the scale: `missing-unscale`,
+`unscale-twice`, `update-per-microbatch`, `double-scaling`.
+
+Each kind here is one unit: its catalogue text (`ampdoctor explain` prints it), the measured
+consequence that makes it an error (`error_when`, which docs/kinds.md repeats), what its
+`evidence.measured` counts, its fix in a framework's terms, and its one decider (`decided_in`),
+the only function that builds a `Finding` of it.
+
+This module must not import torch: the static scan, `report` and `explain` run without it.
+"""
+
+from __future__ import annotations
+
+from ..enums import KindId
+from ..findings import Finding
+from .base import Kind, Observed
+
+MISSING_UNSCALE = Kind(
+    KindId.MISSING_UNSCALE,
+    title="An optimizer steps on scaled gradients",
+    why=(
+        "The optimizer's `.step()` runs while its gradients are still multiplied by the loss scale "
+        "(e.g. a second optimizer stepped directly instead of through `scaler.step`): its update "
+        "is S times too large, and overflow is never checked."),
+    fix=(
+        "Step every optimizer through the scaler: `scaler.unscale_(opt)` (before clipping) and "
+        "`scaler.step(opt)` for each one, then `scaler.update()` once per optimizer step; never "
+        "`opt.step()` on gradients that `scaler.scale(loss)` produced."),
+    example=(
+        "scaler.scale(loss).backward()\n"
+        "scaler.unscale_(backbone_opt)\n"
+        "scaler.step(backbone_opt)\n"
+        "head_opt.step()         # second optimizer: grads still x S, no inf check\n"
+        "scaler.update()"),
+    error_when=(
+        "an optimizer consumed gradients still multiplied by the loss scale (the update is S "
+        "times the reference) or consumed the injected inf. Warning: the update matched only "
+        "because the scale was 1."),
+    measured="consumed / reference gradient norm (S); steps on non-finite grads",
+    decided_in=f"{__name__}:missing_unscale",
+)
+
+
+UNSCALE_TWICE = Kind(
+    KindId.UNSCALE_TWICE,
+    title="Gradients are unscaled twice",
+    why=(
+        "`unscale_` (or a hand-written division by the scale) runs twice on the same gradients in "
+        "one optimizer step, so they are divided by S twice."),
+    fix=(
+        "Call `scaler.unscale_(optimizer)` once per optimizer per step, after the window's last "
+        "backward (not per micro-batch), and never divide `.grad` by `scaler.get_scale()` by "
+        "hand."),
+    example=(
+        "scaler.unscale_(optimizer)\n"
+        "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n"
+        "inv = 1.0 / scaler.get_scale()\n"
+        "for p in model.parameters():\n"
+        "    p.grad.mul_(inv)            # unscaled a second time\n"
+        "scaler.step(optimizer)"),
+    error_when=(
+        "an update is 1/S of the reference, or torch refused the second unscale_ of a step."),
+    measured="unscale_ calls per step, or consumed / reference (1/S)",
+    decided_in=f"{__name__}:unscale_twice",
+)
+
+
+UPDATE_PER_MICROBATCH = Kind(
+    KindId.UPDATE_PER_MICROBATCH,
+    title="`scaler.update()` runs on every micro-batch",
+    why=(
+        "The scale is updated K times per optimizer step, so one overflowing micro-batch backs the "
+        "scale off K times and growth happens K times too fast."),
+    fix=(
+        "Call `scaler.update()` once per optimizer step, right after `scaler.step(optimizer)`, "
+        "inside the `if (i + 1) % K == 0:` block."),
+    example=(
+        "for i, (x, y) in enumerate(micro_batches):\n"
+        "    scaler.scale(criterion(model(x), y) / K).backward()\n"
+        "    scaler.update()                       # every micro-batch\n"
+        "    if (i + 1) % K == 0:\n"
+        "        scaler.step(optimizer)\n"
+        "        optimizer.zero_grad()"),
+    error_when=(
+        "the loss-scale trajectory differs: one overflowing micro-batch backed the scale off "
+        "more than once, or torch refused an update() with no inf check before it."),
+    measured="scale backoffs for one overflowing window",
+    decided_in=f"{__name__}:update_per_microbatch",
+)
+
+
+DOUBLE_SCALING = Kind(
+    KindId.DOUBLE_SCALING,
+    title="Two loss-scale state machines on one loss",
+    why=(
+        "The loss is scaled twice (two GradScalers, a GradScaler inside "
+        "DeepSpeed/Trainer/accelerate/"
+        "Lightning AMP, or a constant loss scale on top of a GradScaler): skips, scale and "
+        "clipping "
+        "no longer mean anything."),
+    fix=(
+        "Keep exactly one owner of loss scaling: either the framework's (DeepSpeed `fp16.enabled`, "
+        "`TrainingArguments(fp16=True)`, `Accelerator(mixed_precision='fp16')`, Lightning "
+        "`precision='16-mixed'`) with no GradScaler of your own, or your GradScaler with the "
+        "framework's fp16 off; delete any constant `loss * loss_scale` left from apex-era code."),
+    example=(
+        "static_loss_scale = 128.0                     # left over from apex O2\n"
+        "scaler = torch.amp.GradScaler(\"cuda\")\n"
+        "...\n"
+        "scaler.scale(loss * static_loss_scale).backward()"),
+    error_when=(
+        "the loss reaching backward carries a second scale factor (measured in the fp16 run), "
+        "or two loss-scale owners stand on one training path; for two GradScalers of the "
+        "diagnosed loop, only when the run saw them on one loss or one optimizer's gradients "
+        "(one scaled what the other unscales or steps, both step one optimizer, or one scaled "
+        "an already scaled loss); each on its own losses and optimizer is no finding. "
+        "Warning: owners in separate entry points that no scanned file runs together, or two "
+        "GradScalers of the loop that no run could tell apart."),
+    measured="effective loss scale; loss-scale owners on one path",
+    decided_in=f"{__name__}:double_scaling",
+)
+
+
+def missing_unscale(seen: Observed) -> Finding:
+    """`missing-unscale`: an optimizer steps on scaled gradients.
+    Error: an update S x the reference or on the injected inf; warning: the scale was 1.
+    (`MISSING_UNSCALE.error_when`)"""
+    return Finding(seen.rung, KindId.MISSING_UNSCALE, seen.severity,
+                   **seen.fields(MISSING_UNSCALE))
+
+
+def unscale_twice(seen: Observed) -> Finding:
+    """`unscale-twice`: gradients are unscaled twice.
+    Error: an update 1/S of the reference, or torch refused the second unscale_.
+    (`UNSCALE_TWICE.error_when`)"""
+    return Finding(seen.rung, KindId.UNSCALE_TWICE, seen.severity, **seen.fields(UNSCALE_TWICE))
+
+
+def update_per_microbatch(seen: Observed) -> Finding:
+    """`update-per-microbatch`: `scaler.update()` runs on every micro-batch.
+    Error: the loss-scale trajectory differs (backed off more than once).
+    (`UPDATE_PER_MICROBATCH.error_when`)"""
+    return Finding(seen.rung, KindId.UPDATE_PER_MICROBATCH, seen.severity,
+                   **seen.fields(UPDATE_PER_MICROBATCH))
+
+
+def double_scaling(seen: Observed) -> Finding:
+    """`double-scaling`: two loss-scale state machines on one loss.
+    Error: a second scale factor measured, or two owners on one path (two GradScalers: seen
+    by the run on one loss or optimizer); warning: separate entry points, or GradScalers no
+    run could tell apart. (`DOUBLE_SCALING.error_when`)"""
+    return Finding(seen.rung, KindId.DOUBLE_SCALING, seen.severity, **seen.fields(DOUBLE_SCALING))

@@ -1,0 +1,146 @@
+"""The kinds of when the optimizer steps and its gradients are cleared: `step-per-microbatch`,
+`zero-grad-inside-accumulation`, `missing-zero-grad`.
+
+Each kind here is one unit: its catalogue text (`ampdoctor explain` prints it), the measured
+consequence that makes it an error (`error_when`, which docs/kinds.md repeats), what its
+`evidence.measured` counts, its fix in a framework's terms, and its one decider (`decided_in`),
+the only function that builds a `Finding` of it.
+
+This module must not import torch: the static scan, `report` and `explain` run without it.
+"""
+
+from __future__ import annotations
+
+from ..enums import KindId
+from ..findings import Finding
+from .base import Kind, Observed, in_framework_terms
+
+STEP_PER_MICROBATCH = Kind(
+    KindId.STEP_PER_MICROBATCH,
+    title="The optimizer steps on every micro-batch",
+    why=(
+        "The optimizer steps K times per window instead of once: each update uses one micro-batch, "
+        "the effective batch is b instead of K*b and the scheduler and scaler run K times too "
+        "fast."),
+    fix=(
+        "Put the whole step under the window condition: `if (i + 1) % accumulation_steps == 0:` "
+        "then `scaler.unscale_(opt)`, clip, `scaler.step(opt)`, `scaler.update()`, "
+        "`opt.zero_grad()`."),
+    example=(
+        "for i, (x, y) in enumerate(micro_batches):\n"
+        "    scaler.scale(criterion(model(x), y) / K).backward()\n"
+        "    scaler.step(optimizer)                # every micro-batch\n"
+        "    scaler.update()\n"
+        "    if (i + 1) % K == 0:\n"
+        "        optimizer.zero_grad()"),
+    error_when=(
+        "the optimizer stepped more often than there are windows: each update applied part of "
+        "a window, and the parameters follow another trajectory than the reference's."),
+    measured="optimizer steps for the run's windows",
+    decided_in=f"{__name__}:step_per_microbatch",
+    framework_fixes={
+        "HF Trainer":
+            "Let the Trainer step: it steps once per gradient_accumulation_steps batches; remove "
+            "any `optimizer.step()` from `compute_loss`, a `training_step` override or a callback.",
+        "accelerate":
+            "Hand the optimizer to `accelerator.prepare` and call it inside `with "
+            "accelerator.accumulate(model):` with `Accelerator(gradient_accumulation_steps=K)`: "
+            "the prepared optimizer steps only when `accelerator.sync_gradients` is true.",
+        "Lightning":
+            "In manual optimization step under the window condition: `if (batch_idx + 1) % N == "
+            "0: opt.step(); opt.zero_grad()` (or let automatic optimization step with "
+            "`Trainer(accumulate_grad_batches=N)`).",
+        "Fabric":
+            "Step only at the window's end: `if not is_accumulating: optimizer.step(); "
+            "optimizer.zero_grad()`, with `is_accumulating = (i + 1) % K != 0`.",
+    },
+)
+
+
+ZERO_GRAD_INSIDE_ACCUMULATION = Kind(
+    KindId.ZERO_GRAD_INSIDE_ACCUMULATION,
+    title="Gradients are zeroed inside the accumulation window",
+    why=(
+        "`zero_grad` runs before the window is complete, so only the last micro-batch(es) reach "
+        "the "
+        "optimizer step; the other K-1 are thrown away."),
+    fix=(
+        "Call `optimizer.zero_grad(set_to_none=True)` once per window, right after "
+        "`scaler.update()` (or before the window's first micro-batch: `if i % K == 0:`), never "
+        "between the micro-batches of a window."),
+    example=(
+        "for i, (x, y) in enumerate(micro_batches):\n"
+        "    optimizer.zero_grad()                 # wipes the window so far\n"
+        "    scaler.scale(criterion(model(x), y) / K).backward()\n"
+        "    if (i + 1) % K == 0:\n"
+        "        scaler.step(optimizer); scaler.update()"),
+    error_when=(
+        "a step's update differs from the reference and only the micro-batches after a "
+        "zero_grad inside the window reached it."),
+    measured="micro-batches of the window that reached the step",
+    decided_in=f"{__name__}:zero_grad_inside_accumulation",
+    framework_fixes={
+        "HF Trainer":
+            "Remove `zero_grad()` from `compute_loss`, a `training_step` override or a callback: "
+            "the Trainer clears the gradients after each optimizer step.",
+        "accelerate":
+            "Call `optimizer.zero_grad()` on the prepared optimizer inside `accelerator.accumulate("
+            "model)` (it clears only when `sync_gradients` is true), never on the raw optimizer or "
+            "the model between micro-batches.",
+        "Lightning":
+            "In manual optimization call `opt.zero_grad()` only under `if (batch_idx + 1) % N == "
+            "0:`, after `opt.step()`.",
+        "Fabric":
+            "Call `optimizer.zero_grad()` only after the window's `optimizer.step()` (`if not "
+            "is_accumulating:`).",
+    },
+)
+
+
+MISSING_ZERO_GRAD = Kind(
+    KindId.MISSING_ZERO_GRAD,
+    title="Gradients are carried from one optimizer step into the next",
+    why=(
+        "`.grad` is not cleared after an optimizer step (no `zero_grad`, or one that covers only "
+        "part of the model), so every step re-applies the gradients of the windows before it: "
+        "the effective learning rate grows with every step, and an overflow, once in `.grad`, "
+        "poisons every later window."),
+    fix=(
+        "Clear every parameter's gradient once per optimizer step, right after the step (skipped "
+        "or not): `optimizer.zero_grad(set_to_none=True)` on every optimizer, or "
+        "`model.zero_grad()`."),
+    example=(
+        "if (i + 1) % K == 0:\n"
+        "    scaler.step(optimizer)\n"
+        "    scaler.update()\n"
+        "    head.zero_grad()      # clears the head only (or no zero_grad at all)"),
+    error_when=(
+        "a step consumed its window's gradient plus an earlier window's: the update differs."),
+    measured="parameters whose .grad carried over a step",
+    decided_in=f"{__name__}:missing_zero_grad",
+)
+
+
+def step_per_microbatch(seen: Observed) -> Finding:
+    """`step-per-microbatch`: the optimizer steps on every micro-batch.
+    Error: more optimizer steps than windows (another parameter trajectory).
+    (`STEP_PER_MICROBATCH.error_when`)"""
+    seen = in_framework_terms(STEP_PER_MICROBATCH, seen)
+    return Finding(seen.rung, KindId.STEP_PER_MICROBATCH, seen.severity,
+                   **seen.fields(STEP_PER_MICROBATCH))
+
+
+def zero_grad_inside_accumulation(seen: Observed) -> Finding:
+    """`zero-grad-inside-accumulation`: gradients are zeroed inside the accumulation window.
+    Error: an update off the reference, only the micro-batches after the zero_grad in it.
+    (`ZERO_GRAD_INSIDE_ACCUMULATION.error_when`)"""
+    seen = in_framework_terms(ZERO_GRAD_INSIDE_ACCUMULATION, seen)
+    return Finding(seen.rung, KindId.ZERO_GRAD_INSIDE_ACCUMULATION, seen.severity,
+                   **seen.fields(ZERO_GRAD_INSIDE_ACCUMULATION))
+
+
+def missing_zero_grad(seen: Observed) -> Finding:
+    """`missing-zero-grad`: gradients are carried from one optimizer step into the next.
+    Error: a step consumed an earlier window's gradient too. (`MISSING_ZERO_GRAD.error_when`)"""
+    return Finding(seen.rung, KindId.MISSING_ZERO_GRAD, seen.severity,
+                   **seen.fields(MISSING_ZERO_GRAD))
