@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import shards, thresholds
-from .evidence import Evidence
+from .evidence import Evidence, significant
 
 #: Gradients (or weights) by parameter name; read only here.
 Grads = Mapping[str, "torch.Tensor | None"]
@@ -98,10 +98,7 @@ class Metrics:
                 "norm_reference": _round(self.norm_ref)}
 
 
-def _round(value: float, digits: int = 6) -> float:
-    if not math.isfinite(value) or value == 0:
-        return value
-    return float(f"{value:.{digits}g}")
+_round = significant
 
 
 #: Sums of squares and dot products run over chunks of this many elements, each chunk copied

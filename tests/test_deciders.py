@@ -290,3 +290,14 @@ def _session(precisions=("fp32", "bf16", "fp16"), scalers=None, autocasts=None):
 def test_own_precision_scaled(session, scaled):
     from ampdoctor.ladder.skips import own_precision_scaled
     assert own_precision_scaled(session) is scaled
+
+
+def test_kinds_md_error_when_is_generated_from_the_units():
+    """`python -m ampdoctor.kinds.docs docs/kinds.md` rewrites the bullets from the units: the
+    page as committed is what it writes, and a unit's changed text is caught."""
+    from ampdoctor.kinds import docs as kind_docs
+    page = (Path(__file__).resolve().parents[1] / "docs" / "kinds.md").read_text()
+    assert kind_docs.disagreeing(page) == []
+    assert kind_docs.synced(page) == page
+    stale = page.replace("no later comparison could mean anything", "nothing", 1)
+    assert kind_docs.disagreeing(stale) == [KindId.NONDETERMINISTIC_BASELINE]

@@ -20,6 +20,7 @@ from .. import compare, deciders, thresholds
 from ..deciders import Observed
 from ..enums import RungId, Severity, Status
 from ..findings import Finding, RungResult, conclude, location
+from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
 from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
 from ..ladder.analysis import loop_error_finding, scheduler_findings
 from ..ladder.casts import weight_cast_finding
@@ -68,16 +69,9 @@ def reproducibility(ss: ScriptSession) -> RungResult:
                   f"({K} micro-batch(es)): the script draws or shuffles its data without a "
                   "fixed seed")
         ss.unaligned = ss.unaligned or reason
-        finding = deciders.nondeterministic_baseline(Observed(rung, Severity.WARNING,
-            "Two runs of the script with the same arguments read different data in their "
-            "first window: it shuffles or draws its data without a fixed seed. Nothing can "
-            "be compared with a reference run; the rungs keep what needs no reference. Seed "
-            "the data (torch.manual_seed before the data is built, "
-            "DataLoader(..., generator=torch.Generator().manual_seed(0))) or turn shuffling "
-            "off for the triage.",
-            evidence={"measured": "different data", "expected": "the same data"},
-            location=location(first.outcome.events[0].site if first.outcome.events
-                              else None)))
+        finding = not_repeatable(NotRepeatable(
+            rung, Runs.SCRIPT_DATA, location=location(first.outcome.events[0].site
+                                                      if first.outcome.events else None)))
         return conclude(rung, [finding], "")
     group = first.steps[0].group
     steps_a = [s for s in first.steps if s.group == group]
@@ -91,15 +85,9 @@ def reproducibility(ss: ScriptSession) -> RungResult:
     if len(steps_a) != len(steps_b) or (worst is not None and not worst.ok):
         rel = worst.rel_err if worst is not None else float("nan")
         site = first.random_site
-        finding = deciders.nondeterministic_baseline(Observed(rung, Severity.ERROR,
-            f"Two fp32 runs of the script from the same weights on the same data consumed "
-            f"different first updates (relative difference {rel:.3g}): something in the "
-            "script is random outside its data"
-            + (f" (it draws random numbers at {site.file}:{site.line})" if site else "")
-            + ", so later differences would mean nothing.",
-            evidence={"measured": compare._round(rel), "expected": 0.0,
-                      "tolerance": repeat_tolerance().rtol},
-            location=location(site)))
+        finding = not_repeatable(NotRepeatable(
+            rung, Runs.SCRIPT, rel_err=rel, tolerance=repeat_tolerance().rtol,
+            random_site=location(site), location=location(site)))
         return RungResult(rung, Status.FAIL, "two fp32 runs of the script disagree", [finding])
     summary = (f"two fp32 runs agree (max relative difference "
                f"{worst.rel_err if worst else 0:.2g}) on the same data")
@@ -111,10 +99,8 @@ def reproducibility(ss: ScriptSession) -> RungResult:
         m = compare.metrics_of(pair[1], pair[0], ss.param_order, ss.param_shapes,
                                repeat_tolerance())
         if not m.ok:
-            finding = deciders.nondeterministic_baseline(Observed(rung, Severity.ERROR,
-                f"Two runs of the reference (--reference-args) at the same weights differ by "
-                f"{m.rel_err:.3g} (relative): the fp32 reference is not repeatable.",
-                evidence={"measured": compare._round(m.rel_err), "expected": 0.0}))
+            finding = not_repeatable(NotRepeatable(rung, Runs.SCRIPT_REFERENCE,
+                                                   rel_err=m.rel_err))
             return RungResult(rung, Status.FAIL, "the fp32 reference is not repeatable", [finding])
         ss.reference_repeatable = True
         summary = "reference repeatable; " + summary
