@@ -17,6 +17,7 @@ from .kinds.accumulation import (
 from .kinds.base import FORCED_FP16, skip_severity
 from .kinds.baseline import nondeterministic_baseline
 from .kinds.clipping import clip_before_unscale
+from .kinds.frequent_skips import frequent_skips
 from .kinds.loop_error import loop_error
 from .kinds.mismatch import gradient_mismatch
 from .kinds.precision import half_open_amp
@@ -27,7 +28,7 @@ from .kinds.schedule import (
                                  scheduler_per_microbatch,
                                  scheduler_steps_on_skip,
 )
-from .kinds.skips import frequent_skips, no_zero_grad_after_skip
+from .kinds.skips import no_zero_grad_after_skip
 from .kinds.stepping import missing_zero_grad, step_per_microbatch, zero_grad_inside_accumulation
 from .kinds.sync import missing_no_sync, sync_on_every_micro_batch
 

@@ -73,3 +73,75 @@ def test_script_runs_and_script_reference_are_errors_with_their_difference():
     assert ref.message == ("Two runs of the reference (--reference-args) at the same weights "
                            "differ by 0.25 (relative): the fp32 reference is not repeatable.")
     assert ref.evidence == {"measured": 0.25, "expected": 0.0}
+
+
+# --- frequent-skips -------------------------------------------------------------------------
+
+def _trajectory(flags, first_ok, own_scaler=True, scales=None, growth_interval=2000,
+                grew=False):
+    from ampdoctor.kinds.frequent_skips import SkipTrajectory
+    scales = scales if scales is not None else tuple(1024.0 for f in flags if not f)
+    return SkipTrajectory(RungId.SKIPS, tuple(flags), tuple(scales), first_ok, 0,
+                          growth_interval, 2.0, grew, own_scaler=own_scaler, location=LINE)
+
+
+@pytest.mark.parametrize("after, severity", [
+    # 3 skips in the 9 steps after the first real update: 33 % > 25 %; in 12 steps: 25 %, not >
+    ([True, False, False] * 3, Severity.ERROR), ([True, False, False, False] * 3, None)])
+def test_skips_after_the_first_real_update_fail_above_the_threshold(after, severity):
+    from ampdoctor.kinds.frequent_skips import skip_trajectory
+    flags = [False] + after                       # step 0 is the first real update
+    finding = skip_trajectory(_trajectory(flags, first_ok=0))
+    if severity is None:
+        assert finding is None
+        return
+    assert finding is not None and finding.severity is severity
+    skipped, steps_after = 3, len(after)
+    assert (f"After its first real update (step 0) the fp16 run skipped {skipped} of the "
+            f"{steps_after} steps that followed ({skipped / steps_after:.0%}, threshold 25%)"
+            ) in finding.message
+    assert finding.evidence["skip_rate_after_first_update"] == round(skipped / steps_after, 6)
+    assert finding.evidence["measured"] == round(skipped / len(flags), 6)
+
+
+def test_the_same_skips_in_a_run_forced_into_fp16_are_a_warning():
+    from ampdoctor.kinds.base import FORCED_FP16
+    from ampdoctor.kinds.frequent_skips import skip_trajectory
+    finding = skip_trajectory(_trajectory([False] + [True, False, False] * 3, first_ok=0,
+                                          own_scaler=False))
+    assert finding is not None and finding.severity is Severity.WARNING
+    assert finding.message.endswith(FORCED_FP16)
+
+
+def test_a_run_that_never_settles_is_a_warning_with_its_count():
+    from ampdoctor.kinds.frequent_skips import skip_trajectory
+    finding = skip_trajectory(_trajectory([True] * 4, first_ok=4, scales=(0.5, 0.25)))
+    assert finding is not None and finding.severity is Severity.WARNING
+    assert finding.message.startswith(
+        "The fp16 run skipped 4 of 4 optimizer steps (100%, threshold 25%) and the scale fell "
+        "to 0.25")
+
+
+def test_a_scaler_rebuilt_every_step_is_an_error_with_both_scales():
+    from ampdoctor.kinds.frequent_skips import RESET_FIX, ScaleReset, scale_reset
+    finding = scale_reset(ScaleReset(RungId.SKIPS, "plain fp16 run", 2, 3,
+                                     (True, True, True), (32768.0, 32768.0, 32768.0),
+                                     reached=32768.0, restarted=65536.0, growth_interval=2000,
+                                     location=LINE))
+    assert finding.severity is Severity.ERROR and finding.fix == RESET_FIX
+    assert "the GradScaler(...) call at train.py:12 runs again" in finding.message
+    assert "The scale backed off to 32768, yet the next step started again from 65536" \
+        in finding.message
+    assert finding.message.endswith("3 of 3 steps were skipped.")
+    assert finding.evidence["measured"] == 65536.0 and finding.evidence["expected"] == 32768.0
+
+
+@pytest.mark.parametrize("skipped, steps, fails", [(2, 7, True), (2, 8, False), (1, 2, False)])
+def test_the_sentinels_steady_skips_boundary(skipped, steps, fails):
+    """2/7 = 28.6 % > 25 %; 2/8 = 25 % is not above; 1 skip is below MIN_COUNTED_SKIPS."""
+    from ampdoctor.kinds.frequent_skips import SteadySkips, steady_skips
+    finding = steady_skips(SteadySkips("watch", skipped, steps, 1024.0, 2.0, 2000, 0.5))
+    assert (finding is not None) is fails
+    if finding is not None:
+        assert f"a rate of {skipped / steps:.0%}" in finding.message
+        assert finding.evidence["measured"] == round(skipped / steps, 6)

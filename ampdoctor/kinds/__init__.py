@@ -15,6 +15,7 @@ This package must not import torch: the static scan, `report` and `explain` run 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from . import (
     accumulation,
     baseline,
     clipping,
+    frequent_skips,
     loop_error,
     mismatch,
     precision,
@@ -57,7 +59,7 @@ KINDS: tuple[Kind, ...] = (
     schedule.SCHEDULER_STEPS_ON_SKIP,
     skips.NO_ZERO_GRAD_AFTER_SKIP,
     stepping.MISSING_ZERO_GRAD,
-    skips.FREQUENT_SKIPS,
+    frequent_skips.FREQUENT_SKIPS,
     mismatch.GRADIENT_MISMATCH,
     loop_error.LOOP_ERROR,
 )
@@ -81,9 +83,7 @@ FRAMEWORK_FIXES: dict[tuple[str, str], str] = {
 
 def _decider(kind: Kind) -> Callable[[Observed], Finding]:
     module, _, function = kind.decided_in.partition(":")
-    unit = {m.__name__: m for m in (accumulation, baseline, clipping, loop_error, mismatch,
-                                     precision, scaling, schedule, skips, stepping, sync)}[module]
-    decider: Callable[[Observed], Finding] = getattr(unit, function)
+    decider: Callable[[Observed], Finding] = getattr(sys.modules[module], function)
     return decider
 
 

@@ -1,5 +1,4 @@
-"""The kinds of the skips rung: what a skipped step leaves behind: `no-zero-grad-after-skip`,
-`frequent-skips`.
+"""The kinds of the skips rung: what a skipped step leaves behind: `no-zero-grad-after-skip`.
 
 Each kind here is one unit: its catalogue text (`ampdoctor explain` prints it), the measured
 consequence that makes it an error (`error_when`, which docs/kinds.md repeats), what its
@@ -45,42 +44,9 @@ NO_ZERO_GRAD_AFTER_SKIP = Kind(
 )
 
 
-FREQUENT_SKIPS = Kind(
-    KindId.FREQUENT_SKIPS,
-    title="fp16 skips updates too often",
-    why=(
-        "Many optimizer steps are skipped for overflow, or the scale collapses: fewer real updates "
-        "than the schedule assumes."),
-    fix=(
-        "Start from GradScaler's defaults (`init_scale=2**16, growth_interval=2000, "
-        "backoff_factor=0.5`); if it still skips, look for the overflow source (learning rate, "
-        "initialisation, bad data, a loss summed instead of averaged) before tuning the scaler, "
-        "or train in bf16."),
-    example=(
-        "scaler = torch.amp.GradScaler(\"cuda\", init_scale=2.0 ** 24,\n"
-        "                              growth_interval=1)  # grows into overflow"),
-    error_when=(
-        "after the first real update more than `SKIP_RATE_THRESHOLD` of the steps were skipped "
-        "(at least `MIN_COUNTED_SKIPS`, or one right after growing at a short growth_interval): "
-        "updates the reference makes are dropped; or a GradScaler rebuilt during training "
-        "restarted the scale (the next step started from another scale than the last update "
-        "left): a backoff that does not last. Warning: the scale settling, a scale below "
-        "`MIN_SCALE`, a run that never settles, and any of it in a run forced into fp16."),
-    measured="fraction of fp16 steps skipped",
-    decided_in=f"{__name__}:frequent_skips",
-)
-
-
 def no_zero_grad_after_skip(seen: Observed) -> Finding:
     """`no-zero-grad-after-skip`: gradients are not cleared after a skipped step.
     Error: windows after the injected overflow skipped too (`skip_severity`).
     (`NO_ZERO_GRAD_AFTER_SKIP.error_when`)"""
     return Finding(seen.rung, KindId.NO_ZERO_GRAD_AFTER_SKIP, seen.severity,
                    **seen.fields(NO_ZERO_GRAD_AFTER_SKIP))
-
-
-def frequent_skips(seen: Observed) -> Finding:
-    """`frequent-skips`: fp16 skips updates too often.
-    Error: skips after the first real update above the threshold (`skip_severity`); warning:
-    settling. (`FREQUENT_SKIPS.error_when`)"""
-    return Finding(seen.rung, KindId.FREQUENT_SKIPS, seen.severity, **seen.fields(FREQUENT_SKIPS))

@@ -16,6 +16,7 @@ import torch
 from .. import deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, Severity, location
+from ..kinds.frequent_skips import SteadySkips, steady_skips
 from ..probe.callsite import CallSiteFinder, Site
 
 #: `loss_fn(model, micro_batch)`: the micro-batch's mean loss (micro-batches weigh equally), or
@@ -124,25 +125,14 @@ class CountChecks(WatchState):
         first_real = self.first_update_window or 0
         steady = [s for s in self.skips if s > first_real]
         after = self.windows - first_real - 1
-        rate = len(steady) / after if after > 0 else 0.0
-        if len(steady) >= thresholds.MIN_COUNTED_SKIPS and rate > thresholds.SKIP_RATE_THRESHOLD \
-                and self.scaler is not None:
+        if self.scaler is not None:
             sc = self.scaler
-            settings = (f"growth_factor={sc.get_growth_factor():g}, growth_interval="
-                        f"{sc.get_growth_interval()}, backoff_factor={sc.get_backoff_factor():g}")
-            self._found(deciders.frequent_skips(Observed(
-                RUNG, Severity.ERROR,
-                f"After the loss scale settled, {len(steady)} of the {after} optimizer steps that "
-                f"followed were skipped (inf/nan gradients; a rate of {rate:.0%}): those "
-                f"windows' data never reaches the weights. The GradScaler runs with {settings}; "
-                "the defaults (2.0, 2000, 0.5) settle to a skip every few thousand steps.",
-                evidence={"measured": round(rate, 6), "expected": 0.0,
-                          "threshold": thresholds.SKIP_RATE_THRESHOLD,
-                          "skipped": len(steady), "steps": after,
-                          "scale": float(sc.get_scale()),
-                          "growth_factor": sc.get_growth_factor(),
-                          "growth_interval": sc.get_growth_interval()},
-                location=location(self.scaler_site))))
+            finding = steady_skips(SteadySkips(
+                RUNG, len(steady), after, float(sc.get_scale()), sc.get_growth_factor(),
+                sc.get_growth_interval(), sc.get_backoff_factor(),
+                location=location(self.scaler_site)))
+            if finding is not None:
+                self._found(finding)
         if self.scheduler is None or not self.scheduler_on_skip:
             return
         on_calibration = sum(1 for s in self.scheduler_on_skip if s < first_real)
