@@ -145,3 +145,63 @@ def test_the_sentinels_steady_skips_boundary(skipped, steps, fails):
     if finding is not None:
         assert f"a rate of {skipped / steps:.0%}" in finding.message
         assert finding.evidence["measured"] == round(skipped / steps, 6)
+
+
+# --- no-zero-grad-after-skip ----------------------------------------------------------------
+
+@pytest.mark.parametrize("in_a_row, own_scaler, severity", [
+    (0, True, None), (1, True, Severity.ERROR), (2, False, Severity.WARNING)])
+def test_windows_poisoned_after_the_injected_overflow(in_a_row, own_scaler, severity):
+    from ampdoctor.kinds.skips import SkippedAfterInjection, skipped_after_injection
+    applied = (0, 1, 4)
+    finding = skipped_after_injection(SkippedAfterInjection(
+        RungId.SKIPS, 2, in_a_row, applied, (False, False, True, True, False),
+        own_scaler=own_scaler, location=LINE))
+    if severity is None:
+        assert finding is None
+        return
+    assert (finding.kind, finding.severity) == (KindId.NO_ZERO_GRAD_AFTER_SKIP, severity)
+    assert finding.message.startswith(f"After the injected overflow in window 2 the next "
+                                      f"{in_a_row} window(s) were skipped too")
+    assert finding.evidence["measured"] == in_a_row
+    assert finding.evidence["applied_windows"] == [0, 1, 4]
+
+
+def test_a_skip_path_that_keeps_the_inf_names_the_parameter_and_torchs_refusal():
+    from ampdoctor.kinds.skips import SkipPathLeftOpen, skip_path_left_open
+    error = "RuntimeError: unscale_() has already been called on this optimizer"
+    finding = skip_path_left_open(SkipPathLeftOpen(RungId.SKIPS, "fc.weight", error,
+                                                   location=LINE))
+    assert finding.severity is Severity.ERROR
+    assert finding.message.startswith("An inf injected into fc.weight.grad sent the loop down")
+    assert f"({error})" in finding.message
+    assert finding.evidence["error"] == error
+
+
+# --- update-per-microbatch ------------------------------------------------------------------
+
+@pytest.mark.parametrize("before, after, backoffs", [(65536.0, 32768.0, 1),
+                                                     (65536.0, 16384.0, 2)])
+def test_backoffs_in_the_injected_window(before, after, backoffs):
+    import math
+
+    from ampdoctor.kinds.scaling import Backoffs, backoffs_in_window
+    assert round(math.log(after / before) / math.log(0.5)) == backoffs   # the oracle
+    finding = backoffs_in_window(Backoffs(RungId.SKIPS, backoffs, before, after, 0.5,
+                                          location=LINE))
+    if backoffs == 1:
+        assert finding is None
+        return
+    assert (finding.kind, finding.severity) == (KindId.UPDATE_PER_MICROBATCH, Severity.ERROR)
+    assert finding.message.startswith("One overflowing micro-batch backed the scale off 2 "
+                                      "times (65536 -> 16384, backoff factor 0.5)")
+
+
+def test_a_refused_update_counts_the_updates_before_the_step():
+    from ampdoctor.kinds.scaling import RefusedUpdate, refused_update_finding
+    finding = refused_update_finding(RefusedUpdate(RungId.FP16_SCALER, 3, "AssertionError: x",
+                                                   microbatch=1, location=LINE))
+    assert finding.severity is Severity.ERROR
+    assert finding.evidence == {"measured": 3, "expected": 0,
+                                "updates_before_the_windows_step": 3,
+                                "error": "AssertionError: x", "microbatch": 1}

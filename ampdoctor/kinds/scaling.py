@@ -11,9 +11,12 @@ This module must not import torch: the static scan, `report` and `explain` run w
 
 from __future__ import annotations
 
-from ..enums import KindId
-from ..findings import Finding
-from .base import Kind, Observed
+from dataclasses import dataclass
+from typing import Any
+
+from ..enums import KindId, Severity
+from ..findings import Finding, Location
+from .base import FORCED_FP16, Kind, Observed, skip_severity
 
 MISSING_UNSCALE = Kind(
     KindId.MISSING_UNSCALE,
@@ -150,3 +153,59 @@ def double_scaling(seen: Observed) -> Finding:
     by the run on one loss or optimizer); warning: separate entry points, or GradScalers no
     run could tell apart. (`DOUBLE_SCALING.error_when`)"""
     return Finding(seen.rung, KindId.DOUBLE_SCALING, seen.severity, **seen.fields(DOUBLE_SCALING))
+
+
+@dataclass(frozen=True)
+class Backoffs:
+    """How often the scale backed off in the window the skips rung injected one overflow
+    into, from the scale before and after its updates."""
+
+    rung: str
+    backoffs: int
+    scale_before: float
+    scale_after: float
+    backoff_factor: float
+    own_scaler: bool = True             # the user's own precision uses a GradScaler
+    location: Location | None = None    # the window's last scaler.update()
+
+
+def backoffs_in_window(o: Backoffs) -> Finding | None:
+    """`update-per-microbatch` when one overflowing micro-batch backed the scale off more than
+    once (the scale trajectory differs): an error in a run whose own precision uses a
+    GradScaler (`skip_severity`); None for one backoff."""
+    if o.backoffs <= 1:
+        return None
+    return update_per_microbatch(Observed(o.rung,
+        skip_severity(True, own_scaler=o.own_scaler),
+        f"One overflowing micro-batch backed the scale off {o.backoffs} times "
+        f"({o.scale_before:g} -> {o.scale_after:g}, backoff factor {o.backoff_factor:g}): "
+        "scaler.update() runs more than once per optimizer step."
+        + ("" if o.own_scaler else FORCED_FP16),
+        evidence={"measured": o.backoffs, "expected": 1, "scale_before": o.scale_before,
+                  "scale_after": o.scale_after, "backoff_factor": o.backoff_factor},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class RefusedUpdate:
+    """torch refused a scaler.update() with no inf check recorded before it: the updates that
+    ran after the run's last scaler.step, before the window's own step."""
+
+    rung: str
+    updates_before_step: int
+    error: str
+    microbatch: Any = None
+    location: Location | None = None
+
+
+def refused_update_finding(o: RefusedUpdate) -> Finding:
+    """`update-per-microbatch` for an update torch refused: the loop could not go on, an
+    error."""
+    return update_per_microbatch(Observed(o.rung, Severity.ERROR,
+        "scaler.update() was called again before any unscale_/step of the window: "
+        "torch refused it ('No inf checks were recorded prior to update'). The "
+        "scale must be updated once per optimizer step, not per micro-batch.",
+        evidence={"measured": o.updates_before_step, "expected": 0,
+                  "updates_before_the_windows_step": o.updates_before_step,
+                  "error": o.error, "microbatch": o.microbatch},
+        location=o.location))

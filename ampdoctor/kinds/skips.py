@@ -10,9 +10,11 @@ This module must not import torch: the static scan, `report` and `explain` run w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..enums import KindId
-from ..findings import Finding
-from .base import Kind, Observed
+from ..findings import Finding, Location
+from .base import FORCED_FP16, Kind, Observed, skip_severity
 
 NO_ZERO_GRAD_AFTER_SKIP = Kind(
     KindId.NO_ZERO_GRAD_AFTER_SKIP,
@@ -50,3 +52,63 @@ def no_zero_grad_after_skip(seen: Observed) -> Finding:
     (`NO_ZERO_GRAD_AFTER_SKIP.error_when`)"""
     return Finding(seen.rung, KindId.NO_ZERO_GRAD_AFTER_SKIP, seen.severity,
                    **seen.fields(NO_ZERO_GRAD_AFTER_SKIP))
+
+
+@dataclass(frozen=True)
+class SkippedAfterInjection:
+    """What the skips rung counted after the overflow it injected into one window: the windows
+    right after it that were skipped too while the plain fp16 run updated in them."""
+
+    rung: str
+    injected_window: int
+    skipped_after: int                  # windows skipped in a row after the injected one
+    applied_windows: tuple[int, ...]    # the windows whose update was applied
+    skipped: tuple[bool, ...]           # skipped or not, per scaler.step of the run
+    own_scaler: bool = True             # the user's own precision uses a GradScaler
+    location: Location | None = None    # the last zero_grad, else the last scaler.step
+
+
+def skipped_after_injection(o: SkippedAfterInjection) -> Finding | None:
+    """`no-zero-grad-after-skip` when the injected inf poisoned the following window(s): an
+    error in a run whose own precision uses a GradScaler (`skip_severity`), None when the next
+    window updated."""
+    if o.skipped_after <= 0:
+        return None
+    return no_zero_grad_after_skip(Observed(o.rung,
+        skip_severity(True, own_scaler=o.own_scaler),
+        f"After the injected overflow in window {o.injected_window} the next {o.skipped_after} "
+        "window(s) were skipped too: the inf stayed in .grad and poisoned the following "
+        "window(s). Gradients must be cleared after a skipped step as after a good one."
+        + ("" if o.own_scaler else FORCED_FP16),
+        evidence={"measured": o.skipped_after, "expected": 0,
+                  "injected_window": o.injected_window,
+                  "applied_windows": sorted(o.applied_windows), "skipped": list(o.skipped)},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class SkipPathLeftOpen:
+    """A hand-written overflow guard the injected inf sent the loop down, which left the step
+    without scaler.update() and zero_grad(): torch refused the next window's unscale_()."""
+
+    rung: str
+    param_name: str | None              # the parameter whose .grad got the inf
+    error: str                          # torch's refusal
+    own_scaler: bool = True
+    location: Location | None = None
+
+
+def skip_path_left_open(o: SkipPathLeftOpen) -> Finding:
+    """`no-zero-grad-after-skip` for a skip path that kept the inf: the next window could not
+    update (torch refused it), an error in a run whose own precision uses a GradScaler."""
+    return no_zero_grad_after_skip(Observed(o.rung,
+        skip_severity(True, own_scaler=o.own_scaler),
+        f"An inf injected into {o.param_name}.grad sent the loop down its own skip path, "
+        "which left the step without scaler.update() and without zero_grad(): the inf stayed in "
+        ".grad and torch refused the next window's unscale_() "
+        f"({o.error}). On a skip, clear the gradients and call "
+        "scaler.update() as after a good step -- or drop the hand-written check and let "
+        "scaler.step() skip." + ("" if o.own_scaler else FORCED_FP16),
+        evidence={"measured": 0, "expected": 1, "zero_grad_on_skip_path": 0,
+                  "update_on_skip_path": 0, "error": o.error},
+        location=o.location))

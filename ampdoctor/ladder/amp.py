@@ -22,6 +22,7 @@ from ..deciders import Observed
 from ..enums import RungId, Severity, Status
 from ..findings import Finding, RungResult, conclude
 from ..judge import tolerance
+from ..kinds.scaling import RefusedUpdate, refused_update_finding
 from ..probe.callsite import Site
 from ..probe.events import (
     AutocastEntered,
@@ -167,16 +168,10 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
         site: Site | None = updates[-1].site if updates else trace.error_site
         last_step = max((e.seq for e in trace.events_of(ScalerStep)), default=-1)
         early = [e for e in trace.events_of(Update) if e.seq > last_step]
-        return deciders.update_per_microbatch(Observed(rung, Severity.ERROR,
-                       "scaler.update() was called again before any unscale_/step of the window: "
-                       "torch refused it ('No inf checks were recorded prior to update'). The "
-                       "scale must be updated once per optimizer step, not per micro-batch.",
-                       evidence={"measured": len(early), "expected": 0,
-                                 "updates_before_the_windows_step": len(early),
-                                 "error": exc_text(exc),
-                                 "microbatch": (trace.events[-1].microbatch if trace.events
-                                                else None)},
-                       location=location(site)))
+        return refused_update_finding(RefusedUpdate(
+            rung, len(early), exc_text(exc),
+            microbatch=trace.events[-1].microbatch if trace.events else None,
+            location=location(site)))
     return loop_error_finding(trace, rung)
 
 
