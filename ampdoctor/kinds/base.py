@@ -86,3 +86,9 @@ def skip_severity(consequence: bool, *, own_scaler: bool) -> Severity:
     when the user's own precision uses a GradScaler; in a run the rung forced into fp16 (its own
     precision bf16 or fp32, no scaler, no skips) it is a warning about what fp16 would do."""
     return Severity.ERROR if consequence and own_scaler else Severity.WARNING
+
+
+def matched_but(why: str, message: str) -> str:
+    """The warning of a call order whose fp16 updates all matched the reference: why it is
+    still fragile, then what the call order was."""
+    return f"Every fp16 update matched the reference, but {why}. ({message})"

@@ -10,9 +10,13 @@ This module must not import torch: the static scan, `report` and `explain` run w
 
 from __future__ import annotations
 
-from ..enums import KindId
-from ..findings import Finding
-from .base import Kind, Observed
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..enums import KindId, Severity
+from ..evidence import Evidence, significant
+from ..findings import Finding, Location
+from .base import Kind, Observed, matched_but
 
 CLIP_BEFORE_UNSCALE = Kind(
     KindId.CLIP_BEFORE_UNSCALE,
@@ -48,3 +52,68 @@ def clip_before_unscale(seen: Observed) -> Finding:
     (`CLIP_BEFORE_UNSCALE.error_when`)"""
     return Finding(seen.rung, KindId.CLIP_BEFORE_UNSCALE, seen.severity,
                    **seen.fields(CLIP_BEFORE_UNSCALE))
+
+
+@dataclass(frozen=True)
+class ScaledClip:
+    """A clip the step state machine saw on gradients still multiplied by the loss scale: the
+    norm the clip saw and the true norm of the window's reference, its threshold, whether it
+    clipped by value, and, with several optimizers, the one not unscaled and the others that
+    were. `update_matched`: every fp16 update matched the reference (the clip has not bitten
+    yet)."""
+
+    kind: ClassVar[KindId] = KindId.CLIP_BEFORE_UNSCALE
+    rung: str
+    window: int
+    scale: float | None
+    norm_seen: float | None
+    true_norm: float | None
+    max_norm: Any
+    by_value: bool = False
+    optimizer: int | None = None
+    optimizers: int = 1
+    unscaled_others: tuple[int, ...] = ()
+    location: Location | None = None
+    update_matched: bool = False
+
+
+def scaled_clip(o: ScaledClip) -> Finding:
+    """`clip-before-unscale` from the state machine: an error where it explains a mismatch the
+    judge found; a warning (`update_matched`) while every update still matched."""
+    seen, true = o.norm_seen, o.true_norm
+    ratio = (seen / true) if seen and true else None
+    if o.by_value:
+        # clip_grad_value_ returns nothing: the threshold is off by the scale itself.
+        ratio = o.scale
+    evidence: Evidence = {"scale": o.scale, "window": o.window,
+                          "measured": significant(ratio) if ratio else None,
+                          "expected": 1.0, "norm_seen_by_clip": seen,
+                          "true_norm": significant(true) if true else None,
+                          "max_grad_norm": o.max_norm}
+    if o.by_value:
+        message = (f"clip_grad_value_ ran before scaler.unscale_: the clip value "
+                   f"{o.max_norm} was applied to gradients multiplied by the "
+                   f"loss scale {o.scale:g}, i.e. a clip value {o.scale:g}x too small in "
+                   "true-gradient space.")
+    elif ratio and seen and true:
+        message = (f"clip_grad_norm_ ran before scaler.unscale_: it saw a gradient norm "
+                   f"of {seen:.6g} where the true norm is {true:.6g} — a ratio "
+                   f"of {ratio:.6g}, the loss scale ({o.scale:g}). The threshold "
+                   f"{o.max_norm} was applied in scaled space.")
+    else:
+        message = "clip_grad_norm_ ran before scaler.unscale_ on scaled gradients."
+    if o.optimizers > 1 and o.optimizer is not None:
+        evidence["optimizer"] = o.optimizer
+        unscaled = sorted(o.unscaled_others)
+        message += (f" Optimizer {o.optimizer} (of {o.optimizers}) had not been "
+                    "unscaled" + (f" although optimizer(s) {unscaled} had: the clip "
+                                  "mixed scaled and true gradients" if unscaled else "")
+                    + f"; call scaler.unscale_() on optimizer {o.optimizer} before clipping.")
+    if o.update_matched:
+        return clip_before_unscale(Observed(o.rung, Severity.WARNING, matched_but(
+            "it clipped gradients still multiplied by the loss scale; it has not bitten yet, "
+            "but once the scale grows (or the gradients do) the threshold acts on S x the true "
+            "norm and the update shrinks by 1/S", message), evidence=evidence,
+            location=o.location))
+    return clip_before_unscale(Observed(o.rung, Severity.ERROR, message, evidence=evidence,
+                                        location=o.location))

@@ -12,11 +12,12 @@ This module must not import torch: the static scan, `report` and `explain` run w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..enums import KindId, Severity
+from ..evidence import Evidence, significant
 from ..findings import Finding, Location
-from .base import FORCED_FP16, Kind, Observed, skip_severity
+from .base import FORCED_FP16, Kind, Observed, matched_but, skip_severity
 
 MISSING_UNSCALE = Kind(
     KindId.MISSING_UNSCALE,
@@ -208,4 +209,123 @@ def refused_update_finding(o: RefusedUpdate) -> Finding:
         evidence={"measured": o.updates_before_step, "expected": 0,
                   "updates_before_the_windows_step": o.updates_before_step,
                   "error": o.error, "microbatch": o.microbatch},
+        location=o.location))
+
+
+# --- what the step state machine saw (rules/scale_state.py) ----------------------------------
+
+
+@dataclass(frozen=True)
+class StepOnScaled:
+    """An optimizer's own .step() on gradients still multiplied by the loss scale (scaler.step
+    bypassed): its consumed gradient against the reference (`ratio`, None when unknown).
+    `update_matched`: every fp16 update matched the reference."""
+
+    kind: ClassVar[KindId] = KindId.MISSING_UNSCALE
+    rung: str
+    window: int
+    scale: float | None
+    optimizer: int | None
+    ratio: float | None
+    location: Location | None = None
+    update_matched: bool = False
+
+
+def step_on_scaled(o: StepOnScaled) -> Finding:
+    """`missing-unscale` from the state machine: an error where it explains a mismatch, a
+    warning while every update matched (the scale was 1)."""
+    evidence: Evidence = {"scale": o.scale, "window": o.window,
+                          "measured": significant(o.ratio) if o.ratio else None,
+                          "expected": 1.0, "optimizer": o.optimizer}
+    message = (f"Optimizer {o.optimizer} stepped with its own .step() on gradients still "
+               f"multiplied by the loss scale {o.scale:g}"
+               + (f": its gradient is {o.ratio:.6g}x the reference." if o.ratio else ".")
+               + " scaler.step() was bypassed, so it was never unscaled nor checked for "
+                 "inf.")
+    if o.update_matched:
+        return missing_unscale(Observed(o.rung, Severity.WARNING, matched_but(
+            "optimizer.step() bypassed scaler.step(), so no inf check guards it; it matched "
+            "only because the scale was 1 here", message), evidence=evidence,
+            location=o.location))
+    return missing_unscale(Observed(o.rung, Severity.ERROR, message, evidence=evidence,
+                                    location=o.location))
+
+
+@dataclass(frozen=True)
+class SecondUnscale:
+    """unscale_() called twice on one optimizer in one step, as the state machine saw it."""
+
+    kind: ClassVar[KindId] = KindId.UNSCALE_TWICE
+    rung: str
+    window: int
+    scale: float | None
+    location: Location | None = None
+    update_matched: bool = False
+
+
+def second_unscale(o: SecondUnscale) -> Finding:
+    """`unscale-twice` from the state machine: an error where it explains a mismatch (1/S), a
+    warning while every update matched."""
+    evidence: Evidence = {"scale": o.scale, "window": o.window, "measured": 2, "expected": 1}
+    message = "unscale_() called twice on the same optimizer in one step"
+    if o.update_matched:
+        return unscale_twice(Observed(o.rung, Severity.WARNING, matched_but(
+            "unscale_ ran twice for one step", message), evidence=evidence,
+            location=o.location))
+    return unscale_twice(Observed(o.rung, Severity.ERROR, message, evidence=evidence,
+                                  location=o.location))
+
+
+@dataclass(frozen=True)
+class UpdateWithoutStep:
+    """scaler.update() with no optimizer step since the last one: the updates and scaler.step
+    calls of the run. Its consequence is the scale trajectory (always an error)."""
+
+    kind: ClassVar[KindId] = KindId.UPDATE_PER_MICROBATCH
+    rung: str
+    window: int
+    scale: float | None
+    updates: int
+    scaler_steps: int
+    location: Location | None = None
+
+
+def update_without_step(o: UpdateWithoutStep) -> Finding:
+    """`update-per-microbatch` from the state machine: the loss-scale trajectory differs, an
+    error whether or not the updates matched so far (never a call order merely fragile)."""
+    message = (f"scaler.update() ran {o.updates} times for {o.scaler_steps} scaler.step() "
+               "calls: more than once per optimizer step.")
+    return update_per_microbatch(Observed(
+        o.rung, Severity.ERROR, message,
+        evidence={"scale": o.scale, "window": o.window, "measured": o.updates,
+                  "expected": o.scaler_steps, "updates": o.updates,
+                  "scaler_steps": o.scaler_steps},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class ScaledTwice:
+    """scaler.scale() given a loss already scaled by `first_scale`: the effective loss scale
+    is first_scale x scale."""
+
+    kind: ClassVar[KindId] = KindId.DOUBLE_SCALING
+    rung: str
+    window: int
+    scale: float | None
+    first_scale: float
+    skipped_steps: int
+    location: Location | None = None
+
+
+def scaled_twice(o: ScaledTwice) -> Finding:
+    """`double-scaling` from the state machine: a second scale factor measured in the run, an
+    error."""
+    effective = o.first_scale * (o.scale or 1)
+    message = (f"scaler.scale() was applied to a loss that was already scaled by "
+               f"{o.first_scale:g}: the effective loss scale is {effective:.6g}, not "
+               f"{o.scale:g}.")
+    return double_scaling(Observed(
+        o.rung, Severity.ERROR, message,
+        evidence={"scale": o.scale, "window": o.window, "measured": significant(effective),
+                  "expected": o.scale, "skipped_steps": o.skipped_steps},
         location=o.location))

@@ -35,11 +35,12 @@ from ..probe.events import (
 )
 from ..rules.scale_state import (
     SCALE_TRAJECTORY_KINDS,
+    call_order_finding,
     explain_with_calls,
     runtime_double_scaling,
     skipped_steps,
     step_ratio,
-    violation_findings,
+    violation_observations,
 )
 from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
@@ -262,8 +263,9 @@ def run_precision(session: Session, precision: str, rung: RungId) -> RungResult:
     if precision == "fp16":
         # An update-per-microbatch or a second loss scale shows in the scale trajectory itself
         # (the consequence this rung judges besides the gradient).
-        violations = violation_findings(session, trace, rung)
-        trajectory = [v for v in violations if v.kind in SCALE_TRAJECTORY_KINDS]
+        violations = violation_observations(session, trace, rung)
+        trajectory = [call_order_finding(v) for v in violations
+                      if v.kind in SCALE_TRAJECTORY_KINDS]
         double = runtime_double_scaling(session.trace("fp32"), trace, rung)
         if double is not None:
             trajectory.append(double)
