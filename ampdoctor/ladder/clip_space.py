@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .. import compare, thresholds
-from ..enums import RungId, Status
+from ..enums import KindId, RungId, Status
 from ..findings import RungResult, conclude
 from ..probe.events import Clip, Scale, Unscale, Update
 from ..session import Session, flat
@@ -138,7 +138,7 @@ def run(session: Session) -> RungResult:
     details["clips_that_bit"] = bitten
     findings = []
     for finding in mismatch:
-        if finding.kind != "clip-before-unscale" and threshold is not None:
+        if finding.kind != KindId.CLIP_BEFORE_UNSCALE and threshold is not None:
             finding = replace(finding, message=(
                 f"With clipping forced (max_grad_norm={threshold:.4g}, a tenth of the true "
                 "gradient norm) the clipped update differs from the reference clipped the way "

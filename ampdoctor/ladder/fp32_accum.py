@@ -7,7 +7,7 @@ from collections import Counter
 
 from .. import compare, deciders
 from ..deciders import Observed
-from ..enums import RungId, Severity, Status
+from ..enums import KindId, RungId, Severity, Status
 from ..evidence import Evidence
 from ..findings import Finding, RungResult, conclude
 from ..probe.events import AutocastEntered, Backward
@@ -64,7 +64,8 @@ def run(session: Session) -> RungResult:
         return _no_step(session, trace, findings)
     count = step_count_finding(session, trace, RUNG)
     if count is not None:
-        what = ("the optimizer steps on every micro-batch" if count.kind == "step-per-microbatch"
+        what = ("the optimizer steps on every micro-batch"
+                if count.kind == KindId.STEP_PER_MICROBATCH
                 else "the optimizer steps off the window boundaries (off by one)")
         return RungResult(RUNG, Status.FAIL, what, [count] + findings)
     taken, total = trace.microbatches_taken, len(session.micro_batches)

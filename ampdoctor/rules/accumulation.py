@@ -12,7 +12,7 @@ import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
-from ..enums import Severity
+from ..enums import KindId, Severity
 from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
@@ -111,7 +111,8 @@ def _zero_grad_inside(case: StepCase) -> Finding | None:
     """A zero_grad inside the window, when no hypothesis or one of its look-alikes matched."""
     found, K, m = case.found, case.K, case.m
     if not case.inside_zero or (found is not None and found.kind not in (
-            "zero-grad-inside-accumulation", "double-average", "weighted-average-mismatch")):
+            KindId.ZERO_GRAD_INSIDE_ACCUMULATION, KindId.DOUBLE_AVERAGE,
+            KindId.WEIGHTED_AVERAGE_MISMATCH)):
         return None
     contributing = K - (case.contributing_from or 0)
     case.evidence.update({"measured": contributing, "expected": K,
@@ -155,12 +156,12 @@ def _loop_sums_over_samples(case: StepCase,
     """Relative to the loop's own K = 1 run a sum reduction divided by K looks like a second
     average; the full-batch gradient being the *sum* of micro-batch gradients says the loss sums
     over samples."""
-    if (found.kind in ("double-average", "weighted-average-mismatch") and case.ref.mode == "loop"
-            and case.per_mb):
+    if (found.kind in (KindId.DOUBLE_AVERAGE, KindId.WEIGHTED_AVERAGE_MISMATCH)
+            and case.ref.mode == "loop" and case.per_mb):
         summed = torch.stack(case.per_mb).sum(0)
         if compare.metrics(case.full, summed, compare.Tolerance(case.cand_tol, 0)).ok:
             return compare.Classification(
-                "reduction-mismatch", "the loss sums over samples (the full-batch gradient is "
+                KindId.REDUCTION_MISMATCH, "the loss sums over samples (the full-batch gradient is "
                 "the sum of the micro-batch gradients) and the loop divides by K only",
                 found.rel_err, found.factor, {})
     return found
@@ -170,13 +171,13 @@ def _site_of(case: StepCase, kind: str) -> Any:
     """The user's line a matched hypothesis points at."""
     window_events, step_site = case.window_events, case.judged.step.site
     last_backward_site = case.last_backward_site
-    if kind == "missing-unscale":
+    if kind == KindId.MISSING_UNSCALE:
         return step_site
-    if kind == "unscale-twice":
+    if kind == KindId.UNSCALE_TWICE:
         return second_unscale_site(window_events) or step_site
-    if kind == "double-average":
+    if kind == KindId.DOUBLE_AVERAGE:
         return grad_division_between(last_backward_site, step_site) or last_backward_site
-    if kind == "clip-before-unscale":
+    if kind == KindId.CLIP_BEFORE_UNSCALE:
         return line_between(last_backward_site, step_site, NORM_OR_CLIP) or step_site
     return last_backward_site
 
@@ -194,7 +195,7 @@ def _named_shape(case: StepCase) -> Finding | None:
     if found.factor is not None:
         evidence["factor"] = compare._round(found.factor)
     evidence.update(found.extra)
-    if kind == "clip-before-unscale":
+    if kind == KindId.CLIP_BEFORE_UNSCALE:
         # as the clip-space rung measures it: how many times the true norm the clip saw
         if m.ratio > 0:
             evidence["measured"] = compare._round(1.0 / m.ratio)
@@ -204,7 +205,7 @@ def _named_shape(case: StepCase) -> Finding | None:
         step=case.judged.ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
         precision=case.judgement.precision, tol=case.judgement.tolerance.rtol,
         factor=found.factor or 0)
-    if (kind == "missing-accumulation-average" and case.per_mb
+    if (kind == KindId.MISSING_ACCUMULATION_AVERAGE and case.per_mb
             and unaveraged.weighting_differs(case.per_mb, case.full, case.cand_tol)):
         # the sum of K equal-weight micro-batch means, against a reference that weighs
         # them otherwise: the size says K only against that sum, not against the reference
@@ -214,7 +215,7 @@ def _named_shape(case: StepCase) -> Finding | None:
         message = unaveraged.message(case.judged.ordinal, K, equal_sums, case.clip_norm,
                                      clip_threshold(case.window_events),
                                      evidence.get("ratio_after_clip"))
-    if kind == "weighted-average-mismatch" and not case.ref.weighted:
+    if kind == KindId.WEIGHTED_AVERAGE_MISMATCH and not case.ref.weighted:
         # no weights known: the run's (equal) against the ones the reference implies
         implied = compare.implied_weights(case.full, case.per_mb)
         if implied is not None:
@@ -223,7 +224,7 @@ def _named_shape(case: StepCase) -> Finding | None:
             message += (" The run weighted its micro-batches " + _shown(evidence["weights"])
                         + "; the reference implies " + _shown(implied) + ".")
     site = _site_of(case, kind)
-    unused = unscaled_backward(case.window_events) if kind == "unscale-twice" else None
+    unused = unscaled_backward(case.window_events) if kind == KindId.UNSCALE_TWICE else None
     if unused is not None:   # 1/S because the scaled loss was never backpropagated
         backward, scale = unused
         scale_site = location(scale.site)
@@ -386,31 +387,31 @@ def clipped_lead(template: str, case: StepCase) -> str:
             "optimizer was handed " + template[len(CONSUMED):])
 
 
-MESSAGES = {
-    "missing-accumulation-average":
+MESSAGES: dict[str, str] = {
+    KindId.MISSING_ACCUMULATION_AVERAGE:
         "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
         "{cos:.5f}) = the sum of the K={K} micro-batch gradients: the loss is not divided by "
         "accumulation_steps.",
-    "double-average":
+    KindId.DOUBLE_AVERAGE:
         "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
         "{cos:.5f}), 1/K with K={K}: the gradient is averaged twice.",
-    "reduction-mismatch":
+    KindId.REDUCTION_MISMATCH:
         "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
         "{cos:.5f}): {label}. The loss reduction and the averaging factor disagree.",
-    "weighted-average-mismatch":
+    KindId.WEIGHTED_AVERAGE_MISMATCH:
         "Step {step}: the optimizer consumed the {label} (norm ratio {ratio:.4g}, cosine "
         "{cos:.5f} to the weighted reference): micro-batches with few tokens count as much as "
         "full ones.",
-    "zero-grad-inside-accumulation":
+    KindId.ZERO_GRAD_INSIDE_ACCUMULATION:
         "Step {step}: the optimizer consumed {label} (norm ratio {ratio:.4g}, cosine {cos:.5f}): "
         "gradients were cleared inside the window.",
-    "missing-unscale":
+    KindId.MISSING_UNSCALE:
         "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: it "
         "stepped on scaled gradients.",
-    "unscale-twice":
+    KindId.UNSCALE_TWICE:
         "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
         "gradients were divided by the scale twice.",
-    "clip-before-unscale":
+    KindId.CLIP_BEFORE_UNSCALE:
         "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
         "gradients were clipped against a norm taken before unscale_, in scaled space.",
 }

@@ -5,6 +5,7 @@ accumulation-average finding names the right side: the user's line, `accelerator
 
 from __future__ import annotations
 
+from ..enums import KindId
 from ..evidence import Evidence
 from ..probe.events import FrameworkPrecision
 from ..probe.trace import Trace
@@ -44,7 +45,8 @@ _MISSING = {
 def who_divided(trace: Trace, kind: str) -> tuple[str, str] | None:
     """(party, sentence) for a double-average or missing-accumulation-average in a run that a
     framework drove, or None when no framework was built."""
-    table = {"double-average": _DOUBLE, "missing-accumulation-average": _MISSING}.get(kind)
+    table = {KindId.DOUBLE_AVERAGE: _DOUBLE,
+             KindId.MISSING_ACCUMULATION_AVERAGE: _MISSING}.get(KindId(kind))
     if table is None:
         return None
     for event in trace.events_of(FrameworkPrecision):

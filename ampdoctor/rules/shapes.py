@@ -12,7 +12,7 @@ import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
-from ..enums import Severity
+from ..enums import KindId, Severity
 from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
@@ -128,8 +128,8 @@ def summed_count(micro_batches: list[Any], ratio: float,
     return None
 
 
-SIZE_FACTOR_KINDS = {"missing-accumulation-average": "reduction-mismatch",
-                      "reduction-mismatch": "missing-accumulation-average"}
+SIZE_FACTOR_KINDS: dict[str, str] = {KindId.MISSING_ACCUMULATION_AVERAGE: KindId.REDUCTION_MISMATCH,
+                      KindId.REDUCTION_MISMATCH: KindId.MISSING_ACCUMULATION_AVERAGE}
 
 
 #: The rung driver's extra fp32 pass (`ladder.analysis.rerun_for`): (micro_batches, K,
@@ -158,7 +158,7 @@ def disambiguate(session: Session, window: int, snapshot: Snapshot, names: list[
         float(torch.linalg.vector_norm(flat(session, reference, names))), 1e-30)
     info = {"accumulation_steps": K2, "micro_batch_size": b, "ratio": compare._round(ratio)}
     if abs(ratio / K2 - 1) < thresholds.RESPLIT_RATIO_RTOL:
-        return "missing-accumulation-average", info
+        return KindId.MISSING_ACCUMULATION_AVERAGE, info
     if abs(ratio / b - 1) < thresholds.RESPLIT_RATIO_RTOL:
-        return "reduction-mismatch", info
+        return KindId.REDUCTION_MISMATCH, info
     return None, info

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .. import compare, thresholds
+from ..enums import KindId
 from ..evidence import Evidence
 from ..judge import Judgement, StepJudgement
 from ..probe.events import Backward, Clip, Event, Scale, Snapshot, ZeroGrad, of_type
@@ -168,7 +169,7 @@ def _scale_hypotheses(session: Session, ref: WindowReference, full: torch.Tensor
         coef = min(1.0, max_norm / (total + thresholds.CLIP_EPSILON))
         if clip_would_bite(coef):
             hyps.append(compare.Hypothesis(
-                "clip-before-unscale",
+                KindId.CLIP_BEFORE_UNSCALE,
                 f"the reference clipped at max_grad_norm={max_norm:g} and divided by the loss "
                 f"scale S={scale:g} (the clip compared the threshold with S x the true norm)",
                 full * (coef / scale), coef / scale, {"scale": scale, "clip_coefficient":

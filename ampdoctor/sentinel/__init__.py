@@ -31,6 +31,7 @@ import torch
 
 from .. import deciders
 from ..deciders import Observed
+from ..enums import KindId
 from ..findings import Finding, Location, Severity, location
 from ..probe.callsite import CallSiteFinder, Site
 from .checks import COUNT_WINDOWS, RUNG, CountChecks, LossFn, Window, built_at
@@ -330,7 +331,7 @@ class Watch(CountChecks, DistributedReplay, Patching):
         # one backward per step where K were meant: the replay of that one micro-batch shows
         # the loss's 1/K, which is the step count's consequence (judged after the first steps)
         if self.K > 1 and w.backwards == 1:
-            return "step-per-microbatch"
+            return KindId.STEP_PER_MICROBATCH
         return super()._explained(w)
 
     def _step_now(self) -> None:

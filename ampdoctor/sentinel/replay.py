@@ -15,6 +15,7 @@ import torch
 
 from .. import compare, deciders, thresholds
 from ..deciders import Observed
+from ..enums import KindId
 from ..evidence import Evidence
 from ..findings import Severity, location
 from .checks import RUNG, WatchState, Window
@@ -107,9 +108,9 @@ class ReplayCheck(WatchState):
     def _explained(self, w: Window) -> str | None:
         """The cheap check that already named what this window's update shows."""
         if w.zero_grad_after is not None:
-            return "zero-grad-inside-accumulation"
+            return KindId.ZERO_GRAD_INSIDE_ACCUMULATION
         if w.clip_scaled:
-            return "clip-before-unscale"
+            return KindId.CLIP_BEFORE_UNSCALE
         return None
 
     def _name_mismatch(self, w: Window, m: compare.Metrics, ratio: float, replayed: Replayed,
@@ -162,12 +163,12 @@ class ReplayCheck(WatchState):
         names = [str(i) for i in range(len(params))]
         shapes = {name: p.shape for name, p in zip(names, params, strict=True)}
         consumed = dict(zip(names, (p.grad for p in params), strict=True))
-        shapes_of = (("weighted-average-mismatch", 1.0),
-                     ("missing-accumulation-average", float(self.K)),
-                     ("double-average", 1.0 / self.K))
-        best: tuple[float, str, float] | None = None
+        shapes_of = ((KindId.WEIGHTED_AVERAGE_MISMATCH, 1.0),
+                     (KindId.MISSING_ACCUMULATION_AVERAGE, float(self.K)),
+                     (KindId.DOUBLE_AVERAGE, 1.0 / self.K))
+        best: tuple[float, KindId, float] | None = None
         for kind, factor in shapes_of:
-            if kind != "weighted-average-mismatch" and self.K == 1:
+            if kind != KindId.WEIGHTED_AVERAGE_MISMATCH and self.K == 1:
                 continue
             # the consumed gradient before the clip is `pre_scale` x the one consumed
             scale = factor / pre_scale
@@ -200,11 +201,12 @@ class ReplayCheck(WatchState):
         if replayed.own is not None and replayed.own != replayed.counts:
             weights += (f" Each micro-batch's own mean divides by {_shown(replayed.own)} "
                         "items.")
-        what = {"weighted-average-mismatch": ": micro-batches with few tokens count as much as "
-                                             "full ones.",
-                "missing-accumulation-average": f": the loss is not divided over the window "
-                                                f"(K={self.K}).",
-                "double-average": f": the gradient is averaged twice (once more by K={self.K})."}
+        what = {KindId.WEIGHTED_AVERAGE_MISMATCH:
+                ": micro-batches with few tokens count as much as full ones.",
+                KindId.MISSING_ACCUMULATION_AVERAGE:
+                f": the loss is not divided over the window (K={self.K}).",
+                KindId.DOUBLE_AVERAGE:
+                f": the gradient is averaged twice (once more by K={self.K})."}
         seen = Observed(RUNG, Severity.ERROR, lead + what[kind] + weights, evidence=evidence,
                         location=location(w.backward_site))
         self._found(deciders.decide(kind, seen))
