@@ -32,6 +32,8 @@ class Kind:
     measured: str = ""
     decided_in: str = ""
     framework_fixes: dict[str, str] = field(default_factory=dict, hash=False)
+    #: its own message says what a clip did (no lead for a rung that forced clipping)
+    words_its_clip: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,20 @@ class Observed:
     title: str = ""
     fix: str = ""
     traceback: str | None = None
+    #: rung context: the threshold the clip-space rung forced clipping at (its finding says the
+    #: update it judged was clipped there), None in a run clipped as the loop clips
+    forced_clip: float | None = None
 
     def fields(self, kind: Kind) -> dict[str, Any]:
         """The keyword arguments of the `Finding` of `kind` (all but the rung, the kind and the
-        severity), an empty title or fix taken from the kind's catalogue entry."""
-        return {"message": self.message, "evidence": self.evidence, "location": self.location,
+        severity), an empty title or fix taken from the kind's catalogue entry, the message led
+        by the rung's context."""
+        message = self.message
+        if self.forced_clip is not None and not kind.words_its_clip:
+            message = (f"With clipping forced (max_grad_norm={self.forced_clip:.4g}, a tenth of "
+                       "the true gradient norm) the clipped update differs from the reference "
+                       "clipped the way the loop meant: " + message)
+        return {"message": message, "evidence": self.evidence, "location": self.location,
                 "title": self.title or kind.title, "fix": self.fix or kind.fix,
                 "traceback": self.traceback}
 

@@ -43,6 +43,7 @@ CLIP_BEFORE_UNSCALE = Kind(
         "matched), or it clips at the threshold times the scale (the same update)."),
     measured="norm the clip saw / true norm (the loss scale S)",
     decided_in=f"{__name__}:clip_before_unscale",
+    words_its_clip=True,
 )
 
 

@@ -64,14 +64,15 @@ def wrong_divisor(cosine: float, ratio: float) -> bool:
 
 
 def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,
-                  judged: StepJudgement, rerun: Resplit | None = None) -> Finding:
+                  judged: StepJudgement, rerun: Resplit | None = None,
+                  forced_clip: float | None = None) -> Finding:
     """Explain the judge's first bad step. `rerun` is the rung driver's extra fp32 pass
     (`shapes.Resplit`). Each known shape of a mismatch is tried in the order of `SHAPES`; the
     first that matches builds the finding, and `_no_known_shape` reports the numbers."""
     step = judged.step
     snapshot = trace.snapshots.get(step.group)
     if snapshot is None:
-        return _unexplained(session, rung, judgement, judged)
+        return _unexplained(session, rung, judgement, judged, forced_clip)
     names = [n for n in step.grads if n in session.param_shapes]
     ref = session.reference(judged.window, snapshot.state, snapshot.training, per_mb=True)
     scaled_clip = next((c for c in judged.clips if c.scale is not None and not c.scaled_threshold),
@@ -79,7 +80,8 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
     if scaled_clip is not None:
         return clip_in_scaled_space(session, rung, judged, scaled_clip, ref.full,
                                     judgement.tolerance.rtol)
-    case = build_case(session, trace, rung, judgement, judged, rerun, snapshot, names, ref)
+    case = build_case(session, trace, rung, judgement, judged, rerun, snapshot, names, ref,
+                      forced_clip)
     for shape in SHAPES:
         finding = shape(case)
         if finding is not None:
@@ -88,7 +90,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
 
 
 def _unexplained(session: Session, rung: str, judgement: Judgement,
-                 judged: StepJudgement) -> Finding:
+                 judged: StepJudgement, forced_clip: float | None = None) -> Finding:
     """A step judged as it happened in a group whose weights were gone by then (a second step
     of the same optimizer without a backward between): the numbers, no explanation."""
     m, tol, precision = judged.metrics, judgement.tolerance, judgement.precision
@@ -101,7 +103,8 @@ def _unexplained(session: Session, rung: str, judgement: Judgement,
                    f"Step {ordinal}: the optimizer consumed a gradient {m.rel_err:.3g} "
                    f"(relative) from the {precision} reference (norm ratio "
                    f"{m.ratio:.4g}, cosine {m.cosine:.4f}).",
-                   evidence=numbers, location=location(judged.step.site)))
+                   evidence=numbers, location=location(judged.step.site),
+                   forced_clip=forced_clip))
 
 
 # --- the shapes, in the order they are tried -------------------------------------------------
@@ -125,7 +128,7 @@ def _zero_grad_inside(case: StepCase) -> Finding | None:
                    f"ratio {case.measured_ratio:.4g} to the reference, cosine "
                    f"{m.cosine:.4f}).",
                    evidence=case.evidence, location=location(case.inside_zero[-1].site),
-                   fix=engine_zero_grad_fix(case.trace)))
+                   fix=engine_zero_grad_fix(case.trace), forced_clip=case.forced_clip))
 
 
 def _settle_size_factor_tie(case: StepCase) -> None:
@@ -238,7 +241,8 @@ def _named_shape(case: StepCase) -> Finding | None:
         evidence["framework"] = party[0]
         message += " " + party[1][0].upper() + party[1][1:]
     return deciders.decide(kind, Observed(case.rung, Severity.ERROR, message, evidence=evidence,
-                                          location=location(site), fix=fix))
+                                          location=location(site), fix=fix,
+                                          forced_clip=case.forced_clip))
 
 
 def _shown(weights: list[float]) -> str:
@@ -269,7 +273,7 @@ def _carried_over(case: StepCase) -> Finding | None:
                    + ", so every step re-applies earlier windows, and an overflow, once in "
                    ".grad, poisons every later window. Clear all gradients after each step, "
                    "skipped or not.",
-                   evidence=case.evidence, location=location(site)))
+                   evidence=case.evidence, location=location(site), forced_clip=case.forced_clip))
 
 
 def _summed_over_a_count(case: StepCase) -> Finding | None:
@@ -287,7 +291,8 @@ def _summed_over_a_count(case: StepCase) -> Finding | None:
                    f"Step {case.judged.ordinal}: the gradient is {measured_ratio:.4g}x the "
                    f"reference ({what}) with cosine {m.cosine:.5f}: the loss sums over "
                    "samples/elements instead of averaging.",
-                   evidence=case.evidence, location=location(case.last_backward_site)))
+                   evidence=case.evidence, location=location(case.last_backward_site),
+                   forced_clip=case.forced_clip))
 
 
 def _varying_divisor(case: StepCase) -> Finding | None:
@@ -301,7 +306,8 @@ def _varying_divisor(case: StepCase) -> Finding | None:
                    location=location(case.last_backward_site),
                    fix="Count the tokens (or samples) of the whole optimizer step once, "
                        "over all K micro-batches before the window, and divide every "
-                       "micro-batch's summed loss by that one total."))
+                       "micro-batch's summed loss by that one total.",
+                   forced_clip=case.forced_clip))
 
 
 def _wrong_divisor(case: StepCase) -> Finding | None:
@@ -318,7 +324,8 @@ def _wrong_divisor(case: StepCase) -> Finding | None:
                    f"{lead}{measured_ratio:.4g}x "
                    f"the reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
                    f"{K / measured_ratio:.4g} instead of K={K}.",
-                   evidence=case.evidence, location=location(case.last_backward_site)))
+                   evidence=case.evidence, location=location(case.last_backward_site),
+                   forced_clip=case.forced_clip))
 
 
 def _loop_sums_unaveraged(case: StepCase) -> Finding | None:
@@ -338,7 +345,8 @@ def _loop_sums_unaveraged(case: StepCase) -> Finding | None:
                                       clip_threshold(case.window_events),
                                       case.evidence.get("ratio_after_clip")),
                    evidence=case.evidence, location=location(case.last_backward_site),
-                   fix=unaveraged.FIX if sums.weighting_differs else ""))
+                   fix=unaveraged.FIX if sums.weighting_differs else "",
+                   forced_clip=case.forced_clip))
 
 
 def _no_known_shape(case: StepCase) -> Finding:
@@ -353,7 +361,8 @@ def _no_known_shape(case: StepCase) -> Finding:
                    f"from the fp32 reference by {m.rel_err:.3g} (relative; tolerance "
                    f"{tol.rtol:g}), norm ratio {case.measured_ratio:.4g}, cosine "
                    f"{m.cosine:.4f}, matching no known mistake.{hint}",
-                   evidence=case.evidence, location=location(judged.step.site)))
+                   evidence=case.evidence, location=location(judged.step.site),
+                   forced_clip=case.forced_clip))
 
 
 #: The known shapes of a mismatch, in the order they are tried: each returns its finding, or

@@ -32,7 +32,8 @@ FIX = ("Clip before the step that consumes the gradients: `scaler.unscale_(optim
 
 
 def clip_after_step(trace: Trace, rung: str, rtol: float,
-                    judged: dict[int, float] | None = None) -> Finding | None:
+                    judged: dict[int, float] | None = None,
+                    forced_clip: float | None = None) -> Finding | None:
     """The first clip after a step that would have changed that step's update, or None.
     `judged` maps a step's ordinal to its judged update/reference norm ratio (the number the
     report's chart plots for it: about 1, the update matched the unclipped reference)."""
@@ -50,7 +51,7 @@ def clip_after_step(trace: Trace, rung: str, rtol: float,
             slots = {owners.get(pid) for pid in event.param_ids}
             if slots and None not in slots and slots <= stepped:
                 step = steps_seen - 1
-                return _finding(event, rung, step, rtol, (judged or {}).get(step))
+                return _finding(event, rung, step, rtol, (judged or {}).get(step), forced_clip)
     return None
 
 
@@ -62,7 +63,8 @@ def _bites(clip: Clip, rtol: float) -> bool:
     return clip.total_norm / clip.max_norm - 1.0 > rtol
 
 
-def _finding(clip: Clip, rung: str, step: int, rtol: float, ratio: float | None) -> Finding:
+def _finding(clip: Clip, rung: str, step: int, rtol: float, ratio: float | None,
+             forced_clip: float | None = None) -> Finding:
     assert clip.max_norm is not None and clip.total_norm is not None
     factor = clip.total_norm / clip.max_norm
     message = (f"Step {step}: the gradient clip ran after the optimizer step, on gradients the "
@@ -76,4 +78,5 @@ def _finding(clip: Clip, rung: str, step: int, rtol: float, ratio: float | None)
     if ratio is not None:   # the update against the unclipped reference: it matched
         evidence["ratio"] = compare._round(ratio)
     return deciders.gradient_mismatch(Observed(
-        rung, Severity.ERROR, message, fix=FIX, location=location(clip.site), evidence=evidence))
+        rung, Severity.ERROR, message, fix=FIX, location=location(clip.site), evidence=evidence,
+        forced_clip=forced_clip))

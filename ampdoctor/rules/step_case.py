@@ -76,6 +76,8 @@ class StepCase:
     found: compare.Classification | None
     measured_ratio: float
     evidence: Evidence
+    #: the threshold the clip-space rung forced (rung context its findings say), else None
+    forced_clip: float | None = None
 
     @property
     def K(self) -> int:
@@ -96,7 +98,7 @@ class StepCase:
 
 def build_case(session: Session, trace: Trace, rung: str, judgement: Judgement,
           judged: StepJudgement, rerun: Resplit | None, snapshot: Snapshot, names: list[str],
-          ref: WindowReference) -> StepCase:
+          ref: WindowReference, forced_clip: float | None = None) -> StepCase:
     """The step's gradients, the hypotheses built from the reference, the best match."""
     K, tol, step = session.K, judgement.tolerance, judged.step
     window_events = list(judged.events)
@@ -140,7 +142,7 @@ def build_case(session: Session, trace: Trace, rung: str, judgement: Judgement,
             evidence["ratio"] = compare._round(measured_ratio)
     return StepCase(session, trace, rung, judgement, judged, rerun, snapshot, names, ref, full,
                  per_mb, user, user_u, clip_norm, backwards, inside_zero, contributing_from,
-                 hyps, cand_tol, found, measured_ratio, evidence)
+                 hyps, cand_tol, found, measured_ratio, evidence, forced_clip)
 
 
 def _own_backwards(trace: Trace, backwards: list[Backward], optimizer: int) -> list[Backward]:
