@@ -10,6 +10,7 @@ from ..deciders import Observed
 from ..enums import KindId, RungId, Severity, Status
 from ..evidence import Evidence
 from ..findings import Finding, RungResult, conclude
+from ..kinds.loop_error import IgnoresMicroBatches, ignores_micro_batches
 from ..probe.events import AutocastEntered, Backward
 from ..session import Session
 from .analysis import (
@@ -71,13 +72,8 @@ def run(session: Session) -> RungResult:
     taken, total = trace.microbatches_taken, len(session.micro_batches)
     if taken == 0:
         backwards = trace.events_of(Backward)
-        finding = deciders.loop_error(Observed(RUNG, Severity.ERROR,
-            f"The fp32 loop never took a micro-batch from `micro_batches` (0 of {total}) but ran "
-            f"{len(backwards)} backward pass(es) and {len(trace.steps)} optimizer step(s): it "
-            "builds its own data, so nothing it does can be compared with the reference. "
-            "Iterate the `micro_batches` argument ampdoctor hands to train_loop.",
-            evidence={"measured": 0, "expected": total, "backwards": len(backwards),
-                      "optimizer_steps": len(trace.steps)},
+        finding = ignores_micro_batches(IgnoresMicroBatches(
+            RUNG, total, len(backwards), len(trace.steps),
             location=location(backwards[0].site if backwards else None)))
         return RungResult(RUNG, Status.FAIL, "the loop ignores `micro_batches`", [finding])
     if not trace.steps:
