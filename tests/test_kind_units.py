@@ -205,3 +205,107 @@ def test_a_refused_update_counts_the_updates_before_the_step():
     assert finding.evidence == {"measured": 3, "expected": 0,
                                 "updates_before_the_windows_step": 3,
                                 "error": "AssertionError: x", "microbatch": 1}
+
+
+# --- the step state machine's kinds (rules/scale_state.py observations) ---------------------
+
+def test_a_clip_in_scaled_space_measures_the_scale_and_is_a_warning_while_updates_match():
+    from ampdoctor.kinds.clipping import ScaledClip, scaled_clip
+    seen, true = 57427.0, 0.876382          # the clip saw S x the true norm
+    o = ScaledClip(RungId.FP16_SCALER, 0, 65536.0, seen, true, 1.0, location=LINE)
+    error = scaled_clip(o)
+    assert (error.kind, error.severity) == (KindId.CLIP_BEFORE_UNSCALE, Severity.ERROR)
+    assert error.evidence["measured"] == float(f"{seen / true:.6g}")      # 65527.3
+    assert (f"it saw a gradient norm of 57427 where the true norm is 0.876382 — a ratio of "
+            f"{seen / true:.6g}, the loss scale (65536)") in error.message
+    from dataclasses import replace
+    warning = scaled_clip(replace(o, update_matched=True))
+    assert warning.severity is Severity.WARNING
+    assert warning.message.startswith("Every fp16 update matched the reference, but it clipped "
+                                      "gradients still multiplied by the loss scale")
+    assert warning.message.endswith(f"({error.message})")
+
+
+def test_a_clip_of_one_of_two_optimizers_names_the_one_not_unscaled():
+    from ampdoctor.kinds.clipping import ScaledClip, scaled_clip
+    finding = scaled_clip(ScaledClip(RungId.FP16_SCALER, 1, 1024.0, None, None, 1.0,
+                                     optimizer=1, optimizers=2, unscaled_others=(0,)))
+    assert finding.evidence["optimizer"] == 1
+    assert finding.message.endswith(
+        " Optimizer 1 (of 2) had not been unscaled although optimizer(s) [0] had: the clip "
+        "mixed scaled and true gradients; call scaler.unscale_() on optimizer 1 before "
+        "clipping.")
+
+
+def test_a_clip_by_value_in_scaled_space_is_off_by_the_scale():
+    from ampdoctor.kinds.clipping import ScaledClip, scaled_clip
+    finding = scaled_clip(ScaledClip(RungId.FP16_SCALER, 0, 256.0, None, None, 0.5,
+                                     by_value=True))
+    assert finding.evidence["measured"] == 256.0
+    assert "a clip value 256x too small in true-gradient space" in finding.message
+
+
+@pytest.mark.parametrize("matched, severity", [(False, Severity.ERROR),
+                                               (True, Severity.WARNING)])
+def test_a_direct_step_on_scaled_gradients(matched, severity):
+    from ampdoctor.kinds.scaling import StepOnScaled, step_on_scaled
+    ratio = 65536.0 * 1.0000004               # the update S x the reference
+    finding = step_on_scaled(StepOnScaled(RungId.FP16_SCALER, 2, 65536.0, 1, ratio,
+                                          update_matched=matched))
+    assert (finding.kind, finding.severity) == (KindId.MISSING_UNSCALE, severity)
+    assert f"its gradient is {ratio:.6g}x the reference." in finding.message
+    assert finding.evidence["measured"] == float(f"{ratio:.6g}")
+
+
+def test_updates_without_a_step_and_a_loss_scaled_twice_are_errors():
+    from ampdoctor.kinds.scaling import (ScaledTwice, UpdateWithoutStep, scaled_twice,
+                                         update_without_step)
+    update = update_without_step(UpdateWithoutStep(RungId.FP16_SCALER, 0, 1024.0, 12, 3))
+    assert update.severity is Severity.ERROR
+    assert update.message == ("scaler.update() ran 12 times for 3 scaler.step() calls: more "
+                              "than once per optimizer step.")
+    twice = scaled_twice(ScaledTwice(RungId.FP16_SCALER, 0, 1024.0, 1024.0, 0))
+    assert twice.evidence["measured"] == float(f"{1024.0 * 1024.0:.6g}")   # 1048580.0
+    assert "the effective loss scale is 1.04858e+06, not 1024." in twice.message
+
+
+# --- rung context: the clip-space rung's forced threshold -----------------------------------
+
+def test_a_forced_clip_leads_every_kind_but_the_one_that_words_its_clip():
+    from ampdoctor.kinds import decide
+    from ampdoctor.kinds.base import Observed
+    seen = Observed(RungId.CLIP_SPACE, Severity.ERROR, "Step 0: off.", forced_clip=0.0123456)
+    lead = ("With clipping forced (max_grad_norm=0.01235, a tenth of the true gradient norm) "
+            "the clipped update differs from the reference clipped the way the loop meant: ")
+    assert decide(KindId.GRADIENT_MISMATCH, seen).message == lead + "Step 0: off."
+    assert decide(KindId.CLIP_BEFORE_UNSCALE, seen).message == "Step 0: off."
+
+
+# --- loop-error -----------------------------------------------------------------------------
+
+def test_a_loop_that_raised_in_a_helper_names_the_loops_line():
+    from ampdoctor.kinds.loop_error import LoopRaised, loop_raised
+    loop = Location("/src/train.py", 30, "train_loop")
+    helper = Location("/src/helpers.py", 8, "clip")
+    finding = loop_raised(LoopRaised(RungId.FP32_ACCUM, "fp32", "TypeError: x",
+                                     frames=(loop, helper), clip_given_none="clip_grad_norm_",
+                                     location=helper))
+    assert finding.severity is Severity.ERROR
+    assert finding.message.startswith("The loop raised in the fp32 run: TypeError: x. torch's "
+                                      "clip_grad_norm_() was given None as its threshold")
+    assert finding.message.endswith(" (in clip(), called from the loop at train.py:30)")
+    assert finding.evidence["loop_line"] == "/src/train.py:30"
+    assert finding.evidence["user_frames"] == ["/src/train.py:30 in train_loop",
+                                               "/src/helpers.py:8 in clip"]
+
+
+def test_ranks_that_hung_name_where_they_waited():
+    from ampdoctor.kinds.loop_error import RanksHung, ranks_hung
+    finding = ranks_hung(RanksHung(RungId.DDP_SYNC, 2, 30.0, (1,), (0,), (0, 1),
+                                   location=LINE))
+    assert finding.message == (
+        "Rank(s) 1 of 2 did not finish the loop within ddp.timeout_s = 30 s and were stopped, "
+        "waiting at train.py:12 (train_loop): a hang (a collective its peers never join -- "
+        "ranks taking different numbers of steps or syncs --, or a loop that never ends); "
+        "rank(s) 0 had left the loop and waited for the others.")
+    assert finding.evidence["measured"] == 1
