@@ -258,8 +258,12 @@ def test_a_direct_step_on_scaled_gradients(matched, severity):
 
 
 def test_updates_without_a_step_and_a_loss_scaled_twice_are_errors():
-    from ampdoctor.kinds.scaling import (ScaledTwice, UpdateWithoutStep, scaled_twice,
-                                         update_without_step)
+    from ampdoctor.kinds.scaling import (
+        ScaledTwice,
+        UpdateWithoutStep,
+        scaled_twice,
+        update_without_step,
+    )
     update = update_without_step(UpdateWithoutStep(RungId.FP16_SCALER, 0, 1024.0, 12, 3))
     assert update.severity is Severity.ERROR
     assert update.message == ("scaler.update() ran 12 times for 3 scaler.step() calls: more "
