@@ -22,6 +22,16 @@ from ..deciders import Observed
 from ..enums import RungId, Severity, Status
 from ..findings import Finding, RungResult, conclude
 from ..judge import tolerance
+from ..kinds.precision import (
+    AutocastDtype,
+    AutocastOff,
+    Fp16WithoutScaler,
+    ScalerInBf16,
+    autocast_dtype,
+    autocast_off,
+    fp16_without_scaler,
+    scaler_in_bf16,
+)
 from ..kinds.scaling import RefusedUpdate, refused_update_finding
 from ..probe.callsite import Site
 from ..probe.events import (
@@ -80,26 +90,14 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     if not enabled:
         where = (location(on_device[0].site) if on_device
                  else loop_location(session, AUTOCAST_TEXT))
-        seen = (f"autocast was entered {len(on_device)} time(s) but never enabled"
-                if on_device else "autocast was never entered")
-        findings.append(deciders.half_open_amp(Observed(rung, Severity.ERROR,
-            f"The {precision} run asked for autocast({want}) but {seen} on "
-            f"{session.device.type}: every forward ran in fp32, so this 'mixed precision' run "
-            "is really fp32" + (" with a loss scaler on top." if scalers else "."),
-            evidence={"measured": 0, "expected": 1, "autocast_entered": len(on_device),
-                      "autocast_enabled": 0, "scaler_enabled": bool(scalers)},
-            location=where)))
+        findings.append(autocast_off(AutocastOff(rung, precision, want, session.device.type,
+                                                 len(on_device), bool(scalers), location=where)))
     else:
         wrong = [e for e in enabled if e.dtype != want]
         if wrong:
             e = wrong[0]
-            findings.append(deciders.half_open_amp(Observed(rung, Severity.ERROR,
-                f"The {precision} run entered autocast with dtype {e.dtype}, not "
-                f"{want}: the loop ignores run.autocast_dtype"
-                + (" and runs fp16 without the scaler it needs." if e.dtype == "float16"
-                   and not scalers else "."),
-                evidence={"measured": e.dtype, "expected": want},
-                location=location(e.site))))
+            findings.append(autocast_dtype(AutocastDtype(rung, precision, want, e.dtype,
+                                                         bool(scalers), location=location(e.site))))
     if precision == "bf16":
         scaler_in_bf16 = _scaler_in_bf16(session, scalers, rung)
         if scaler_in_bf16 is not None:
@@ -107,11 +105,8 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     if precision == "fp16" and enabled and not scalers and not findings:
         e = enabled[0]
         inits = trace.events_of(ScalerInit)
-        findings.append(deciders.half_open_amp(Observed(rung, Severity.ERROR,
-            "The fp16 run enters autocast(float16) but no enabled GradScaler scales the loss: "
-            "small fp16 gradients underflow to zero and overflow is never detected.",
-            evidence={"measured": "no enabled scaler", "expected": "GradScaler enabled"},
-            location=location(inits[0].site if inits else e.site))))
+        findings.append(fp16_without_scaler(Fp16WithoutScaler(
+            rung, location=location(inits[0].site if inits else e.site))))
     return findings
 
 
@@ -128,18 +123,12 @@ def _scaler_in_bf16(session: Session, scalers: list[ScalerInit] | list[Scale],
         scaler = scalers[0]
         site, scale = scaler.site, (getattr(scaler, "init_scale", None)
                                     or getattr(scaler, "scale", None))
-        where = "in the bf16 run"
     else:
         if own.dtypes != {"bfloat16"} or not own.scalers:
             return None   # an fp16 (or fp32) script needs (or wastes nothing on) its scaler
         site, scale = own.scalers[0].get("site"), own.scalers[0].get("init_scale")
-        where = "in the script, whose autocast asks for bfloat16 only"
-    return deciders.half_open_amp(Observed(rung, Severity.WARNING,
-        f"A GradScaler is enabled {where}. bf16 has fp32's exponent range and needs no "
-        "loss scaling: the scaler only multiplies and divides, and its skipped steps hide real "
-        "overflow. Enable it for fp16 only.",
-        evidence={"measured": "enabled", "expected": "disabled", "scale": scale},
-        location=location(site)))
+    return scaler_in_bf16(ScalerInBf16(rung, scale, in_script=own is not None,
+                                       location=location(site)))
 
 
 def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:

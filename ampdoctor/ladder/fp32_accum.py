@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .. import compare, deciders
+from .. import deciders
 from ..deciders import Observed
 from ..enums import KindId, RungId, Severity, Status
-from ..evidence import Evidence
 from ..findings import Finding, RungResult, conclude
 from ..kinds.loop_error import IgnoresMicroBatches, ignores_micro_batches
+from ..kinds.precision import AutocastInFp32, autocast_in_fp32
 from ..probe.events import AutocastEntered, Backward
 from ..session import Session
 from .analysis import (
@@ -119,27 +119,10 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
         return None
     first = entered[0]
     bad = judgement.first_bad
-    dtype = first.dtype
-    evidence: Evidence = {"measured": dtype, "expected": "no autocast",
-                          "autocast_entered": len(entered)}
-    severity: Severity
-    if bad is not None:
-        evidence.update({"step": bad.ordinal, "relative_error": compare._round(bad.metrics.rel_err),
-                         "ratio": compare._round(bad.metrics.ratio),
-                         "cosine": compare._round(bad.metrics.cosine),
-                         "tolerance": judgement.tolerance.rtol})
-        message = (f"The fp32 run (run.autocast_dtype is None) entered autocast({dtype}) "
-                   f"{len(entered)} time(s): the loop hard-codes its mixed precision, so its "
-                   f"'fp32' baseline is really {dtype}. Step {bad.ordinal} differs from the fp32 "
-                   f"reference by {bad.metrics.rel_err:.3g} (relative; tolerance "
-                   f"{judgement.tolerance.rtol:g}, norm ratio {bad.metrics.ratio:.4g}, cosine "
-                   f"{bad.metrics.cosine:.5f}): rounding, not a factor.")
-        severity = Severity.ERROR
-    else:
-        message = (f"The fp32 run entered autocast({dtype}) {len(entered)} time(s) although "
-                   "run.autocast_dtype is None: the updates still matched the fp32 reference "
-                   "here, but the loop ignores the precision it is asked for.")
-        severity = Severity.WARNING
     # the line that chose the dtype: where the autocast was built, if not where it was entered
-    return deciders.half_open_amp(Observed(RUNG, severity, message, evidence=evidence,
-                   location=location(first.created_at or first.site)))
+    where = location(first.created_at or first.site)
+    if bad is None:
+        return autocast_in_fp32(AutocastInFp32(RUNG, first.dtype, len(entered), location=where))
+    return autocast_in_fp32(AutocastInFp32(
+        RUNG, first.dtype, len(entered), bad.ordinal, bad.metrics.rel_err, bad.metrics.ratio,
+        bad.metrics.cosine, judgement.tolerance.rtol, location=where))
