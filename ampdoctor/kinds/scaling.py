@@ -329,3 +329,84 @@ def scaled_twice(o: ScaledTwice) -> Finding:
         evidence={"scale": o.scale, "window": o.window, "measured": significant(effective),
                   "expected": o.scale, "skipped_steps": o.skipped_steps},
         location=o.location))
+
+
+@dataclass(frozen=True)
+class StepOnInjectedInf:
+    """The skips rung's injected inf reached optimizer step(s) that bypassed scaler.step's inf
+    check (`direct`: an optimizer.step() called directly)."""
+
+    rung: str
+    param_name: str | None
+    injected_window: int
+    steps: int                          # optimizer steps that consumed the inf
+    direct: bool
+    own_scaler: bool = True
+    location: Location | None = None
+
+
+def step_on_injected_inf(o: StepOnInjectedInf) -> Finding:
+    """`missing-unscale`: an update on the injected inf, an error in a run whose own precision
+    uses a GradScaler (`skip_severity`)."""
+    return missing_unscale(Observed(o.rung,
+        skip_severity(True, own_scaler=o.own_scaler),
+        f"An inf was injected into {o.param_name}.grad in window {o.injected_window} and "
+        f"{o.steps} optimizer step(s) consumed it: the step bypassed scaler.step's inf "
+        "check" + (" (optimizer.step() called directly)." if o.direct else ".")
+        + ("" if o.own_scaler else FORCED_FP16),
+        evidence={"measured": o.steps, "expected": 0, "steps_on_nonfinite_gradients": o.steps},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class DirectStepRefused:
+    """optimizer.step() called directly, never scaler.step(): the step applied scaled gradients
+    (`ratio` to the reference, when known) and torch then refused scaler.update()."""
+
+    rung: str
+    scale: float | None
+    ratio: float | None
+    error: str
+    location: Location | None = None
+
+
+def direct_step_refused(o: DirectStepRefused) -> Finding:
+    """`missing-unscale` for a loop torch stopped: an error."""
+    return missing_unscale(Observed(o.rung, Severity.ERROR,
+        f"optimizer.step() was called directly, never scaler.step(): the step "
+        f"applied gradients still multiplied by the loss scale {o.scale:g}"
+        + (f" ({o.ratio:.6g}x the reference)" if o.ratio else "")
+        + " without an inf check, and torch then refused scaler.update() ('No "
+        "inf checks were recorded prior to update').",
+        evidence={"measured": significant(o.ratio) if o.ratio else None,
+                  "expected": 1.0, "scale": o.scale, "error": o.error},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class UnscaleRefused:
+    """torch refused a second unscale_() of one optimizer in one step: its message (quoted),
+    and the earlier unscale_'s line when it is another than the refused one."""
+
+    rung: str
+    precision: str
+    error: str
+    first: Location | None = None
+    first_is_refused: bool = False      # the earlier unscale_ stands on the refused line
+    location: Location | None = None
+
+
+def unscale_refused(o: UnscaleRefused) -> Finding:
+    """`unscale-twice` from torch's own refusal: the loop stopped, an error."""
+    first = o.first
+    also = (f" The first call was at {first.file}:{first.line}; keep one of the two."
+            if first is not None and not o.first_is_refused else "")
+    evidence: Evidence = {"error": o.error, "measured": 2, "expected": 1,
+                          "unscale_calls_in_step": 2}
+    if first is not None:
+        evidence["first_unscale"] = f"{first.file}:{first.line}"
+    return unscale_twice(Observed(o.rung, Severity.ERROR,
+        f"In the {o.precision} run torch refused a second unscale_() of "
+        "the same optimizer in one step: the gradients would be divided by "
+        f"the scale twice.{also}",
+        evidence=evidence, location=o.location))

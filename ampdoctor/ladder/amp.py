@@ -16,10 +16,8 @@ from typing import Any
 
 import torch
 
-from .. import deciders, thresholds
-from ..compare import _round as compare_round
-from ..deciders import Observed
-from ..enums import RungId, Severity, Status
+from .. import thresholds
+from ..enums import RungId, Status
 from ..findings import Finding, RungResult, conclude
 from ..judge import tolerance
 from ..kinds.precision import (
@@ -32,7 +30,12 @@ from ..kinds.precision import (
     fp16_without_scaler,
     scaler_in_bf16,
 )
-from ..kinds.scaling import RefusedUpdate, refused_update_finding
+from ..kinds.scaling import (
+    DirectStepRefused,
+    RefusedUpdate,
+    direct_step_refused,
+    refused_update_finding,
+)
 from ..probe.callsite import Site
 from ..probe.events import (
     AutocastEntered,
@@ -143,16 +146,8 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
         first = direct[0]
         ratio = step_ratio(session, trace, first)
         scale = next((e.scale for e in trace.events_of(Scale) if e.scale), None)
-        return deciders.missing_unscale(Observed(rung, Severity.ERROR,
-                       f"optimizer.step() was called directly, never scaler.step(): the step "
-                       f"applied gradients still multiplied by the loss scale {scale:g}"
-                       + (f" ({ratio:.6g}x the reference)" if ratio else "")
-                       + " without an inf check, and torch then refused scaler.update() ('No "
-                       "inf checks were recorded prior to update').",
-                       evidence={"measured": compare_round(ratio) if ratio else None,
-                                 "expected": 1.0, "scale": scale,
-                                 "error": exc_text(exc)},
-                       location=location(first.site)))
+        return direct_step_refused(DirectStepRefused(rung, scale, ratio, exc_text(exc),
+                                                     location=location(first.site)))
     if refused_update:
         updates = [e for e in trace.events_of(Update) if e.error is not None]
         site: Site | None = updates[-1].site if updates else trace.error_site

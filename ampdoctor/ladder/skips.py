@@ -14,11 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import deciders
-from ..deciders import Observed
 from ..enums import RungId, Status
 from ..findings import Finding, RungResult, conclude
 from ..judge_step import tolerance
-from ..kinds.scaling import Backoffs, backoffs_in_window
+from ..kinds.scaling import Backoffs, StepOnInjectedInf, backoffs_in_window, step_on_injected_inf
 from ..kinds.skips import (
     SkipPathLeftOpen,
     SkippedAfterInjection,
@@ -50,10 +49,6 @@ from .analysis import (
 from .series import keep, run_series
 
 RUNG = RungId.SKIPS
-
-
-def _forced(own_scaler: bool) -> str:
-    return "" if own_scaler else deciders.FORCED_FP16
 
 
 def scaler_of(trace: Trace):
@@ -269,15 +264,9 @@ def run(session: Session) -> RungResult:
     details["steps_on_nonfinite_gradients"] = len(poisoned)
     if poisoned:
         direct = [s for s in poisoned if s.via_scaler is None]
-        findings.append(deciders.missing_unscale(Observed(RUNG,
-            deciders.skip_severity(True, own_scaler=own_scaler),
-            f"An inf was injected into {injector.param_name}.grad in window {inject_window} and "
-            f"{len(poisoned)} optimizer step(s) consumed it: the step bypassed scaler.step's inf "
-            "check" + (" (optimizer.step() called directly)." if direct else ".")
-            + _forced(own_scaler),
-            evidence={"measured": len(poisoned), "expected": 0,
-                      "steps_on_nonfinite_gradients": len(poisoned)},
-            location=location((direct or poisoned)[0].site))))
+        findings.append(step_on_injected_inf(StepOnInjectedInf(
+            RUNG, injector.param_name, inject_window, len(poisoned), bool(direct),
+            own_scaler=own_scaler, location=location((direct or poisoned)[0].site))))
     # The scale backs off once per window, not once per micro-batch.
     backed_off = _backoffs(of_type(in_window, Update), backoff, details, own_scaler)
     if backed_off is not None:

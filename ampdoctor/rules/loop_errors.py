@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import os
 
-from .. import deciders
-from ..deciders import Observed
-from ..enums import Severity
 from ..errors import exc_text, format_traceback, safe_repr, safe_str
-from ..evidence import Evidence
 from ..findings import Finding, Location, location
 from ..kinds.loop_error import (
     LoopExited,
@@ -19,15 +15,12 @@ from ..kinds.loop_error import (
     loop_raised,
     no_update_before_unscale,
 )
+from ..kinds.scaling import UnscaleRefused, unscale_refused
 from ..probe.events import Backward, Event, OptimizerStep, ScalerStep, Unscale, Update
 from ..session import Trace
 
-#: torch's own error messages that name a known mistake (matched on a stable fragment), with
-#: the decider of that mistake's kind.
-KNOWN_TORCH_ERRORS = (
-    ("unscale_() has already been called on this optimizer since the last update()",
-     deciders.unscale_twice),
-)
+#: torch's own refusal of a second unscale_() (matched on a stable fragment): `unscale-twice`.
+UNSCALE_TWICE_ERROR = "unscale_() has already been called on this optimizer since the last update()"
 
 
 def loop_error_finding(trace: Trace, rung: str) -> Finding:
@@ -43,25 +36,16 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
         site = (updates[-1].site if updates else steps[-1].site if steps else trace.error_site)
         return no_update_before_unscale(UpdateMissing(
             rung, trace.precision, text, len(updates), len(steps), location=location(site)))
-    for fragment, decider in KNOWN_TORCH_ERRORS:
-        if fragment in whole:
-            refused = [e for e in trace.events_of(Unscale) if e.error is not None]
-            site = refused[-1].site if refused else trace.error_site
-            earlier = [e for e in trace.events_of(Unscale) if e.error is None
-                       and not e.inside_step
-                       and (not refused or e.optimizer == refused[-1].optimizer)]
-            first = earlier[-1].site if earlier else None
-            also = (f" The first call was at {first.file}:{first.line}; keep one of the two."
-                    if first is not None and first != site else "")
-            evidence: Evidence = {"error": text, "measured": 2, "expected": 1,
-                                        "unscale_calls_in_step": 2}
-            if first is not None:
-                evidence["first_unscale"] = f"{first.file}:{first.line}"
-            return decider(Observed(rung, Severity.ERROR,
-                           f"In the {trace.precision} run torch refused a second unscale_() of "
-                           "the same optimizer in one step: the gradients would be divided by "
-                           f"the scale twice.{also}",
-                           evidence=evidence, location=location(site)))
+    if UNSCALE_TWICE_ERROR in whole:
+        refused = [e for e in trace.events_of(Unscale) if e.error is not None]
+        site = refused[-1].site if refused else trace.error_site
+        earlier = [e for e in trace.events_of(Unscale) if e.error is None
+                   and not e.inside_step
+                   and (not refused or e.optimizer == refused[-1].optimizer)]
+        first = earlier[-1].site if earlier else None
+        return unscale_refused(UnscaleRefused(
+            rung, trace.precision, text, first=location(first),
+            first_is_refused=first is not None and first == site, location=location(site)))
     if isinstance(exc, SystemExit):
         return loop_exited(LoopExited(rung, trace.precision, safe_repr(exc.code),
                                       location=location(trace.error_site)))
