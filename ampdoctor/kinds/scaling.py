@@ -410,3 +410,34 @@ def unscale_refused(o: UnscaleRefused) -> Finding:
         "the same optimizer in one step: the gradients would be divided by "
         f"the scale twice.{also}",
         evidence=evidence, location=o.location))
+
+
+@dataclass(frozen=True)
+class SecondScale:
+    """The fp16 run's first backward against the fp32 run's at identical weights and data: the
+    loss reaching backward was `extra` x (fp32 loss x scale), a second scale besides the
+    GradScaler's."""
+
+    rung: str
+    fp32_loss: float
+    fp16_loss: float
+    scale: float
+    extra: float
+    skipped_steps: int
+    scaler_steps: int
+    location: Location | None = None
+
+
+def second_scale(o: SecondScale) -> Finding:
+    """`double-scaling` measured in the run: an error (the effective scale is another)."""
+    extra = abs(o.extra)
+    return double_scaling(Observed(o.rung, Severity.ERROR,
+        f"The loss reaching backward is {extra:.6g}x what the scaler alone would give "
+        f"(fp32 loss {o.fp32_loss:.6g} x scale {o.scale:g} = {o.fp32_loss * o.scale:.6g}, got "
+        f"{o.fp16_loss:.6g}): a second, hand-written loss scale sits on top of the GradScaler. "
+        f"Effective scale {extra * o.scale:.6g}; {o.skipped_steps} of {o.scaler_steps} steps "
+        "were skipped.",
+        evidence={"measured": significant(extra * o.scale), "expected": o.scale,
+                  "extra_factor": significant(extra), "skipped_steps": o.skipped_steps,
+                  "scaler_steps": o.scaler_steps},
+        location=o.location))

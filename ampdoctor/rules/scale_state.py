@@ -10,18 +10,19 @@ from dataclasses import replace
 
 import torch
 
-from .. import compare, deciders, thresholds
-from ..deciders import Observed
-from ..enums import KindId, Severity
+from .. import compare, thresholds
+from ..enums import KindId
 from ..findings import Finding, location
 from ..judge import judged_live
 from ..kinds.clipping import ScaledClip, scaled_clip
 from ..kinds.scaling import (
     ScaledTwice,
+    SecondScale,
     SecondUnscale,
     StepOnScaled,
     UpdateWithoutStep,
     scaled_twice,
+    second_scale,
     second_unscale,
     step_on_scaled,
     update_without_step,
@@ -213,15 +214,8 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
     low, high = thresholds.SECOND_SCALE_BAND
     if low <= abs(extra) <= high:
         return None
-    return deciders.double_scaling(Observed(rung, Severity.ERROR,
-        f"The loss reaching backward is {abs(extra):.6g}x what the scaler alone would give "
-        f"(fp32 loss {v32:.6g} x scale {scale:g} = {v32 * scale:.6g}, got {v16:.6g}): a second, "
-        f"hand-written loss scale sits on top of the GradScaler. Effective scale "
-        f"{abs(extra) * scale:.6g}; {skipped_steps(trace)} of "
-        f"{len(trace.events_of(ScalerStep))} steps were skipped.",
-        evidence={"measured": compare._round(abs(extra) * scale), "expected": scale,
-                  "extra_factor": compare._round(abs(extra)), "skipped_steps": skipped_steps(trace),
-                  "scaler_steps": len(trace.events_of(ScalerStep))},
+    return second_scale(SecondScale(
+        rung, v32, v16, scale, extra, skipped_steps(trace), len(trace.events_of(ScalerStep)),
         location=location(_static_scale_site(b16[0].site) or b16[0].site)))
 
 
