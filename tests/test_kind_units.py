@@ -313,3 +313,83 @@ def test_ranks_that_hung_name_where_they_waited():
         "ranks taking different numbers of steps or syncs --, or a loop that never ends); "
         "rank(s) 0 had left the loop and waited for the others.")
     assert finding.evidence["measured"] == 1
+
+
+# --- half-open-amp --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step, severity", [(None, Severity.WARNING), (1, Severity.ERROR)])
+def test_autocast_in_the_fp32_run_fails_once_an_update_differs(step, severity):
+    from ampdoctor.kinds.precision import AutocastInFp32, autocast_in_fp32
+    rel = abs(1.0021 - 1.0) / 1.0          # 0.0021 off the reference
+    finding = autocast_in_fp32(AutocastInFp32(RungId.FP32_ACCUM, "bfloat16", 3, step, rel,
+                                              1.0021, 0.9999871, 1e-5, location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.HALF_OPEN_AMP, severity)
+    assert finding.evidence["measured"] == "bfloat16" and finding.evidence["autocast_entered"] == 3
+    if step is not None:
+        assert (f"Step 1 differs from the fp32 reference by {rel:.3g} (relative; tolerance "
+                "1e-05, norm ratio 1.002, cosine 0.99999): rounding, not a factor.") \
+            in finding.message
+        assert finding.evidence["relative_error"] == round(rel, 6)
+
+
+def test_a_scaler_in_bf16_is_a_warning_and_says_where():
+    from ampdoctor.kinds.precision import ScalerInBf16, scaler_in_bf16
+    run = scaler_in_bf16(ScalerInBf16(RungId.BF16_NO_SCALER, 65536.0, location=LINE))
+    script = scaler_in_bf16(ScalerInBf16(RungId.BF16_NO_SCALER, 65536.0, in_script=True))
+    assert run.severity is script.severity is Severity.WARNING
+    assert run.message.startswith("A GradScaler is enabled in the bf16 run.")
+    assert script.message.startswith("A GradScaler is enabled in the script, whose autocast "
+                                     "asks for bfloat16 only.")
+
+
+def test_weights_cast_to_fp16_name_the_first_tensors_and_the_count():
+    from ampdoctor.kinds.precision import WeightsCast, weights_cast
+    names = tuple(f"layer{i}.weight" for i in range(5))
+    finding = weights_cast(WeightsCast(RungId.FP32_ACCUM, "fp32", ("torch.float16",), names, 6,
+                                       loop_is_reference=True,
+                                       location=Location("train.py", 9, "f", "model.half()")))
+    assert finding.severity is Severity.ERROR
+    assert ("The fp32 run cast the model's weights to float16 (`model.half()`, line 9): 5 of 6 "
+            "trainable parameter tensor(s) (`layer0.weight`, `layer1.weight`, `layer2.weight` "
+            "and 2 more)") in finding.message
+    assert "the loop-as-reference, the same loop, is cast too" in finding.message
+    assert finding.evidence["parameters_cast"] == 5
+
+
+@pytest.mark.parametrize("entered, says", [(0, "autocast was never entered"),
+                                           (2, "autocast was entered 2 time(s) but never "
+                                               "enabled")])
+def test_autocast_off_is_an_error(entered, says):
+    from ampdoctor.kinds.precision import AutocastOff, autocast_off
+    finding = autocast_off(AutocastOff(RungId.BF16_NO_SCALER, "bf16", "bfloat16", "cpu",
+                                       entered, scaler=False))
+    assert finding.severity is Severity.ERROR
+    assert finding.message == (f"The bf16 run asked for autocast(bfloat16) but {says} on cpu: "
+                               "every forward ran in fp32, so this 'mixed precision' run is "
+                               "really fp32.")
+
+
+# --- missing-unscale / unscale-twice / double-scaling from torch's refusals and the run ----
+
+def test_torchs_refusal_of_a_second_unscale_names_the_first_call():
+    from ampdoctor.kinds.scaling import UnscaleRefused, unscale_refused
+    first = Location("train.py", 20, "train_loop")
+    finding = unscale_refused(UnscaleRefused(RungId.FP16_SCALER, "fp16", "RuntimeError: x",
+                                             first=first, location=LINE))
+    assert finding.message.endswith("The first call was at train.py:20; keep one of the two.")
+    assert finding.evidence["first_unscale"] == "train.py:20"
+    same = unscale_refused(UnscaleRefused(RungId.FP16_SCALER, "fp16", "RuntimeError: x",
+                                          first=first, first_is_refused=True))
+    assert same.message.endswith("divided by the scale twice.")
+
+
+def test_a_second_scale_on_the_loss_reports_the_extra_factor():
+    from ampdoctor.kinds.scaling import SecondScale, second_scale
+    v32, scale, extra = 0.5, 1024.0, 128.0
+    v16 = v32 * scale * extra               # the loss reaching backward
+    finding = second_scale(SecondScale(RungId.FP16_SCALER, v32, v16, scale, extra, 3, 4))
+    assert finding.severity is Severity.ERROR
+    assert finding.message.startswith(
+        "The loss reaching backward is 128x what the scaler alone would give (fp32 loss 0.5 x "
+        "scale 1024 = 512, got 65536)")
+    assert finding.evidence["measured"] == extra * scale and finding.evidence["expected"] == scale
