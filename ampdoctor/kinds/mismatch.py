@@ -10,8 +10,10 @@ This module must not import torch: the static scan, `report` and `explain` run w
 
 from __future__ import annotations
 
-from ..enums import KindId
-from ..findings import Finding
+from dataclasses import dataclass
+
+from ..enums import KindId, Severity
+from ..findings import Finding, Location
 from .base import Kind, Observed
 
 GRADIENT_MISMATCH = Kind(
@@ -45,3 +47,34 @@ def gradient_mismatch(seen: Observed) -> Finding:
     Error: an update off the reference in no known shape. (`GRADIENT_MISMATCH.error_when`)"""
     return Finding(seen.rung, KindId.GRADIENT_MISMATCH, seen.severity,
                    **seen.fields(GRADIENT_MISMATCH))
+
+
+@dataclass(frozen=True)
+class OffBoundary:
+    """An optimizer whose first step came after a count of micro-batches that is no multiple
+    of K (an off-by-one accumulation condition): the micro-batches consumed at each step."""
+
+    rung: str
+    optimizer: int
+    K: int
+    consumed: tuple[int, ...]
+    location: Location | None = None
+
+
+OFF_BY_ONE_TITLE = "The optimizer steps off the window boundaries (off by one)"
+
+
+def off_boundary(o: OffBoundary) -> Finding:
+    """`gradient-mismatch` of an off-by-one window: every window after the first straddles
+    two (an error)."""
+    first = o.consumed[0]
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        f"The optimizer stepped after {first} micro-batch(es), not on a boundary of "
+        f"K={o.K}: the accumulation condition is off by one (e.g. "
+        "`i % K == 0` with i counted from 0), so the first window holds "
+        f"{first} micro-batch(es) and every later window straddles two.",
+        evidence={"measured": first, "expected": o.K,
+                  "microbatches_at_each_step": list(o.consumed), "optimizer": o.optimizer},
+        location=o.location, title=OFF_BY_ONE_TITLE,
+        fix="Step when the count of micro-batches seen is a multiple of K: "
+            "`if (i + 1) % K == 0:` with i counted from 0 (or count from 1)."))

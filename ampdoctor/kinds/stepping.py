@@ -11,8 +11,11 @@ This module must not import torch: the static scan, `report` and `explain` run w
 
 from __future__ import annotations
 
-from ..enums import KindId
-from ..findings import Finding
+from dataclasses import dataclass
+
+from ..enums import KindId, Severity
+from ..evidence import Evidence
+from ..findings import Finding, Location
 from .base import Kind, Observed, in_framework_terms
 
 STEP_PER_MICROBATCH = Kind(
@@ -144,3 +147,60 @@ def missing_zero_grad(seen: Observed) -> Finding:
     Error: a step consumed an earlier window's gradient too. (`MISSING_ZERO_GRAD.error_when`)"""
     return Finding(seen.rung, KindId.MISSING_ZERO_GRAD, seen.severity,
                    **seen.fields(MISSING_ZERO_GRAD))
+
+
+# --- what the count of optimizer steps says (rules/counts.py) ---------------------------------
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What a DeepSpeed engine adds to a count: its sentence (why the engine stepped), the
+    line to point at, its fix, and its config's gradient_accumulation_steps."""
+
+    sentence: str
+    location: Location | None = None
+    fix: str = ""
+    config_value: int | None = None
+
+
+@dataclass(frozen=True)
+class StepsPerWindow:
+    """One optimizer stepped more often than there are windows: its steps, the windows (N) of
+    K micro-batches, the micro-batches before its first step, and the windows the scaler
+    skipped (no step expected there)."""
+
+    rung: str
+    precision: str
+    optimizer: int
+    steps: int
+    windows: int
+    K: int
+    microbatches_before_first_step: int
+    skipped_windows: int = 0
+    framework: str | None = None
+    engine: EngineContext | None = None
+    location: Location | None = None
+
+
+def steps_per_window(o: StepsPerWindow) -> Finding:
+    """`step-per-microbatch`: more optimizer steps than windows, each update a fraction of one
+    (an error: another parameter trajectory than the reference's)."""
+    per_window = o.steps / o.windows
+    engine = o.engine
+    evidence: Evidence = {"measured": o.steps, "expected": o.windows - o.skipped_windows,
+                          "steps_per_window": round(per_window, 6),
+                          "microbatches_before_first_step": o.microbatches_before_first_step,
+                          "optimizer": o.optimizer}
+    if o.framework:
+        evidence["framework"] = o.framework
+    if engine is not None and engine.config_value is not None:
+        evidence["config_gradient_accumulation_steps"] = engine.config_value
+    return step_per_microbatch(Observed(o.rung, Severity.ERROR,
+        f"The optimizer stepped {o.steps} times for {o.windows} windows of "
+        f"K={o.K} micro-batches in the {o.precision} run "
+        f"({per_window:.3g} steps per window; the first step came after "
+        f"{o.microbatches_before_first_step} micro-batch(es)). Each update used a fraction of "
+        "the window." + (f" {engine.sentence}" if engine is not None else ""),
+        evidence=evidence,
+        location=(engine.location if engine is not None and engine.location else o.location),
+        fix=engine.fix if engine is not None else ""))
