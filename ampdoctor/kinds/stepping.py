@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..enums import KindId, Severity
-from ..evidence import Evidence
+from ..evidence import Evidence, significant
 from ..findings import Finding, Location
 from .base import Kind, Observed, in_framework_terms
 
@@ -204,3 +204,83 @@ def steps_per_window(o: StepsPerWindow) -> Finding:
         evidence=evidence,
         location=(engine.location if engine is not None and engine.location else o.location),
         fix=engine.fix if engine is not None else ""))
+
+
+# --- a zero_grad inside the window ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZeroedInside:
+    """A zero_grad between the backwards of one window: the micro-batches after it that
+    reached the step out of the window's. With `comparison` (the judge's comparison keys of
+    the step) the update was measured against the reference; without, only the trace was
+    read (a script run with no reference)."""
+
+    rung: str
+    contributing: int
+    microbatches: int                   # the window's (K)
+    step: int | None = None             # the judged step's ordinal
+    ratio: float | None = None          # consumed / reference norm (before a clip)
+    cosine: float | None = None
+    clipped: bool = False
+    comparison: Evidence | None = None
+    fix: str = ""                       # a DeepSpeed engine's own terms, when one drove it
+    forced_clip: float | None = None
+    location: Location | None = None
+
+
+def zeroed_inside(o: ZeroedInside) -> Finding:
+    """`zero-grad-inside-accumulation`: an error when the update was compared and only the
+    micro-batches after the zero_grad reached it; a warning when no reference measured it."""
+    if o.comparison is None or o.ratio is None or o.cosine is None:
+        return zero_grad_inside_accumulation(Observed(o.rung, Severity.WARNING,
+            f"zero_grad ran between the backwards of one window: only the last "
+            f"{o.contributing} of its {o.microbatches} micro-batches reach the optimizer step. "
+            "(No reference was run, so the update itself was not compared.)",
+            evidence={"measured": o.contributing, "expected": o.microbatches,
+                      "contributing_microbatches": o.contributing},
+            location=o.location))
+    evidence: Evidence = {**o.comparison, "measured": o.contributing,
+                          "expected": o.microbatches, "contributing_microbatches": o.contributing,
+                          "norm_ratio": significant(o.ratio)}
+    return zero_grad_inside_accumulation(Observed(o.rung, Severity.ERROR,
+        f"Step {o.step}: zero_grad ran inside the accumulation window, "
+        f"so only {o.contributing} of {o.microbatches} micro-batches reached the optimizer step "
+        f"({'before clipping, ' if o.clipped else ''}gradient norm "
+        f"ratio {o.ratio:.4g} to the reference, cosine {o.cosine:.4f}).",
+        evidence=evidence, location=o.location, fix=o.fix, forced_clip=o.forced_clip))
+
+
+@dataclass(frozen=True)
+class CarriedOver:
+    """A step that consumed its window's reference gradient plus what the previous step
+    already applied: the parameters whose .grad was not cleared (their first names), of the
+    step's parameters."""
+
+    rung: str
+    step: int
+    carried: tuple[str, ...]
+    parameters: int
+    ratio: float
+    comparison: Evidence
+    forced_clip: float | None = None
+    location: Location | None = None
+
+
+def carried_over(o: CarriedOver) -> Finding:
+    """`missing-zero-grad`: the update differs by an earlier window's gradient (an error)."""
+    partial = len(o.carried) < o.parameters
+    evidence: Evidence = {**o.comparison, "measured": len(o.carried), "expected": 0,
+                          "parameters_not_cleared": len(o.carried), "parameters": o.parameters,
+                          "norm_ratio": significant(o.ratio)}
+    which = (f"{len(o.carried)} of {o.parameters} parameters ({', '.join(o.carried[:4])}"
+             + (", ..." if len(o.carried) > 4 else "") + ")") if partial else "every parameter"
+    return missing_zero_grad(Observed(o.rung, Severity.ERROR,
+        f"Step {o.step}: for {which} the optimizer consumed this window's "
+        f"reference gradient plus what step {o.step - 1} already applied: .grad "
+        "is not cleared after an optimizer step"
+        + (" (the zero_grad call covers only part of the model)" if partial else "")
+        + ", so every step re-applies earlier windows, and an overflow, once in "
+        ".grad, poisons every later window. Clear all gradients after each step, "
+        "skipped or not.",
+        evidence=evidence, location=o.location, forced_clip=o.forced_clip))

@@ -16,6 +16,8 @@ from ..enums import KindId, Severity
 from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
+from ..kinds.stepping import CarriedOver, ZeroedInside, zeroed_inside
+from ..kinds.stepping import carried_over as carried_over_finding
 from ..probe.events import ZeroGrad, of_type
 from ..session import Session, Trace
 from . import unaveraged
@@ -117,18 +119,11 @@ def _zero_grad_inside(case: StepCase) -> Finding | None:
             KindId.ZERO_GRAD_INSIDE_ACCUMULATION, KindId.DOUBLE_AVERAGE,
             KindId.WEIGHTED_AVERAGE_MISMATCH)):
         return None
-    contributing = K - (case.contributing_from or 0)
-    case.evidence.update({"measured": contributing, "expected": K,
-                          "contributing_microbatches": contributing,
-                          "norm_ratio": compare._round(case.measured_ratio)})
-    return deciders.zero_grad_inside_accumulation(Observed(case.rung, Severity.ERROR,
-                   f"Step {case.judged.ordinal}: zero_grad ran inside the accumulation window, "
-                   f"so only {contributing} of {K} micro-batches reached the optimizer step "
-                   f"({'before clipping, ' if case.clip_norm is not None else ''}gradient norm "
-                   f"ratio {case.measured_ratio:.4g} to the reference, cosine "
-                   f"{m.cosine:.4f}).",
-                   evidence=case.evidence, location=location(case.inside_zero[-1].site),
-                   fix=engine_zero_grad_fix(case.trace), forced_clip=case.forced_clip))
+    return zeroed_inside(ZeroedInside(
+        case.rung, K - (case.contributing_from or 0), K, case.judged.ordinal,
+        case.measured_ratio, m.cosine, clipped=case.clip_norm is not None,
+        comparison=case.evidence, fix=engine_zero_grad_fix(case.trace),
+        forced_clip=case.forced_clip, location=location(case.inside_zero[-1].site)))
 
 
 def _settle_size_factor_tie(case: StepCase) -> None:
@@ -256,24 +251,13 @@ def _carried_over(case: StepCase) -> Finding | None:
                            case.cand_tol)
     if carried is None:
         return None
-    partial = len(carried) < len(names)
-    case.evidence.update({"measured": len(carried), "expected": 0,
-                          "parameters_not_cleared": len(carried), "parameters": len(names),
-                          "norm_ratio": compare._round(case.measured_ratio)})
     zero_grads = of_type(case.window_events, ZeroGrad) or \
         [e for e in case.trace.events_of(ZeroGrad) if e.seq < step.seq]
+    partial = len(carried) < len(names)
     site = zero_grads[-1].site if partial and zero_grads else step.site
-    which = (f"{len(carried)} of {len(names)} parameters ({', '.join(carried[:4])}"
-             + (", ..." if len(carried) > 4 else "") + ")") if partial else "every parameter"
-    return deciders.missing_zero_grad(Observed(case.rung, Severity.ERROR,
-                   f"Step {ordinal}: for {which} the optimizer consumed this window's "
-                   f"reference gradient plus what step {ordinal - 1} already applied: .grad "
-                   "is not cleared after an optimizer step"
-                   + (" (the zero_grad call covers only part of the model)" if partial else "")
-                   + ", so every step re-applies earlier windows, and an overflow, once in "
-                   ".grad, poisons every later window. Clear all gradients after each step, "
-                   "skipped or not.",
-                   evidence=case.evidence, location=location(site), forced_clip=case.forced_clip))
+    return carried_over_finding(CarriedOver(
+        case.rung, ordinal, tuple(carried), len(names), case.measured_ratio, case.evidence,
+        forced_clip=case.forced_clip, location=location(site)))
 
 
 def _summed_over_a_count(case: StepCase) -> Finding | None:

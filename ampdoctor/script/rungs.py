@@ -21,6 +21,7 @@ from ..deciders import Observed
 from ..enums import RungId, Severity, Status
 from ..findings import Finding, RungResult, conclude, location
 from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
+from ..kinds.stepping import ZeroedInside, zeroed_inside
 from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
 from ..ladder.analysis import loop_error_finding, scheduler_findings
 from ..ladder.casts import weight_cast_finding
@@ -182,14 +183,8 @@ def _zero_grad_inside(trace: ScriptTrace) -> Finding | None:
                  and backwards[0].seq < e.seq < backwards[-1].seq]
         if zeros:
             after = sum(1 for b in backwards if b.seq > zeros[-1].seq)
-            return deciders.zero_grad_inside_accumulation(Observed(
-                "fp32-accum", Severity.WARNING,
-                f"zero_grad ran between the backwards of one window: only the last {after} of "
-                f"its {len(backwards)} micro-batches reach the optimizer step. (No reference "
-                "was run, so the update itself was not compared.)",
-                evidence={"measured": after, "expected": len(backwards),
-                          "contributing_microbatches": after},
-                location=location(zeros[-1].site)))
+            return zeroed_inside(ZeroedInside(RungId.FP32_ACCUM, after, len(backwards),
+                                              location=location(zeros[-1].site)))
     return None
 
 
