@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import thresholds
-from ..enums import KindId
+from ..enums import KindId, Severity
 from ..evidence import Evidence
 from ..findings import Finding, Location
 from .base import FORCED_FP16, Kind, Observed, in_framework_terms, skip_severity
@@ -214,3 +214,68 @@ def schedule_on_skips(m: ScheduleOnSkips) -> Finding | None:
         evidence["framework"] = m.framework
     return scheduler_steps_on_skip(Observed(m.rung, severity, text, evidence=evidence,
                                             location=m.location))
+
+
+@dataclass(frozen=True)
+class ScheduleTooFast:
+    """An LR scheduler that stepped more than once between two optimizer steps, and the first
+    optimizer step whose learning rate is not the schedule's for it (`lr_used` against
+    `lr_meant`). `cause`: a DeepSpeed engine's sentence on who else steps the schedule."""
+
+    rung: str
+    precision: str
+    scheduler_type: str
+    scheduler_steps: int
+    optimizer_steps: int
+    max_between: int            # the most scheduler steps between two optimizer steps
+    step: int                   # the first optimizer step off the schedule
+    lr_used: float
+    lr_meant: float
+    cause: str = ""
+    framework: str | None = None
+    location: Location | None = None
+
+
+def schedule_too_fast(o: ScheduleTooFast) -> Finding:
+    """`scheduler-per-microbatch`: a step used another learning rate than the schedule's for
+    it (an error)."""
+    per_step = o.scheduler_steps / o.optimizer_steps
+    evidence: Evidence = {"measured": round(per_step, 6), "expected": 1.0,
+                          "scheduler_steps": o.scheduler_steps,
+                          "optimizer_steps": o.optimizer_steps,
+                          "max_between_optimizer_steps": o.max_between, "lr_used": o.lr_used,
+                          "lr_expected": o.lr_meant, "first_step_off": o.step}
+    if o.framework:
+        evidence["framework"] = o.framework
+    return scheduler_per_microbatch(Observed(o.rung, Severity.ERROR,
+        f"The LR scheduler ({o.scheduler_type}) stepped {o.scheduler_steps} times for "
+        f"{o.optimizer_steps} optimizer steps in the {o.precision} run, up to {o.max_between} "
+        f"times between two optimizer steps: optimizer step {o.step} used lr {o.lr_used:.6g} "
+        f"where the schedule gives {o.lr_meant:.6g} for that step; the schedule runs "
+        f"{per_step:.3g}x too fast." + o.cause,
+        evidence=evidence, location=o.location))
+
+
+@dataclass(frozen=True)
+class StepsPerUpdate:
+    """What the sentinel counted in a real training: the scheduler's steps between each two
+    optimizer steps, K or more each time (once per micro-batch)."""
+
+    rung: str
+    scheduler_type: str
+    K: int
+    counts: tuple[int, ...]
+    location: Location | None = None
+
+
+def steps_per_update(o: StepsPerUpdate) -> Finding:
+    """`scheduler-per-microbatch` in a real training: the schedule runs K times too fast (an
+    error)."""
+    return scheduler_per_microbatch(Observed(o.rung, Severity.ERROR,
+        f"The scheduler ({o.scheduler_type}) stepped {max(o.counts)} times per "
+        f"optimizer step, once per micro-batch: the schedule runs {o.K}x too fast "
+        "(a 10,000-step schedule is over after "
+        f"{10_000 // o.K:,} real updates).",
+        evidence={"measured": max(o.counts), "expected": 1, "accumulation_steps": o.K,
+                  "scheduler_steps_per_update": list(o.counts)},
+        location=o.location))

@@ -17,6 +17,7 @@ from .. import deciders, thresholds
 from ..deciders import Observed
 from ..findings import Finding, Severity, location
 from ..kinds.frequent_skips import SteadySkips, steady_skips
+from ..kinds.schedule import StepsPerUpdate, steps_per_update
 from ..probe.callsite import CallSiteFinder, Site
 
 #: `loss_fn(model, micro_batch)`: the micro-batch's mean loss (micro-batches weigh equally), or
@@ -109,14 +110,8 @@ class CountChecks(WatchState):
         # once per micro-batch: K per window (K - 1 in the first, whose step ends it before
         # the last micro-batch's scheduler step)
         if self.K > 1 and all(c >= max(2, self.K - 1) for c in counts):
-            self._found(deciders.scheduler_per_microbatch(Observed(
-                RUNG, Severity.ERROR,
-                f"The scheduler ({type(self.scheduler).__name__}) stepped {max(counts)} times per "
-                f"optimizer step, once per micro-batch: the schedule runs {self.K}x too fast "
-                "(a 10,000-step schedule is over after "
-                f"{10_000 // self.K:,} real updates).",
-                evidence={"measured": max(counts), "expected": 1, "accumulation_steps": self.K,
-                          "scheduler_steps_per_update": list(counts)},
+            self._found(steps_per_update(StepsPerUpdate(
+                RUNG, type(self.scheduler).__name__, self.K, tuple(counts),
                 location=location(w.scheduler_site))))
 
     def _judge_skips(self) -> None:
