@@ -284,3 +284,55 @@ def carried_over(o: CarriedOver) -> Finding:
         ".grad, poisons every later window. Clear all gradients after each step, "
         "skipped or not.",
         evidence=evidence, location=o.location, forced_clip=o.forced_clip))
+
+
+# --- what the sentinel counted in a real training ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class OneBackwardPerStep:
+    """The sentinel's first windows: each optimizer step consumed the gradient of one backward
+    where K were meant."""
+
+    rung: str
+    K: int
+    windows: int
+    backwards_per_step: tuple[int, ...]
+    location: Location | None = None
+
+
+def one_backward_per_step(o: OneBackwardPerStep) -> Finding:
+    """`step-per-microbatch` in a real training: K times as many updates, each on 1/K of the
+    data (an error)."""
+    return step_per_microbatch(Observed(o.rung, Severity.ERROR,
+        f"Each of the first {o.windows} optimizer steps consumed the gradient of one "
+        f"backward where K={o.K} were meant: the optimizer steps every micro-batch, "
+        f"{o.K}x as many updates each on 1/{o.K} of the data.",
+        evidence={"measured": 1, "expected": o.K, "accumulation_steps": o.K,
+                  "backwards_per_step": list(o.backwards_per_step)},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class ZeroedInWindow:
+    """The sentinel saw a zero_grad after `zeroed_after` of a window's backwards."""
+
+    rung: str
+    step: int
+    K: int
+    backwards: int
+    zeroed_after: int | None
+    location: Location | None = None
+
+
+def zeroed_in_window(o: ZeroedInWindow) -> Finding:
+    """`zero-grad-inside-accumulation` in a real training: the earlier micro-batches were
+    thrown away (an error)."""
+    kept = o.backwards - (o.zeroed_after or 0)
+    return zero_grad_inside_accumulation(Observed(o.rung, Severity.ERROR,
+        f"Optimizer step {o.step}: zero_grad ran after {o.zeroed_after} of the "
+        f"window's {o.backwards} backwards, so the step consumed the gradient of only the "
+        f"last {kept} micro-batch(es): the earlier ones were thrown away.",
+        evidence={"measured": kept, "expected": o.backwards, "accumulation_steps": o.K,
+                  "step": o.step},
+        location=o.location))

@@ -14,10 +14,15 @@ from typing import Any
 import torch
 
 from .. import deciders, thresholds
-from ..deciders import Observed
-from ..findings import Finding, Severity, location
+from ..findings import Finding, location
 from ..kinds.frequent_skips import SteadySkips, steady_skips
 from ..kinds.schedule import StepsPerUpdate, steps_per_update
+from ..kinds.stepping import (
+    OneBackwardPerStep,
+    ZeroedInWindow,
+    one_backward_per_step,
+    zeroed_in_window,
+)
 from ..probe.callsite import CallSiteFinder, Site
 
 #: `loss_fn(model, micro_batch)`: the micro-batch's mean loss (micro-batches weigh equally), or
@@ -85,24 +90,13 @@ class CountChecks(WatchState):
 
     def _judge_counts(self, w: Window) -> None:
         if self.K > 1 and all(c == 1 for c in self.counts):
-            self._found(deciders.step_per_microbatch(Observed(
-                RUNG, Severity.ERROR,
-                f"Each of the first {COUNT_WINDOWS} optimizer steps consumed the gradient of one "
-                f"backward where K={self.K} were meant: the optimizer steps every micro-batch, "
-                f"{self.K}x as many updates each on 1/{self.K} of the data.",
-                evidence={"measured": 1, "expected": self.K, "accumulation_steps": self.K,
-                          "backwards_per_step": list(self.counts)},
+            self._found(one_backward_per_step(OneBackwardPerStep(
+                RUNG, self.K, COUNT_WINDOWS, tuple(self.counts),
                 location=location(w.backward_site))))
 
     def _zero_grad_inside(self, w: Window) -> None:
-        kept = w.backwards - (w.zero_grad_after or 0)
-        self._found(deciders.zero_grad_inside_accumulation(Observed(
-            RUNG, Severity.ERROR,
-            f"Optimizer step {self.updates}: zero_grad ran after {w.zero_grad_after} of the "
-            f"window's {w.backwards} backwards, so the step consumed the gradient of only the "
-            f"last {kept} micro-batch(es): the earlier ones were thrown away.",
-            evidence={"measured": kept, "expected": w.backwards,
-                      "accumulation_steps": self.K, "step": self.updates},
+        self._found(zeroed_in_window(ZeroedInWindow(
+            RUNG, self.updates, self.K, w.backwards, w.zero_grad_after,
             location=location(w.zero_grad_site))))
 
     def _judge_scheduler(self, w: Window) -> None:
