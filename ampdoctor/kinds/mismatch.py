@@ -78,3 +78,43 @@ def off_boundary(o: OffBoundary) -> Finding:
         location=o.location, title=OFF_BY_ONE_TITLE,
         fix="Step when the count of micro-batches seen is a multiple of K: "
             "`if (i + 1) % K == 0:` with i counted from 0 (or count from 1)."))
+
+
+@dataclass(frozen=True)
+class TooFewSteps:
+    """The fp32 loop stepped fewer times than there are windows (`steps`, 0: never, with the
+    backwards it ran; `lightning_none`: it stepped but no backward ran before any step)."""
+
+    rung: str
+    steps: int
+    windows: int
+    K: int
+    taken: int                  # micro-batches the loop took
+    microbatches: int           # micro-batches it was handed
+    backwards: int = 0
+    called_step: int = 0        # optimizer.step() calls (with no backward before any)
+    location: Location | None = None
+
+
+def too_few_steps(o: TooFewSteps) -> Finding:
+    """`gradient-mismatch` of windows that never reach the model: an error."""
+    if o.steps == 0:
+        how = ("it never called optimizer.step()" if not o.called_step else
+               f"it called optimizer.step() {o.called_step} time(s), but no backward ran "
+               "before any of them (a Lightning `training_step` that returns None skips the "
+               "backward and the step: return the loss)")
+        return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+            f"No optimizer step was taken in {o.taken} micro-batches: the fp32 loop took "
+            f"{o.taken} of {o.microbatches} micro-batches and ran {o.backwards} backward "
+            f"pass(es); {how}.",
+            evidence={"measured": 0, "expected": o.windows, "microbatches_taken": o.taken,
+                      "backwards": o.backwards, "optimizer_steps": o.called_step},
+            location=o.location))
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        f"The fp32 loop took {o.steps} optimizer step(s) for the {o.windows} windows of "
+        f"K={o.K} micro-batches in the spec (it took {o.taken} of {o.microbatches} "
+        "micro-batches): it stops early or never steps for the last windows, so those "
+        "windows' data never reaches the model.",
+        evidence={"measured": o.steps, "expected": o.windows, "microbatches_taken": o.taken,
+                  "microbatches": o.microbatches},
+        location=o.location))

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .. import deciders
-from ..deciders import Observed
-from ..enums import KindId, RungId, Severity, Status
+from ..enums import KindId, RungId, Status
 from ..findings import Finding, RungResult, conclude
 from ..kinds.loop_error import IgnoresMicroBatches, ignores_micro_batches
+from ..kinds.mismatch import TooFewSteps, too_few_steps
 from ..kinds.precision import AutocastInFp32, autocast_in_fp32
 from ..probe.events import AutocastEntered, Backward
 from ..session import Session
@@ -35,18 +34,9 @@ def _no_step(session: Session, trace, findings: list[Finding]) -> RungResult:
     """No optimizer step took a gradient: said as such (what the other rungs would read as
     nondeterminism or a zero_grad misplaced has nothing to compare)."""
     taken, total = trace.microbatches_taken, len(session.micro_batches)
-    backwards = len(trace.events_of(Backward))
-    how = ("it never called optimizer.step()" if not trace.steps else
-           f"it called optimizer.step() {len(trace.steps)} time(s), but no backward ran before "
-           "any of them (a Lightning `training_step` that returns None skips the backward and "
-           "the step: return the loss)")
-    finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
-                      f"No optimizer step was taken in {taken} micro-batches: the fp32 loop took "
-                      f"{taken} of {total} micro-batches and ran {backwards} backward pass(es); "
-                      f"{how}.",
-                      evidence={"measured": 0, "expected": session.N,
-                                "microbatches_taken": taken, "backwards": backwards,
-                                "optimizer_steps": len(trace.steps)}))
+    finding = too_few_steps(TooFewSteps(RUNG, 0, session.N, session.K, taken, total,
+                                        backwards=len(trace.events_of(Backward)),
+                                        called_step=len(trace.steps)))
     return RungResult(RUNG, Status.FAIL, "the loop never stepped the optimizer",
                       [finding] + findings)
 
@@ -85,14 +75,8 @@ def run(session: Session) -> RungResult:
         # leftover `return`/`break`) or its window condition never fires for the last windows.
         # (One optimizer stepping less often than another, a GAN's n_critic, is not this.)
         last = trace.steps[-1]
-        finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
-            f"The fp32 loop took {most} optimizer step(s) for the {session.N} windows of "
-            f"K={session.K} micro-batches in the spec (it took {taken} of {total} "
-            "micro-batches): it stops early or never steps for the last windows, so those "
-            "windows' data never reaches the model.",
-            evidence={"measured": most, "expected": session.N, "microbatches_taken": taken,
-                      "microbatches": total},
-            location=location(last.site)))
+        finding = too_few_steps(TooFewSteps(RUNG, most, session.N, session.K, taken, total,
+                                            location=location(last.site)))
         return RungResult(RUNG, Status.FAIL, f"{most} optimizer step(s) for {session.N} windows",
                           [finding] + findings)
     mismatch, judgement = compare_trace(session, trace, RUNG, "fp32")
