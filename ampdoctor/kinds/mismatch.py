@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import thresholds
 from ..enums import KindId, Severity
+from ..evidence import Evidence, significant
 from ..findings import Finding, Location
 from .base import Kind, Observed
 
@@ -118,3 +120,85 @@ def too_few_steps(o: TooFewSteps) -> Finding:
         evidence={"measured": o.steps, "expected": o.windows, "microbatches_taken": o.taken,
                   "microbatches": o.microbatches},
         location=o.location))
+
+
+@dataclass(frozen=True)
+class Unexplained:
+    """The judge's first bad step in no known shape: its ordinal and window, the precision,
+    the numbers of the comparison (relative error, norm ratio, cosine, tolerance) and the
+    comparison keys. `shape_tried`: the rules looked for a known shape (else the step's
+    weights were gone and only the numbers are said)."""
+
+    rung: str
+    step: int
+    window: int
+    precision: str
+    rel_err: float
+    ratio: float
+    cosine: float
+    tolerance: float
+    comparison: Evidence
+    shape_tried: bool = True
+    forced_clip: float | None = None
+    location: Location | None = None
+
+
+def unexplained(o: Unexplained) -> Finding:
+    """`gradient-mismatch`: an update off the reference in no known shape (an error)."""
+    if not o.shape_tried:
+        return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+            f"Step {o.step}: the optimizer consumed a gradient {o.rel_err:.3g} "
+            f"(relative) from the {o.precision} reference (norm ratio "
+            f"{o.ratio:.4g}, cosine {o.cosine:.4f}).",
+            evidence=o.comparison, location=o.location, forced_clip=o.forced_clip))
+    hint = ""
+    if o.cosine > thresholds.SAME_DIRECTION_COSINE:   # only the size is off
+        hint = f" The direction is right (cosine {o.cosine:.5f}); only the size differs."
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        f"Step {o.step} (window {o.window}) of the "
+        f"{o.precision} run: the gradient the optimizer consumed differs "
+        f"from the fp32 reference by {o.rel_err:.3g} (relative; tolerance "
+        f"{o.tolerance:g}), norm ratio {o.ratio:.4g}, cosine "
+        f"{o.cosine:.4f}, matching no known mistake.{hint}",
+        evidence=o.comparison, location=o.location, forced_clip=o.forced_clip))
+
+
+CLIP_AFTER_STEP_FIX = (
+    "Clip before the step that consumes the gradients: `scaler.unscale_(optimizer)`, then "
+    "`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, then "
+    "`scaler.step(optimizer)` and `scaler.update()` (without a scaler: clip, then "
+    "`optimizer.step()`).")
+
+
+@dataclass(frozen=True)
+class ClipAfterStep:
+    """A clip that bit after the optimizer step that consumed the gradients: the norm it saw,
+    its threshold, the judged update/reference norm ratio of that step (None when unknown)."""
+
+    rung: str
+    step: int
+    total_norm: float
+    max_norm: float
+    tolerance: float
+    ratio: float | None = None
+    forced_clip: float | None = None
+    location: Location | None = None
+
+
+def clip_after_step(o: ClipAfterStep) -> Finding:
+    """`gradient-mismatch` of a clip after its step: the update used an unclipped gradient (an
+    error)."""
+    factor = o.total_norm / o.max_norm
+    evidence: Evidence = {"measured": significant(factor), "expected": 1.0, "step": o.step,
+                          "clip_total_norm": significant(o.total_norm),
+                          "max_grad_norm": significant(o.max_norm), "tolerance": o.tolerance}
+    if o.ratio is not None:   # the update against the unclipped reference: it matched
+        evidence["ratio"] = significant(o.ratio)
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        f"Step {o.step}: the gradient clip ran after the optimizer step, on gradients the "
+        f"step had already consumed: their norm was {o.total_norm:.4g} against "
+        f"max_norm={o.max_norm:.4g}, so the update used a gradient {factor:.4g}x the "
+        "clipped one the loop means, and the clip only rescaled gradients about to be "
+        "cleared.",
+        evidence=evidence, location=o.location, fix=CLIP_AFTER_STEP_FIX,
+        forced_clip=o.forced_clip))

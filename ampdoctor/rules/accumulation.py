@@ -16,6 +16,7 @@ from ..enums import KindId, Severity
 from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
+from ..kinds.mismatch import Unexplained, unexplained
 from ..kinds.stepping import CarriedOver, ZeroedInside, zeroed_inside
 from ..kinds.stepping import carried_over as carried_over_finding
 from ..probe.events import ZeroGrad, of_type
@@ -101,12 +102,10 @@ def _unexplained(session: Session, rung: str, judgement: Judgement,
                          "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
                          "window": judged.window, "accumulation_steps": session.K,
                          "precision": precision}
-    return deciders.gradient_mismatch(Observed(rung, Severity.ERROR,
-                   f"Step {ordinal}: the optimizer consumed a gradient {m.rel_err:.3g} "
-                   f"(relative) from the {precision} reference (norm ratio "
-                   f"{m.ratio:.4g}, cosine {m.cosine:.4f}).",
-                   evidence=numbers, location=location(judged.step.site),
-                   forced_clip=forced_clip))
+    return unexplained(Unexplained(
+        rung, ordinal, judged.window, precision, m.rel_err, m.ratio, m.cosine, tol.rtol,
+        numbers, shape_tried=False, forced_clip=forced_clip,
+        location=location(judged.step.site)))
 
 
 # --- the shapes, in the order they are tried -------------------------------------------------
@@ -335,18 +334,11 @@ def _loop_sums_unaveraged(case: StepCase) -> Finding | None:
 
 def _no_known_shape(case: StepCase) -> Finding:
     """No known shape: say so, with the numbers."""
-    m, judged, tol = case.m, case.judged, case.judgement.tolerance
-    hint = ""
-    if direction_holds(m.cosine):
-        hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
-    return deciders.gradient_mismatch(Observed(case.rung, Severity.ERROR,
-                   f"Step {judged.ordinal} (window {judged.window}) of the "
-                   f"{case.judgement.precision} run: the gradient the optimizer consumed differs "
-                   f"from the fp32 reference by {m.rel_err:.3g} (relative; tolerance "
-                   f"{tol.rtol:g}), norm ratio {case.measured_ratio:.4g}, cosine "
-                   f"{m.cosine:.4f}, matching no known mistake.{hint}",
-                   evidence=case.evidence, location=location(judged.step.site),
-                   forced_clip=case.forced_clip))
+    m, judged = case.m, case.judged
+    return unexplained(Unexplained(
+        case.rung, judged.ordinal, judged.window, case.judgement.precision, m.rel_err,
+        case.measured_ratio, m.cosine, case.judgement.tolerance.rtol, case.evidence,
+        forced_clip=case.forced_clip, location=location(judged.step.site)))
 
 
 #: The known shapes of a mismatch, in the order they are tried: each returns its finding, or

@@ -17,18 +17,11 @@ from __future__ import annotations
 
 import math
 
-from .. import compare, deciders
-from ..deciders import Observed
-from ..enums import Severity
-from ..evidence import Evidence
 from ..findings import Finding, location
+from ..kinds.mismatch import ClipAfterStep
+from ..kinds.mismatch import clip_after_step as clip_after_step_finding
 from ..probe.events import Backward, Clip, OptimizerStep
 from ..session import Trace
-
-FIX = ("Clip before the step that consumes the gradients: `scaler.unscale_(optimizer)`, then "
-       "`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, then "
-       "`scaler.step(optimizer)` and `scaler.update()` (without a scaler: clip, then "
-       "`optimizer.step()`).")
 
 
 def clip_after_step(trace: Trace, rung: str, rtol: float,
@@ -66,17 +59,6 @@ def _bites(clip: Clip, rtol: float) -> bool:
 def _finding(clip: Clip, rung: str, step: int, rtol: float, ratio: float | None,
              forced_clip: float | None = None) -> Finding:
     assert clip.max_norm is not None and clip.total_norm is not None
-    factor = clip.total_norm / clip.max_norm
-    message = (f"Step {step}: the gradient clip ran after the optimizer step, on gradients the "
-               f"step had already consumed: their norm was {clip.total_norm:.4g} against "
-               f"max_norm={clip.max_norm:.4g}, so the update used a gradient {factor:.4g}x the "
-               "clipped one the loop means, and the clip only rescaled gradients about to be "
-               "cleared.")
-    evidence: Evidence = {"measured": compare._round(factor), "expected": 1.0, "step": step,
-                          "clip_total_norm": compare._round(clip.total_norm),
-                          "max_grad_norm": compare._round(clip.max_norm), "tolerance": rtol}
-    if ratio is not None:   # the update against the unclipped reference: it matched
-        evidence["ratio"] = compare._round(ratio)
-    return deciders.gradient_mismatch(Observed(
-        rung, Severity.ERROR, message, fix=FIX, location=location(clip.site), evidence=evidence,
-        forced_clip=forced_clip))
+    return clip_after_step_finding(ClipAfterStep(
+        rung, step, clip.total_norm, clip.max_norm, rtol, ratio, forced_clip=forced_clip,
+        location=location(clip.site)))
