@@ -393,3 +393,115 @@ def test_a_second_scale_on_the_loss_reports_the_extra_factor():
         "The loss reaching backward is 128x what the scaler alone would give (fp32 loss 0.5 x "
         "scale 1024 = 512, got 65536)")
     assert finding.evidence["measured"] == extra * scale and finding.evidence["expected"] == scale
+
+
+# --- step-per-microbatch / zero-grad-inside-accumulation / missing-zero-grad ----------------
+
+def test_more_steps_than_windows_is_an_error_with_the_steps_per_window():
+    from ampdoctor.kinds.stepping import StepsPerWindow, steps_per_window
+    steps, windows = 12, 3                  # K = 4: a step on every micro-batch
+    finding = steps_per_window(StepsPerWindow(RungId.FP32_ACCUM, "fp32", 0, steps, windows, 4,
+                                              1, framework="Fabric", location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.STEP_PER_MICROBATCH, Severity.ERROR)
+    assert finding.message.startswith(
+        f"The optimizer stepped 12 times for 3 windows of K=4 micro-batches in the fp32 run "
+        f"({steps / windows:.3g} steps per window; the first step came after 1 "
+        "micro-batch(es)).")
+    assert finding.evidence["steps_per_window"] == steps / windows
+    from ampdoctor.kinds import FRAMEWORK_FIXES
+    assert finding.fix == FRAMEWORK_FIXES[(KindId.STEP_PER_MICROBATCH, "Fabric")]
+
+
+def test_an_off_by_one_window_names_the_first_count():
+    from ampdoctor.kinds.mismatch import OFF_BY_ONE_TITLE, OffBoundary, off_boundary
+    finding = off_boundary(OffBoundary(RungId.FP32_ACCUM, 0, 4, (1, 5, 9)))
+    assert finding.title == OFF_BY_ONE_TITLE
+    assert finding.message.startswith("The optimizer stepped after 1 micro-batch(es), not on a "
+                                      "boundary of K=4")
+    assert finding.evidence["microbatches_at_each_step"] == [1, 5, 9]
+
+
+@pytest.mark.parametrize("measured, severity", [(True, Severity.ERROR),
+                                                (False, Severity.WARNING)])
+def test_a_zero_grad_inside_the_window_fails_only_when_the_update_was_compared(measured,
+                                                                              severity):
+    from ampdoctor.kinds.stepping import ZeroedInside, zeroed_inside
+    ratio = 1 / 4 * 1.003                    # one of four micro-batches reached the step
+    comparison = {"measured": ratio, "expected": 1.0, "step": 1} if measured else None
+    finding = zeroed_inside(ZeroedInside(RungId.FP32_ACCUM, 1, 4, 1 if measured else None,
+                                         ratio if measured else None,
+                                         0.99 if measured else None, comparison=comparison))
+    assert finding.severity is severity
+    assert finding.evidence["measured"] == 1 and finding.evidence["expected"] == 4
+    if measured:
+        assert list(finding.evidence)[:3] == ["measured", "expected", "step"]
+        assert finding.evidence["norm_ratio"] == round(ratio, 6)
+        assert f"gradient norm ratio {ratio:.4g} to the reference" in finding.message
+
+
+def test_gradients_carried_over_name_the_parameters_not_cleared():
+    from ampdoctor.kinds.stepping import CarriedOver, carried_over
+    names = tuple(f"p{i}" for i in range(6))
+    finding = carried_over(CarriedOver(RungId.FP32_ACCUM, 2, names, 8, 2.0, {"step": 2}))
+    assert (finding.kind, finding.severity) == (KindId.MISSING_ZERO_GRAD, Severity.ERROR)
+    assert finding.message.startswith("Step 2: for 6 of 8 parameters (p0, p1, p2, p3, ...) the "
+                                      "optimizer consumed this window's reference gradient plus "
+                                      "what step 1 already applied")
+    assert "(the zero_grad call covers only part of the model)" in finding.message
+
+
+def test_the_sentinels_counts_are_errors():
+    from ampdoctor.kinds.stepping import (
+        OneBackwardPerStep,
+        ZeroedInWindow,
+        one_backward_per_step,
+        zeroed_in_window,
+    )
+    one = one_backward_per_step(OneBackwardPerStep("watch", 4, 3, (1, 1, 1)))
+    assert one.severity is Severity.ERROR and "4x as many updates each on 1/4" in one.message
+    zeroed = zeroed_in_window(ZeroedInWindow("watch", 5, 4, 4, 3))
+    assert zeroed.evidence["measured"] == 4 - 3
+    assert "the gradient of only the last 1 micro-batch(es)" in zeroed.message
+
+
+# --- scheduler-per-microbatch ---------------------------------------------------------------
+
+def test_a_schedule_stepped_per_micro_batch_is_an_error_with_its_speed():
+    from ampdoctor.kinds.schedule import ScheduleTooFast, schedule_too_fast
+    finding = schedule_too_fast(ScheduleTooFast(RungId.FP32_ACCUM, "fp32", "LambdaLR", 12, 3, 4,
+                                                1, 0.5, 0.2))
+    assert finding.severity is Severity.ERROR
+    assert finding.evidence["measured"] == 12 / 3
+    assert ("optimizer step 1 used lr 0.5 where the schedule gives 0.2 for that step; the "
+            "schedule runs 4x too fast.") in finding.message
+
+
+# --- gradient-mismatch ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cosine, hint", [(0.99999, True), (0.5, False)])
+def test_no_known_shape_says_whether_the_direction_holds(cosine, hint):
+    from ampdoctor import thresholds
+    from ampdoctor.kinds.mismatch import Unexplained, unexplained
+    finding = unexplained(Unexplained(RungId.FP32_ACCUM, 1, 1, "fp32", 0.37, 1.37, cosine, 1e-5,
+                                      {"step": 1}))
+    assert (cosine > thresholds.SAME_DIRECTION_COSINE) is hint
+    assert ("only the size differs" in finding.message) is hint
+    assert "matching no known mistake" in finding.message
+
+
+def test_a_clip_after_its_step_reports_the_unclipped_factor():
+    from ampdoctor.kinds.mismatch import CLIP_AFTER_STEP_FIX, ClipAfterStep, clip_after_step
+    finding = clip_after_step(ClipAfterStep(RungId.FP32_ACCUM, 0, 5.0, 1.0, 1e-5, ratio=1.0))
+    assert finding.fix == CLIP_AFTER_STEP_FIX
+    assert finding.evidence["measured"] == 5.0 and finding.evidence["ratio"] == 1.0
+    assert "so the update used a gradient 5x the clipped one" in finding.message
+
+
+@pytest.mark.parametrize("steps, says", [(0, "No optimizer step was taken in 8 micro-batches"),
+                                         (2, "The fp32 loop took 2 optimizer step(s) for the 3 "
+                                             "windows")])
+def test_too_few_steps(steps, says):
+    from ampdoctor.kinds.mismatch import TooFewSteps, too_few_steps
+    finding = too_few_steps(TooFewSteps(RungId.FP32_ACCUM, steps, 3, 4, 8, 12, backwards=8))
+    assert finding.severity is Severity.ERROR and finding.message.startswith(says)
+    assert finding.evidence["measured"] == steps
