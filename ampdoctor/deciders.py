@@ -17,11 +17,12 @@ from .kinds.accumulation import (
 from .kinds.base import FORCED_FP16, skip_severity
 from .kinds.baseline import nondeterministic_baseline
 from .kinds.clipping import clip_before_unscale
+from .kinds.double_scaling import double_scaling
 from .kinds.frequent_skips import frequent_skips
 from .kinds.loop_error import loop_error
 from .kinds.mismatch import gradient_mismatch
 from .kinds.precision import half_open_amp
-from .kinds.scaling import double_scaling, missing_unscale, unscale_twice, update_per_microbatch
+from .kinds.scaling import missing_unscale, unscale_twice, update_per_microbatch
 from .kinds.schedule import (
                                  ScheduleOnSkips,
                                  schedule_on_skips,

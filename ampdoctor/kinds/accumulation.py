@@ -11,6 +11,10 @@ This module must not import torch: the static scan, `report` and `explain` run w
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+from .. import thresholds
 from ..enums import KindId
 from ..findings import Finding
 from .base import Kind, Observed, in_framework_terms
@@ -39,6 +43,28 @@ MISSING_ACCUMULATION_AVERAGE = Kind(
         "warning form."),
     measured="consumed / reference gradient norm (K)",
     decided_in=f"{__name__}:missing_accumulation_average",
+    who_divides={
+        "accelerate":
+            "`accelerator.backward` divides by K only inside `accelerator.accumulate()` "
+            "with gradient_accumulation_steps given to the Accelerator; outside it the "
+            "loop must divide.",
+        "HF Trainer":
+            "the HF Trainer does not divide by K when the model (or compute_loss_func) "
+            "accepts loss kwargs: it passes `num_items_in_batch` and expects the loss to "
+            "be divided by it; a loss that ignores it sums the K micro-batches.",
+        "Lightning":
+            "Lightning divides by accumulate_grad_batches only in automatic optimization; "
+            "with manual optimization (`manual_backward`) the loop must divide.",
+        "Fabric": "`fabric.backward` does not divide by K: the loop must divide the loss.",
+        "DeepSpeed":
+            "`engine.backward(loss, scale_wrt_gas=False)` does not divide by the config's "
+            "gradient_accumulation_steps: with it the loop must divide, once (the default "
+            "`scale_wrt_gas=True` divides for it).",
+    },
+    matched=(
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
+        "{cos:.5f}) = the sum of the K={K} micro-batch gradients: the loss is not divided by "
+        "accumulation_steps."),
     framework_fixes={
         "accelerate":
             "Let accelerate divide: give `Accelerator(gradient_accumulation_steps=K)`, run each "
@@ -90,6 +116,29 @@ DOUBLE_AVERAGE = Kind(
         "hard-coded divisor): the update is that much too small."),
     measured="consumed / reference gradient norm (1/K; under DDP 1/world_size)",
     decided_in=f"{__name__}:double_average",
+    who_divides={
+        "accelerate":
+            "`accelerator.backward` already divides the loss by gradient_accumulation_steps "
+            "inside `accelerator.accumulate()`, so the loop's own division is the second "
+            "one: remove it.",
+        "HF Trainer":
+            "the HF Trainer already divides the loss by gradient_accumulation_steps (when "
+            "the model takes no loss kwargs), so a division in compute_loss is the "
+            "second one: remove it.",
+        "Lightning":
+            "Lightning's automatic optimization already divides the loss by "
+            "accumulate_grad_batches, so a division in training_step is the second one "
+            "(manual optimization divides nowhere: there the loop must, once).",
+        "Fabric": "`fabric.backward` does not divide: the loss is divided twice in the loop.",
+        "DeepSpeed":
+            "`engine.backward(loss)` already divides the loss by the config's "
+            "gradient_accumulation_steps (its `scale_wrt_gas=True` default), so the loop's "
+            "own division is the second one: remove it (or pass `scale_wrt_gas=False` and "
+            "keep exactly one).",
+    },
+    matched=(
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
+        "{cos:.5f}), 1/K with K={K}: the gradient is averaged twice."),
     framework_fixes={
         "accelerate":
             "Remove your own division: inside `with accelerator.accumulate(model):` with "
@@ -137,6 +186,9 @@ REDUCTION_MISMATCH = Kind(
         "reference, or its factor changes from step to step."),
     measured="consumed / reference gradient norm (b, a token count)",
     decided_in=f"{__name__}:reduction_mismatch",
+    matched=(
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
+        "{cos:.5f}): {label}. The loss reduction and the averaging factor disagree."),
     framework_fixes={
         "HF Trainer":
             "Return a mean from `compute_loss`, or a sum divided by `num_items_in_batch` (the "
@@ -180,6 +232,10 @@ WEIGHTED_AVERAGE_MISMATCH = Kind(
         "and equals the equal-weight mean of the micro-batches."),
     measured="consumed / reference gradient norm",
     decided_in=f"{__name__}:weighted_average_mismatch",
+    matched=(
+        "Step {step}: the optimizer consumed the {label} (norm ratio {ratio:.4g}, cosine "
+        "{cos:.5f} to the weighted reference): micro-batches with few tokens count as much as "
+        "full ones."),
     framework_fixes={
         "HF Trainer":
             "Let the loss take `num_items_in_batch`: sum each micro-batch's token losses and "
@@ -235,3 +291,61 @@ def weighted_average_mismatch(seen: Observed) -> Finding:
     seen = in_framework_terms(WEIGHTED_AVERAGE_MISMATCH, seen)
     return Finding(seen.rung, KindId.WEIGHTED_AVERAGE_MISMATCH, seen.severity,
                    **seen.fields(WEIGHTED_AVERAGE_MISMATCH))
+
+
+# --- a loop that sums K micro-batch means (the words of rules/unaveraged's measurement) ------
+
+
+@dataclass(frozen=True)
+class Unaveraged:
+    """The loop's window gradient (before the clip) against the combination it sums: `factor`
+    times their mean (K when nothing divides by K), which gradients (`basis`), how that mean
+    compares with the reference, and the loop alone on each micro-batch against its
+    reference."""
+
+    factor: float
+    basis: str
+    weighting_differs: bool
+    mean_ratio: float
+    mean_cosine: float
+    per_microbatch_ratio: tuple[float, ...] = ()
+    per_microbatch_cosine: tuple[float, ...] = ()
+
+
+#: The fix when the weighting differs too: dividing by K alone leaves the weighting wrong.
+UNAVERAGED_FIX = (
+    "Normalise the whole optimizer step once, the way the reference does: for a token- or "
+    "sample-weighted loss, sum each micro-batch's per-token (per-sample) losses and divide "
+    "by the count over all K micro-batches of the step (no further / K); for a loss that "
+    "weighs micro-batches equally, compute it as the reference's `loss` does and divide it "
+    "by accumulation_steps.")
+
+
+def unaveraged_message(step: int, K: int, u: Unaveraged, clip_norm: float | None,
+                       max_norm: float | None, after_clip: float | None) -> str:
+    """Both mistakes, each with its number, and what the clip did to the update."""
+    text = (f"Step {step}: before the clip, the gradient is {u.factor:.4g}x the mean of "
+            f"{u.basis}, i.e. their sum: the loss is not divided by accumulation_steps "
+            f"(K={K}).")
+    if not u.weighting_differs:
+        return text + (f" That mean is the reference (norm ratio {u.mean_ratio:.4g}, cosine "
+                       f"{u.mean_cosine:.5f}): dividing by K makes it match.")
+    text += (f" The weighting differs as well: that mean is {u.mean_ratio:.4g}x the reference "
+             f"with cosine {u.mean_cosine:.5f}, so micro-batches (or the tokens in them) do not "
+             "weigh what they weigh in the reference")
+    ratios = u.per_microbatch_ratio
+    if ratios and any(abs(r - 1) > thresholds.RATIO_NEAR_ONE
+                      or c < thresholds.SAME_DIRECTION_COSINE
+                      for r, c in zip(ratios, u.per_microbatch_cosine, strict=False)):
+        text += (" -- already within one micro-batch (the loop alone on each is "
+                 + ", ".join(f"{r:.3g}x" for r in ratios) + " its reference, cosine "
+                 + ", ".join(f"{c:.4f}" for c in u.per_microbatch_cosine) + ")")
+    text += "."
+    if clip_norm is not None and max_norm is not None and after_clip is not None \
+            and math.isfinite(clip_norm) and clip_norm > max_norm:
+        text += (f" The clip bit (total norm {clip_norm:.4g} > {max_norm:g}), so the update is "
+                 f"{after_clip:.4g}x the reference, not {K}x: dividing by K alone will not make "
+                 "it match.")
+    else:
+        text += " Dividing by K alone will not make it match."
+    return text

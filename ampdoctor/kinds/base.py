@@ -34,6 +34,12 @@ class Kind:
     framework_fixes: dict[str, str] = field(default_factory=dict, hash=False)
     #: its own message says what a clip did (no lead for a rung that forced clipping)
     words_its_clip: bool = False
+    #: its message when one of compare's hypotheses of it matched the consumed gradient
+    #: (`kinds.matched`; fields {step}, {ratio}, {K}, {cos}, {label})
+    matched: str = ""
+    #: framework -> who divides by K there, said after the message when that framework drove
+    #: the run (`kinds.matched`)
+    who_divides: dict[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

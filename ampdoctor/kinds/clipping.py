@@ -43,6 +43,9 @@ CLIP_BEFORE_UNSCALE = Kind(
         "matched), or it clips at the threshold times the scale (the same update)."),
     measured="norm the clip saw / true norm (the loss scale S)",
     decided_in=f"{__name__}:clip_before_unscale",
+    matched=(
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
+        "gradients were clipped against a norm taken before unscale_, in scaled space."),
     words_its_clip=True,
 )
 

@@ -42,6 +42,9 @@ MISSING_UNSCALE = Kind(
         "because the scale was 1."),
     measured="consumed / reference gradient norm (S); steps on non-finite grads",
     decided_in=f"{__name__}:missing_unscale",
+    matched=(
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: it "
+        "stepped on scaled gradients."),
 )
 
 
@@ -66,6 +69,9 @@ UNSCALE_TWICE = Kind(
         "an update is 1/S of the reference, or torch refused the second unscale_ of a step."),
     measured="unscale_ calls per step, or consumed / reference (1/S)",
     decided_in=f"{__name__}:unscale_twice",
+    matched=(
+        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
+        "gradients were divided by the scale twice."),
 )
 
 
@@ -93,36 +99,7 @@ UPDATE_PER_MICROBATCH = Kind(
 )
 
 
-DOUBLE_SCALING = Kind(
-    KindId.DOUBLE_SCALING,
-    title="Two loss-scale state machines on one loss",
-    why=(
-        "The loss is scaled twice (two GradScalers, a GradScaler inside "
-        "DeepSpeed/Trainer/accelerate/"
-        "Lightning AMP, or a constant loss scale on top of a GradScaler): skips, scale and "
-        "clipping "
-        "no longer mean anything."),
-    fix=(
-        "Keep exactly one owner of loss scaling: either the framework's (DeepSpeed `fp16.enabled`, "
-        "`TrainingArguments(fp16=True)`, `Accelerator(mixed_precision='fp16')`, Lightning "
-        "`precision='16-mixed'`) with no GradScaler of your own, or your GradScaler with the "
-        "framework's fp16 off; delete any constant `loss * loss_scale` left from apex-era code."),
-    example=(
-        "static_loss_scale = 128.0                     # left over from apex O2\n"
-        "scaler = torch.amp.GradScaler(\"cuda\")\n"
-        "...\n"
-        "scaler.scale(loss * static_loss_scale).backward()"),
-    error_when=(
-        "the loss reaching backward carries a second scale factor (measured in the fp16 run), "
-        "or two loss-scale owners stand on one training path; for two GradScalers of the "
-        "diagnosed loop, only when the run saw them on one loss or one optimizer's gradients "
-        "(one scaled what the other unscales or steps, both step one optimizer, or one scaled "
-        "an already scaled loss); each on its own losses and optimizer is no finding. "
-        "Warning: owners in separate entry points that no scanned file runs together, or two "
-        "GradScalers of the loop that no run could tell apart."),
-    measured="effective loss scale; loss-scale owners on one path",
-    decided_in=f"{__name__}:double_scaling",
-)
+
 
 
 def missing_unscale(seen: Observed) -> Finding:
@@ -148,12 +125,7 @@ def update_per_microbatch(seen: Observed) -> Finding:
                    **seen.fields(UPDATE_PER_MICROBATCH))
 
 
-def double_scaling(seen: Observed) -> Finding:
-    """`double-scaling`: two loss-scale state machines on one loss.
-    Error: a second scale factor measured, or two owners on one path (two GradScalers: seen
-    by the run on one loss or optimizer); warning: separate entry points, or GradScalers no
-    run could tell apart. (`DOUBLE_SCALING.error_when`)"""
-    return Finding(seen.rung, KindId.DOUBLE_SCALING, seen.severity, **seen.fields(DOUBLE_SCALING))
+
 
 
 @dataclass(frozen=True)
@@ -303,32 +275,7 @@ def update_without_step(o: UpdateWithoutStep) -> Finding:
         location=o.location))
 
 
-@dataclass(frozen=True)
-class ScaledTwice:
-    """scaler.scale() given a loss already scaled by `first_scale`: the effective loss scale
-    is first_scale x scale."""
 
-    kind: ClassVar[KindId] = KindId.DOUBLE_SCALING
-    rung: str
-    window: int
-    scale: float | None
-    first_scale: float
-    skipped_steps: int
-    location: Location | None = None
-
-
-def scaled_twice(o: ScaledTwice) -> Finding:
-    """`double-scaling` from the state machine: a second scale factor measured in the run, an
-    error."""
-    effective = o.first_scale * (o.scale or 1)
-    message = (f"scaler.scale() was applied to a loss that was already scaled by "
-               f"{o.first_scale:g}: the effective loss scale is {effective:.6g}, not "
-               f"{o.scale:g}.")
-    return double_scaling(Observed(
-        o.rung, Severity.ERROR, message,
-        evidence={"scale": o.scale, "window": o.window, "measured": significant(effective),
-                  "expected": o.scale, "skipped_steps": o.skipped_steps},
-        location=o.location))
 
 
 @dataclass(frozen=True)
@@ -412,32 +359,11 @@ def unscale_refused(o: UnscaleRefused) -> Finding:
         evidence=evidence, location=o.location))
 
 
-@dataclass(frozen=True)
-class SecondScale:
-    """The fp16 run's first backward against the fp32 run's at identical weights and data: the
-    loss reaching backward was `extra` x (fp32 loss x scale), a second scale besides the
-    GradScaler's."""
-
-    rung: str
-    fp32_loss: float
-    fp16_loss: float
-    scale: float
-    extra: float
-    skipped_steps: int
-    scaler_steps: int
-    location: Location | None = None
-
-
-def second_scale(o: SecondScale) -> Finding:
-    """`double-scaling` measured in the run: an error (the effective scale is another)."""
-    extra = abs(o.extra)
-    return double_scaling(Observed(o.rung, Severity.ERROR,
-        f"The loss reaching backward is {extra:.6g}x what the scaler alone would give "
-        f"(fp32 loss {o.fp32_loss:.6g} x scale {o.scale:g} = {o.fp32_loss * o.scale:.6g}, got "
-        f"{o.fp16_loss:.6g}): a second, hand-written loss scale sits on top of the GradScaler. "
-        f"Effective scale {extra * o.scale:.6g}; {o.skipped_steps} of {o.scaler_steps} steps "
-        "were skipped.",
-        evidence={"measured": significant(extra * o.scale), "expected": o.scale,
-                  "extra_factor": significant(extra), "skipped_steps": o.skipped_steps,
-                  "scaler_steps": o.scaler_steps},
-        location=o.location))
+#: unscale-twice's consumption (1/S) when the backward ran on the plain loss: `scaled =
+#: scaler.scale(loss)` went unused, so unscale_ divided gradients never multiplied by S.
+UNSCALED_BACKWARD = (
+    "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: backward "
+    "ran on the unscaled loss (the result of scaler.scale(loss){at} was never backpropagated), "
+    "so unscale_ divided gradients that were never multiplied by the scale.")
+UNSCALED_BACKWARD_FIX = ("Backpropagate the scaled loss: `scaler.scale(loss).backward()`, not "
+                         "`loss.backward()` after `scaler.scale(loss)`.")

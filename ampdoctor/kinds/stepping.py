@@ -82,6 +82,9 @@ ZERO_GRAD_INSIDE_ACCUMULATION = Kind(
         "zero_grad inside the window reached it."),
     measured="micro-batches of the window that reached the step",
     decided_in=f"{__name__}:zero_grad_inside_accumulation",
+    matched=(
+        "Step {step}: the optimizer consumed {label} (norm ratio {ratio:.4g}, cosine "
+        "{cos:.5f}): gradients were cleared inside the window."),
     framework_fixes={
         "HF Trainer":
             "Remove `zero_grad()` from `compute_loss`, a `training_step` override or a callback: "

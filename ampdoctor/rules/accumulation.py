@@ -16,6 +16,16 @@ from ..enums import KindId, Severity
 from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
+from ..kinds import CATALOGUE
+from ..kinds.matched import (
+    ClipBit,
+    HypothesisMatched,
+    LoopSumsUnaveraged,
+    WrongDivisor,
+    hypothesis_matched,
+    loop_sums_unaveraged,
+)
+from ..kinds.matched import wrong_divisor as wrong_divisor_finding
 from ..kinds.mismatch import Unexplained, unexplained
 from ..kinds.stepping import CarriedOver, ZeroedInside, zeroed_inside
 from ..kinds.stepping import carried_over as carried_over_finding
@@ -23,7 +33,7 @@ from ..probe.events import ZeroGrad, of_type
 from ..session import Session, Trace
 from . import unaveraged
 from .deepspeed import engine_zero_grad_fix
-from .frameworks import who_divided
+from .frameworks import dividing_party
 from .shapes import (
     SIZE_FACTOR_KINDS,
     Resplit,
@@ -42,7 +52,7 @@ from .sites import (
 )
 from .step_case import StepCase, build_case, clip_threshold, clip_would_bite, unclipped
 
-__all__ = ["classify_step", "SHAPES", "MESSAGES", "direction_holds", "summed_over_count",
+__all__ = ["classify_step", "SHAPES", "direction_holds", "summed_over_count",
            "wrong_divisor", "unclipped", "clip_would_bite"]
 
 
@@ -197,50 +207,46 @@ def _named_shape(case: StepCase) -> Finding | None:
         if m.ratio > 0:
             evidence["measured"] = compare._round(1.0 / m.ratio)
         measured_ratio = m.ratio
-    fix = ""
-    message = clipped_lead(MESSAGES.get(kind, "{label}"), case).format(
-        step=case.judged.ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
-        precision=case.judgement.precision, tol=case.judgement.tolerance.rtol,
-        factor=found.factor or 0)
+    summed = None
     if (kind == KindId.MISSING_ACCUMULATION_AVERAGE and case.per_mb
             and unaveraged.weighting_differs(case.per_mb, case.full, case.cand_tol)):
         # the sum of K equal-weight micro-batch means, against a reference that weighs
         # them otherwise: the size says K only against that sum, not against the reference
         equal_sums = unaveraged.summed_equal_weights(case.user_u, case.per_mb, case.full)
-        fix = unaveraged.FIX
         evidence.update(unaveraged.evidence(equal_sums))
-        message = unaveraged.message(case.judged.ordinal, K, equal_sums, case.clip_norm,
-                                     clip_threshold(case.window_events),
-                                     evidence.get("ratio_after_clip"))
+        summed = unaveraged.measured(equal_sums)
+    weights = implied = None
     if kind == KindId.WEIGHTED_AVERAGE_MISMATCH and not case.ref.weighted:
         # no weights known: the run's (equal) against the ones the reference implies
         implied = compare.implied_weights(case.full, case.per_mb)
         if implied is not None:
-            evidence["weights"] = [compare._round(1.0 / len(case.per_mb))] * len(case.per_mb)
+            weights = [compare._round(1.0 / len(case.per_mb))] * len(case.per_mb)
+            evidence["weights"] = weights
             evidence["reference_weights"] = implied
-            message += (" The run weighted its micro-batches " + _shown(evidence["weights"])
-                        + "; the reference implies " + _shown(implied) + ".")
     site = _site_of(case, kind)
     unused = unscaled_backward(case.window_events) if kind == KindId.UNSCALE_TWICE else None
+    scale_line = None
     if unused is not None:   # 1/S because the scaled loss was never backpropagated
         backward, scale = unused
         scale_site = location(scale.site)
-        message = UNSCALED_BACKWARD.format(
-            step=case.judged.ordinal, ratio=measured_ratio, label=found.label,
-            at=f" at line {scale_site.line}" if scale_site else "")
-        fix = UNSCALED_BACKWARD_FIX
+        scale_line = scale_site.line if scale_site else None
         site = backward.site
-    party = who_divided(case.trace, kind)
+    party = dividing_party(case.trace, CATALOGUE[kind].who_divides)
     if party is not None:
-        evidence["framework"] = party[0]
-        message += " " + party[1][0].upper() + party[1][1:]
-    return deciders.decide(kind, Observed(case.rung, Severity.ERROR, message, evidence=evidence,
-                                          location=location(site), fix=fix,
-                                          forced_clip=case.forced_clip))
+        evidence["framework"] = party
+    return hypothesis_matched(HypothesisMatched(
+        case.rung, KindId(kind), case.judged.ordinal, measured_ratio, K, m.cosine, found.label,
+        evidence, clip=_clip(case), unaveraged=summed,
+        weights=tuple(weights) if weights is not None else None,
+        reference_weights=tuple(implied) if implied is not None else None,
+        unscaled_backward=unused is not None, scale_line=scale_line, framework=party,
+        forced_clip=case.forced_clip, location=location(site)))
 
 
-def _shown(weights: list[float]) -> str:
-    return "[" + ", ".join(f"{w:.3g}" for w in weights) + "]"
+def _clip(case: StepCase) -> ClipBit:
+    """The window's clip as the unit words it."""
+    return ClipBit(case.evidence.get("ratio_after_clip"), case.clip_norm,
+                   clip_threshold(case.window_events))
 
 
 def _carried_over(case: StepCase) -> Finding | None:
@@ -299,16 +305,11 @@ def _wrong_divisor(case: StepCase) -> Finding | None:
     m, measured_ratio, K = case.m, case.measured_ratio, case.K
     if not wrong_divisor(m.cosine, measured_ratio):
         return None
-    decider = (deciders.double_average if measured_ratio < 1
-               else deciders.missing_accumulation_average)
     case.evidence["factor"] = compare._round(measured_ratio)
-    lead = clipped_lead(CONSUMED, case).format(step=case.judged.ordinal)
-    return decider(Observed(case.rung, Severity.ERROR,
-                   f"{lead}{measured_ratio:.4g}x "
-                   f"the reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
-                   f"{K / measured_ratio:.4g} instead of K={K}.",
-                   evidence=case.evidence, location=location(case.last_backward_site),
-                   forced_clip=case.forced_clip))
+    return wrong_divisor_finding(WrongDivisor(
+        case.rung, case.judged.ordinal, measured_ratio, m.cosine, K, case.evidence,
+        clip=_clip(case), forced_clip=case.forced_clip,
+        location=location(case.last_backward_site)))
 
 
 def _loop_sums_unaveraged(case: StepCase) -> Finding | None:
@@ -323,13 +324,10 @@ def _loop_sums_unaveraged(case: StepCase) -> Finding | None:
     if sums is None:
         return None
     case.evidence.update(unaveraged.evidence(sums))
-    return deciders.missing_accumulation_average(Observed(case.rung, Severity.ERROR,
-                   unaveraged.message(case.judged.ordinal, case.K, sums, case.clip_norm,
-                                      clip_threshold(case.window_events),
-                                      case.evidence.get("ratio_after_clip")),
-                   evidence=case.evidence, location=location(case.last_backward_site),
-                   fix=unaveraged.FIX if sums.weighting_differs else "",
-                   forced_clip=case.forced_clip))
+    return loop_sums_unaveraged(LoopSumsUnaveraged(
+        case.rung, case.judged.ordinal, case.K, unaveraged.measured(sums), case.evidence,
+        clip=_clip(case), forced_clip=case.forced_clip,
+        location=location(case.last_backward_site)))
 
 
 def _no_known_shape(case: StepCase) -> Finding:
@@ -352,60 +350,3 @@ SHAPES: tuple[Callable[[StepCase], Finding | None], ...] = (
     _wrong_divisor,
     _loop_sums_unaveraged,
 )
-
-
-#: Every message of MESSAGES opens with this: what the optimizer consumed...
-CONSUMED = "Step {step}: the optimizer consumed "
-
-
-def clipped_lead(template: str, case: StepCase) -> str:
-    """The message's opening when the window's clip bit: the headline is the update the step
-    applied (after the clip, what the charts plot), then what the clip was handed."""
-    after = case.evidence.get("ratio_after_clip")
-    threshold = clip_threshold(case.window_events)
-    if after is None or case.clip_norm is None or threshold is None \
-            or not template.startswith(CONSUMED):
-        return template
-    return ("Step {step}: the update the step applied was " + f"{float(after):.4g}"
-            + "x the reference's after the clip (it saw a total norm "
-            + f"{case.clip_norm:.4g} > max_norm {threshold:g}); before the clip, the "
-            "optimizer was handed " + template[len(CONSUMED):])
-
-
-MESSAGES: dict[str, str] = {
-    KindId.MISSING_ACCUMULATION_AVERAGE:
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
-        "{cos:.5f}) = the sum of the K={K} micro-batch gradients: the loss is not divided by "
-        "accumulation_steps.",
-    KindId.DOUBLE_AVERAGE:
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
-        "{cos:.5f}), 1/K with K={K}: the gradient is averaged twice.",
-    KindId.REDUCTION_MISMATCH:
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
-        "{cos:.5f}): {label}. The loss reduction and the averaging factor disagree.",
-    KindId.WEIGHTED_AVERAGE_MISMATCH:
-        "Step {step}: the optimizer consumed the {label} (norm ratio {ratio:.4g}, cosine "
-        "{cos:.5f} to the weighted reference): micro-batches with few tokens count as much as "
-        "full ones.",
-    KindId.ZERO_GRAD_INSIDE_ACCUMULATION:
-        "Step {step}: the optimizer consumed {label} (norm ratio {ratio:.4g}, cosine {cos:.5f}): "
-        "gradients were cleared inside the window.",
-    KindId.MISSING_UNSCALE:
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: it "
-        "stepped on scaled gradients.",
-    KindId.UNSCALE_TWICE:
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
-        "gradients were divided by the scale twice.",
-    KindId.CLIP_BEFORE_UNSCALE:
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
-        "gradients were clipped against a norm taken before unscale_, in scaled space.",
-}
-
-#: unscale-twice's consumption (1/S) when the backward ran on the plain loss: `scaled =
-#: scaler.scale(loss)` went unused, so unscale_ divided gradients never multiplied by S.
-UNSCALED_BACKWARD = (
-    "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: backward "
-    "ran on the unscaled loss (the result of scaler.scale(loss){at} was never backpropagated), "
-    "so unscale_ divided gradients that were never multiplied by the scale.")
-UNSCALED_BACKWARD_FIX = ("Backpropagate the scaled loss: `scaler.scale(loss).backward()`, not "
-                         "`loss.backward()` after `scaler.scale(loss)`.")

@@ -15,14 +15,11 @@ from ..enums import KindId
 from ..findings import Finding, location
 from ..judge import judged_live
 from ..kinds.clipping import ScaledClip, scaled_clip
+from ..kinds.double_scaling import ScaledTwice, SecondScale, scaled_twice, second_scale
 from ..kinds.scaling import (
-    ScaledTwice,
-    SecondScale,
     SecondUnscale,
     StepOnScaled,
     UpdateWithoutStep,
-    scaled_twice,
-    second_scale,
     second_unscale,
     step_on_scaled,
     update_without_step,
