@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass
 
 from .. import thresholds
-from ..enums import KindId
-from ..findings import Finding
+from ..enums import KindId, Severity
+from ..evidence import Evidence, significant
+from ..findings import Finding, Location
 from .base import Kind, Observed, in_framework_terms
 
 MISSING_ACCUMULATION_AVERAGE = Kind(
@@ -349,3 +350,67 @@ def unaveraged_message(step: int, K: int, u: Unaveraged, clip_norm: float | None
     else:
         text += " Dividing by K alone will not make it match."
     return text
+
+
+# --- a sum reduction, read from the size of the consumed gradient ----------------------------
+
+
+@dataclass(frozen=True)
+class SummedOverCount:
+    """Right direction, a size equal to a count every micro-batch shares (`count`, described
+    as the rule read it: "the 8 tokens per micro-batch", "micro_batch_size 8")."""
+
+    rung: str
+    step: int
+    ratio: float
+    cosine: float
+    count: int
+    count_what: str
+    comparison: Evidence
+    forced_clip: float | None = None
+    location: Location | None = None
+
+
+def summed_over_count(o: SummedOverCount) -> Finding:
+    """`reduction-mismatch`: the gradient is a count times the reference (an error)."""
+    evidence: Evidence = {**o.comparison, "factor": significant(o.ratio), "count": o.count}
+    return reduction_mismatch(Observed(o.rung, Severity.ERROR,
+        f"Step {o.step}: the gradient is {o.ratio:.4g}x the reference ({o.count_what}) with "
+        f"cosine {o.cosine:.5f}: the loss sums over samples/elements instead of averaging.",
+        evidence=evidence, location=o.location, forced_clip=o.forced_clip))
+
+
+@dataclass(frozen=True)
+class VaryingDivisor:
+    """Right direction at every step, a factor that changes from step to step (`ratios`, each
+    step's before its clip)."""
+
+    rung: str
+    step: int
+    ratio: float
+    ratios: tuple[float, ...]
+    comparison: Evidence
+    forced_clip: float | None = None
+    location: Location | None = None
+
+
+VARYING_DIVISOR_FIX = ("Count the tokens (or samples) of the whole optimizer step once, over all "
+                       "K micro-batches before the window, and divide every micro-batch's "
+                       "summed loss by that one total.")
+
+
+def varying_divisor(o: VaryingDivisor) -> Finding:
+    """`reduction-mismatch` of a divisor that varies per step: an error ("divide by K" would not
+    fix it)."""
+    low, high = min(o.ratios), max(o.ratios)
+    evidence: Evidence = {**o.comparison, "ratios_per_step": [significant(r) for r in o.ratios],
+                          "ratio_spread": significant(high / low - 1)}
+    return reduction_mismatch(Observed(o.rung, Severity.ERROR,
+        f"Step {o.step}: the optimizer consumed {o.ratio:.4g}x the reference gradient with "
+        "the right direction, and the factor changes from step to step ("
+        + ", ".join(f"{r:.4g}" for r in o.ratios) + "): the loss is normalised by a count "
+        "that varies per step (e.g. the token count of one micro-batch, overwritten in a "
+        "loop) instead of the whole step's total. Divide the summed loss by the number of "
+        "tokens/samples in the whole optimizer step.",
+        evidence=evidence, location=o.location, fix=VARYING_DIVISOR_FIX,
+        forced_clip=o.forced_clip))

@@ -121,3 +121,49 @@ def scaled_clip(o: ScaledClip) -> Finding:
             location=o.location))
     return clip_before_unscale(Observed(o.rung, Severity.ERROR, message, evidence=evidence,
                                         location=o.location))
+
+
+@dataclass(frozen=True)
+class ClipInScaledSpace:
+    """The judge's bad step had a clip on gradients still multiplied by the loss scale, at a
+    threshold the loop means in true space: the norm the clip saw, the true norm, the scale,
+    the threshold, whether it clipped by value, the update/reference ratio and the comparison
+    numbers (`metrics`)."""
+
+    rung: str
+    step: int
+    window: int
+    scale: float
+    threshold: float
+    norm_seen: float | None
+    true_norm: float
+    ratio: float
+    metrics: Evidence
+    tolerance: float
+    by_value: bool = False
+    location: Location | None = None
+
+
+def clip_in_scaled_space(o: ClipInScaledSpace) -> Finding:
+    """`clip-before-unscale` that changed the update (an error): the threshold met S x the
+    true norm."""
+    seen, true = o.norm_seen, o.true_norm
+    evidence: Evidence = {
+        "measured": significant(seen / true) if seen and true else None,
+        "expected": 1.0, "scale": o.scale, "norm_seen_by_clip": seen,
+        "true_norm": significant(true), "max_grad_norm": o.threshold,
+        "step": o.step, "window": o.window, **o.metrics, "tolerance": o.tolerance}
+    if o.by_value:
+        evidence["measured"] = o.scale
+        message = (f"Step {o.step}: clip_grad_value_ ran before scaler.unscale_: the clip "
+                   f"value {o.threshold:g} was applied to gradients multiplied by the loss "
+                   f"scale {o.scale:g}, i.e. a clip value {o.scale:g}x too small in "
+                   f"true-gradient space; the update is {o.ratio:.4g}x the reference.")
+    else:
+        message = (f"Step {o.step}: clip_grad_norm_ ran before scaler.unscale_: it saw a "
+                   f"gradient norm of {seen:.6g} where the true norm is {true:.6g} (the "
+                   f"loss scale {o.scale:g}), so the threshold {o.threshold:g} was applied "
+                   f"in scaled space and the update is {o.ratio:.4g}x the reference clipped at "
+                   f"{o.threshold:g}.")
+    return clip_before_unscale(Observed(o.rung, Severity.ERROR, message, evidence=evidence,
+                                        location=o.location))

@@ -10,13 +10,15 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders, thresholds
-from ..deciders import Observed
-from ..enums import KindId, Severity
+from .. import compare, thresholds
+from ..enums import KindId
 from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..kinds import CATALOGUE
+from ..kinds.accumulation import SummedOverCount, VaryingDivisor
+from ..kinds.accumulation import summed_over_count as summed_over_count_finding
+from ..kinds.accumulation import varying_divisor as varying_divisor_finding
 from ..kinds.matched import (
     ClipBit,
     HypothesisMatched,
@@ -41,7 +43,7 @@ from .shapes import (
     clip_in_scaled_space,
     disambiguate,
     summed_count,
-    varying_divisor,
+    varying_ratios,
 )
 from .sites import (
     NORM_OR_CLIP,
@@ -275,28 +277,19 @@ def _summed_over_a_count(case: StepCase) -> Finding | None:
     if counted is None:
         return None
     count, what = counted
-    case.evidence.update({"factor": compare._round(measured_ratio), "count": count})
-    return deciders.reduction_mismatch(Observed(case.rung, Severity.ERROR,
-                   f"Step {case.judged.ordinal}: the gradient is {measured_ratio:.4g}x the "
-                   f"reference ({what}) with cosine {m.cosine:.5f}: the loss sums over "
-                   "samples/elements instead of averaging.",
-                   evidence=case.evidence, location=location(case.last_backward_site),
-                   forced_clip=case.forced_clip))
+    return summed_over_count_finding(SummedOverCount(
+        case.rung, case.judged.ordinal, measured_ratio, m.cosine, count, what, case.evidence,
+        forced_clip=case.forced_clip, location=location(case.last_backward_site)))
 
 
 def _varying_divisor(case: StepCase) -> Finding | None:
     """A size that changes from step to step: a divisor that varies."""
-    varying = varying_divisor(case.judgement, case.evidence, case.judged.ordinal,
-                              case.measured_ratio)
-    if varying is None:
+    ratios = varying_ratios(case.judgement)
+    if ratios is None:
         return None
-    return deciders.reduction_mismatch(Observed(
-                   case.rung, Severity.ERROR, varying, evidence=case.evidence,
-                   location=location(case.last_backward_site),
-                   fix="Count the tokens (or samples) of the whole optimizer step once, "
-                       "over all K micro-batches before the window, and divide every "
-                       "micro-batch's summed loss by that one total.",
-                   forced_clip=case.forced_clip))
+    return varying_divisor_finding(VaryingDivisor(
+        case.rung, case.judged.ordinal, case.measured_ratio, tuple(ratios), case.evidence,
+        forced_clip=case.forced_clip, location=location(case.last_backward_site)))
 
 
 def _wrong_divisor(case: StepCase) -> Finding | None:
