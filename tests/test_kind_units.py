@@ -258,12 +258,8 @@ def test_a_direct_step_on_scaled_gradients(matched, severity):
 
 
 def test_updates_without_a_step_and_a_loss_scaled_twice_are_errors():
-    from ampdoctor.kinds.scaling import (
-        ScaledTwice,
-        UpdateWithoutStep,
-        scaled_twice,
-        update_without_step,
-    )
+    from ampdoctor.kinds.double_scaling import ScaledTwice, scaled_twice
+    from ampdoctor.kinds.scaling import UpdateWithoutStep, update_without_step
     update = update_without_step(UpdateWithoutStep(RungId.FP16_SCALER, 0, 1024.0, 12, 3))
     assert update.severity is Severity.ERROR
     assert update.message == ("scaler.update() ran 12 times for 3 scaler.step() calls: more "
@@ -384,7 +380,7 @@ def test_torchs_refusal_of_a_second_unscale_names_the_first_call():
 
 
 def test_a_second_scale_on_the_loss_reports_the_extra_factor():
-    from ampdoctor.kinds.scaling import SecondScale, second_scale
+    from ampdoctor.kinds.double_scaling import SecondScale, second_scale
     v32, scale, extra = 0.5, 1024.0, 128.0
     v16 = v32 * scale * extra               # the loss reaching backward
     finding = second_scale(SecondScale(RungId.FP16_SCALER, v32, v16, scale, extra, 3, 4))
