@@ -167,3 +167,36 @@ def clip_in_scaled_space(o: ClipInScaledSpace) -> Finding:
                    f"{o.threshold:g}.")
     return clip_before_unscale(Observed(o.rung, Severity.ERROR, message, evidence=evidence,
                                         location=o.location))
+
+
+@dataclass(frozen=True)
+class WatchedScaledClip:
+    """The sentinel saw clip_grad_norm_ run before scaler.unscale_ in a real training: the norm
+    it saw, the loss scale, the threshold."""
+
+    rung: str
+    step: int
+    norm_seen: float
+    scale: float
+    max_norm: float
+    location: Location | None = None
+
+
+def watched_scaled_clip(o: WatchedScaledClip) -> Finding:
+    """`clip-before-unscale` in a real training: an error once the clip bites (the update
+    shrank against the one clipped in true space), a warning while it does not."""
+    true = o.norm_seen / o.scale
+    bites = o.norm_seen > o.max_norm
+    message = (f"Optimizer step {o.step}: clip_grad_norm_ ran before "
+               f"scaler.unscale_: it saw a gradient norm of {o.norm_seen:.6g} where the true "
+               f"norm is {true:.6g} (the loss scale {o.scale:g}), so the threshold "
+               f"{o.max_norm:g} was applied in scaled space"
+               + (" and the update shrank to "
+                  f"{min(1.0, o.max_norm / o.norm_seen) / min(1.0, o.max_norm / true):.3g}x "
+                  "the one clipped in true space." if bites else "."))
+    return clip_before_unscale(Observed(
+        o.rung, Severity.ERROR if bites else Severity.WARNING, message,
+        evidence={"measured": round(o.norm_seen / max(true, 1e-30), 6), "expected": 1.0,
+                  "scale": o.scale, "norm_seen_by_clip": round(o.norm_seen, 6),
+                  "true_norm": round(true, 6), "max_grad_norm": o.max_norm, "step": o.step},
+        location=o.location))

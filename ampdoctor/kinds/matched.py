@@ -164,3 +164,108 @@ def loop_sums_unaveraged(o: LoopSumsUnaveraged) -> Finding:
         evidence=o.comparison, location=o.location,
         fix=UNAVERAGED_FIX if o.unaveraged.weighting_differs else "",
         forced_clip=o.forced_clip))
+
+
+# --- the sentinel's replay of a window in a real training -------------------------------------
+
+
+@dataclass(frozen=True)
+class ReplayedWindow:
+    """The sentinel's fp32 replay of a window against what the step consumed: the ratio and
+    cosine, the window's K, the comparison keys, and which factor (if any) the consumed
+    gradient is of the full-window reference (K: not averaged, 1/K: averaged twice); None
+    with the relative error beyond the precision's allowance otherwise."""
+
+    rung: str
+    step: int
+    ratio: float
+    cosine: float
+    K: int
+    precision: str
+    comparison: Evidence
+    factor_kind: KindId | None = None
+    rel_err: float = 0.0
+    allowed: float = 0.0
+    location: Location | None = None
+
+
+def replayed_window(o: ReplayedWindow) -> Finding:
+    """`missing-accumulation-average` (K x), `double-average` (1/K) or `gradient-mismatch`
+    (another factor, beyond the tolerance) for a window the sentinel replayed: an error."""
+    lead = (f"Optimizer step {o.step}: the optimizer consumed {o.ratio:.4g}x the fp32 "
+            f"full-window reference gradient (cosine {o.cosine:.5f})")
+    evidence: Evidence = {**o.comparison, "measured": round(o.ratio, 6), "expected": 1.0}
+    if o.factor_kind is KindId.MISSING_ACCUMULATION_AVERAGE:
+        evidence["factor"] = o.K
+        return missing_accumulation_average(Observed(o.rung, Severity.ERROR,
+            f"{lead} = the sum of the K={o.K} micro-batch gradients: the loss is not divided "
+            "by accumulation_steps.", evidence=evidence, location=o.location))
+    if o.factor_kind is KindId.DOUBLE_AVERAGE:
+        evidence["factor"] = round(1 / o.K, 6)
+        return double_average(Observed(o.rung, Severity.ERROR,
+            f"{lead} = 1/K of it: the gradient is averaged twice (the loss divided by "
+            f"K={o.K} once too often).", evidence=evidence, location=o.location))
+    return DECIDERS[KindId.GRADIENT_MISMATCH](Observed(o.rung, Severity.ERROR,
+        f"{lead}, beyond the {o.precision} tolerance (relative error {o.rel_err:.3g}, allowed "
+        f"{o.allowed:.3g}).", evidence=evidence, location=o.location))
+
+
+@dataclass(frozen=True)
+class ReplayedWeighting:
+    """The sentinel's replay of a token/sample-weighted loss on ragged micro-batches: the
+    consumed gradient is `factor` x the equal-weight mean of the micro-batch means (1: a
+    weighting mismatch, K: not averaged, 1/K: averaged twice), the weights the run used and
+    those the window's counts mean, and what each micro-batch's own mean divides by."""
+
+    rung: str
+    step: int
+    kind: KindId
+    factor: float
+    K: int
+    ratio: float
+    cosine: float
+    hypothesis_error: float
+    counts: tuple[float, ...]
+    own: tuple[float, ...] | None
+    comparison: Evidence
+    location: Location | None = None
+
+
+def _number(value: float) -> float | int:
+    return int(value) if float(value).is_integer() else round(float(value), 6)
+
+
+def _listed(values: tuple[float, ...] | list[float]) -> str:
+    return "[" + ", ".join(f"{v:.6g}" for v in values) + "]"
+
+
+def replayed_weighting(o: ReplayedWeighting) -> Finding:
+    """The finding of a weighting the sentinel named: an error."""
+    n = len(o.counts)
+    total = sum(o.counts)
+    used = [round(1.0 / n, 6)] * n
+    meant = [round(c / total, 6) for c in o.counts]
+    evidence: Evidence = {**o.comparison, "measured": round(o.ratio, 6), "expected": 1.0,
+                          "hypothesis": "equal-weight mean of the per-micro-batch weighted means"
+                                        + ("" if o.factor == 1.0 else f" x {o.factor:.6g}"),
+                          "hypothesis_error": round(o.hypothesis_error, 6), "weights": used,
+                          "reference_weights": meant}
+    if o.factor != 1.0:
+        evidence["factor"] = o.K if o.factor > 1 else round(o.factor, 6)
+    lead = (f"Optimizer step {o.step}: the optimizer consumed "
+            + ("" if o.factor == 1.0 else f"{o.factor:.4g}x ")
+            + "the equal-weight mean of the micro-batches' own means (norm ratio "
+            f"{o.ratio:.4g}, cosine {o.cosine:.5f} to the weighted fp32 reference)")
+    weights = (f" The run weighted its micro-batches {_listed(used)}; the reference (the "
+               f"window's {_number(total)} items, counted {_listed(o.counts)}) "
+               f"weighs them {_listed(meant)}.")
+    if o.own is not None and o.own != o.counts:
+        weights += (f" Each micro-batch's own mean divides by {_listed(o.own)} items.")
+    what = {KindId.WEIGHTED_AVERAGE_MISMATCH:
+            ": micro-batches with few tokens count as much as full ones.",
+            KindId.MISSING_ACCUMULATION_AVERAGE:
+            f": the loss is not divided over the window (K={o.K}).",
+            KindId.DOUBLE_AVERAGE:
+            f": the gradient is averaged twice (once more by K={o.K})."}
+    return DECIDERS[o.kind](Observed(o.rung, Severity.ERROR, lead + what[o.kind] + weights,
+                                     evidence=evidence, location=o.location))
