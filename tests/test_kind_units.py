@@ -501,3 +501,16 @@ def test_too_few_steps(steps, says):
     finding = too_few_steps(TooFewSteps(RungId.FP32_ACCUM, steps, 3, 4, 8, 12, backwards=8))
     assert finding.severity is Severity.ERROR and finding.message.startswith(says)
     assert finding.evidence["measured"] == steps
+
+
+def test_a_call_order_no_reference_measured_is_a_warning_that_says_so():
+    """Script mode without --reference-args: the state machine's finding cannot be weighed
+    against an update, so it is a warning whatever it would be with a reference."""
+    from ampdoctor.kinds.base import UNMEASURED
+    from ampdoctor.kinds.scaling import SecondUnscale, second_unscale
+    finding = second_unscale(SecondUnscale(RungId.FP16_SCALER, 0, 1024.0, unmeasured=True))
+    assert finding.severity is Severity.WARNING
+    assert finding.message == ("unscale_() called twice on the same optimizer in one step"
+                               + UNMEASURED)
+    assert UNMEASURED == (" (No reference was run, so whether the update differs was not "
+                          "measured.)")

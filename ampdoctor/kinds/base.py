@@ -105,6 +105,10 @@ def skip_severity(consequence: bool, *, own_scaler: bool) -> Severity:
     return Severity.ERROR if consequence and own_scaler else Severity.WARNING
 
 
+#: Said after a call order a script showed with no reference run: its consequence is unknown.
+UNMEASURED = " (No reference was run, so whether the update differs was not measured.)"
+
+
 def matched_but(why: str, message: str) -> str:
     """The warning of a call order whose fp16 updates all matched the reference: why it is
     still fragile, then what the call order was."""

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from ..enums import KindId, Severity
 from ..evidence import Evidence, significant
 from ..findings import Finding, Location
-from .base import Kind, Observed, matched_but
+from .base import UNMEASURED, Kind, Observed, matched_but
 
 CLIP_BEFORE_UNSCALE = Kind(
     KindId.CLIP_BEFORE_UNSCALE,
@@ -79,6 +79,7 @@ class ScaledClip:
     unscaled_others: tuple[int, ...] = ()
     location: Location | None = None
     update_matched: bool = False
+    unmeasured: bool = False            # no reference run compared the update (a script)
 
 
 def scaled_clip(o: ScaledClip) -> Finding:
@@ -113,6 +114,9 @@ def scaled_clip(o: ScaledClip) -> Finding:
                     "unscaled" + (f" although optimizer(s) {unscaled} had: the clip "
                                   "mixed scaled and true gradients" if unscaled else "")
                     + f"; call scaler.unscale_() on optimizer {o.optimizer} before clipping.")
+    if o.unmeasured:
+        return clip_before_unscale(Observed(o.rung, Severity.WARNING, message + UNMEASURED,
+                                            evidence=evidence, location=o.location))
     if o.update_matched:
         return clip_before_unscale(Observed(o.rung, Severity.WARNING, matched_but(
             "it clipped gradients still multiplied by the loss scale; it has not bitten yet, "

@@ -12,6 +12,7 @@ say what they could not compare.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -21,17 +22,15 @@ from ..deciders import Observed
 from ..enums import RungId, Severity, Status
 from ..findings import Finding, RungResult, conclude, location
 from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
+from ..kinds.clipping import ScaledClip
+from ..kinds.scaling import SecondUnscale, StepOnScaled
 from ..kinds.stepping import ZeroedInside, zeroed_inside
 from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
 from ..ladder.analysis import loop_error_finding, scheduler_findings
 from ..ladder.casts import weight_cast_finding
 from ..ladder.reproducibility import repeat_tolerance
 from ..probe.events import Backward, Clip, Scale, ZeroGrad
-from ..rules.scale_state import (
-    SCALE_TRAJECTORY_KINDS,
-    runtime_double_scaling,
-    violation_findings,
-)
+from ..rules.scale_state import call_order_finding, runtime_double_scaling, violation_observations
 from .lrs import lr_mismatch
 from .references import Grads
 from .session import ScriptSession, ScriptTrace
@@ -147,14 +146,11 @@ def _without_reference(ss: ScriptSession, trace: ScriptTrace, rung: RungId) -> R
     if trace.precision != "fp32":
         findings += amp.half_open_findings(ss, trace, rung)  # type: ignore[arg-type]
     if trace.precision == "fp16" and not any(f.severity == "error" for f in findings):
-        for v in violation_findings(ss, trace, rung):  # type: ignore[arg-type]
-            if v.kind in SCALE_TRAJECTORY_KINDS:
-                findings.append(v)
-            else:   # a call order whose consequence was not measured: at most a warning
-                findings.append(deciders.decide(v.kind, Observed(
-                    v.rung, Severity.WARNING, v.message + " (No reference was run, so whether the "
-                    "update differs was not measured.)", evidence=v.evidence,
-                    location=v.location)))
+        for v in violation_observations(ss, trace, rung):  # type: ignore[arg-type]
+            if isinstance(v, (ScaledClip, StepOnScaled, SecondUnscale)):
+                # a call order whose consequence was not measured: at most a warning
+                v = replace(v, unmeasured=True)
+            findings.append(call_order_finding(v))
         double = runtime_double_scaling(ss.trace("fp32"), trace, rung)
         if double is not None:
             findings.append(double)
