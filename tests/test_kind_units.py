@@ -514,3 +514,18 @@ def test_a_call_order_no_reference_measured_is_a_warning_that_says_so():
                                + UNMEASURED)
     assert UNMEASURED == (" (No reference was run, so whether the update differs was not "
                           "measured.)")
+
+
+@pytest.mark.parametrize("norm, severity", [(4096.0, Severity.ERROR), (0.5, Severity.WARNING)])
+def test_a_scripts_scaled_clip_fails_once_it_shrinks_the_update(norm, severity):
+    """Scale 1024, threshold 1: a scaled norm of 4096 (true 4) is clipped by 1/4096 where true
+    space clips by 1/4 (a shrink of 1/1024); a scaled norm of 0.5 is not clipped either way."""
+    from ampdoctor import thresholds
+    from ampdoctor.kinds.clipping import ScriptScaledClip, script_scaled_clip
+    seen, meant = min(1.0, 1.0 / norm), min(1.0, 1.0 / (norm / 1024.0))
+    assert (seen / meant < thresholds.CLIP_BITES_BELOW) is (severity is Severity.ERROR)
+    finding = script_scaled_clip(ScriptScaledClip(RungId.CLIP_SPACE, norm, 1024.0, 1.0))
+    assert finding.severity is severity
+    assert finding.evidence["clip_coefficient"] == float(f"{seen:.6g}")
+    assert f"It multiplied the gradient by {seen:.4g} where the threshold 1 in true space " \
+        f"gives {meant:.4g}" in finding.message

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from .. import thresholds
 from ..enums import KindId, Severity
 from ..evidence import Evidence, significant
 from ..findings import Finding, Location
@@ -203,4 +204,35 @@ def watched_scaled_clip(o: WatchedScaledClip) -> Finding:
         evidence={"measured": round(o.norm_seen / max(true, 1e-30), 6), "expected": 1.0,
                   "scale": o.scale, "norm_seen_by_clip": round(o.norm_seen, 6),
                   "true_norm": round(true, 6), "max_grad_norm": o.max_norm, "step": o.step},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class ScriptScaledClip:
+    """A script's clip saw the gradient norm times the loss scale (read from the run alone, no
+    reference): the norm it saw, the scale, its threshold."""
+
+    rung: str
+    norm_seen: float
+    scale: float
+    max_norm: float
+    location: Location | None = None
+
+
+def script_scaled_clip(o: ScriptScaledClip) -> Finding:
+    """`clip-before-unscale` in a script: an error when the clip coefficient in scaled space
+    shrinks the update by more than a biting clip does against the one the threshold gives in
+    true space (`CLIP_BITES_BELOW`), a warning while it is the same update."""
+    seen = min(1.0, o.max_norm / o.norm_seen)
+    meant = min(1.0, o.max_norm / (o.norm_seen / o.scale))
+    changed = seen / meant < thresholds.CLIP_BITES_BELOW
+    return clip_before_unscale(Observed(o.rung, Severity.ERROR if changed else Severity.WARNING,
+        f"clip_grad_norm_ saw a gradient norm of {o.norm_seen:.6g}, {o.scale:g} times (the "
+        f"loss scale) the true norm: it ran before scaler.unscale_. It multiplied the gradient "
+        f"by {seen:.4g} where the threshold {o.max_norm:g} in true space gives {meant:.4g}"
+        + (": the update is that much smaller than the script means." if changed else
+           ": the same update here, but the threshold is in the wrong space."),
+        evidence={"measured": significant(o.norm_seen / (o.norm_seen / o.scale)),
+                  "expected": 1.0, "scale": o.scale, "clip_coefficient": significant(seen),
+                  "meant_coefficient": significant(meant), "max_grad_norm": o.max_norm},
         location=o.location))

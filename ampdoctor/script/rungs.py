@@ -17,12 +17,11 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders, thresholds
-from ..deciders import Observed
-from ..enums import RungId, Severity, Status
+from .. import compare, thresholds
+from ..enums import RungId, Status
 from ..findings import Finding, RungResult, conclude, location
 from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
-from ..kinds.clipping import ScaledClip
+from ..kinds.clipping import ScaledClip, ScriptScaledClip, script_scaled_clip
 from ..kinds.scaling import SecondUnscale, StepOnScaled
 from ..kinds.stepping import ZeroedInside, zeroed_inside
 from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
@@ -266,21 +265,8 @@ def _clip_space_from_trace(ss: ScriptSession, trace: ScriptTrace) -> RungResult:
                           f"to unscaled {shown}); " + _no_reference(ss), details=details)
     clip = clips[0]
     assert clip.total_norm is not None and clip.max_norm is not None
-    seen = min(1.0, clip.max_norm / clip.total_norm)
-    meant = min(1.0, clip.max_norm / (clip.total_norm / scale))
-    # (the same shrink as a clip that bites at all: thresholds.CLIP_BITES_BELOW)
-    changed = seen / meant < thresholds.CLIP_BITES_BELOW
-    severity = Severity.ERROR if changed else Severity.WARNING
-    finding = deciders.clip_before_unscale(Observed(rung, severity,
-        f"clip_grad_norm_ saw a gradient norm of {clip.total_norm:.6g}, {scale:g} times (the "
-        f"loss scale) the true norm: it ran before scaler.unscale_. It multiplied the gradient "
-        f"by {seen:.4g} where the threshold {clip.max_norm:g} in true space gives {meant:.4g}"
-        + (": the update is that much smaller than the script means." if changed else
-           ": the same update here, but the threshold is in the wrong space."),
-        evidence={"measured": compare._round(clip.total_norm / (clip.total_norm / scale)),
-                  "expected": 1.0, "scale": scale, "clip_coefficient": compare._round(seen),
-                  "meant_coefficient": compare._round(meant), "max_grad_norm": clip.max_norm},
-        location=location(clip.site)))
+    finding = script_scaled_clip(ScriptScaledClip(rung, clip.total_norm, scale, clip.max_norm,
+                                                  location=location(clip.site)))
     return conclude(rung, [finding], "", details)
 
 
