@@ -13,7 +13,7 @@ This module must not import torch: the static scan, `report` and `explain` run w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ..enums import KindId, Severity
 from ..evidence import significant
@@ -117,3 +117,35 @@ def second_scale(o: SecondScale) -> Finding:
                   "extra_factor": significant(extra), "skipped_steps": o.skipped_steps,
                   "scaler_steps": o.scaler_steps},
         location=o.location))
+
+
+@dataclass(frozen=True)
+class PrecisionsDisagree:
+    """The static scan: the HF Trainer asks for one precision and hands DeepSpeed a config that
+    enables another (both settings own the one engine's precision)."""
+
+    rung: str
+    asked: str                  # the Trainer's ("fp16", "bf16")
+    asked_at: str               # where, as the scan shows it
+    enabled: str                # the config's
+    enabled_at: str
+    entry: str
+    owners: tuple[dict[str, Any], ...]
+    location: Location | None = None
+
+
+def precisions_disagree(o: PrecisionsDisagree) -> Finding:
+    """`double-scaling` of two precision owners on one engine: an error (transformers refuses
+    the run when it starts)."""
+    return double_scaling(Observed(o.rung, Severity.ERROR,
+        f"The HF Trainer asks for {o.asked} ({o.asked_at}) and hands "
+        f"DeepSpeed a config that enables {o.enabled} ({o.enabled_at}): "
+        "two settings own the precision of one engine and disagree. "
+        "transformers refuses explicit config values that contradict "
+        "TrainingArguments when it starts.",
+        evidence={"measured": 2, "expected": 1, "scope": "same-path", "entry": o.entry,
+                  "owners": list(o.owners)},
+        location=o.location,
+        fix=(f'Set the config\'s "{o.enabled}" and "{o.asked}" `enabled` to "auto" so the '
+             "Trainer fills them in from TrainingArguments, or make both ask for the "
+             "same precision.")))
