@@ -113,3 +113,15 @@ def matched_but(why: str, message: str) -> str:
     """The warning of a call order whose fp16 updates all matched the reference: why it is
     still fragile, then what the call order was."""
     return f"Every fp16 update matched the reference, but {why}. ({message})"
+
+
+def call_order_verdict(message: str, fragile: str, *, update_matched: bool,
+                       unmeasured: bool) -> tuple[Severity, str]:
+    """The severity and words of a call order the step state machine saw: an error where it
+    explains a mismatch the judge found; a warning saying why it is `fragile` while every
+    update matched; a warning saying nothing measured it (a script run without a reference)."""
+    if unmeasured:
+        return Severity.WARNING, message + UNMEASURED
+    if update_matched:
+        return Severity.WARNING, matched_but(fragile, message)
+    return Severity.ERROR, message

@@ -17,7 +17,7 @@ from .. import thresholds
 from ..enums import KindId, Severity
 from ..evidence import Evidence, significant
 from ..findings import Finding, Location
-from .base import UNMEASURED, Kind, Observed, matched_but
+from .base import Kind, Observed, call_order_verdict
 
 CLIP_BEFORE_UNSCALE = Kind(
     KindId.CLIP_BEFORE_UNSCALE,
@@ -115,16 +115,12 @@ def scaled_clip(o: ScaledClip) -> Finding:
                     "unscaled" + (f" although optimizer(s) {unscaled} had: the clip "
                                   "mixed scaled and true gradients" if unscaled else "")
                     + f"; call scaler.unscale_() on optimizer {o.optimizer} before clipping.")
-    if o.unmeasured:
-        return clip_before_unscale(Observed(o.rung, Severity.WARNING, message + UNMEASURED,
-                                            evidence=evidence, location=o.location))
-    if o.update_matched:
-        return clip_before_unscale(Observed(o.rung, Severity.WARNING, matched_but(
-            "it clipped gradients still multiplied by the loss scale; it has not bitten yet, "
-            "but once the scale grows (or the gradients do) the threshold acts on S x the true "
-            "norm and the update shrinks by 1/S", message), evidence=evidence,
-            location=o.location))
-    return clip_before_unscale(Observed(o.rung, Severity.ERROR, message, evidence=evidence,
+    severity, text = call_order_verdict(
+        message, "it clipped gradients still multiplied by the loss scale; it has not bitten "
+        "yet, but once the scale grows (or the gradients do) the threshold acts on S x the true "
+        "norm and the update shrinks by 1/S",
+        update_matched=o.update_matched, unmeasured=o.unmeasured)
+    return clip_before_unscale(Observed(o.rung, severity, text, evidence=evidence,
                                         location=o.location))
 
 

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from ..enums import KindId, Severity
 from ..evidence import Evidence, significant
 from ..findings import Finding, Location
-from .base import FORCED_FP16, UNMEASURED, Kind, Observed, matched_but, skip_severity
+from .base import FORCED_FP16, Kind, Observed, call_order_verdict, skip_severity
 
 MISSING_UNSCALE = Kind(
     KindId.MISSING_UNSCALE,
@@ -215,15 +215,11 @@ def step_on_scaled(o: StepOnScaled) -> Finding:
                + (f": its gradient is {o.ratio:.6g}x the reference." if o.ratio else ".")
                + " scaler.step() was bypassed, so it was never unscaled nor checked for "
                  "inf.")
-    if o.unmeasured:
-        return missing_unscale(Observed(o.rung, Severity.WARNING, message + UNMEASURED,
-                                        evidence=evidence, location=o.location))
-    if o.update_matched:
-        return missing_unscale(Observed(o.rung, Severity.WARNING, matched_but(
-            "optimizer.step() bypassed scaler.step(), so no inf check guards it; it matched "
-            "only because the scale was 1 here", message), evidence=evidence,
-            location=o.location))
-    return missing_unscale(Observed(o.rung, Severity.ERROR, message, evidence=evidence,
+    severity, text = call_order_verdict(
+        message, "optimizer.step() bypassed scaler.step(), so no inf check guards it; it "
+        "matched only because the scale was 1 here",
+        update_matched=o.update_matched, unmeasured=o.unmeasured)
+    return missing_unscale(Observed(o.rung, severity, text, evidence=evidence,
                                     location=o.location))
 
 
@@ -245,14 +241,10 @@ def second_unscale(o: SecondUnscale) -> Finding:
     warning while every update matched."""
     evidence: Evidence = {"scale": o.scale, "window": o.window, "measured": 2, "expected": 1}
     message = "unscale_() called twice on the same optimizer in one step"
-    if o.unmeasured:
-        return unscale_twice(Observed(o.rung, Severity.WARNING, message + UNMEASURED,
-                                      evidence=evidence, location=o.location))
-    if o.update_matched:
-        return unscale_twice(Observed(o.rung, Severity.WARNING, matched_but(
-            "unscale_ ran twice for one step", message), evidence=evidence,
-            location=o.location))
-    return unscale_twice(Observed(o.rung, Severity.ERROR, message, evidence=evidence,
+    severity, text = call_order_verdict(message, "unscale_ ran twice for one step",
+                                        update_matched=o.update_matched,
+                                        unmeasured=o.unmeasured)
+    return unscale_twice(Observed(o.rung, severity, text, evidence=evidence,
                                   location=o.location))
 
 
