@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import shards, thresholds
-from .evidence import Evidence
+from .enums import KindId
+from .evidence import Evidence, significant
 
 #: Gradients (or weights) by parameter name; read only here.
 Grads = Mapping[str, "torch.Tensor | None"]
@@ -98,10 +99,7 @@ class Metrics:
                 "norm_reference": _round(self.norm_ref)}
 
 
-def _round(value: float, digits: int = 6) -> float:
-    if not math.isfinite(value) or value == 0:
-        return value
-    return float(f"{value:.{digits}g}")
+_round = significant
 
 
 #: Sums of squares and dot products run over chunks of this many elements, each chunk copied
@@ -287,25 +285,27 @@ def window_hypotheses(per_mb: list[torch.Tensor], counts: list[float], weighted:
     sums = [g * n for g, n in zip(per_mb, counts, strict=False)]
     summed = torch.stack(sums).sum(0)
     out = [
-        Hypothesis("missing-accumulation-average", f"sum of the {K} micro-batch gradients "
+        Hypothesis(KindId.MISSING_ACCUMULATION_AVERAGE, f"sum of the {K} micro-batch gradients "
                    "(loss not divided by K)", equal * K, float(K)),
-        Hypothesis("double-average", f"the step gradient divided by K={K} once more",
+        Hypothesis(KindId.DOUBLE_AVERAGE, f"the step gradient divided by K={K} once more",
                    reference / K, 1.0 / K),
-        Hypothesis("double-average", f"the equal-weight mean divided by K={K} once more",
+        Hypothesis(KindId.DOUBLE_AVERAGE, f"the equal-weight mean divided by K={K} once more",
                    equal / K, 1.0 / K),
-        Hypothesis("reduction-mismatch", "per-sample sum divided by K (reduction='sum' with / K)",
+        Hypothesis(KindId.REDUCTION_MISMATCH,
+                   "per-sample sum divided by K (reduction='sum' with / K)",
                    summed / K, total_count / K),
-        Hypothesis("reduction-mismatch", "per-sample sum not averaged at all (reduction='sum')",
+        Hypothesis(KindId.REDUCTION_MISMATCH,
+                   "per-sample sum not averaged at all (reduction='sum')",
                    summed, total_count),
     ]
     if weighted:
-        out.append(Hypothesis("weighted-average-mismatch",
+        out.append(Hypothesis(KindId.WEIGHTED_AVERAGE_MISMATCH,
                               "equal-weight mean of the per-micro-batch weighted means",
                               equal, None, {"weights": [_round(c) for c in counts]}))
     else:
         # Without weights known to ampdoctor (loop-as-reference mode), an equal-weight mean that
         # differs from the whole-step gradient still means the loop weights micro-batches equally.
-        out.append(Hypothesis("weighted-average-mismatch",
+        out.append(Hypothesis(KindId.WEIGHTED_AVERAGE_MISMATCH,
                               "equal-weight mean of the per-micro-batch means", equal, None))
     # zero_grad inside the window: only micro-batches j..K-1 reach the step.
     starts = range(1, K) if contributing_from is None else [contributing_from]
@@ -316,13 +316,13 @@ def window_hypotheses(per_mb: list[torch.Tensor], counts: list[float], weighted:
         tail_plain = torch.stack(per_mb[j:]).sum(0)
         label = f"only micro-batches {j}..{K - 1} of the window"
         extra: Evidence = {"contributing_microbatches": K - j}
-        out.append(Hypothesis("zero-grad-inside-accumulation", label + " (each / K)", tail_eq,
+        out.append(Hypothesis(KindId.ZERO_GRAD_INSIDE_ACCUMULATION, label + " (each / K)", tail_eq,
                               None, extra))
-        out.append(Hypothesis("zero-grad-inside-accumulation", label, tail_plain, None, extra))
+        out.append(Hypothesis(KindId.ZERO_GRAD_INSIDE_ACCUMULATION, label, tail_plain, None, extra))
         if weighted and total_count > 0:
             tail_w = torch.stack(sums[j:]).sum(0) / total_count
-            out.append(Hypothesis("zero-grad-inside-accumulation", label + " (weighted)", tail_w,
-                                  None, extra))
+            out.append(Hypothesis(KindId.ZERO_GRAD_INSIDE_ACCUMULATION, label + " (weighted)",
+                                  tail_w, None, extra))
     return out
 
 
@@ -345,9 +345,9 @@ def scale_hypotheses(reference: torch.Tensor, scale: float | None) -> list[Hypot
     if not scale or scale == 1.0:
         return []
     return [
-        Hypothesis("missing-unscale", f"the reference times the loss scale S={scale:g}",
+        Hypothesis(KindId.MISSING_UNSCALE, f"the reference times the loss scale S={scale:g}",
                    reference * scale, scale),
-        Hypothesis("unscale-twice", f"the reference divided by the loss scale S={scale:g}",
+        Hypothesis(KindId.UNSCALE_TWICE, f"the reference divided by the loss scale S={scale:g}",
                    reference / scale, 1.0 / scale),
     ]
 

@@ -15,9 +15,18 @@ This module must not import torch: `report` and `explain` run without it.
 
 from __future__ import annotations
 
+import math
 from typing import Any, TypedDict
 
-__all__ = ["Evidence"]
+__all__ = ["Evidence", "significant"]
+
+
+def significant(value: float, digits: int = 6) -> float:
+    """`value` to `digits` significant figures, the one rounding of a number in the evidence
+    (0, inf and nan as they are)."""
+    if not math.isfinite(value) or value == 0:
+        return value
+    return float(f"{value:.{digits}g}")
 
 Evidence = TypedDict("Evidence", {
     # the measured value against the expected one (see kinds.RULES[kind].measured)

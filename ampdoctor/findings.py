@@ -1,9 +1,9 @@
 """The `Finding` / `RungResult` data every rung returns, and the rung ids (`RungId`).
 
-What each kind means and how to fix it is said in one place, `kinds` (`ampdoctor explain KIND`
-prints it; `KINDS`, `CATALOGUE`, `RULES` are importable from here too); the rungs only decide
-*whether* a kind applies and attach the numbers of the run that shows it. Grep a kind's name to
-find where it is raised.
+What each kind means, how to fix it and how it is decided is said in one place, its unit under
+`ampdoctor/kinds/` (`ampdoctor explain KIND` prints it; `KINDS`, `CATALOGUE`, `RULES` are
+importable from `ampdoctor.kinds`); a kind's decider fills a finding's title and fix from its
+catalogue entry. Grep a kind's `KindId` member to find where it is observed.
 
 This module must not import torch: `report` and `explain` run without it.
 """
@@ -15,11 +15,9 @@ from typing import Any
 
 from .enums import KindId, RungId, Severity, Status
 from .evidence import Evidence
-from .kinds import CATALOGUE, KINDS, RULES, Kind, Rule
 
-__all__ = ["Severity", "Status", "KindId", "RungId", "RUNG_IDS", "RUNG_STATUSES", "Kind",
-           "KINDS", "CATALOGUE", "Rule", "RULES", "Evidence", "Location", "location", "Finding",
-           "RungResult", "conclude", "status_from_findings"]
+__all__ = ["Severity", "Status", "KindId", "RungId", "RUNG_IDS", "RUNG_STATUSES", "Evidence",
+           "Location", "location", "Finding", "RungResult", "conclude", "status_from_findings"]
 
 #: The rung ids, in ladder order (the order of `RungId`).
 RUNG_IDS: tuple[RungId, ...] = tuple(RungId)
@@ -49,7 +47,8 @@ def location(site: Any) -> Location | None:
 
 @dataclass(frozen=True)
 class Finding:
-    """One diagnosis: a kind from the catalogue plus the numbers of this run."""
+    """One diagnosis: a kind from the catalogue plus the numbers of this run (built only by the
+    kind's decider, which gives it the catalogue's title and fix unless the rule wrote its own)."""
 
     #: a `RungId`, or "scan" for a finding of the static scan
     rung: str
@@ -64,16 +63,13 @@ class Finding:
     traceback: str | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in CATALOGUE:
+        if self.kind not in tuple(KindId):
             raise ValueError(f"unknown finding kind {self.kind!r}")
         if self.severity not in tuple(Severity):
             raise ValueError(f"unknown severity {self.severity!r}")
         # a kind or severity given as its plain string (a record read back) becomes the member
         object.__setattr__(self, "kind", KindId(self.kind))
         object.__setattr__(self, "severity", Severity(self.severity))
-        entry = CATALOGUE[self.kind]
-        object.__setattr__(self, "title", self.title or entry.title)
-        object.__setattr__(self, "fix", self.fix or entry.fix)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("ampdoctor", "ampdoctor._version", "ampdoctor.errors", "ampdoctor.safetext",
                     "ampdoctor.limits",
                     "ampdoctor.thresholds", "ampdoctor.findings", "ampdoctor.findings.*",
-                    "ampdoctor.kinds", "ampdoctor.enums", "ampdoctor.evidence",
+                    "ampdoctor.kinds", "ampdoctor.kinds.*", "ampdoctor.enums", "ampdoctor.evidence",
                     "ampdoctor.deciders", "ampdoctor.kind_text", "ampdoctor.progress",
                     "ampdoctor.memory",
                     "ampdoctor.source_snippet", "ampdoctor.process_state",

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from ampdoctor import __version__
-from ampdoctor.findings import CATALOGUE, RUNG_IDS
+from ampdoctor.findings import RUNG_IDS
+from ampdoctor.kinds import CATALOGUE
 from conftest import CONFIGS, RECIPES, marked_line, run_cli, run_cli_process
 
 
@@ -119,7 +120,7 @@ def test_explain_list_json_gives_every_kind_and_its_decider():
         module, _, function = entry["decided_in"].partition(":")
         assert callable(getattr(importlib.import_module(module), function))
     shown = run_cli("explain", "double-average")
-    assert "ampdoctor.deciders:double_average" in shown.stdout
+    assert "ampdoctor.kinds.accumulation:double_average" in shown.stdout
     assert run_cli("explain", "double-average", "--list").returncode == 2
 
 

@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ampdoctor.findings import CATALOGUE, RUNG_IDS
+from ampdoctor.findings import RUNG_IDS
+from ampdoctor.kinds import CATALOGUE
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the CLI as the console script runs it, telling at exit whether torch was imported

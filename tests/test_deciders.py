@@ -19,8 +19,8 @@ import pytest
 from ampdoctor import deciders, thresholds
 from ampdoctor.deciders import FORCED_FP16, Observed, ScheduleOnSkips
 from ampdoctor.enums import KindId, Severity
-from ampdoctor.findings import CATALOGUE, Location
-from ampdoctor.kind_text import ERROR_WHEN
+from ampdoctor.findings import Location
+from ampdoctor.kinds import CATALOGUE, ERROR_WHEN, FRAMEWORK_FIXES
 from ampdoctor.probe.events import SchedulerStep, make_event
 from ampdoctor.rules.schedule import lr_shift
 
@@ -203,7 +203,7 @@ def _observed(framework: str | None = None, fix: str = "") -> Observed:
 @pytest.mark.parametrize("framework", ["accelerate", "Lightning", "Fabric"])
 def test_accumulation_fix_is_said_in_the_frameworks_terms(decider, kind, framework):
     finding = decider(_observed(framework))
-    assert finding.fix == deciders.FRAMEWORK_FIXES[(kind, framework)]
+    assert finding.fix == FRAMEWORK_FIXES[(kind, framework)]
     assert finding.fix != CATALOGUE[kind].fix
 
 
@@ -213,11 +213,11 @@ FRAMEWORKS = ("accelerate", "HF Trainer", "Lightning", "Fabric")
 @pytest.mark.parametrize("kind", ["double-average", "missing-accumulation-average",
                                   "reduction-mismatch", "weighted-average-mismatch"])
 def test_every_division_kind_has_a_fix_in_every_frameworks_terms(kind):
-    assert all((kind, framework) in deciders.FRAMEWORK_FIXES for framework in FRAMEWORKS)
+    assert all((kind, framework) in FRAMEWORK_FIXES for framework in FRAMEWORKS)
 
 
 def test_the_division_fixes_name_who_divides():
-    fixes = deciders.FRAMEWORK_FIXES
+    fixes = FRAMEWORK_FIXES
     # accelerate divides: the loop's own division goes (the catalogue says keep `loss / K`)
     assert fixes[("double-average", "accelerate")].startswith("Remove your own division")
     assert "keep `loss" in CATALOGUE["double-average"].fix
@@ -290,3 +290,14 @@ def _session(precisions=("fp32", "bf16", "fp16"), scalers=None, autocasts=None):
 def test_own_precision_scaled(session, scaled):
     from ampdoctor.ladder.skips import own_precision_scaled
     assert own_precision_scaled(session) is scaled
+
+
+def test_kinds_md_error_when_is_generated_from_the_units():
+    """`python -m ampdoctor.kinds.docs docs/kinds.md` rewrites the bullets from the units: the
+    page as committed is what it writes, and a unit's changed text is caught."""
+    from ampdoctor.kinds import docs as kind_docs
+    page = (Path(__file__).resolve().parents[1] / "docs" / "kinds.md").read_text()
+    assert kind_docs.disagreeing(page) == []
+    assert kind_docs.synced(page) == page
+    stale = page.replace("no later comparison could mean anything", "nothing", 1)
+    assert kind_docs.disagreeing(stale) == [KindId.NONDETERMINISTIC_BASELINE]

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from ampdoctor import spec as spec_module
 from ampdoctor.cli import app
-from ampdoctor.findings import CATALOGUE, RULES, RUNG_IDS
+from ampdoctor.findings import RUNG_IDS
+from ampdoctor.kinds import CATALOGUE, RULES
 from ampdoctor.record_model import RecordModel, validate
 from ampdoctor.spec import Spec
 

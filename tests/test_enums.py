@@ -12,15 +12,13 @@ import pytest
 
 from ampdoctor.enums import KindId, RungId, Severity, Status, StrEnum
 from ampdoctor.findings import (
-    CATALOGUE,
-    KINDS,
-    RULES,
     RUNG_IDS,
     RUNG_STATUSES,
     Finding,
     RungResult,
     conclude,
 )
+from ampdoctor.kinds import CATALOGUE, KINDS, RULES
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -170,7 +170,7 @@ def test_the_rules_read_the_same_norms_from_the_scalars_a_step_judged_as_it_ran_
     from ampdoctor.ladder import amp
     from ampdoctor.rules import scale_state
 
-    original = amp.violation_findings
+    original = amp.violation_observations
     seen = {}
 
     def spy(session, trace, rung):
@@ -180,7 +180,7 @@ def test_the_rules_read_the_same_norms_from_the_scalars_a_step_judged_as_it_ran_
             [scale_state.step_ratio(session, trace, e) for e in trace.events_of(OptimizerStep)])
         return original(session, trace, rung)
 
-    monkeypatch.setattr(amp, "violation_findings", spy)
+    monkeypatch.setattr(amp, "violation_observations", spy)
     spec = ROOT / "sample_configs" / "healthy_clip_active.yaml"
     for as_it_runs in (True, False):
         _diagnose(monkeypatch, spec, as_it_runs)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.deciders import Observed
-from ampdoctor.findings import CATALOGUE, RULES, Finding, KindId
+from ampdoctor.findings import Finding, KindId
+from ampdoctor.kinds import CATALOGUE, RULES, Observed
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ampdoctor"
@@ -188,7 +188,7 @@ def test_a_second_decision_site_fails_with_the_kind_and_the_line():
         "    return Finding(rung, \"double-average\", \"error\", \"averaged twice\")\n")
     assert problems(sources) == [
         "double-average: decided at ampdoctor/rules/stray.py:4 (stray) besides its decider "
-        "ampdoctor.deciders:double_average"]
+        "ampdoctor.kinds.accumulation:double_average"]
 
 
 def test_a_kind_from_a_variable_or_a_hand_written_record_fails():
@@ -203,18 +203,19 @@ def test_a_kind_from_a_variable_or_a_hand_written_record_fails():
     assert found[0].startswith("ampdoctor/rules/stray.py:2 (stray): builds a finding whose "
                                "kind is not a literal")
     assert found[1] == ("loop-error: decided at ampdoctor/rules/stray.py:3 (stray) besides "
-                        "its decider ampdoctor.deciders:loop_error")
+                        "its decider ampdoctor.kinds.loop_error:loop_error")
 
 
 def test_a_decider_that_builds_another_kind_fails_for_both_kinds():
     sources = package_sources()
-    text = sources["ampdoctor/deciders.py"]
+    text = sources["ampdoctor/kinds/accumulation.py"]
     wrong = text.replace("Finding(seen.rung, KindId.DOUBLE_AVERAGE",
                          "Finding(seen.rung, KindId.MISSING_ACCUMULATION_AVERAGE", 1)
     assert wrong != text
-    sources["ampdoctor/deciders.py"] = wrong
+    sources["ampdoctor/kinds/accumulation.py"] = wrong
     found = problems(sources)
-    assert any(p.startswith("missing-accumulation-average: decided at ampdoctor/deciders.py:")
+    assert any(p.startswith("missing-accumulation-average: decided at "
+                            "ampdoctor/kinds/accumulation.py:")
                and "(double_average)" in p for p in found), found
-    assert "double-average: its decider ampdoctor.deciders:double_average never builds it" \
-        in found
+    assert ("double-average: its decider ampdoctor.kinds.accumulation:double_average never "
+            "builds it") in found

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.findings import CATALOGUE, RungResult
+from ampdoctor.findings import RungResult
+from ampdoctor.kinds import CATALOGUE
 from ampdoctor.ladder.double_scaling import evaluate
 from ampdoctor.scan import ScanPathError, scan_paths
 from ampdoctor.scan.command import run_scan

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ampdoctor.probe.events import EVENT_TYPES, make_event
-from ampdoctor.probe.statemachine import StepStateMachine
+from ampdoctor.probe.statemachine import Illegal, StepStateMachine
 
 P0, P1 = 100, 200   # param ids: P0 belongs to optimizer 0, P1 to optimizer 1
 
@@ -33,9 +33,16 @@ GOOD_TAIL = [ev("unscale", 0, enabled=True), ev("clip", param_ids=[P0]),
              ev("scaler_step", 0), ev("step", 0, via_scaler=True), ev("update"), ev("zero_grad", 0)]
 
 
+#: the kind each illegal transition is first read as (rules/scale_state.py's observations)
+KIND_OF = {Illegal.SCALE_OF_SCALED: "double-scaling", Illegal.SECOND_UNSCALE: "unscale-twice",
+           Illegal.CLIP_WHILE_SCALED: "clip-before-unscale",
+           Illegal.STEP_WHILE_SCALED: "missing-unscale",
+           Illegal.UPDATE_WITHOUT_STEP: "update-per-microbatch"}
+
+
 def kinds(events):
     machine = StepStateMachine({P0: 0, P1: 1})
-    return [v.kind for v in machine.feed_all(events)]
+    return [KIND_OF[v.kind] for v in machine.feed_all(events)]
 
 
 def test_correct_order_is_legal_over_several_windows():

@@ -197,10 +197,10 @@ JUDGE = [
 # --- the rules ---------------------------------------------------------------------------------
 
 def _varying(*steps: tuple[float, float]) -> bool:
-    """shapes.varying_divisor names a per-step divisor for steps of (cosine, ratio)."""
+    """shapes.varying_ratios names a per-step divisor for steps of (cosine, ratio)."""
     judged = SimpleNamespace(steps=[SimpleNamespace(
         metrics=SimpleNamespace(cosine=c, ratio=r), preclip_ratio=None) for c, r in steps])
-    return shapes.varying_divisor(judged, {}, 0, steps[0][1]) is not None
+    return shapes.varying_ratios(judged) is not None
 
 
 def _resplit(ratio: float) -> str | None:

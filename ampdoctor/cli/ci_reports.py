@@ -199,7 +199,7 @@ def _location_file(finding: dict[str, Any], record: dict[str, Any]) -> str | Non
 def sarif_json(record: dict[str, Any], base: str | None = None) -> str:
     """The record's findings as SARIF 2.1.0 (see the module docstring)."""
     from .._version import __version__
-    from ..findings import CATALOGUE
+    from ..kinds import CATALOGUE
     from ..scan.render import SARIF_SCHEMA, physical_location, sarif_text
 
     base = base or os.getcwd()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 def complete_kind(incomplete: str) -> list[tuple[str, str]]:
     """The diagnosis kinds starting with what is typed, each with its title."""
-    from ..findings import CATALOGUE
+    from ..kinds import CATALOGUE
     return [(name, entry.title) for name, entry in CATALOGUE.items()
             if name.startswith(incomplete)]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import typer
 
+from ..enums import KindId
 from ..errors import UsageError
 from .common import fail, stderr_console
 
@@ -39,11 +40,11 @@ EXAMPLES = (
     Example("healthy_sgd", "the textbook accumulation + AMP loop (SGD, GradScaler, zero_grad "
             "after the step)", "healthy"),
     Example("broken_clip_before_unscale", "clip_grad_norm_ before scaler.unscale_: the clip "
-            "sees gradients times the loss scale", "clip-before-unscale"),
+            "sees gradients times the loss scale", KindId.CLIP_BEFORE_UNSCALE),
     Example("broken_missing_average", "the loss is never divided by K: every update is K times "
-            "too large", "missing-accumulation-average"),
+            "too large", KindId.MISSING_ACCUMULATION_AVERAGE),
     Example("broken_scheduler_per_microbatch", "scheduler.step() on every micro-batch: warmup "
-            "runs K times too fast", "scheduler-per-microbatch"),
+            "runs K times too fast", KindId.SCHEDULER_PER_MICROBATCH),
 )
 
 

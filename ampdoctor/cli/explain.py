@@ -66,7 +66,7 @@ def explanations() -> dict[str, dict[str, Any]]:
     catalogue's texts, what its `evidence.measured` counts and its one decider (`decided_in`,
     an importable `module:function`). The one place the command reads the kind registry
     (`findings`)."""
-    from ..findings import CATALOGUE, RULES
+    from ..kinds import CATALOGUE, RULES
     known: dict[str, dict[str, Any]] = {}
     for name, entry in CATALOGUE.items():
         rule = RULES[name]

@@ -16,12 +16,26 @@ from typing import Any
 
 import torch
 
-from .. import deciders, thresholds
-from ..compare import _round as compare_round
-from ..deciders import Observed
-from ..enums import RungId, Severity, Status
+from .. import thresholds
+from ..enums import RungId, Status
 from ..findings import Finding, RungResult, conclude
 from ..judge import tolerance
+from ..kinds.precision import (
+    AutocastDtype,
+    AutocastOff,
+    Fp16WithoutScaler,
+    ScalerInBf16,
+    autocast_dtype,
+    autocast_off,
+    fp16_without_scaler,
+    scaler_in_bf16,
+)
+from ..kinds.scaling import (
+    DirectStepRefused,
+    RefusedUpdate,
+    direct_step_refused,
+    refused_update_finding,
+)
 from ..probe.callsite import Site
 from ..probe.events import (
     AutocastEntered,
@@ -34,11 +48,12 @@ from ..probe.events import (
 )
 from ..rules.scale_state import (
     SCALE_TRAJECTORY_KINDS,
+    call_order_finding,
     explain_with_calls,
     runtime_double_scaling,
     skipped_steps,
     step_ratio,
-    violation_findings,
+    violation_observations,
 )
 from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
@@ -78,26 +93,14 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     if not enabled:
         where = (location(on_device[0].site) if on_device
                  else loop_location(session, AUTOCAST_TEXT))
-        seen = (f"autocast was entered {len(on_device)} time(s) but never enabled"
-                if on_device else "autocast was never entered")
-        findings.append(deciders.half_open_amp(Observed(rung, Severity.ERROR,
-            f"The {precision} run asked for autocast({want}) but {seen} on "
-            f"{session.device.type}: every forward ran in fp32, so this 'mixed precision' run "
-            "is really fp32" + (" with a loss scaler on top." if scalers else "."),
-            evidence={"measured": 0, "expected": 1, "autocast_entered": len(on_device),
-                      "autocast_enabled": 0, "scaler_enabled": bool(scalers)},
-            location=where)))
+        findings.append(autocast_off(AutocastOff(rung, precision, want, session.device.type,
+                                                 len(on_device), bool(scalers), location=where)))
     else:
         wrong = [e for e in enabled if e.dtype != want]
         if wrong:
             e = wrong[0]
-            findings.append(deciders.half_open_amp(Observed(rung, Severity.ERROR,
-                f"The {precision} run entered autocast with dtype {e.dtype}, not "
-                f"{want}: the loop ignores run.autocast_dtype"
-                + (" and runs fp16 without the scaler it needs." if e.dtype == "float16"
-                   and not scalers else "."),
-                evidence={"measured": e.dtype, "expected": want},
-                location=location(e.site))))
+            findings.append(autocast_dtype(AutocastDtype(rung, precision, want, e.dtype,
+                                                         bool(scalers), location=location(e.site))))
     if precision == "bf16":
         scaler_in_bf16 = _scaler_in_bf16(session, scalers, rung)
         if scaler_in_bf16 is not None:
@@ -105,11 +108,8 @@ def half_open_findings(session: Session, trace: Trace, rung: str) -> list[Findin
     if precision == "fp16" and enabled and not scalers and not findings:
         e = enabled[0]
         inits = trace.events_of(ScalerInit)
-        findings.append(deciders.half_open_amp(Observed(rung, Severity.ERROR,
-            "The fp16 run enters autocast(float16) but no enabled GradScaler scales the loss: "
-            "small fp16 gradients underflow to zero and overflow is never detected.",
-            evidence={"measured": "no enabled scaler", "expected": "GradScaler enabled"},
-            location=location(inits[0].site if inits else e.site))))
+        findings.append(fp16_without_scaler(Fp16WithoutScaler(
+            rung, location=location(inits[0].site if inits else e.site))))
     return findings
 
 
@@ -126,18 +126,12 @@ def _scaler_in_bf16(session: Session, scalers: list[ScalerInit] | list[Scale],
         scaler = scalers[0]
         site, scale = scaler.site, (getattr(scaler, "init_scale", None)
                                     or getattr(scaler, "scale", None))
-        where = "in the bf16 run"
     else:
         if own.dtypes != {"bfloat16"} or not own.scalers:
             return None   # an fp16 (or fp32) script needs (or wastes nothing on) its scaler
         site, scale = own.scalers[0].get("site"), own.scalers[0].get("init_scale")
-        where = "in the script, whose autocast asks for bfloat16 only"
-    return deciders.half_open_amp(Observed(rung, Severity.WARNING,
-        f"A GradScaler is enabled {where}. bf16 has fp32's exponent range and needs no "
-        "loss scaling: the scaler only multiplies and divides, and its skipped steps hide real "
-        "overflow. Enable it for fp16 only.",
-        evidence={"measured": "enabled", "expected": "disabled", "scale": scale},
-        location=location(site)))
+    return scaler_in_bf16(ScalerInBf16(rung, scale, in_script=own is not None,
+                                       location=location(site)))
 
 
 def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
@@ -152,31 +146,17 @@ def _map_loop_error(session: Session, trace: Trace, rung: str) -> Finding:
         first = direct[0]
         ratio = step_ratio(session, trace, first)
         scale = next((e.scale for e in trace.events_of(Scale) if e.scale), None)
-        return deciders.missing_unscale(Observed(rung, Severity.ERROR,
-                       f"optimizer.step() was called directly, never scaler.step(): the step "
-                       f"applied gradients still multiplied by the loss scale {scale:g}"
-                       + (f" ({ratio:.6g}x the reference)" if ratio else "")
-                       + " without an inf check, and torch then refused scaler.update() ('No "
-                       "inf checks were recorded prior to update').",
-                       evidence={"measured": compare_round(ratio) if ratio else None,
-                                 "expected": 1.0, "scale": scale,
-                                 "error": exc_text(exc)},
-                       location=location(first.site)))
+        return direct_step_refused(DirectStepRefused(rung, scale, ratio, exc_text(exc),
+                                                     location=location(first.site)))
     if refused_update:
         updates = [e for e in trace.events_of(Update) if e.error is not None]
         site: Site | None = updates[-1].site if updates else trace.error_site
         last_step = max((e.seq for e in trace.events_of(ScalerStep)), default=-1)
         early = [e for e in trace.events_of(Update) if e.seq > last_step]
-        return deciders.update_per_microbatch(Observed(rung, Severity.ERROR,
-                       "scaler.update() was called again before any unscale_/step of the window: "
-                       "torch refused it ('No inf checks were recorded prior to update'). The "
-                       "scale must be updated once per optimizer step, not per micro-batch.",
-                       evidence={"measured": len(early), "expected": 0,
-                                 "updates_before_the_windows_step": len(early),
-                                 "error": exc_text(exc),
-                                 "microbatch": (trace.events[-1].microbatch if trace.events
-                                                else None)},
-                       location=location(site)))
+        return refused_update_finding(RefusedUpdate(
+            rung, len(early), exc_text(exc),
+            microbatch=trace.events[-1].microbatch if trace.events else None,
+            location=location(site)))
     return loop_error_finding(trace, rung)
 
 
@@ -267,8 +247,9 @@ def run_precision(session: Session, precision: str, rung: RungId) -> RungResult:
     if precision == "fp16":
         # An update-per-microbatch or a second loss scale shows in the scale trajectory itself
         # (the consequence this rung judges besides the gradient).
-        violations = violation_findings(session, trace, rung)
-        trajectory = [v for v in violations if v.kind in SCALE_TRAJECTORY_KINDS]
+        violations = violation_observations(session, trace, rung)
+        trajectory = [call_order_finding(v) for v in violations
+                      if v.kind in SCALE_TRAJECTORY_KINDS]
         double = runtime_double_scaling(session.trace("fp32"), trace, rung)
         if double is not None:
             trajectory.append(double)

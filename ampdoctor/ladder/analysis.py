@@ -53,9 +53,11 @@ def script_amp(session: Any) -> ScriptAmp | None:
     return ScriptAmp(dtypes, [s for s in outcome.scalers if s.get("enabled")])
 
 
-def compare_trace(session: Session, trace: Trace, rung: str,
-                  precision: str) -> tuple[list[Finding], Judgement]:
-    """Judge every optimizer step (the judge decides); explain the first bad one (the rules)."""
+def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
+                  forced_clip: float | None = None) -> tuple[list[Finding], Judgement]:
+    """Judge every optimizer step (the judge decides); explain the first bad one (the rules).
+    `forced_clip`: the threshold the clip-space rung forced clipping at (rung context the
+    findings say)."""
     judgement = judge(session, trace, precision)
     if judgement.weighting is not None:   # every reference from now on is weighted so
         session.adopt_weighting(judgement.weighting)
@@ -63,9 +65,11 @@ def compare_trace(session: Session, trace: Trace, rung: str,
     bad = judgement.first_bad
     if bad is None:   # every update matched: a clip after its step never touched the update
         late = clip_after_step(trace, rung, judgement.tolerance.rtol,
-                               {s.ordinal: s.metrics.ratio for s in judgement.steps})
+                               {s.ordinal: s.metrics.ratio for s in judgement.steps},
+                               forced_clip=forced_clip)
         return ([late] if late is not None else []), judgement
-    return [classify_step(session, trace, rung, judgement, bad, rerun_for(session))], judgement
+    return [classify_step(session, trace, rung, judgement, bad, rerun_for(session),
+                          forced_clip)], judgement
 
 
 def rerun_for(session: Session) -> Resplit:

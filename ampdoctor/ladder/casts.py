@@ -13,11 +13,9 @@ from __future__ import annotations
 import inspect
 import re
 
-from .. import deciders
-from ..deciders import Observed
-from ..enums import Severity
 from ..errors import exc_text
 from ..findings import Finding, Location, location
+from ..kinds.precision import WeightsCast, weights_cast
 from ..probe.events import EngineBuilt
 from ..session import Session, Trace
 
@@ -49,39 +47,11 @@ def weight_cast_finding(session: Session, trace: Trace, rung: str) -> Finding | 
     cast = trace.cast
     if cast is None or engine_precision(trace) is not None:
         return None   # (an engine's own cast, over its fp32 masters: mixed precision as designed)
-    dtype = cast.dtypes[0].removeprefix("torch.")
-    names = ", ".join(f"`{n}`" for n in cast.names[:3])
-    more = len(cast.names) - 3
-    names += f" and {more} more" if more > 0 else ""
-    where = location(cast.site) or loop_location(session, CAST_TEXT)
-    code = (where.code or "").split("#", 1)[0].strip() if where is not None else ""
-    call = f" (`{code}`, line {where.line})" if code and where is not None else ""
-    if trace.precision == "fp32":
-        consequence = f"its 'fp32' baseline is really {dtype}"
-        if session.code.loss is None:
-            consequence += (" (and the loop-as-reference, the same loop, is cast too: its "
-                            "updates would match and prove nothing)")
-    else:
-        consequence = (f"the {trace.precision} run trains {dtype} weights, not fp32 weights "
-                       f"under autocast({'bfloat16' if trace.precision == 'bf16' else 'float16'})")
-    fp16 = (" GradScaler refuses to unscale fp16 gradients, and small updates round away in "
-            "fp16 weights." if "torch.float16" in cast.dtypes else
-            " Small updates round away in low-precision weights.")
-    error = (f" The loop then raised {exc_text(trace.error, 300).rstrip('.')}."
-             if trace.error is not None else "")
-    return deciders.half_open_amp(Observed(rung, Severity.ERROR,
-        f"The {trace.precision} run cast the model's weights to {dtype}{call}: "
-        f"{len(cast.names)} of {cast.parameters} trainable parameter tensor(s) ({names}) were "
-        f"{dtype} when the loop returned, so the optimizer updates {dtype} weights with no fp32 "
-        f"master "
-        f"copy and {consequence}.{fp16}{error} Keep the model in fp32 and let autocast make the "
-        "low-precision compute: `with torch.autocast(run.device_type, "
-        "dtype=run.autocast_dtype, enabled=run.autocast_dtype is not None):`.",
-        evidence={"measured": ", ".join(d.removeprefix("torch.") for d in cast.dtypes),
-                  "expected": "float32", "parameters_cast": len(cast.names),
-                  "parameters": cast.parameters, "cast": list(cast.names[:10]),
-                  "precision": trace.precision},
-        location=where))
+    return weights_cast(WeightsCast(
+        rung, trace.precision, tuple(cast.dtypes), tuple(cast.names), cast.parameters,
+        loop_is_reference=session.code.loss is None,
+        error=exc_text(trace.error, 300) if trace.error is not None else None,
+        location=location(cast.site) or loop_location(session, CAST_TEXT)))
 
 
 def engine_precision(trace: Trace) -> str | None:

@@ -25,6 +25,7 @@ from ..enums import RungId, Severity, Status
 from ..errors import LaunchError
 from ..evidence import Evidence
 from ..findings import Finding, Location, RungResult, conclude, location
+from ..kinds.loop_error import RankRaised, RanksHung, rank_raised, ranks_hung
 from ..probe.callsite import Site
 from ..spec import to_wire
 
@@ -93,12 +94,8 @@ def _rank_error(results: dict[int, dict[str, Any]], world_size: int, timeout_s: 
         err = min(errors, key=lambda r: (r.get("error_time", float("inf")), r["rank"]))
         where = _loc(err.get("error_site"))
         return RungResult(RUNG, Status.FAIL, f"the loop raised on rank {err['rank']} under DDP", [
-            deciders.loop_error(Observed(RUNG, Severity.ERROR,
-                    f"The loop raised on rank {err['rank']} of {world_size} in the DDP run: "
-                    f"{err['error']}. Every other rank was stopped.",
-                    evidence={"error": err["error"], "rank": err["rank"],
-                              "world_size": world_size},
-                    location=where))])
+            rank_raised(RankRaised(RUNG, err["rank"], world_size, err["error"],
+                                   location=where))])
     missing = sorted(set(range(world_size)) - {r for r, v in results.items() if not v.get("hung")})
     if not missing:
         return None
@@ -114,21 +111,9 @@ def _rank_error(results: dict[int, dict[str, Any]], world_size: int, timeout_s: 
     in_loop = [r for r in missing if sites[r] is not None]
     waiting = [r for r in missing if sites[r] is None]
     site = sites[in_loop[0]] if in_loop else None
-    ranks = ", ".join(map(str, in_loop or missing))
-    text = (f"Rank(s) {ranks} of {world_size} did not finish the loop within ddp.timeout_s = "
-            f"{timeout_s:g} s and were stopped"
-            + (f", waiting at {site.file}:{site.line} ({site.function})" if site else "")
-            + ": a hang (a collective its peers never join -- ranks taking different numbers "
-            "of steps or syncs --, or a loop that never ends)")
-    if in_loop and waiting:
-        text += (f"; rank(s) {', '.join(map(str, waiting))} had left the loop and waited for "
-                 "the others")
     return RungResult(RUNG, Status.FAIL, f"the DDP run did not finish within {timeout_s:g} s", [
-        deciders.loop_error(Observed(RUNG, Severity.ERROR, text + ".",
-                evidence={"measured": len(in_loop or missing), "expected": 0,
-                          "ranks_in_the_loop": in_loop, "ranks_past_the_loop": waiting,
-                          "timeout_s": timeout_s, "world_size": world_size},
-                location=location(site)))])
+        ranks_hung(RanksHung(RUNG, world_size, timeout_s, tuple(in_loop), tuple(waiting),
+                             tuple(missing), location=location(site)))])
 
 
 def _window_positions(synced: list[int], backwards: int,

@@ -14,12 +14,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from .. import deciders
-from ..deciders import Observed
-from ..enums import RungId, Severity, Status
+from ..enums import RungId, Status
 from ..errors import AmpdoctorInterrupt
-from ..evidence import Evidence
 from ..findings import RungResult, location
+from ..kinds.loop_error import RungTimedOut, rung_timed_out
 from ..probe import recorder
 
 #: Seconds between repeated alarms once the deadline has passed.
@@ -63,19 +61,10 @@ def timeout_result(rung: RungId, session, exc: RungTimeout) -> RungResult:
     seconds = session.spec.timeout_s
     site = session.finder.from_frame(exc.frame)
     last = exc.last
-    where = f" The loop was at {site.file}:{site.line} ({site.function})." if site else ""
-    seen = ""
-    evidence: Evidence = {"timeout_s": seconds, "measured": seconds, "expected": None}
-    if last is not None:
-        at = f" at {last.site.file}:{last.site.line}" if last.site else ""
-        seen = (f" The last call ampdoctor saw was {last.kind}{at}, after {last.backwards} "
-                f"backward pass(es).")
-        evidence.update({"last_event": last.kind, "backwards": last.backwards,
-                         "microbatch": last.microbatch})
-    finding = deciders.loop_error(Observed(rung, Severity.ERROR,
-                      f"The {rung} rung did not finish within timeout_s = {seconds:g} s and was "
-                      f"stopped.{where}{seen} A loop that never ends (a `while True` without "
-                      "its exit, an iterator that never runs out) or a very slow one: raise "
-                      "`timeout_s` in the spec if it is only slow.",
-                      evidence=evidence, location=location(site)))
+    finding = rung_timed_out(RungTimedOut(
+        rung, seconds, loop_site=location(site),
+        last_call=last.kind if last is not None else None,
+        last_site=location(last.site) if last is not None else None,
+        backwards=last.backwards if last is not None else 0,
+        microbatch=last.microbatch if last is not None else None))
     return RungResult(rung, Status.FAIL, f"stopped after {seconds:g} s (timeout_s)", [finding])

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .. import compare, deciders
-from ..deciders import Observed
-from ..enums import RungId, Severity, Status
-from ..evidence import Evidence
+from ..enums import KindId, RungId, Status
 from ..findings import Finding, RungResult, conclude
+from ..kinds.loop_error import IgnoresMicroBatches, ignores_micro_batches
+from ..kinds.mismatch import TooFewSteps, too_few_steps
+from ..kinds.precision import AutocastInFp32, autocast_in_fp32
 from ..probe.events import AutocastEntered, Backward
 from ..rules.lr_set_by_hand import lr_set_by_hand_findings
 from ..session import Session
@@ -35,18 +35,9 @@ def _no_step(session: Session, trace, findings: list[Finding]) -> RungResult:
     """No optimizer step took a gradient: said as such (what the other rungs would read as
     nondeterminism or a zero_grad misplaced has nothing to compare)."""
     taken, total = trace.microbatches_taken, len(session.micro_batches)
-    backwards = len(trace.events_of(Backward))
-    how = ("it never called optimizer.step()" if not trace.steps else
-           f"it called optimizer.step() {len(trace.steps)} time(s), but no backward ran before "
-           "any of them (a Lightning `training_step` that returns None skips the backward and "
-           "the step: return the loss)")
-    finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
-                      f"No optimizer step was taken in {taken} micro-batches: the fp32 loop took "
-                      f"{taken} of {total} micro-batches and ran {backwards} backward pass(es); "
-                      f"{how}.",
-                      evidence={"measured": 0, "expected": session.N,
-                                "microbatches_taken": taken, "backwards": backwards,
-                                "optimizer_steps": len(trace.steps)}))
+    finding = too_few_steps(TooFewSteps(RUNG, 0, session.N, session.K, taken, total,
+                                        backwards=len(trace.events_of(Backward)),
+                                        called_step=len(trace.steps)))
     return RungResult(RUNG, Status.FAIL, "the loop never stepped the optimizer",
                       [finding] + findings)
 
@@ -66,19 +57,15 @@ def run(session: Session) -> RungResult:
         return _no_step(session, trace, findings)
     count = step_count_finding(session, trace, RUNG)
     if count is not None:
-        what = ("the optimizer steps on every micro-batch" if count.kind == "step-per-microbatch"
+        what = ("the optimizer steps on every micro-batch"
+                if count.kind == KindId.STEP_PER_MICROBATCH
                 else "the optimizer steps off the window boundaries (off by one)")
         return RungResult(RUNG, Status.FAIL, what, [count] + findings)
     taken, total = trace.microbatches_taken, len(session.micro_batches)
     if taken == 0:
         backwards = trace.events_of(Backward)
-        finding = deciders.loop_error(Observed(RUNG, Severity.ERROR,
-            f"The fp32 loop never took a micro-batch from `micro_batches` (0 of {total}) but ran "
-            f"{len(backwards)} backward pass(es) and {len(trace.steps)} optimizer step(s): it "
-            "builds its own data, so nothing it does can be compared with the reference. "
-            "Iterate the `micro_batches` argument ampdoctor hands to train_loop.",
-            evidence={"measured": 0, "expected": total, "backwards": len(backwards),
-                      "optimizer_steps": len(trace.steps)},
+        finding = ignores_micro_batches(IgnoresMicroBatches(
+            RUNG, total, len(backwards), len(trace.steps),
             location=location(backwards[0].site if backwards else None)))
         return RungResult(RUNG, Status.FAIL, "the loop ignores `micro_batches`", [finding])
     if not trace.steps:
@@ -90,14 +77,8 @@ def run(session: Session) -> RungResult:
         # leftover `return`/`break`) or its window condition never fires for the last windows.
         # (One optimizer stepping less often than another, a GAN's n_critic, is not this.)
         last = trace.steps[-1]
-        finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
-            f"The fp32 loop took {most} optimizer step(s) for the {session.N} windows of "
-            f"K={session.K} micro-batches in the spec (it took {taken} of {total} "
-            "micro-batches): it stops early or never steps for the last windows, so those "
-            "windows' data never reaches the model.",
-            evidence={"measured": most, "expected": session.N, "microbatches_taken": taken,
-                      "microbatches": total},
-            location=location(last.site)))
+        finding = too_few_steps(TooFewSteps(RUNG, most, session.N, session.K, taken, total,
+                                            location=location(last.site)))
         return RungResult(RUNG, Status.FAIL, f"{most} optimizer step(s) for {session.N} windows",
                           [finding] + findings)
     mismatch, judgement = compare_trace(session, trace, RUNG, "fp32")
@@ -124,27 +105,10 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
         return None
     first = entered[0]
     bad = judgement.first_bad
-    dtype = first.dtype
-    evidence: Evidence = {"measured": dtype, "expected": "no autocast",
-                          "autocast_entered": len(entered)}
-    severity: Severity
-    if bad is not None:
-        evidence.update({"step": bad.ordinal, "relative_error": compare._round(bad.metrics.rel_err),
-                         "ratio": compare._round(bad.metrics.ratio),
-                         "cosine": compare._round(bad.metrics.cosine),
-                         "tolerance": judgement.tolerance.rtol})
-        message = (f"The fp32 run (run.autocast_dtype is None) entered autocast({dtype}) "
-                   f"{len(entered)} time(s): the loop hard-codes its mixed precision, so its "
-                   f"'fp32' baseline is really {dtype}. Step {bad.ordinal} differs from the fp32 "
-                   f"reference by {bad.metrics.rel_err:.3g} (relative; tolerance "
-                   f"{judgement.tolerance.rtol:g}, norm ratio {bad.metrics.ratio:.4g}, cosine "
-                   f"{bad.metrics.cosine:.5f}): rounding, not a factor.")
-        severity = Severity.ERROR
-    else:
-        message = (f"The fp32 run entered autocast({dtype}) {len(entered)} time(s) although "
-                   "run.autocast_dtype is None: the updates still matched the fp32 reference "
-                   "here, but the loop ignores the precision it is asked for.")
-        severity = Severity.WARNING
     # the line that chose the dtype: where the autocast was built, if not where it was entered
-    return deciders.half_open_amp(Observed(RUNG, severity, message, evidence=evidence,
-                   location=location(first.created_at or first.site)))
+    where = location(first.created_at or first.site)
+    if bad is None:
+        return autocast_in_fp32(AutocastInFp32(RUNG, first.dtype, len(entered), location=where))
+    return autocast_in_fp32(AutocastInFp32(
+        RUNG, first.dtype, len(entered), bad.ordinal, bad.metrics.rel_err, bad.metrics.ratio,
+        bad.metrics.cosine, judgement.tolerance.rtol, location=where))

@@ -8,10 +8,10 @@ optimizer step: the repeat run is stopped there (the whole first run is fp32-acc
 
 from __future__ import annotations
 
-from .. import compare, deciders, thresholds
-from ..deciders import Observed
-from ..enums import RungId, Severity, Status
+from .. import compare, thresholds
+from ..enums import RungId, Status
 from ..findings import Finding, RungResult, status_from_findings
+from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
 from ..session import Session, WeightsCast
 from .analysis import location
 
@@ -24,33 +24,16 @@ def repeat_tolerance() -> compare.Tolerance:
     return compare.Tolerance(rtol=thresholds.REPEAT_RTOL, atol=thresholds.REPEAT_ATOL)
 
 
-def _nondeterministic(session: Session, what: str, m: compare.Metrics,
+def _nondeterministic(session: Session, runs: Runs, m: compare.Metrics,
                       random_site=None) -> Finding:
     modules = session.random_modules()
-    if random_site is not None:
-        named = (f" The loop draws random numbers outside the model's forward (first at "
-                 f"{random_site.file}:{random_site.line}), where ampdoctor cannot give every run "
-                 "the same random state.")
-        site = random_site
-    elif modules and session.align_seed is None:
-        named = f" Random layers active in the model: {', '.join(modules)}."
+    site = random_site
+    if site is None and modules:
         site = session.module_sites.get(modules[0].split(" ")[0])
-    elif modules:
-        named = (f" Random layers active in the model: {', '.join(modules)}; their forwards "
-                 "were aligned per micro-batch, so the randomness comes from elsewhere (the "
-                 "loss, or a forward ampdoctor could not match to its micro-batch).")
-        site = session.module_sites.get(modules[0].split(" ")[0])
-    else:
-        named = " No dropout-like layer was found: the loss or the loop draws random numbers."
-        site = None
-    return deciders.nondeterministic_baseline(Observed(RUNG, Severity.ERROR,
-                   f"{what} differ by {m.rel_err:.3g} (relative) under a different RNG state "
-                   f"(cosine {m.cosine:.5f}).{named}",
-                   evidence={"measured": compare._round(m.rel_err), "expected": 0.0,
-                             "tolerance": repeat_tolerance().rtol,
-                             "cosine": compare._round(m.cosine),
-                             "random_modules": modules},
-                   location=location(site)))
+    return not_repeatable(NotRepeatable(
+        RUNG, runs, rel_err=m.rel_err, cosine=m.cosine, tolerance=repeat_tolerance().rtol,
+        random_modules=tuple(modules), aligned=session.align_seed is not None,
+        random_site=location(random_site), location=location(site)))
 
 
 def run(session: Session) -> RungResult:
@@ -69,8 +52,7 @@ def run(session: Session) -> RungResult:
     m = compare.metrics_of(second.full, first.full, names, session.param_shapes,
                            repeat_tolerance())
     if not m.ok:
-        finding = _nondeterministic(session, "Two fp32 reference gradients at the same weights",
-                                    m)
+        finding = _nondeterministic(session, Runs.REFERENCE, m)
         return RungResult(RUNG, Status.FAIL, "the fp32 reference is not repeatable", [finding])
     session.reference_repeatable = True
     if m.rel_err == 0:
@@ -116,8 +98,7 @@ def run(session: Session) -> RungResult:
         m = worst or compare.metrics(compare.torch.zeros(1), compare.torch.ones(1),
                                      repeat_tolerance())
         site = run_a.random_site or run_b.random_site
-        finding = _nondeterministic(session, "Two fp32 runs of the loop from the same weights", m,
-                                    site)
+        finding = _nondeterministic(session, Runs.LOOP, m, site)
         return RungResult(RUNG, Status.FAIL, "two fp32 runs of the loop disagree", [finding])
     findings: list[Finding] = []
     summary = (f"reference repeatable ({mode} mode); two fp32 runs agree "

@@ -14,10 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import deciders
-from ..deciders import Observed
 from ..enums import RungId, Status
 from ..findings import Finding, RungResult, conclude
 from ..judge_step import tolerance
+from ..kinds.scaling import Backoffs, StepOnInjectedInf, backoffs_in_window, step_on_injected_inf
+from ..kinds.skips import (
+    SkipPathLeftOpen,
+    SkippedAfterInjection,
+    skip_path_left_open,
+    skipped_after_injection,
+)
 from ..probe.events import (
     Event,
     OptimizerStep,
@@ -43,10 +49,6 @@ from .analysis import (
 from .series import keep, run_series
 
 RUNG = RungId.SKIPS
-
-
-def _forced(own_scaler: bool) -> str:
-    return "" if own_scaler else deciders.FORCED_FP16
 
 
 def scaler_of(trace: Trace):
@@ -104,18 +106,9 @@ def _skip_path_left_open(trace: Trace, plain: Trace, injector: OverflowInjector,
     zero_grads = plain.events_of(ZeroGrad)
     updates = plain.events_of(Update)
     site = (zero_grads[-1].site if zero_grads else updates[-1].site if updates else failing.site)
-    return deciders.no_zero_grad_after_skip(Observed(RUNG,
-        deciders.skip_severity(True, own_scaler=own_scaler),
-        f"An inf injected into {injector.param_name}.grad sent the loop down its own skip path, "
-        "which left the step without scaler.update() and without zero_grad(): the inf stayed in "
-        ".grad and torch refused the next window's unscale_() "
-        f"({exc_text(error)}). On a skip, clear the gradients and call "
-        "scaler.update() as after a good step -- or drop the hand-written check and let "
-        "scaler.step() skip." + _forced(own_scaler),
-        evidence={"measured": 0, "expected": 1, "zero_grad_on_skip_path": 0,
-                  "update_on_skip_path": 0,
-                  "error": exc_text(error)},
-        location=location(site)))
+    return skip_path_left_open(SkipPathLeftOpen(RUNG, injector.param_name, exc_text(error),
+                                                own_scaler=own_scaler,
+                                                location=location(site)))
 
 
 def _backoffs(updates: list[Update], backoff: float, details: dict[str, Any],
@@ -129,16 +122,9 @@ def _backoffs(updates: list[Update], backoff: float, details: dict[str, Any],
     backoffs = round(math.log(after / before) / math.log(backoff)) if after != before else 0
     details["backoffs_in_injected_window"] = backoffs
     details["scale_before_after"] = [before, after]
-    if backoffs <= 1:
-        return None
-    return deciders.update_per_microbatch(Observed(RUNG,
-        deciders.skip_severity(True, own_scaler=own_scaler),
-        f"One overflowing micro-batch backed the scale off {backoffs} times "
-        f"({before:g} -> {after:g}, backoff factor {backoff:g}): scaler.update() runs "
-        "more than once per optimizer step." + _forced(own_scaler),
-        evidence={"measured": backoffs, "expected": 1, "scale_before": before,
-                  "scale_after": after, "backoff_factor": backoff},
-        location=location(updates[-1].site)))
+    return backoffs_in_window(Backoffs(RUNG, backoffs, before, after, backoff,
+                                       own_scaler=own_scaler,
+                                       location=location(updates[-1].site)))
 
 
 def _stepped_on_injected(in_window: list[Event], inject_window: int, owner: int | None,
@@ -278,15 +264,9 @@ def run(session: Session) -> RungResult:
     details["steps_on_nonfinite_gradients"] = len(poisoned)
     if poisoned:
         direct = [s for s in poisoned if s.via_scaler is None]
-        findings.append(deciders.missing_unscale(Observed(RUNG,
-            deciders.skip_severity(True, own_scaler=own_scaler),
-            f"An inf was injected into {injector.param_name}.grad in window {inject_window} and "
-            f"{len(poisoned)} optimizer step(s) consumed it: the step bypassed scaler.step's inf "
-            "check" + (" (optimizer.step() called directly)." if direct else ".")
-            + _forced(own_scaler),
-            evidence={"measured": len(poisoned), "expected": 0,
-                      "steps_on_nonfinite_gradients": len(poisoned)},
-            location=location((direct or poisoned)[0].site))))
+        findings.append(step_on_injected_inf(StepOnInjectedInf(
+            RUNG, injector.param_name, inject_window, len(poisoned), bool(direct),
+            own_scaler=own_scaler, location=location((direct or poisoned)[0].site))))
     # The scale backs off once per window, not once per micro-batch.
     backed_off = _backoffs(of_type(in_window, Update), backoff, details, own_scaler)
     if backed_off is not None:
@@ -299,19 +279,14 @@ def run(session: Session) -> RungResult:
             break
         in_a_row += 1
     details["skipped_in_a_row_after_injection"] = in_a_row
-    if in_a_row > 0:
-        zero_grads = plain.events_of(ZeroGrad) or trace.events_of(ZeroGrad)
-        site = (zero_grads[-1].site if zero_grads
-                else scaler_steps[-1].site if scaler_steps else None)
-        findings.append(deciders.no_zero_grad_after_skip(Observed(RUNG,
-            deciders.skip_severity(True, own_scaler=own_scaler),
-            f"After the injected overflow in window {inject_window} the next {in_a_row} "
-            "window(s) were skipped too: the inf stayed in .grad and poisoned the following "
-            "window(s). Gradients must be cleared after a skipped step as after a good one."
-            + _forced(own_scaler),
-            evidence={"measured": in_a_row, "expected": 0, "injected_window": inject_window,
-                      "applied_windows": sorted(applied), "skipped": skipped_flags},
-            location=location(site))))
+    zero_grads = plain.events_of(ZeroGrad) or trace.events_of(ZeroGrad)
+    site = (zero_grads[-1].site if zero_grads
+            else scaler_steps[-1].site if scaler_steps else None)
+    poisoned_next = skipped_after_injection(SkippedAfterInjection(
+        RUNG, inject_window, in_a_row, tuple(applied), tuple(skipped_flags),
+        own_scaler=own_scaler, location=location(site)))
+    if poisoned_next is not None:
+        findings.append(poisoned_next)
     # The scheduler must not advance for the user's own skipped steps (the injected one only
     # shows whether it does).
     on_injected = _stepped_on_injected(in_window, inject_window, owner, applied, trace)

@@ -6,7 +6,9 @@ Fed the probe's events in order, one state per optimizer:
 
 with `clip` legal only in UNSCALED while a scaler is enabled, a direct `optimizer.step()` legal
 only on unscaled gradients, and one `update` per optimizer step. Each illegal transition becomes
-a `Violation` carrying the event (and so the user's call site) that made it.
+a `Violation` carrying the event (and so the user's call site) that made it. The machine names
+the illegal transition (`Illegal`), not a diagnosis: which kind it explains, and how badly, is
+for the rules and the kinds' units to say.
 """
 
 from __future__ import annotations
@@ -15,14 +17,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..enums import StrEnum
 from .events import Backward, Clip, Event, OptimizerStep, Scale, ScalerStep, Unscale, Update
 
 READY, UNSCALED, STEPPED = "READY", "UNSCALED", "STEPPED"
 
 
+class Illegal(StrEnum):
+    """The illegal transitions of the step state machine."""
+
+    SCALE_OF_SCALED = "scale() of an already scaled loss"
+    SECOND_UNSCALE = "a second unscale_() in one step"
+    CLIP_WHILE_SCALED = "a clip of still scaled gradients"
+    STEP_WHILE_SCALED = "a direct step() on still scaled gradients"
+    UPDATE_WITHOUT_STEP = "an update() with no step since the last"
+
+
 @dataclass
 class Violation:
-    kind: str
+    kind: Illegal
     event: Event
     detail: str
     data: dict[str, Any] = field(default_factory=dict)
@@ -49,7 +62,7 @@ class StepStateMachine:
     def _get(self, slot: int | None) -> str:
         return self.state.setdefault(slot, READY)
 
-    def _violate(self, kind: str, event: Event, detail: str, **data: Any) -> None:
+    def _violate(self, kind: Illegal, event: Event, detail: str, **data: Any) -> None:
         self.violations.append(Violation(kind, event, detail, data))
 
     def feed(self, event: Event) -> None:
@@ -68,7 +81,7 @@ class StepStateMachine:
         if not event.enabled:
             return
         if event.input_already_scaled:
-            self._violate("double-scaling", event,
+            self._violate(Illegal.SCALE_OF_SCALED, event,
                           "scaler.scale() was given a tensor that was already scaled",
                           first_scale=event.input_already_scaled,
                           scale=event.scale)
@@ -86,7 +99,7 @@ class StepStateMachine:
             self.state[slot] = UNSCALED      # scaler.step unscales for you: legal
             return
         if state == UNSCALED:
-            self._violate("unscale-twice", event,
+            self._violate(Illegal.SECOND_UNSCALE, event,
                           "unscale_() called twice on the same optimizer in one step")
         self.state[slot] = UNSCALED
 
@@ -97,7 +110,7 @@ class StepStateMachine:
                   if (slot := self.param_owner.get(pid)) is not None}
         for slot in sorted(owners):
             if self._get(slot) == READY:
-                self._violate("clip-before-unscale", event,
+                self._violate(Illegal.CLIP_WHILE_SCALED, event,
                               "clip_grad_norm_ ran on gradients that were still scaled",
                               optimizer=slot, total_norm=event.total_norm,
                               max_norm=event.max_norm)
@@ -112,7 +125,7 @@ class StepStateMachine:
         if event.via_scaler:
             return
         if self.scaled_backward and self._get(slot) == READY:
-            self._violate("missing-unscale", event,
+            self._violate(Illegal.STEP_WHILE_SCALED, event,
                           "optimizer.step() ran on gradients still multiplied by the loss scale",
                           optimizer=slot)
         self.state[slot] = STEPPED
@@ -121,7 +134,7 @@ class StepStateMachine:
     def on_update(self, event: Update) -> None:
         self.updates += 1
         if self.steps_since_update == 0:
-            self._violate("update-per-microbatch", event,
+            self._violate(Illegal.UPDATE_WITHOUT_STEP, event,
                           "scaler.update() ran with no optimizer step since the last update")
         self.steps_since_update = 0
         self.scaled_backward = False

@@ -10,17 +10,32 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders, thresholds
-from ..deciders import Observed
-from ..enums import Severity
+from .. import compare, thresholds
+from ..enums import KindId
 from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
+from ..kinds import CATALOGUE
+from ..kinds.accumulation import SummedOverCount, VaryingDivisor
+from ..kinds.accumulation import summed_over_count as summed_over_count_finding
+from ..kinds.accumulation import varying_divisor as varying_divisor_finding
+from ..kinds.matched import (
+    ClipBit,
+    HypothesisMatched,
+    LoopSumsUnaveraged,
+    WrongDivisor,
+    hypothesis_matched,
+    loop_sums_unaveraged,
+)
+from ..kinds.matched import wrong_divisor as wrong_divisor_finding
+from ..kinds.mismatch import Unexplained, unexplained
+from ..kinds.stepping import CarriedOver, ZeroedInside, zeroed_inside
+from ..kinds.stepping import carried_over as carried_over_finding
 from ..probe.events import ZeroGrad, of_type
 from ..session import Session, Trace
 from . import unaveraged
 from .deepspeed import engine_zero_grad_fix
-from .frameworks import who_divided
+from .frameworks import dividing_party
 from .shapes import (
     SIZE_FACTOR_KINDS,
     Resplit,
@@ -28,7 +43,7 @@ from .shapes import (
     clip_in_scaled_space,
     disambiguate,
     summed_count,
-    varying_divisor,
+    varying_ratios,
 )
 from .sites import (
     NORM_OR_CLIP,
@@ -39,7 +54,7 @@ from .sites import (
 )
 from .step_case import StepCase, build_case, clip_threshold, clip_would_bite, unclipped
 
-__all__ = ["classify_step", "SHAPES", "MESSAGES", "direction_holds", "summed_over_count",
+__all__ = ["classify_step", "SHAPES", "direction_holds", "summed_over_count",
            "wrong_divisor", "unclipped", "clip_would_bite"]
 
 
@@ -64,14 +79,15 @@ def wrong_divisor(cosine: float, ratio: float) -> bool:
 
 
 def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgement,
-                  judged: StepJudgement, rerun: Resplit | None = None) -> Finding:
+                  judged: StepJudgement, rerun: Resplit | None = None,
+                  forced_clip: float | None = None) -> Finding:
     """Explain the judge's first bad step. `rerun` is the rung driver's extra fp32 pass
     (`shapes.Resplit`). Each known shape of a mismatch is tried in the order of `SHAPES`; the
     first that matches builds the finding, and `_no_known_shape` reports the numbers."""
     step = judged.step
     snapshot = trace.snapshots.get(step.group)
     if snapshot is None:
-        return _unexplained(session, rung, judgement, judged)
+        return _unexplained(session, rung, judgement, judged, forced_clip)
     names = [n for n in step.grads if n in session.param_shapes]
     ref = session.reference(judged.window, snapshot.state, snapshot.training, per_mb=True)
     scaled_clip = next((c for c in judged.clips if c.scale is not None and not c.scaled_threshold),
@@ -79,7 +95,8 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
     if scaled_clip is not None:
         return clip_in_scaled_space(session, rung, judged, scaled_clip, ref.full,
                                     judgement.tolerance.rtol)
-    case = build_case(session, trace, rung, judgement, judged, rerun, snapshot, names, ref)
+    case = build_case(session, trace, rung, judgement, judged, rerun, snapshot, names, ref,
+                      forced_clip)
     for shape in SHAPES:
         finding = shape(case)
         if finding is not None:
@@ -88,7 +105,7 @@ def classify_step(session: Session, trace: Trace, rung: str, judgement: Judgemen
 
 
 def _unexplained(session: Session, rung: str, judgement: Judgement,
-                 judged: StepJudgement) -> Finding:
+                 judged: StepJudgement, forced_clip: float | None = None) -> Finding:
     """A step judged as it happened in a group whose weights were gone by then (a second step
     of the same optimizer without a backward between): the numbers, no explanation."""
     m, tol, precision = judged.metrics, judgement.tolerance, judgement.precision
@@ -97,11 +114,10 @@ def _unexplained(session: Session, rung: str, judgement: Judgement,
                          "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
                          "window": judged.window, "accumulation_steps": session.K,
                          "precision": precision}
-    return deciders.gradient_mismatch(Observed(rung, Severity.ERROR,
-                   f"Step {ordinal}: the optimizer consumed a gradient {m.rel_err:.3g} "
-                   f"(relative) from the {precision} reference (norm ratio "
-                   f"{m.ratio:.4g}, cosine {m.cosine:.4f}).",
-                   evidence=numbers, location=location(judged.step.site)))
+    return unexplained(Unexplained(
+        rung, ordinal, judged.window, precision, m.rel_err, m.ratio, m.cosine, tol.rtol,
+        numbers, shape_tried=False, forced_clip=forced_clip,
+        location=location(judged.step.site)))
 
 
 # --- the shapes, in the order they are tried -------------------------------------------------
@@ -111,20 +127,14 @@ def _zero_grad_inside(case: StepCase) -> Finding | None:
     """A zero_grad inside the window, when no hypothesis or one of its look-alikes matched."""
     found, K, m = case.found, case.K, case.m
     if not case.inside_zero or (found is not None and found.kind not in (
-            "zero-grad-inside-accumulation", "double-average", "weighted-average-mismatch")):
+            KindId.ZERO_GRAD_INSIDE_ACCUMULATION, KindId.DOUBLE_AVERAGE,
+            KindId.WEIGHTED_AVERAGE_MISMATCH)):
         return None
-    contributing = K - (case.contributing_from or 0)
-    case.evidence.update({"measured": contributing, "expected": K,
-                          "contributing_microbatches": contributing,
-                          "norm_ratio": compare._round(case.measured_ratio)})
-    return deciders.zero_grad_inside_accumulation(Observed(case.rung, Severity.ERROR,
-                   f"Step {case.judged.ordinal}: zero_grad ran inside the accumulation window, "
-                   f"so only {contributing} of {K} micro-batches reached the optimizer step "
-                   f"({'before clipping, ' if case.clip_norm is not None else ''}gradient norm "
-                   f"ratio {case.measured_ratio:.4g} to the reference, cosine "
-                   f"{m.cosine:.4f}).",
-                   evidence=case.evidence, location=location(case.inside_zero[-1].site),
-                   fix=engine_zero_grad_fix(case.trace)))
+    return zeroed_inside(ZeroedInside(
+        case.rung, K - (case.contributing_from or 0), K, case.judged.ordinal,
+        case.measured_ratio, m.cosine, clipped=case.clip_norm is not None,
+        comparison=case.evidence, fix=engine_zero_grad_fix(case.trace),
+        forced_clip=case.forced_clip, location=location(case.inside_zero[-1].site)))
 
 
 def _settle_size_factor_tie(case: StepCase) -> None:
@@ -155,12 +165,12 @@ def _loop_sums_over_samples(case: StepCase,
     """Relative to the loop's own K = 1 run a sum reduction divided by K looks like a second
     average; the full-batch gradient being the *sum* of micro-batch gradients says the loss sums
     over samples."""
-    if (found.kind in ("double-average", "weighted-average-mismatch") and case.ref.mode == "loop"
-            and case.per_mb):
+    if (found.kind in (KindId.DOUBLE_AVERAGE, KindId.WEIGHTED_AVERAGE_MISMATCH)
+            and case.ref.mode == "loop" and case.per_mb):
         summed = torch.stack(case.per_mb).sum(0)
         if compare.metrics(case.full, summed, compare.Tolerance(case.cand_tol, 0)).ok:
             return compare.Classification(
-                "reduction-mismatch", "the loss sums over samples (the full-batch gradient is "
+                KindId.REDUCTION_MISMATCH, "the loss sums over samples (the full-batch gradient is "
                 "the sum of the micro-batch gradients) and the loop divides by K only",
                 found.rel_err, found.factor, {})
     return found
@@ -170,13 +180,13 @@ def _site_of(case: StepCase, kind: str) -> Any:
     """The user's line a matched hypothesis points at."""
     window_events, step_site = case.window_events, case.judged.step.site
     last_backward_site = case.last_backward_site
-    if kind == "missing-unscale":
+    if kind == KindId.MISSING_UNSCALE:
         return step_site
-    if kind == "unscale-twice":
+    if kind == KindId.UNSCALE_TWICE:
         return second_unscale_site(window_events) or step_site
-    if kind == "double-average":
+    if kind == KindId.DOUBLE_AVERAGE:
         return grad_division_between(last_backward_site, step_site) or last_backward_site
-    if kind == "clip-before-unscale":
+    if kind == KindId.CLIP_BEFORE_UNSCALE:
         return line_between(last_backward_site, step_site, NORM_OR_CLIP) or step_site
     return last_backward_site
 
@@ -194,54 +204,51 @@ def _named_shape(case: StepCase) -> Finding | None:
     if found.factor is not None:
         evidence["factor"] = compare._round(found.factor)
     evidence.update(found.extra)
-    if kind == "clip-before-unscale":
+    if kind == KindId.CLIP_BEFORE_UNSCALE:
         # as the clip-space rung measures it: how many times the true norm the clip saw
         if m.ratio > 0:
             evidence["measured"] = compare._round(1.0 / m.ratio)
         measured_ratio = m.ratio
-    fix = ""
-    message = clipped_lead(MESSAGES.get(kind, "{label}"), case).format(
-        step=case.judged.ordinal, ratio=measured_ratio, K=K, cos=m.cosine, label=found.label,
-        precision=case.judgement.precision, tol=case.judgement.tolerance.rtol,
-        factor=found.factor or 0)
-    if (kind == "missing-accumulation-average" and case.per_mb
+    summed = None
+    if (kind == KindId.MISSING_ACCUMULATION_AVERAGE and case.per_mb
             and unaveraged.weighting_differs(case.per_mb, case.full, case.cand_tol)):
         # the sum of K equal-weight micro-batch means, against a reference that weighs
         # them otherwise: the size says K only against that sum, not against the reference
         equal_sums = unaveraged.summed_equal_weights(case.user_u, case.per_mb, case.full)
-        fix = unaveraged.FIX
         evidence.update(unaveraged.evidence(equal_sums))
-        message = unaveraged.message(case.judged.ordinal, K, equal_sums, case.clip_norm,
-                                     clip_threshold(case.window_events),
-                                     evidence.get("ratio_after_clip"))
-    if kind == "weighted-average-mismatch" and not case.ref.weighted:
+        summed = unaveraged.measured(equal_sums)
+    weights = implied = None
+    if kind == KindId.WEIGHTED_AVERAGE_MISMATCH and not case.ref.weighted:
         # no weights known: the run's (equal) against the ones the reference implies
         implied = compare.implied_weights(case.full, case.per_mb)
         if implied is not None:
-            evidence["weights"] = [compare._round(1.0 / len(case.per_mb))] * len(case.per_mb)
+            weights = [compare._round(1.0 / len(case.per_mb))] * len(case.per_mb)
+            evidence["weights"] = weights
             evidence["reference_weights"] = implied
-            message += (" The run weighted its micro-batches " + _shown(evidence["weights"])
-                        + "; the reference implies " + _shown(implied) + ".")
     site = _site_of(case, kind)
-    unused = unscaled_backward(case.window_events) if kind == "unscale-twice" else None
+    unused = unscaled_backward(case.window_events) if kind == KindId.UNSCALE_TWICE else None
+    scale_line = None
     if unused is not None:   # 1/S because the scaled loss was never backpropagated
         backward, scale = unused
         scale_site = location(scale.site)
-        message = UNSCALED_BACKWARD.format(
-            step=case.judged.ordinal, ratio=measured_ratio, label=found.label,
-            at=f" at line {scale_site.line}" if scale_site else "")
-        fix = UNSCALED_BACKWARD_FIX
+        scale_line = scale_site.line if scale_site else None
         site = backward.site
-    party = who_divided(case.trace, kind)
+    party = dividing_party(case.trace, CATALOGUE[kind].who_divides)
     if party is not None:
-        evidence["framework"] = party[0]
-        message += " " + party[1][0].upper() + party[1][1:]
-    return deciders.decide(kind, Observed(case.rung, Severity.ERROR, message, evidence=evidence,
-                                          location=location(site), fix=fix))
+        evidence["framework"] = party
+    return hypothesis_matched(HypothesisMatched(
+        case.rung, KindId(kind), case.judged.ordinal, measured_ratio, K, m.cosine, found.label,
+        evidence, clip=_clip(case), unaveraged=summed,
+        weights=tuple(weights) if weights is not None else None,
+        reference_weights=tuple(implied) if implied is not None else None,
+        unscaled_backward=unused is not None, scale_line=scale_line, framework=party,
+        forced_clip=case.forced_clip, location=location(site)))
 
 
-def _shown(weights: list[float]) -> str:
-    return "[" + ", ".join(f"{w:.3g}" for w in weights) + "]"
+def _clip(case: StepCase) -> ClipBit:
+    """The window's clip as the unit words it."""
+    return ClipBit(case.evidence.get("ratio_after_clip"), case.clip_norm,
+                   clip_threshold(case.window_events))
 
 
 def _carried_over(case: StepCase) -> Finding | None:
@@ -251,24 +258,13 @@ def _carried_over(case: StepCase) -> Finding | None:
                            case.cand_tol)
     if carried is None:
         return None
-    partial = len(carried) < len(names)
-    case.evidence.update({"measured": len(carried), "expected": 0,
-                          "parameters_not_cleared": len(carried), "parameters": len(names),
-                          "norm_ratio": compare._round(case.measured_ratio)})
     zero_grads = of_type(case.window_events, ZeroGrad) or \
         [e for e in case.trace.events_of(ZeroGrad) if e.seq < step.seq]
+    partial = len(carried) < len(names)
     site = zero_grads[-1].site if partial and zero_grads else step.site
-    which = (f"{len(carried)} of {len(names)} parameters ({', '.join(carried[:4])}"
-             + (", ..." if len(carried) > 4 else "") + ")") if partial else "every parameter"
-    return deciders.missing_zero_grad(Observed(case.rung, Severity.ERROR,
-                   f"Step {ordinal}: for {which} the optimizer consumed this window's "
-                   f"reference gradient plus what step {ordinal - 1} already applied: .grad "
-                   "is not cleared after an optimizer step"
-                   + (" (the zero_grad call covers only part of the model)" if partial else "")
-                   + ", so every step re-applies earlier windows, and an overflow, once in "
-                   ".grad, poisons every later window. Clear all gradients after each step, "
-                   "skipped or not.",
-                   evidence=case.evidence, location=location(site)))
+    return carried_over_finding(CarriedOver(
+        case.rung, ordinal, tuple(carried), len(names), case.measured_ratio, case.evidence,
+        forced_clip=case.forced_clip, location=location(site)))
 
 
 def _summed_over_a_count(case: StepCase) -> Finding | None:
@@ -281,26 +277,19 @@ def _summed_over_a_count(case: StepCase) -> Finding | None:
     if counted is None:
         return None
     count, what = counted
-    case.evidence.update({"factor": compare._round(measured_ratio), "count": count})
-    return deciders.reduction_mismatch(Observed(case.rung, Severity.ERROR,
-                   f"Step {case.judged.ordinal}: the gradient is {measured_ratio:.4g}x the "
-                   f"reference ({what}) with cosine {m.cosine:.5f}: the loss sums over "
-                   "samples/elements instead of averaging.",
-                   evidence=case.evidence, location=location(case.last_backward_site)))
+    return summed_over_count_finding(SummedOverCount(
+        case.rung, case.judged.ordinal, measured_ratio, m.cosine, count, what, case.evidence,
+        forced_clip=case.forced_clip, location=location(case.last_backward_site)))
 
 
 def _varying_divisor(case: StepCase) -> Finding | None:
     """A size that changes from step to step: a divisor that varies."""
-    varying = varying_divisor(case.judgement, case.evidence, case.judged.ordinal,
-                              case.measured_ratio)
-    if varying is None:
+    ratios = varying_ratios(case.judgement)
+    if ratios is None:
         return None
-    return deciders.reduction_mismatch(Observed(
-                   case.rung, Severity.ERROR, varying, evidence=case.evidence,
-                   location=location(case.last_backward_site),
-                   fix="Count the tokens (or samples) of the whole optimizer step once, "
-                       "over all K micro-batches before the window, and divide every "
-                       "micro-batch's summed loss by that one total."))
+    return varying_divisor_finding(VaryingDivisor(
+        case.rung, case.judged.ordinal, case.measured_ratio, tuple(ratios), case.evidence,
+        forced_clip=case.forced_clip, location=location(case.last_backward_site)))
 
 
 def _wrong_divisor(case: StepCase) -> Finding | None:
@@ -309,15 +298,11 @@ def _wrong_divisor(case: StepCase) -> Finding | None:
     m, measured_ratio, K = case.m, case.measured_ratio, case.K
     if not wrong_divisor(m.cosine, measured_ratio):
         return None
-    decider = (deciders.double_average if measured_ratio < 1
-               else deciders.missing_accumulation_average)
     case.evidence["factor"] = compare._round(measured_ratio)
-    lead = clipped_lead(CONSUMED, case).format(step=case.judged.ordinal)
-    return decider(Observed(case.rung, Severity.ERROR,
-                   f"{lead}{measured_ratio:.4g}x "
-                   f"the reference gradient with cosine {m.cosine:.5f}: the loss is divided by "
-                   f"{K / measured_ratio:.4g} instead of K={K}.",
-                   evidence=case.evidence, location=location(case.last_backward_site)))
+    return wrong_divisor_finding(WrongDivisor(
+        case.rung, case.judged.ordinal, measured_ratio, m.cosine, K, case.evidence,
+        clip=_clip(case), forced_clip=case.forced_clip,
+        location=location(case.last_backward_site)))
 
 
 def _loop_sums_unaveraged(case: StepCase) -> Finding | None:
@@ -332,27 +317,19 @@ def _loop_sums_unaveraged(case: StepCase) -> Finding | None:
     if sums is None:
         return None
     case.evidence.update(unaveraged.evidence(sums))
-    return deciders.missing_accumulation_average(Observed(case.rung, Severity.ERROR,
-                   unaveraged.message(case.judged.ordinal, case.K, sums, case.clip_norm,
-                                      clip_threshold(case.window_events),
-                                      case.evidence.get("ratio_after_clip")),
-                   evidence=case.evidence, location=location(case.last_backward_site),
-                   fix=unaveraged.FIX if sums.weighting_differs else ""))
+    return loop_sums_unaveraged(LoopSumsUnaveraged(
+        case.rung, case.judged.ordinal, case.K, unaveraged.measured(sums), case.evidence,
+        clip=_clip(case), forced_clip=case.forced_clip,
+        location=location(case.last_backward_site)))
 
 
 def _no_known_shape(case: StepCase) -> Finding:
     """No known shape: say so, with the numbers."""
-    m, judged, tol = case.m, case.judged, case.judgement.tolerance
-    hint = ""
-    if direction_holds(m.cosine):
-        hint = f" The direction is right (cosine {m.cosine:.5f}); only the size differs."
-    return deciders.gradient_mismatch(Observed(case.rung, Severity.ERROR,
-                   f"Step {judged.ordinal} (window {judged.window}) of the "
-                   f"{case.judgement.precision} run: the gradient the optimizer consumed differs "
-                   f"from the fp32 reference by {m.rel_err:.3g} (relative; tolerance "
-                   f"{tol.rtol:g}), norm ratio {case.measured_ratio:.4g}, cosine "
-                   f"{m.cosine:.4f}, matching no known mistake.{hint}",
-                   evidence=case.evidence, location=location(judged.step.site)))
+    m, judged = case.m, case.judged
+    return unexplained(Unexplained(
+        case.rung, judged.ordinal, judged.window, case.judgement.precision, m.rel_err,
+        case.measured_ratio, m.cosine, case.judgement.tolerance.rtol, case.evidence,
+        forced_clip=case.forced_clip, location=location(judged.step.site)))
 
 
 #: The known shapes of a mismatch, in the order they are tried: each returns its finding, or
@@ -366,60 +343,3 @@ SHAPES: tuple[Callable[[StepCase], Finding | None], ...] = (
     _wrong_divisor,
     _loop_sums_unaveraged,
 )
-
-
-#: Every message of MESSAGES opens with this: what the optimizer consumed...
-CONSUMED = "Step {step}: the optimizer consumed "
-
-
-def clipped_lead(template: str, case: StepCase) -> str:
-    """The message's opening when the window's clip bit: the headline is the update the step
-    applied (after the clip, what the charts plot), then what the clip was handed."""
-    after = case.evidence.get("ratio_after_clip")
-    threshold = clip_threshold(case.window_events)
-    if after is None or case.clip_norm is None or threshold is None \
-            or not template.startswith(CONSUMED):
-        return template
-    return ("Step {step}: the update the step applied was " + f"{float(after):.4g}"
-            + "x the reference's after the clip (it saw a total norm "
-            + f"{case.clip_norm:.4g} > max_norm {threshold:g}); before the clip, the "
-            "optimizer was handed " + template[len(CONSUMED):])
-
-
-MESSAGES = {
-    "missing-accumulation-average":
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
-        "{cos:.5f}) = the sum of the K={K} micro-batch gradients: the loss is not divided by "
-        "accumulation_steps.",
-    "double-average":
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
-        "{cos:.5f}), 1/K with K={K}: the gradient is averaged twice.",
-    "reduction-mismatch":
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient (cosine "
-        "{cos:.5f}): {label}. The loss reduction and the averaging factor disagree.",
-    "weighted-average-mismatch":
-        "Step {step}: the optimizer consumed the {label} (norm ratio {ratio:.4g}, cosine "
-        "{cos:.5f} to the weighted reference): micro-batches with few tokens count as much as "
-        "full ones.",
-    "zero-grad-inside-accumulation":
-        "Step {step}: the optimizer consumed {label} (norm ratio {ratio:.4g}, cosine {cos:.5f}): "
-        "gradients were cleared inside the window.",
-    "missing-unscale":
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: it "
-        "stepped on scaled gradients.",
-    "unscale-twice":
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
-        "gradients were divided by the scale twice.",
-    "clip-before-unscale":
-        "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
-        "gradients were clipped against a norm taken before unscale_, in scaled space.",
-}
-
-#: unscale-twice's consumption (1/S) when the backward ran on the plain loss: `scaled =
-#: scaler.scale(loss)` went unused, so unscale_ divided gradients never multiplied by S.
-UNSCALED_BACKWARD = (
-    "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: backward "
-    "ran on the unscaled loss (the result of scaler.scale(loss){at} was never backpropagated), "
-    "so unscale_ divided gradients that were never multiplied by the scale.")
-UNSCALED_BACKWARD_FIX = ("Backpropagate the scaled loss: `scaler.scale(loss).backward()`, not "
-                         "`loss.backward()` after `scaler.scale(loss)`.")

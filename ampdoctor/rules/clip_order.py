@@ -17,22 +17,16 @@ from __future__ import annotations
 
 import math
 
-from .. import compare, deciders
-from ..deciders import Observed
-from ..enums import Severity
-from ..evidence import Evidence
 from ..findings import Finding, location
+from ..kinds.mismatch import ClipAfterStep
+from ..kinds.mismatch import clip_after_step as clip_after_step_finding
 from ..probe.events import Backward, Clip, OptimizerStep
 from ..session import Trace
 
-FIX = ("Clip before the step that consumes the gradients: `scaler.unscale_(optimizer)`, then "
-       "`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`, then "
-       "`scaler.step(optimizer)` and `scaler.update()` (without a scaler: clip, then "
-       "`optimizer.step()`).")
-
 
 def clip_after_step(trace: Trace, rung: str, rtol: float,
-                    judged: dict[int, float] | None = None) -> Finding | None:
+                    judged: dict[int, float] | None = None,
+                    forced_clip: float | None = None) -> Finding | None:
     """The first clip after a step that would have changed that step's update, or None.
     `judged` maps a step's ordinal to its judged update/reference norm ratio (the number the
     report's chart plots for it: about 1, the update matched the unclipped reference)."""
@@ -50,7 +44,7 @@ def clip_after_step(trace: Trace, rung: str, rtol: float,
             slots = {owners.get(pid) for pid in event.param_ids}
             if slots and None not in slots and slots <= stepped:
                 step = steps_seen - 1
-                return _finding(event, rung, step, rtol, (judged or {}).get(step))
+                return _finding(event, rung, step, rtol, (judged or {}).get(step), forced_clip)
     return None
 
 
@@ -62,18 +56,9 @@ def _bites(clip: Clip, rtol: float) -> bool:
     return clip.total_norm / clip.max_norm - 1.0 > rtol
 
 
-def _finding(clip: Clip, rung: str, step: int, rtol: float, ratio: float | None) -> Finding:
+def _finding(clip: Clip, rung: str, step: int, rtol: float, ratio: float | None,
+             forced_clip: float | None = None) -> Finding:
     assert clip.max_norm is not None and clip.total_norm is not None
-    factor = clip.total_norm / clip.max_norm
-    message = (f"Step {step}: the gradient clip ran after the optimizer step, on gradients the "
-               f"step had already consumed: their norm was {clip.total_norm:.4g} against "
-               f"max_norm={clip.max_norm:.4g}, so the update used a gradient {factor:.4g}x the "
-               "clipped one the loop means, and the clip only rescaled gradients about to be "
-               "cleared.")
-    evidence: Evidence = {"measured": compare._round(factor), "expected": 1.0, "step": step,
-                          "clip_total_norm": compare._round(clip.total_norm),
-                          "max_grad_norm": compare._round(clip.max_norm), "tolerance": rtol}
-    if ratio is not None:   # the update against the unclipped reference: it matched
-        evidence["ratio"] = compare._round(ratio)
-    return deciders.gradient_mismatch(Observed(
-        rung, Severity.ERROR, message, fix=FIX, location=location(clip.site), evidence=evidence))
+    return clip_after_step_finding(ClipAfterStep(
+        rung, step, clip.total_norm, clip.max_norm, rtol, ratio, forced_clip=forced_clip,
+        location=location(clip.site)))

@@ -5,52 +5,20 @@ accumulation-average finding names the right side: the user's line, `accelerator
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from ..evidence import Evidence
 from ..probe.events import FrameworkPrecision
 from ..probe.trace import Trace
 
-_DOUBLE = {
-    "accelerate": "`accelerator.backward` already divides the loss by gradient_accumulation_steps "
-                  "inside `accelerator.accumulate()`, so the loop's own division is the second "
-                  "one: remove it.",
-    "HF Trainer": "the HF Trainer already divides the loss by gradient_accumulation_steps (when "
-                  "the model takes no loss kwargs), so a division in compute_loss is the "
-                  "second one: remove it.",
-    "Lightning": "Lightning's automatic optimization already divides the loss by "
-                 "accumulate_grad_batches, so a division in training_step is the second one "
-                 "(manual optimization divides nowhere: there the loop must, once).",
-    "Fabric": "`fabric.backward` does not divide: the loss is divided twice in the loop.",
-    "DeepSpeed": "`engine.backward(loss)` already divides the loss by the config's "
-                 "gradient_accumulation_steps (its `scale_wrt_gas=True` default), so the loop's "
-                 "own division is the second one: remove it (or pass `scale_wrt_gas=False` and "
-                 "keep exactly one).",
-}
-_MISSING = {
-    "accelerate": "`accelerator.backward` divides by K only inside `accelerator.accumulate()` "
-                  "with gradient_accumulation_steps given to the Accelerator; outside it the "
-                  "loop must divide.",
-    "HF Trainer": "the HF Trainer does not divide by K when the model (or compute_loss_func) "
-                  "accepts loss kwargs: it passes `num_items_in_batch` and expects the loss to "
-                  "be divided by it; a loss that ignores it sums the K micro-batches.",
-    "Lightning": "Lightning divides by accumulate_grad_batches only in automatic optimization; "
-                 "with manual optimization (`manual_backward`) the loop must divide.",
-    "Fabric": "`fabric.backward` does not divide by K: the loop must divide the loss.",
-    "DeepSpeed": "`engine.backward(loss, scale_wrt_gas=False)` does not divide by the config's "
-                 "gradient_accumulation_steps: with it the loop must divide, once (the default "
-                 "`scale_wrt_gas=True` divides for it).",
-}
 
-
-def who_divided(trace: Trace, kind: str) -> tuple[str, str] | None:
-    """(party, sentence) for a double-average or missing-accumulation-average in a run that a
-    framework drove, or None when no framework was built."""
-    table = {"double-average": _DOUBLE, "missing-accumulation-average": _MISSING}.get(kind)
-    if table is None:
-        return None
+def dividing_party(trace: Trace, parties: Collection[str]) -> str | None:
+    """The first framework among `parties` (a kind's `who_divides`) that drove the run, or
+    None: the kind's unit then says who divides by K there."""
     for event in trace.events_of(FrameworkPrecision):
         party = event.driver or event.framework
-        if party in table:
-            return party, table[party]
+        if party in parties:
+            return party
     return None
 
 

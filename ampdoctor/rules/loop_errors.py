@@ -5,21 +5,22 @@ from __future__ import annotations
 
 import os
 
-from .. import deciders
-from ..deciders import Observed
-from ..enums import Severity
 from ..errors import exc_text, format_traceback, safe_repr, safe_str
-from ..evidence import Evidence
-from ..findings import Finding, location
+from ..findings import Finding, Location, location
+from ..kinds.loop_error import (
+    LoopExited,
+    LoopRaised,
+    UpdateMissing,
+    loop_exited,
+    loop_raised,
+    no_update_before_unscale,
+)
+from ..kinds.scaling import UnscaleRefused, unscale_refused
 from ..probe.events import Backward, Event, OptimizerStep, ScalerStep, Unscale, Update
 from ..session import Trace
 
-#: torch's own error messages that name a known mistake (matched on a stable fragment), with
-#: the decider of that mistake's kind.
-KNOWN_TORCH_ERRORS = (
-    ("unscale_() has already been called on this optimizer since the last update()",
-     deciders.unscale_twice),
-)
+#: torch's own refusal of a second unscale_() (matched on a stable fragment): `unscale-twice`.
+UNSCALE_TWICE_ERROR = "unscale_() has already been called on this optimizer since the last update()"
 
 
 def loop_error_finding(trace: Trace, rung: str) -> Finding:
@@ -33,65 +34,28 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
         updates = trace.events_of(Update)
         # Point at the update() that exists but was skipped on this path, else at the step.
         site = (updates[-1].site if updates else steps[-1].site if steps else trace.error_site)
-        return deciders.loop_error(Observed(rung, Severity.ERROR,
-                       f"In the {trace.precision} run torch refused unscale_(): the previous "
-                       "window never reached scaler.update() (a skip path that returns early, "
-                       "or no update at all), so the next window's unscale_ counts as a second "
-                       "one. Call scaler.update() once per window on every path, skipped or not.",
-                       evidence={"error": text, "updates": len(updates),
-                                 "scaler_steps": len(steps),
-                                 "measured": len(updates), "expected": len(steps) or 1},
-                       location=location(site)))
-    for fragment, decider in KNOWN_TORCH_ERRORS:
-        if fragment in whole:
-            refused = [e for e in trace.events_of(Unscale) if e.error is not None]
-            site = refused[-1].site if refused else trace.error_site
-            earlier = [e for e in trace.events_of(Unscale) if e.error is None
-                       and not e.inside_step
-                       and (not refused or e.optimizer == refused[-1].optimizer)]
-            first = earlier[-1].site if earlier else None
-            also = (f" The first call was at {first.file}:{first.line}; keep one of the two."
-                    if first is not None and first != site else "")
-            evidence: Evidence = {"error": text, "measured": 2, "expected": 1,
-                                        "unscale_calls_in_step": 2}
-            if first is not None:
-                evidence["first_unscale"] = f"{first.file}:{first.line}"
-            return decider(Observed(rung, Severity.ERROR,
-                           f"In the {trace.precision} run torch refused a second unscale_() of "
-                           "the same optimizer in one step: the gradients would be divided by "
-                           f"the scale twice.{also}",
-                           evidence=evidence, location=location(site)))
+        return no_update_before_unscale(UpdateMissing(
+            rung, trace.precision, text, len(updates), len(steps), location=location(site)))
+    if UNSCALE_TWICE_ERROR in whole:
+        refused = [e for e in trace.events_of(Unscale) if e.error is not None]
+        site = refused[-1].site if refused else trace.error_site
+        earlier = [e for e in trace.events_of(Unscale) if e.error is None
+                   and not e.inside_step
+                   and (not refused or e.optimizer == refused[-1].optimizer)]
+        first = earlier[-1].site if earlier else None
+        return unscale_refused(UnscaleRefused(
+            rung, trace.precision, text, first=location(first),
+            first_is_refused=first is not None and first == site, location=location(site)))
     if isinstance(exc, SystemExit):
-        text = f"sys.exit({safe_repr(exc.code)})"
-        return deciders.loop_error(Observed(rung, Severity.ERROR,
-                       f"The loop called {text} in the {trace.precision} run: it must return "
-                       "to its caller (ampdoctor runs it several times in one process), so its "
-                       "run could not be judged.",
-                       evidence={"error": text, "precision": trace.precision},
-                       location=location(trace.error_site)))
+        return loop_exited(LoopExited(rung, trace.precision, safe_repr(exc.code),
+                                      location=location(trace.error_site)))
     finder = trace.finder
     frames = finder.user_sites(exc.__traceback__) if finder is not None else []
-    evidence = {"error": text, "precision": trace.precision}
-    clip = clip_given_none(exc) if trace.settings.max_grad_norm is None else None
-    if clip is not None:
-        # the loop clips at run.max_grad_norm, which is None: say why, not only that it is
-        evidence["max_grad_norm"] = None
-        text = (f"{text}. torch's {clip}() was given None as its threshold: run.max_grad_norm "
-                "is null because the spec has no max_grad_norm. Set max_grad_norm in the spec "
-                "(for example `max_grad_norm: 1.0`), or clip only when run.max_grad_norm is not "
-                "None")
-    called_from = ""
-    if len(frames) > 1:
-        # innermost user frame is the location; the loop's own line is where it was called
-        outer = frames[0]
-        evidence["loop_line"] = f"{outer.file}:{outer.line}"
-        evidence["user_frames"] = [f"{f.file}:{f.line} in {f.function}" for f in frames]
-        called_from = (f" (in {frames[-1].function}(), called from the loop at "
-                       f"{os.path.basename(outer.file)}:{outer.line})")
-    return deciders.loop_error(Observed(rung, Severity.ERROR,
-                   f"The loop raised in the {trace.precision} run: {text}{called_from}",
-                   evidence=evidence, location=location(trace.error_site),
-                   traceback=format_traceback(trace.error)))
+    return loop_raised(LoopRaised(
+        rung, trace.precision, text,
+        frames=tuple(Location(f.file, f.line, f.function) for f in frames),
+        clip_given_none=clip_given_none(exc) if trace.settings.max_grad_norm is None else None,
+        location=location(trace.error_site), traceback=format_traceback(trace.error)))
 
 
 #: torch's clipping functions live here (matched on the path's end, any separator)

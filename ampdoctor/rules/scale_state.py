@@ -6,18 +6,27 @@ trajectory itself (an update per micro-batch, a second scale) is the consequence
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
-from .. import compare, deciders, thresholds
-from ..deciders import Observed
-from ..enums import Severity
-from ..evidence import Evidence
+from .. import compare, thresholds
+from ..enums import KindId
 from ..findings import Finding, location
 from ..judge import judged_live
+from ..kinds.clipping import ScaledClip, scaled_clip
+from ..kinds.double_scaling import ScaledTwice, SecondScale, scaled_twice, second_scale
+from ..kinds.scaling import (
+    SecondUnscale,
+    StepOnScaled,
+    UpdateWithoutStep,
+    second_unscale,
+    step_on_scaled,
+    update_without_step,
+)
 from ..probe.callsite import Site
 from ..probe.events import Backward, Clip, Event, Scale, ScalerStep, Unscale, Update
-from ..probe.statemachine import StepStateMachine
+from ..probe.statemachine import Illegal, StepStateMachine
 from ..session import Session, Trace, flat
 
 
@@ -63,11 +72,31 @@ def _last_scale_before(trace: Trace, seq: int) -> float | None:
     return scales[-1] if scales else None
 
 
-def violation_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
+#: What each observation of the state machine is decided by (its kind's unit).
+CallOrder = ScaledClip | StepOnScaled | SecondUnscale | UpdateWithoutStep | ScaledTwice
+
+
+def call_order_finding(o: CallOrder) -> Finding:
+    """The finding of one call-order observation, by its kind's unit."""
+    if isinstance(o, ScaledClip):
+        return scaled_clip(o)
+    if isinstance(o, StepOnScaled):
+        return step_on_scaled(o)
+    if isinstance(o, SecondUnscale):
+        return second_unscale(o)
+    if isinstance(o, UpdateWithoutStep):
+        return update_without_step(o)
+    return scaled_twice(o)
+
+
+def violation_observations(session: Session, trace: Trace, rung: str) -> list[CallOrder]:
+    """What the step state machine saw in `trace`, the first violation of each transition, as
+    the numbers its kind's unit words (not yet decided: `explain_with_calls` says whether a
+    mismatch makes it an error or every matched update a warning)."""
     machine = StepStateMachine(trace.parameter_owners())
     violations = machine.feed_all(trace.events)
-    findings: list[Finding] = []
-    seen: set[str] = set()
+    observed: list[CallOrder] = []
+    seen: set[Illegal] = set()
     for v in violations:
         if v.kind in seen:
             continue
@@ -75,112 +104,64 @@ def violation_findings(session: Session, trace: Trace, rung: str) -> list[Findin
         event = v.event
         window = min(trace.window_of_event(event) or 0, session.N - 1)
         scale = _last_scale_before(trace, event.seq)
-        evidence: Evidence = {"scale": scale, "window": window}
-        if v.kind == "clip-before-unscale":
-            seen_norm = v.data.get("total_norm")
-            true_norm = _reference_norm(session, trace, window)
-            ratio = (seen_norm / true_norm) if seen_norm and true_norm else None
-            by_value = isinstance(event, Clip) and event.clip_kind == "value"
-            if by_value:
-                # clip_grad_value_ returns nothing: the threshold is off by the scale itself.
-                ratio = scale
-            evidence.update({"measured": compare._round(ratio) if ratio else None,
-                             "expected": 1.0, "norm_seen_by_clip": seen_norm,
-                             "true_norm": compare._round(true_norm) if true_norm else None,
-                             "max_grad_norm": v.data.get("max_norm")})
-            if by_value:
-                message = (f"clip_grad_value_ ran before scaler.unscale_: the clip value "
-                           f"{v.data.get('max_norm')} was applied to gradients multiplied by the "
-                           f"loss scale {scale:g}, i.e. a clip value {scale:g}x too small in "
-                           "true-gradient space.")
-            elif ratio and seen_norm and true_norm:
-                message = (f"clip_grad_norm_ ran before scaler.unscale_: it saw a gradient norm "
-                           f"of {seen_norm:.6g} where the true norm is {true_norm:.6g} — a ratio "
-                           f"of {ratio:.6g}, the loss scale ({scale:g}). The threshold "
-                           f"{v.data.get('max_norm')} was applied in scaled space.")
-            else:
-                message = "clip_grad_norm_ ran before scaler.unscale_ on scaled gradients."
+        site = location(event.site)
+        if v.kind is Illegal.CLIP_WHILE_SCALED:
             slot = v.data.get("optimizer")
-            if len(trace.optimizers) > 1 and slot is not None:
-                evidence["optimizer"] = slot
-                unscaled = sorted({e.optimizer for e in trace.events
-                                   if isinstance(e, Unscale) and e.seq < event.seq
-                                   and e.optimizer is not None and e.optimizer != slot})
-                message += (f" Optimizer {slot} (of {len(trace.optimizers)}) had not been "
-                            "unscaled" + (f" although optimizer(s) {unscaled} had: the clip "
-                                          "mixed scaled and true gradients" if unscaled else "")
-                            + f"; call scaler.unscale_() on optimizer {slot} before clipping.")
-        elif v.kind == "missing-unscale":
-            slot = v.data.get("optimizer")
-            ratio = step_ratio(session, trace, event)
-            evidence.update({"measured": compare._round(ratio) if ratio else None,
-                             "expected": 1.0, "optimizer": slot})
-            message = (f"Optimizer {slot} stepped with its own .step() on gradients still "
-                       f"multiplied by the loss scale {scale:g}"
-                       + (f": its gradient is {ratio:.6g}x the reference." if ratio else ".")
-                       + " scaler.step() was bypassed, so it was never unscaled nor checked for "
-                         "inf.")
-        elif v.kind == "update-per-microbatch":
-            updates = len(trace.events_of(Update))
-            steps = len(trace.events_of(ScalerStep))
-            evidence.update({"measured": updates, "expected": steps,
-                             "updates": updates, "scaler_steps": steps})
-            message = (f"scaler.update() ran {updates} times for {steps} scaler.step() calls: "
-                       "more than once per optimizer step.")
-        elif v.kind == "double-scaling":
-            first = v.data.get("first_scale") or 0
-            evidence.update({"measured": compare._round(first * (scale or 1)),
-                             "expected": scale, "skipped_steps": skipped_steps(trace)})
-            message = (f"scaler.scale() was applied to a loss that was already scaled by "
-                       f"{first:g}: the effective loss scale is {first * (scale or 1):.6g}, not "
-                       f"{scale:g}.")
+            unscaled = {e.optimizer for e in trace.events
+                        if isinstance(e, Unscale) and e.seq < event.seq
+                        and e.optimizer is not None and e.optimizer != slot}
+            observed.append(ScaledClip(
+                rung, window, scale, v.data.get("total_norm"),
+                _reference_norm(session, trace, window), v.data.get("max_norm"),
+                by_value=isinstance(event, Clip) and event.clip_kind == "value",
+                optimizer=slot, optimizers=len(trace.optimizers),
+                unscaled_others=tuple(unscaled), location=site))
+        elif v.kind is Illegal.STEP_WHILE_SCALED:
+            observed.append(StepOnScaled(rung, window, scale, v.data.get("optimizer"),
+                                         step_ratio(session, trace, event), location=site))
+        elif v.kind is Illegal.UPDATE_WITHOUT_STEP:
+            observed.append(UpdateWithoutStep(rung, window, scale, len(trace.events_of(Update)),
+                                              len(trace.events_of(ScalerStep)),
+                                              location=site))
+        elif v.kind is Illegal.SCALE_OF_SCALED:
+            observed.append(ScaledTwice(rung, window, scale, v.data.get("first_scale") or 0,
+                                        skipped_steps(trace), location=site))
         else:
-            evidence.update({"measured": 2, "expected": 1})
-            message = v.detail
-        findings.append(deciders.decide(v.kind, Observed(
-            rung, Severity.ERROR, message, evidence=evidence, location=location(event.site))))
-    return findings
+            observed.append(SecondUnscale(rung, window, scale, location=site))
+    return observed
+
+
+def violation_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
+    """The state machine's violations in `trace`, each decided as what explains a mismatch
+    (an error)."""
+    return [call_order_finding(o) for o in violation_observations(session, trace, rung)]
 
 
 #: State-machine findings whose consequence is the loss-scale trajectory, judged here directly.
-SCALE_TRAJECTORY_KINDS = ("update-per-microbatch", "double-scaling")
-
-#: Why a call order whose update matched this run is still fragile.
-_FRAGILE = {
-    "clip-before-unscale": "it clipped gradients still multiplied by the loss scale; it has not "
-                           "bitten yet, but once the scale grows (or the gradients do) the "
-                           "threshold acts on S x the true norm and the update shrinks by 1/S",
-    "missing-unscale": "optimizer.step() bypassed scaler.step(), so no inf check guards it; it "
-                       "matched only because the scale was 1 here",
-    "unscale-twice": "unscale_ ran twice for one step",
-}
+SCALE_TRAJECTORY_KINDS = (KindId.UPDATE_PER_MICROBATCH, KindId.DOUBLE_SCALING)
 
 
-def explain_with_calls(mismatch: list[Finding], violations: list[Finding],
-                        judgement) -> tuple[list[Finding], list[Finding]]:
+def explain_with_calls(mismatch: list[Finding], violations: list[CallOrder],
+                       judgement) -> tuple[list[Finding], list[Finding]]:
     """Consequence first: a call-order violation explains a mismatch the judge found (it names
-    the offending call); where every update matched it is at most a warning. A clip in scaled
-    space at a threshold multiplied by the scale is the same update and says nothing."""
+    the offending call); where every update matched it is at most a warning (decided by its
+    unit with `update_matched`). A clip in scaled space at a threshold multiplied by the scale
+    is the same update and says nothing."""
     scaled_sites = {(c.site.file, c.site.line) for s in judgement.steps for c in s.clips
                     if c.scaled_threshold and c.site is not None}
-    relevant = [v for v in violations if v.kind not in SCALE_TRAJECTORY_KINDS and not (
-        v.kind == "clip-before-unscale" and v.location is not None
-        and (v.location.file, v.location.line) in scaled_sites)]
+    relevant = [v for v in violations
+                if isinstance(v, (ScaledClip, StepOnScaled, SecondUnscale)) and not (
+                    v.kind is KindId.CLIP_BEFORE_UNSCALE and v.location is not None
+                    and (v.location.file, v.location.line) in scaled_sites)]
     if mismatch:
         first = mismatch[0]
         same = next((v for v in relevant if v.kind == first.kind), None)
-        if same is not None and first.kind != "clip-before-unscale":
-            return [same], []
-        if first.kind == "gradient-mismatch" and relevant:
-            return [relevant[0]], []
+        if same is not None and first.kind != KindId.CLIP_BEFORE_UNSCALE:
+            return [call_order_finding(same)], []
+        if first.kind == KindId.GRADIENT_MISMATCH and relevant:
+            return [call_order_finding(relevant[0])], []
         return mismatch, []
-    fragile = []
-    for v in relevant:
-        why = _FRAGILE.get(v.kind, v.message)
-        fragile.append(deciders.decide(v.kind, Observed(v.rung, Severity.WARNING,
-                               f"Every fp16 update matched the reference, but {why}. "
-                               f"({v.message})", evidence=v.evidence, location=v.location)))
-    return [], fragile
+    return [], [call_order_finding(replace(v, update_matched=True)) for v in relevant]
 
 
 def skipped_steps(trace: Trace) -> int:
@@ -230,15 +211,8 @@ def runtime_double_scaling(fp32: Trace, trace: Trace, rung: str) -> Finding | No
     low, high = thresholds.SECOND_SCALE_BAND
     if low <= abs(extra) <= high:
         return None
-    return deciders.double_scaling(Observed(rung, Severity.ERROR,
-        f"The loss reaching backward is {abs(extra):.6g}x what the scaler alone would give "
-        f"(fp32 loss {v32:.6g} x scale {scale:g} = {v32 * scale:.6g}, got {v16:.6g}): a second, "
-        f"hand-written loss scale sits on top of the GradScaler. Effective scale "
-        f"{abs(extra) * scale:.6g}; {skipped_steps(trace)} of "
-        f"{len(trace.events_of(ScalerStep))} steps were skipped.",
-        evidence={"measured": compare._round(abs(extra) * scale), "expected": scale,
-                  "extra_factor": compare._round(abs(extra)), "skipped_steps": skipped_steps(trace),
-                  "scaler_steps": len(trace.events_of(ScalerStep))},
+    return second_scale(SecondScale(
+        rung, v32, v16, scale, extra, skipped_steps(trace), len(trace.events_of(ScalerStep)),
         location=location(_static_scale_site(b16[0].site) or b16[0].site)))
 
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .. import deciders, thresholds
-from ..deciders import Observed
-from ..enums import Severity
+from .. import thresholds
 from ..findings import Finding, location
 from ..judge import step_groups
+from ..kinds.schedule import ScheduleTooFast, schedule_too_fast
 from ..probe.events import Backward, Forward, OptimizerStep, ScalerStep, SchedulerStep
 from ..session import Session, Trace
 from .deepspeed import scheduler_cause
@@ -46,18 +45,11 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
         if drift is None:
             continue
         step, used, meant = drift
-        per_step = len(events) / optimizer_steps
         first = events[0]
-        return [deciders.scheduler_per_microbatch(Observed(rung, Severity.ERROR,
-            f"The LR scheduler ({first.scheduler_type}) stepped {len(events)} times for "
-            f"{optimizer_steps} optimizer steps in the {trace.precision} run, up to {worst} "
-            f"times between two optimizer steps: optimizer step {step} used lr {used:.6g} where "
-            f"the schedule gives {meant:.6g} for that step; the schedule runs {per_step:.3g}x "
-            "too fast." + scheduler_cause(trace, first.scheduler_type),
-            evidence={"measured": round(per_step, 6), "expected": 1.0,
-                      "scheduler_steps": len(events), "optimizer_steps": optimizer_steps,
-                      "max_between_optimizer_steps": worst, "lr_used": used,
-                      "lr_expected": meant, "first_step_off": step, **framework_evidence(trace)},
+        return [schedule_too_fast(ScheduleTooFast(
+            rung, trace.precision, first.scheduler_type, len(events), optimizer_steps, worst,
+            step, used, meant, cause=scheduler_cause(trace, first.scheduler_type),
+            framework=framework_evidence(trace).get("framework"),
             location=location(first.site)))]
     return []
 

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders, thresholds
-from ..deciders import Observed
-from ..enums import Severity
-from ..evidence import Evidence
+from .. import compare, thresholds
+from ..enums import KindId
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
+from ..kinds.clipping import ClipInScaledSpace
+from ..kinds.clipping import clip_in_scaled_space as clip_in_scaled_space_finding
 from ..loading import micro_batch_counts, micro_batch_size_of
 from ..probe.events import Snapshot, StepRecord
 from ..reference import reference_norm
@@ -26,36 +26,18 @@ def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, cal
                          reference: dict[str, torch.Tensor | None], tolerance: float) -> Finding:
     """The update differs and a clip ran on gradients still multiplied by the loss scale, at a
     threshold the loop means in true space: the threshold met S x the true norm."""
-    true_norm = reference_norm(reference, call)
-    seen = call.total_norm
     m = judged.metrics
-    evidence: Evidence = {
-        "measured": compare._round(seen / true_norm) if seen and true_norm else None,
-        "expected": 1.0, "scale": call.scale, "norm_seen_by_clip": seen,
-        "true_norm": compare._round(true_norm), "max_grad_norm": call.threshold,
-        "step": judged.ordinal, "window": judged.window, **m.as_evidence(),
-        "tolerance": tolerance}
-    if call.kind == "value":
-        evidence["measured"] = call.scale
-        message = (f"Step {judged.ordinal}: clip_grad_value_ ran before scaler.unscale_: the clip "
-                   f"value {call.threshold:g} was applied to gradients multiplied by the loss "
-                   f"scale {call.scale:g}, i.e. a clip value {call.scale:g}x too small in "
-                   f"true-gradient space; the update is {m.ratio:.4g}x the reference.")
-    else:
-        message = (f"Step {judged.ordinal}: clip_grad_norm_ ran before scaler.unscale_: it saw a "
-                   f"gradient norm of {seen:.6g} where the true norm is {true_norm:.6g} (the "
-                   f"loss scale {call.scale:g}), so the threshold {call.threshold:g} was applied "
-                   f"in scaled space and the update is {m.ratio:.4g}x the reference clipped at "
-                   f"{call.threshold:g}.")
-    return deciders.clip_before_unscale(Observed(rung, Severity.ERROR, message, evidence=evidence,
-                   location=location(call.site)))
+    return clip_in_scaled_space_finding(ClipInScaledSpace(
+        rung, judged.ordinal, judged.window, call.scale, call.threshold, call.total_norm,
+        reference_norm(reference, call), m.ratio, m.as_evidence(), tolerance,
+        by_value=call.kind == "value", location=location(call.site)))
 
 
-def varying_divisor(judgement: Judgement, evidence: Evidence, ordinal: int,
-                     ratio: float) -> str | None:
+def varying_ratios(judgement: Judgement) -> list[float] | None:
     """Right direction at every step, but a size that changes from step to step: the loss is
     normalised by a count that varies (a token count overwritten per micro-batch), not by a
-    constant such as K -- so "divide by K" would not fix it."""
+    constant such as K -- so "divide by K" would not fix it. Each step's factor (before its
+    clip), or None."""
     same_direction = [s for s in judgement.steps
                       if s.metrics.cosine > thresholds.EXACT_DIRECTION_COSINE]
     if len(same_direction) < 2 or len(same_direction) < len(judgement.steps):
@@ -66,14 +48,7 @@ def varying_divisor(judgement: Judgement, evidence: Evidence, ordinal: int,
     if low <= 0 or high / low - 1 <= thresholds.VARYING_RATIO_SPREAD or all(
             abs(r - 1) < thresholds.RATIO_NEAR_ONE for r in ratios):
         return None
-    evidence["ratios_per_step"] = [compare._round(r) for r in ratios]
-    evidence["ratio_spread"] = compare._round(high / low - 1)
-    return (f"Step {ordinal}: the optimizer consumed {ratio:.4g}x the reference gradient with "
-            "the right direction, and the factor changes from step to step ("
-            + ", ".join(f"{r:.4g}" for r in ratios) + "): the loss is normalised by a count "
-            "that varies per step (e.g. the token count of one micro-batch, overwritten in a "
-            "loop) instead of the whole step's total. Divide the summed loss by the number of "
-            "tokens/samples in the whole optimizer step.")
+    return ratios
 
 
 def carried_over(session: Session, trace: Trace, step: StepRecord, names: list[str],
@@ -128,8 +103,8 @@ def summed_count(micro_batches: list[Any], ratio: float,
     return None
 
 
-SIZE_FACTOR_KINDS = {"missing-accumulation-average": "reduction-mismatch",
-                      "reduction-mismatch": "missing-accumulation-average"}
+SIZE_FACTOR_KINDS: dict[str, str] = {KindId.MISSING_ACCUMULATION_AVERAGE: KindId.REDUCTION_MISMATCH,
+                      KindId.REDUCTION_MISMATCH: KindId.MISSING_ACCUMULATION_AVERAGE}
 
 
 #: The rung driver's extra fp32 pass (`ladder.analysis.rerun_for`): (micro_batches, K,
@@ -158,7 +133,7 @@ def disambiguate(session: Session, window: int, snapshot: Snapshot, names: list[
         float(torch.linalg.vector_norm(flat(session, reference, names))), 1e-30)
     info = {"accumulation_steps": K2, "micro_batch_size": b, "ratio": compare._round(ratio)}
     if abs(ratio / K2 - 1) < thresholds.RESPLIT_RATIO_RTOL:
-        return "missing-accumulation-average", info
+        return KindId.MISSING_ACCUMULATION_AVERAGE, info
     if abs(ratio / b - 1) < thresholds.RESPLIT_RATIO_RTOL:
-        return "reduction-mismatch", info
+        return KindId.REDUCTION_MISMATCH, info
     return None, info

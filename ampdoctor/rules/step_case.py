@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .. import compare, thresholds
+from ..enums import KindId
 from ..evidence import Evidence
 from ..judge import Judgement, StepJudgement
 from ..probe.events import Backward, Clip, Event, Scale, Snapshot, ZeroGrad, of_type
@@ -75,6 +76,8 @@ class StepCase:
     found: compare.Classification | None
     measured_ratio: float
     evidence: Evidence
+    #: the threshold the clip-space rung forced (rung context its findings say), else None
+    forced_clip: float | None = None
 
     @property
     def K(self) -> int:
@@ -95,7 +98,7 @@ class StepCase:
 
 def build_case(session: Session, trace: Trace, rung: str, judgement: Judgement,
           judged: StepJudgement, rerun: Resplit | None, snapshot: Snapshot, names: list[str],
-          ref: WindowReference) -> StepCase:
+          ref: WindowReference, forced_clip: float | None = None) -> StepCase:
     """The step's gradients, the hypotheses built from the reference, the best match."""
     K, tol, step = session.K, judgement.tolerance, judged.step
     window_events = list(judged.events)
@@ -139,7 +142,7 @@ def build_case(session: Session, trace: Trace, rung: str, judgement: Judgement,
             evidence["ratio"] = compare._round(measured_ratio)
     return StepCase(session, trace, rung, judgement, judged, rerun, snapshot, names, ref, full,
                  per_mb, user, user_u, clip_norm, backwards, inside_zero, contributing_from,
-                 hyps, cand_tol, found, measured_ratio, evidence)
+                 hyps, cand_tol, found, measured_ratio, evidence, forced_clip)
 
 
 def _own_backwards(trace: Trace, backwards: list[Backward], optimizer: int) -> list[Backward]:
@@ -168,7 +171,7 @@ def _scale_hypotheses(session: Session, ref: WindowReference, full: torch.Tensor
         coef = min(1.0, max_norm / (total + thresholds.CLIP_EPSILON))
         if clip_would_bite(coef):
             hyps.append(compare.Hypothesis(
-                "clip-before-unscale",
+                KindId.CLIP_BEFORE_UNSCALE,
                 f"the reference clipped at max_grad_norm={max_norm:g} and divided by the loss "
                 f"scale S={scale:g} (the clip compared the threshold with S x the true norm)",
                 full * (coef / scale), coef / scale, {"scale": scale, "clip_coefficient":

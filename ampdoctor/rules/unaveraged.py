@@ -10,13 +10,13 @@ is left between that combination, averaged, and the reference."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from .. import compare, thresholds
+from .. import compare
 from ..evidence import Evidence
+from ..kinds.accumulation import Unaveraged
 from ..probe.events import Snapshot
 from ..session import Session, flat
 from .shapes import Resplit
@@ -81,43 +81,11 @@ def summed_loop_gradients(session: Session, window: int, snapshot: Snapshot,
                   against, ratios, cosines, weighting_differs=against.rel_err > tolerance)
 
 
-def message(step: int, K: int, summed: Summed, clip_norm: float | None,
-            max_norm: float | None, after_clip: float | None) -> str:
-    """Both mistakes, each with its number, and what the clip did to the update."""
+def measured(summed: Summed) -> Unaveraged:
+    """The numbers of `summed` for its kind's unit to word (kinds.accumulation)."""
     m = summed.mean_vs_reference
-    text = (f"Step {step}: before the clip, the gradient is {summed.factor:.4g}x the mean of "
-            f"{summed.basis}, i.e. their sum: the loss is not divided by accumulation_steps "
-            f"(K={K}).")
-    if not summed.weighting_differs:
-        return text + (f" That mean is the reference (norm ratio {m.ratio:.4g}, cosine "
-                       f"{m.cosine:.5f}): dividing by K makes it match.")
-    text += (f" The weighting differs as well: that mean is {m.ratio:.4g}x the reference "
-             f"with cosine {m.cosine:.5f}, so micro-batches (or the tokens in them) do not weigh "
-             "what they weigh in the reference")
-    ratios = summed.per_microbatch_ratio
-    if ratios and any(abs(r - 1) > thresholds.RATIO_NEAR_ONE
-                      or c < thresholds.SAME_DIRECTION_COSINE
-                      for r, c in zip(ratios, summed.per_microbatch_cosine, strict=False)):
-        text += (" -- already within one micro-batch (the loop alone on each is "
-                 + ", ".join(f"{r:.3g}x" for r in ratios) + " its reference, cosine "
-                 + ", ".join(f"{c:.4f}" for c in summed.per_microbatch_cosine) + ")")
-    text += "."
-    if clip_norm is not None and max_norm is not None and after_clip is not None \
-            and math.isfinite(clip_norm) and clip_norm > max_norm:
-        text += (f" The clip bit (total norm {clip_norm:.4g} > {max_norm:g}), so the update is "
-                 f"{after_clip:.4g}x the reference, not {K}x: dividing by K alone will not make "
-                 "it match.")
-    else:
-        text += " Dividing by K alone will not make it match."
-    return text
-
-
-#: The fix when the weighting differs too: dividing by K alone leaves the weighting wrong.
-FIX = ("Normalise the whole optimizer step once, the way the reference does: for a token- or "
-       "sample-weighted loss, sum each micro-batch's per-token (per-sample) losses and divide "
-       "by the count over all K micro-batches of the step (no further / K); for a loss that "
-       "weighs micro-batches equally, compute it as the reference's `loss` does and divide it "
-       "by accumulation_steps.")
+    return Unaveraged(summed.factor, summed.basis, summed.weighting_differs, m.ratio, m.cosine,
+                      tuple(summed.per_microbatch_ratio), tuple(summed.per_microbatch_cosine))
 
 
 def evidence(summed: Summed) -> Evidence:

@@ -41,10 +41,12 @@ from ampdoctor.findings import Finding, Location
 from ampdoctor.scan import hints_flow as flow
 from ampdoctor.scan.hints_flow import Assigns, Receivers
 
+from ..enums import KindId
+
 #: The rung a static hint reports under (it is no rung of the ladder: nothing ran).
 HINT_RUNG = "scan"
-HINT_KINDS = ("clip-before-unscale", "scheduler-per-microbatch", "missing-accumulation-average",
-              "zero-grad-inside-accumulation")
+HINT_KINDS = (KindId.CLIP_BEFORE_UNSCALE, KindId.SCHEDULER_PER_MICROBATCH,
+              KindId.MISSING_ACCUMULATION_AVERAGE, KindId.ZERO_GRAD_INSIDE_ACCUMULATION)
 CLIP_FUNCTIONS = frozenset({"clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"})
 _NORMALISING_CALLS = frozenset({"div", "div_", "divide", "true_divide", "mul", "mul_",
                                 "multiply"})
@@ -177,14 +179,14 @@ def _window_hints(window: _Window, assigns: Assigns, opaque: set[str], receivers
         if (receiver is not None and receivers.is_scheduler(receiver)
                 and not receivers.constant(receiver)):
             hints.append(Hint(
-                "scheduler-per-microbatch", call.lineno,
+                KindId.SCHEDULER_PER_MICROBATCH, call.lineno,
                 "scheduler.step() on every micro-batch",
                 f"`{ast.unparse(call)}` at line {call.lineno} runs on every micro-batch {context}"
                 f": the schedule advances {k_text} times per optimizer step, so warmup and decay "
                 f"run {k_text} times too fast.", evidence.copy(), code=ast.unparse(call)))
         elif receivers.zero_grad(call):
             hints.append(Hint(
-                "zero-grad-inside-accumulation", call.lineno,
+                KindId.ZERO_GRAD_INSIDE_ACCUMULATION, call.lineno,
                 "zero_grad() on every micro-batch of the accumulation window",
                 f"`{ast.unparse(call)}` at line {call.lineno} runs on every micro-batch {context}"
                 ": it wipes the gradients the window's earlier micro-batches accumulated, so the "
@@ -198,7 +200,7 @@ def _window_hints(window: _Window, assigns: Assigns, opaque: set[str], receivers
         if loss is None or _normalised(loss, assigns, opaque, functions, k_names, set()):
             continue
         hints.append(Hint(
-            "missing-accumulation-average", call.lineno,
+            KindId.MISSING_ACCUMULATION_AVERAGE, call.lineno,
             "The loss reaches backward() without a division by the accumulation steps",
             f"`{ast.unparse(loss)}` reaches `backward()` at line {call.lineno} {context}, and it "
             f"is divided by nothing on the way: each optimizer step gets the sum of {k_text} "
@@ -345,7 +347,7 @@ def _clip_hints(unit: ast.AST, receivers: Receivers, aliases: dict[str, str]) ->
             continue
         name = flow.last_name(clip.func)
         hints.append(Hint(
-            "clip-before-unscale", clip.lineno,
+            KindId.CLIP_BEFORE_UNSCALE, clip.lineno,
             f"{name} between scaler.scale(...).backward() and scaler.step() without unscale_",
             f"`{name}` at line {clip.lineno} runs after `{scaler}.scale(...).backward()` (line "
             f"{backward.lineno}) and before `{ast.unparse(step)}` (line {step.lineno}) with no "

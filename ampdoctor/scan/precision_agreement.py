@@ -10,10 +10,9 @@ training path, at the Trainer's line, with the config key beside it.
 
 from __future__ import annotations
 
-from ampdoctor import deciders
-from ampdoctor.deciders import Observed
-from ampdoctor.enums import RungId, Severity
+from ampdoctor.enums import RungId
 from ampdoctor.findings import Finding, Location
+from ampdoctor.kinds.double_scaling import PrecisionsDisagree, precisions_disagree
 from ampdoctor.scan.configs import BF16_AUTO
 from ampdoctor.scan.sites import Site
 
@@ -48,17 +47,8 @@ def trainer_deepspeed_mismatch(paths: list[tuple[str, list[Site], frozenset[int]
                 continue
             seen.add((trainer.uid, config.uid))
             enabled = _CONFIG[config.kind]
-            findings.append(deciders.double_scaling(Observed(
-                rung=RUNG, severity=Severity.ERROR,
-                message=(f"The HF Trainer asks for {asked} ({trainer.where(base)}) and hands "
-                         f"DeepSpeed a config that enables {enabled} ({config.where(base)}): "
-                         "two settings own the precision of one engine and disagree. "
-                         "transformers refuses explicit config values that contradict "
-                         "TrainingArguments when it starts."),
-                evidence={"measured": 2, "expected": 1, "scope": "same-path", "entry": entry,
-                          "owners": [_site_dict(trainer), _site_dict(config)]},
-                location=Location(file=trainer.file, line=trainer.line or 1),
-                fix=(f'Set the config\'s "{enabled}" and "{asked}" `enabled` to "auto" so the '
-                     "Trainer fills them in from TrainingArguments, or make both ask for the "
-                     "same precision."))))
+            findings.append(precisions_disagree(PrecisionsDisagree(
+                RUNG, asked, trainer.where(base), enabled, config.where(base), entry,
+                (_site_dict(trainer), _site_dict(config)),
+                location=Location(file=trainer.file, line=trainer.line or 1))))
     return findings

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import quote_from_bytes
 
-from ampdoctor.findings import CATALOGUE
+from ampdoctor.enums import KindId
+from ampdoctor.kinds import CATALOGUE
 from ampdoctor.safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
 from ampdoctor.scan.sites import ScanReport, Site, display_path
 
@@ -188,7 +189,7 @@ def to_sarif(report: ScanReport) -> str:
     from ampdoctor._version import __version__
 
     base = report.display_base or os.getcwd()
-    kind = CATALOGUE["double-scaling"]
+    kind = CATALOGUE[KindId.DOUBLE_SCALING]
     results: list[dict[str, Any]] = []
     for finding in report.findings:
         owners: list[dict[str, Any]] = finding.evidence.get("owners", [])
@@ -205,7 +206,7 @@ def to_sarif(report: ScanReport) -> str:
             )
         results.append(
             {
-                "ruleId": "double-scaling",
+                "ruleId": KindId.DOUBLE_SCALING,
                 "ruleIndex": 0,
                 "level": "error" if finding.severity == "error" else "warning",
                 "message": _text(finding.message),
@@ -260,7 +261,7 @@ def to_sarif(report: ScanReport) -> str:
                         "informationUri": INFORMATION_URI,
                         "rules": [
                             {
-                                "id": "double-scaling",
+                                "id": KindId.DOUBLE_SCALING,
                                 "name": "DoubleScaling",
                                 "shortDescription": {"text": kind.title},
                                 "fullDescription": {"text": kind.why},

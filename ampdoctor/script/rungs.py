@@ -12,24 +12,24 @@ say what they could not compare.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from .. import compare, deciders, thresholds
-from ..deciders import Observed
-from ..enums import RungId, Severity, Status
+from .. import compare, thresholds
+from ..enums import RungId, Status
 from ..findings import Finding, RungResult, conclude, location
+from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
+from ..kinds.clipping import ScaledClip, ScriptScaledClip, script_scaled_clip
+from ..kinds.scaling import SecondUnscale, StepOnScaled
+from ..kinds.stepping import ZeroedInside, zeroed_inside
 from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
 from ..ladder.analysis import loop_error_finding, scheduler_findings
 from ..ladder.casts import weight_cast_finding
 from ..ladder.reproducibility import repeat_tolerance
 from ..probe.events import Backward, Clip, Scale, ZeroGrad
-from ..rules.scale_state import (
-    SCALE_TRAJECTORY_KINDS,
-    runtime_double_scaling,
-    violation_findings,
-)
+from ..rules.scale_state import call_order_finding, runtime_double_scaling, violation_observations
 from .lrs import lr_mismatch
 from .references import Grads
 from .session import ScriptSession, ScriptTrace
@@ -68,16 +68,9 @@ def reproducibility(ss: ScriptSession) -> RungResult:
                   f"({K} micro-batch(es)): the script draws or shuffles its data without a "
                   "fixed seed")
         ss.unaligned = ss.unaligned or reason
-        finding = deciders.nondeterministic_baseline(Observed(rung, Severity.WARNING,
-            "Two runs of the script with the same arguments read different data in their "
-            "first window: it shuffles or draws its data without a fixed seed. Nothing can "
-            "be compared with a reference run; the rungs keep what needs no reference. Seed "
-            "the data (torch.manual_seed before the data is built, "
-            "DataLoader(..., generator=torch.Generator().manual_seed(0))) or turn shuffling "
-            "off for the triage.",
-            evidence={"measured": "different data", "expected": "the same data"},
-            location=location(first.outcome.events[0].site if first.outcome.events
-                              else None)))
+        finding = not_repeatable(NotRepeatable(
+            rung, Runs.SCRIPT_DATA, location=location(first.outcome.events[0].site
+                                                      if first.outcome.events else None)))
         return conclude(rung, [finding], "")
     group = first.steps[0].group
     steps_a = [s for s in first.steps if s.group == group]
@@ -91,15 +84,9 @@ def reproducibility(ss: ScriptSession) -> RungResult:
     if len(steps_a) != len(steps_b) or (worst is not None and not worst.ok):
         rel = worst.rel_err if worst is not None else float("nan")
         site = first.random_site
-        finding = deciders.nondeterministic_baseline(Observed(rung, Severity.ERROR,
-            f"Two fp32 runs of the script from the same weights on the same data consumed "
-            f"different first updates (relative difference {rel:.3g}): something in the "
-            "script is random outside its data"
-            + (f" (it draws random numbers at {site.file}:{site.line})" if site else "")
-            + ", so later differences would mean nothing.",
-            evidence={"measured": compare._round(rel), "expected": 0.0,
-                      "tolerance": repeat_tolerance().rtol},
-            location=location(site)))
+        finding = not_repeatable(NotRepeatable(
+            rung, Runs.SCRIPT, rel_err=rel, tolerance=repeat_tolerance().rtol,
+            random_site=location(site), location=location(site)))
         return RungResult(rung, Status.FAIL, "two fp32 runs of the script disagree", [finding])
     summary = (f"two fp32 runs agree (max relative difference "
                f"{worst.rel_err if worst else 0:.2g}) on the same data")
@@ -111,10 +98,8 @@ def reproducibility(ss: ScriptSession) -> RungResult:
         m = compare.metrics_of(pair[1], pair[0], ss.param_order, ss.param_shapes,
                                repeat_tolerance())
         if not m.ok:
-            finding = deciders.nondeterministic_baseline(Observed(rung, Severity.ERROR,
-                f"Two runs of the reference (--reference-args) at the same weights differ by "
-                f"{m.rel_err:.3g} (relative): the fp32 reference is not repeatable.",
-                evidence={"measured": compare._round(m.rel_err), "expected": 0.0}))
+            finding = not_repeatable(NotRepeatable(rung, Runs.SCRIPT_REFERENCE,
+                                                   rel_err=m.rel_err))
             return RungResult(rung, Status.FAIL, "the fp32 reference is not repeatable", [finding])
         ss.reference_repeatable = True
         summary = "reference repeatable; " + summary
@@ -160,14 +145,11 @@ def _without_reference(ss: ScriptSession, trace: ScriptTrace, rung: RungId) -> R
     if trace.precision != "fp32":
         findings += amp.half_open_findings(ss, trace, rung)  # type: ignore[arg-type]
     if trace.precision == "fp16" and not any(f.severity == "error" for f in findings):
-        for v in violation_findings(ss, trace, rung):  # type: ignore[arg-type]
-            if v.kind in SCALE_TRAJECTORY_KINDS:
-                findings.append(v)
-            else:   # a call order whose consequence was not measured: at most a warning
-                findings.append(deciders.decide(v.kind, Observed(
-                    v.rung, Severity.WARNING, v.message + " (No reference was run, so whether the "
-                    "update differs was not measured.)", evidence=v.evidence,
-                    location=v.location)))
+        for v in violation_observations(ss, trace, rung):  # type: ignore[arg-type]
+            if isinstance(v, (ScaledClip, StepOnScaled, SecondUnscale)):
+                # a call order whose consequence was not measured: at most a warning
+                v = replace(v, unmeasured=True)
+            findings.append(call_order_finding(v))
         double = runtime_double_scaling(ss.trace("fp32"), trace, rung)
         if double is not None:
             findings.append(double)
@@ -196,14 +178,8 @@ def _zero_grad_inside(trace: ScriptTrace) -> Finding | None:
                  and backwards[0].seq < e.seq < backwards[-1].seq]
         if zeros:
             after = sum(1 for b in backwards if b.seq > zeros[-1].seq)
-            return deciders.zero_grad_inside_accumulation(Observed(
-                "fp32-accum", Severity.WARNING,
-                f"zero_grad ran between the backwards of one window: only the last {after} of "
-                f"its {len(backwards)} micro-batches reach the optimizer step. (No reference "
-                "was run, so the update itself was not compared.)",
-                evidence={"measured": after, "expected": len(backwards),
-                          "contributing_microbatches": after},
-                location=location(zeros[-1].site)))
+            return zeroed_inside(ZeroedInside(RungId.FP32_ACCUM, after, len(backwards),
+                                              location=location(zeros[-1].site)))
     return None
 
 
@@ -289,21 +265,8 @@ def _clip_space_from_trace(ss: ScriptSession, trace: ScriptTrace) -> RungResult:
                           f"to unscaled {shown}); " + _no_reference(ss), details=details)
     clip = clips[0]
     assert clip.total_norm is not None and clip.max_norm is not None
-    seen = min(1.0, clip.max_norm / clip.total_norm)
-    meant = min(1.0, clip.max_norm / (clip.total_norm / scale))
-    # (the same shrink as a clip that bites at all: thresholds.CLIP_BITES_BELOW)
-    changed = seen / meant < thresholds.CLIP_BITES_BELOW
-    severity = Severity.ERROR if changed else Severity.WARNING
-    finding = deciders.clip_before_unscale(Observed(rung, severity,
-        f"clip_grad_norm_ saw a gradient norm of {clip.total_norm:.6g}, {scale:g} times (the "
-        f"loss scale) the true norm: it ran before scaler.unscale_. It multiplied the gradient "
-        f"by {seen:.4g} where the threshold {clip.max_norm:g} in true space gives {meant:.4g}"
-        + (": the update is that much smaller than the script means." if changed else
-           ": the same update here, but the threshold is in the wrong space."),
-        evidence={"measured": compare._round(clip.total_norm / (clip.total_norm / scale)),
-                  "expected": 1.0, "scale": scale, "clip_coefficient": compare._round(seen),
-                  "meant_coefficient": compare._round(meant), "max_grad_norm": clip.max_norm},
-        location=location(clip.site)))
+    finding = script_scaled_clip(ScriptScaledClip(rung, clip.total_norm, scale, clip.max_norm,
+                                                  location=location(clip.site)))
     return conclude(rung, [finding], "", details)
 
 

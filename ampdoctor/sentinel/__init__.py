@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from .. import deciders
-from ..deciders import Observed
+from ..enums import KindId
 from ..findings import Finding, Location, Severity, location
+from ..kinds.clipping import WatchedScaledClip, watched_scaled_clip
 from ..probe.callsite import CallSiteFinder, Site
 from .checks import COUNT_WINDOWS, RUNG, CountChecks, LossFn, Window, built_at
 from .distributed import DistributedReplay, ranks_record, unwrap, writes_record
@@ -251,22 +251,8 @@ class Watch(CountChecks, DistributedReplay, Patching):
         scale = float(self.scaler.get_scale())
         if scale == 1.0 or not math.isfinite(w.clip_norm):
             return
-        true = w.clip_norm / scale
-        message = (f"Optimizer step {self.updates}: clip_grad_norm_ ran before "
-                   f"scaler.unscale_: it saw a gradient norm of {w.clip_norm:.6g} where the true "
-                   f"norm is {true:.6g} (the loss scale {scale:g}), so the threshold "
-                   f"{max_norm:g} was applied in scaled space"
-                   + (" and the update shrank to "
-                      f"{min(1.0, max_norm / w.clip_norm) / min(1.0, max_norm / true):.3g}x "
-                      "the one clipped in true space." if w.clip_norm > max_norm else "."))
-        bites = w.clip_norm > max_norm
-        self._found(deciders.clip_before_unscale(Observed(
-            RUNG, Severity.ERROR if bites else Severity.WARNING, message,
-            evidence={"measured": round(w.clip_norm / max(true, 1e-30), 6), "expected": 1.0,
-                      "scale": scale, "norm_seen_by_clip": round(w.clip_norm, 6),
-                      "true_norm": round(true, 6), "max_grad_norm": max_norm,
-                      "step": self.updates},
-            location=location(site))))
+        self._found(watched_scaled_clip(WatchedScaledClip(
+            RUNG, self.updates, w.clip_norm, scale, max_norm, location=location(site))))
 
     def _wrap_scheduler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         watch = self
@@ -330,7 +316,7 @@ class Watch(CountChecks, DistributedReplay, Patching):
         # one backward per step where K were meant: the replay of that one micro-batch shows
         # the loss's 1/K, which is the step count's consequence (judged after the first steps)
         if self.K > 1 and w.backwards == 1:
-            return "step-per-microbatch"
+            return KindId.STEP_PER_MICROBATCH
         return super()._explained(w)
 
     def _step_now(self) -> None:

@@ -14,8 +14,15 @@ from typing import Any
 import torch
 
 from .. import deciders, thresholds
-from ..deciders import Observed
-from ..findings import Finding, Severity, location
+from ..findings import Finding, location
+from ..kinds.frequent_skips import SteadySkips, steady_skips
+from ..kinds.schedule import StepsPerUpdate, steps_per_update
+from ..kinds.stepping import (
+    OneBackwardPerStep,
+    ZeroedInWindow,
+    one_backward_per_step,
+    zeroed_in_window,
+)
 from ..probe.callsite import CallSiteFinder, Site
 
 #: `loss_fn(model, micro_batch)`: the micro-batch's mean loss (micro-batches weigh equally), or
@@ -83,24 +90,13 @@ class CountChecks(WatchState):
 
     def _judge_counts(self, w: Window) -> None:
         if self.K > 1 and all(c == 1 for c in self.counts):
-            self._found(deciders.step_per_microbatch(Observed(
-                RUNG, Severity.ERROR,
-                f"Each of the first {COUNT_WINDOWS} optimizer steps consumed the gradient of one "
-                f"backward where K={self.K} were meant: the optimizer steps every micro-batch, "
-                f"{self.K}x as many updates each on 1/{self.K} of the data.",
-                evidence={"measured": 1, "expected": self.K, "accumulation_steps": self.K,
-                          "backwards_per_step": list(self.counts)},
+            self._found(one_backward_per_step(OneBackwardPerStep(
+                RUNG, self.K, COUNT_WINDOWS, tuple(self.counts),
                 location=location(w.backward_site))))
 
     def _zero_grad_inside(self, w: Window) -> None:
-        kept = w.backwards - (w.zero_grad_after or 0)
-        self._found(deciders.zero_grad_inside_accumulation(Observed(
-            RUNG, Severity.ERROR,
-            f"Optimizer step {self.updates}: zero_grad ran after {w.zero_grad_after} of the "
-            f"window's {w.backwards} backwards, so the step consumed the gradient of only the "
-            f"last {kept} micro-batch(es): the earlier ones were thrown away.",
-            evidence={"measured": kept, "expected": w.backwards,
-                      "accumulation_steps": self.K, "step": self.updates},
+        self._found(zeroed_in_window(ZeroedInWindow(
+            RUNG, self.updates, self.K, w.backwards, w.zero_grad_after,
             location=location(w.zero_grad_site))))
 
     def _judge_scheduler(self, w: Window) -> None:
@@ -108,14 +104,8 @@ class CountChecks(WatchState):
         # once per micro-batch: K per window (K - 1 in the first, whose step ends it before
         # the last micro-batch's scheduler step)
         if self.K > 1 and all(c >= max(2, self.K - 1) for c in counts):
-            self._found(deciders.scheduler_per_microbatch(Observed(
-                RUNG, Severity.ERROR,
-                f"The scheduler ({type(self.scheduler).__name__}) stepped {max(counts)} times per "
-                f"optimizer step, once per micro-batch: the schedule runs {self.K}x too fast "
-                "(a 10,000-step schedule is over after "
-                f"{10_000 // self.K:,} real updates).",
-                evidence={"measured": max(counts), "expected": 1, "accumulation_steps": self.K,
-                          "scheduler_steps_per_update": list(counts)},
+            self._found(steps_per_update(StepsPerUpdate(
+                RUNG, type(self.scheduler).__name__, self.K, tuple(counts),
                 location=location(w.scheduler_site))))
 
     def _judge_skips(self) -> None:
@@ -124,25 +114,14 @@ class CountChecks(WatchState):
         first_real = self.first_update_window or 0
         steady = [s for s in self.skips if s > first_real]
         after = self.windows - first_real - 1
-        rate = len(steady) / after if after > 0 else 0.0
-        if len(steady) >= thresholds.MIN_COUNTED_SKIPS and rate > thresholds.SKIP_RATE_THRESHOLD \
-                and self.scaler is not None:
+        if self.scaler is not None:
             sc = self.scaler
-            settings = (f"growth_factor={sc.get_growth_factor():g}, growth_interval="
-                        f"{sc.get_growth_interval()}, backoff_factor={sc.get_backoff_factor():g}")
-            self._found(deciders.frequent_skips(Observed(
-                RUNG, Severity.ERROR,
-                f"After the loss scale settled, {len(steady)} of the {after} optimizer steps that "
-                f"followed were skipped (inf/nan gradients; a rate of {rate:.0%}): those "
-                f"windows' data never reaches the weights. The GradScaler runs with {settings}; "
-                "the defaults (2.0, 2000, 0.5) settle to a skip every few thousand steps.",
-                evidence={"measured": round(rate, 6), "expected": 0.0,
-                          "threshold": thresholds.SKIP_RATE_THRESHOLD,
-                          "skipped": len(steady), "steps": after,
-                          "scale": float(sc.get_scale()),
-                          "growth_factor": sc.get_growth_factor(),
-                          "growth_interval": sc.get_growth_interval()},
-                location=location(self.scaler_site))))
+            finding = steady_skips(SteadySkips(
+                RUNG, len(steady), after, float(sc.get_scale()), sc.get_growth_factor(),
+                sc.get_growth_interval(), sc.get_backoff_factor(),
+                location=location(self.scaler_site)))
+            if finding is not None:
+                self._found(finding)
         if self.scheduler is None or not self.scheduler_on_skip:
             return
         on_calibration = sum(1 for s in self.scheduler_on_skip if s < first_real)

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-from .. import compare, deciders, thresholds
-from ..deciders import Observed
+from .. import compare, thresholds
+from ..enums import KindId
 from ..evidence import Evidence
-from ..findings import Severity, location
+from ..findings import location
+from ..kinds.matched import ReplayedWeighting, ReplayedWindow, replayed_weighting, replayed_window
 from .checks import RUNG, WatchState, Window
 
 
@@ -107,9 +108,9 @@ class ReplayCheck(WatchState):
     def _explained(self, w: Window) -> str | None:
         """The cheap check that already named what this window's update shows."""
         if w.zero_grad_after is not None:
-            return "zero-grad-inside-accumulation"
+            return KindId.ZERO_GRAD_INSIDE_ACCUMULATION
         if w.clip_scaled:
-            return "clip-before-unscale"
+            return KindId.CLIP_BEFORE_UNSCALE
         return None
 
     def _name_mismatch(self, w: Window, m: compare.Metrics, ratio: float, replayed: Replayed,
@@ -123,32 +124,18 @@ class ReplayCheck(WatchState):
         base["precision"] = w.precision
         if self.framework:
             base["framework"] = self.framework
-        where = location(w.backward_site)
-        lead = f"Optimizer step {self.updates}: the optimizer consumed {ratio:.4g}x the fp32 " \
-               f"full-window reference gradient (cosine {m.cosine:.5f})"
-
-        def evidence(factor: float | None = None) -> Evidence:
-            out = base.copy()
-            out["measured"], out["expected"] = round(ratio, 6), 1.0
-            if factor is not None:
-                out["factor"] = factor
-            return out
         if same_way and self.K > 1 and abs(ratio / self.K - 1) <= tol:
-            self._found(deciders.missing_accumulation_average(Observed(
-                RUNG, Severity.ERROR, f"{lead} = the sum of the K={self.K} micro-batch "
-                "gradients: the loss is not divided by accumulation_steps.",
-                evidence=evidence(factor=self.K), location=where)))
+            factor_kind: KindId | None = KindId.MISSING_ACCUMULATION_AVERAGE
         elif same_way and self.K > 1 and abs(ratio * self.K - 1) <= tol:
-            self._found(deciders.double_average(Observed(
-                RUNG, Severity.ERROR, f"{lead} = 1/K of it: the gradient is averaged twice "
-                f"(the loss divided by K={self.K} once too often).",
-                evidence=evidence(factor=round(1 / self.K, 6)), location=where)))
-        elif not (replayed.ragged and self._name_weighting(w, m, ratio, replayed, pre_scale,
-                                                           tol, base)):
-            self._found(deciders.gradient_mismatch(Observed(
-                RUNG, Severity.ERROR, f"{lead}, beyond the {w.precision} tolerance (relative "
-                f"error {m.rel_err:.3g}, allowed {m.allowed / max(m.norm_ref, 1e-30):.3g}).",
-                evidence=evidence(), location=where)))
+            factor_kind = KindId.DOUBLE_AVERAGE
+        elif replayed.ragged and self._name_weighting(w, m, ratio, replayed, pre_scale, tol,
+                                                       base):
+            return
+        else:
+            factor_kind = None
+        self._found(replayed_window(ReplayedWindow(
+            RUNG, self.updates, ratio, m.cosine, self.K, w.precision, base, factor_kind,
+            m.rel_err, m.allowed / max(m.norm_ref, 1e-30), location=location(w.backward_site))))
 
     def _name_weighting(self, w: Window, m: compare.Metrics, ratio: float, replayed: Replayed,
                         pre_scale: float, tol: float, base: Evidence) -> bool:
@@ -157,17 +144,16 @@ class ReplayCheck(WatchState):
         mean of the micro-batch means (`weighted-average-mismatch`), K times it (no average
         over the window), 1/K of it (averaged twice). Whether one of them named it."""
         assert replayed.equal is not None and replayed.counts is not None
-        n = len(replayed.counts)
         params = self.params
         names = [str(i) for i in range(len(params))]
         shapes = {name: p.shape for name, p in zip(names, params, strict=True)}
         consumed = dict(zip(names, (p.grad for p in params), strict=True))
-        shapes_of = (("weighted-average-mismatch", 1.0),
-                     ("missing-accumulation-average", float(self.K)),
-                     ("double-average", 1.0 / self.K))
-        best: tuple[float, str, float] | None = None
+        shapes_of = ((KindId.WEIGHTED_AVERAGE_MISMATCH, 1.0),
+                     (KindId.MISSING_ACCUMULATION_AVERAGE, float(self.K)),
+                     (KindId.DOUBLE_AVERAGE, 1.0 / self.K))
+        best: tuple[float, KindId, float] | None = None
         for kind, factor in shapes_of:
-            if kind != "weighted-average-mismatch" and self.K == 1:
+            if kind != KindId.WEIGHTED_AVERAGE_MISMATCH and self.K == 1:
                 continue
             # the consumed gradient before the clip is `pre_scale` x the one consumed
             scale = factor / pre_scale
@@ -179,35 +165,11 @@ class ReplayCheck(WatchState):
         if best is None:
             return False
         err, kind, factor = best
-        total = sum(replayed.counts)
-        used = [round(1.0 / n, 6)] * n
-        meant = [round(c / total, 6) for c in replayed.counts]
-        evidence = base.copy()
-        evidence.update({"measured": round(ratio, 6), "expected": 1.0,
-                         "hypothesis": "equal-weight mean of the per-micro-batch weighted means"
-                                       + ("" if factor == 1.0 else f" x {factor:.6g}"),
-                         "hypothesis_error": round(err, 6), "weights": used,
-                         "reference_weights": meant})
-        if factor != 1.0:
-            evidence["factor"] = self.K if factor > 1 else round(factor, 6)
-        lead = (f"Optimizer step {self.updates}: the optimizer consumed "
-                + ("" if factor == 1.0 else f"{factor:.4g}x ")
-                + "the equal-weight mean of the micro-batches' own means (norm ratio "
-                f"{ratio:.4g}, cosine {m.cosine:.5f} to the weighted fp32 reference)")
-        weights = (f" The run weighted its micro-batches {_shown(used)}; the reference (the "
-                   f"window's {_number(total)} items, counted {_shown(replayed.counts)}) "
-                   f"weighs them {_shown(meant)}.")
-        if replayed.own is not None and replayed.own != replayed.counts:
-            weights += (f" Each micro-batch's own mean divides by {_shown(replayed.own)} "
-                        "items.")
-        what = {"weighted-average-mismatch": ": micro-batches with few tokens count as much as "
-                                             "full ones.",
-                "missing-accumulation-average": f": the loss is not divided over the window "
-                                                f"(K={self.K}).",
-                "double-average": f": the gradient is averaged twice (once more by K={self.K})."}
-        seen = Observed(RUNG, Severity.ERROR, lead + what[kind] + weights, evidence=evidence,
-                        location=location(w.backward_site))
-        self._found(deciders.decide(kind, seen))
+        self._found(replayed_weighting(ReplayedWeighting(
+            RUNG, self.updates, kind, factor, self.K, ratio, m.cosine, err,
+            tuple(replayed.counts),
+            tuple(replayed.own) if replayed.own is not None else None, base,
+            location=location(w.backward_site))))
         return True
 
     def _reference(self, w: Window) -> Replayed | None:
@@ -306,10 +268,6 @@ def _loss_and_count(out: Any) -> tuple[torch.Tensor, float | None, float | None]
 
 def _number(value: float) -> float | int:
     return int(value) if float(value).is_integer() else round(float(value), 6)
-
-
-def _shown(values: list[float]) -> str:
-    return "[" + ", ".join(f"{v:.6g}" for v in values) + "]"
 
 
 def precision_now(scaler: Any, params: list[torch.Tensor]) -> str:

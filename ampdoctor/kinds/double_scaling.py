@@ -1,0 +1,151 @@
+"""The kind of two loss-scale state machines on one loss: `double-scaling`, seen by the run (a
+second scale on the loss reaching backward, `SecondScale`; scaler.scale() of a scaled loss,
+`ScaledTwice`) or by the static scan (owners on one training path).
+
+Each kind here is one unit: its catalogue text (`ampdoctor explain` prints it), the measured
+consequence that makes it an error (`error_when`, which docs/kinds.md repeats), what its
+`evidence.measured` counts, and its one decider (`decided_in`), the only function that builds a
+`Finding` of it, with the functions that word what a rule measured.
+
+This module must not import torch: the static scan, `report` and `explain` run without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..enums import KindId, Severity
+from ..evidence import significant
+from ..findings import Finding, Location
+from .base import Kind, Observed
+
+DOUBLE_SCALING = Kind(
+    KindId.DOUBLE_SCALING,
+    title="Two loss-scale state machines on one loss",
+    why=(
+        "The loss is scaled twice (two GradScalers, a GradScaler inside "
+        "DeepSpeed/Trainer/accelerate/"
+        "Lightning AMP, or a constant loss scale on top of a GradScaler): skips, scale and "
+        "clipping "
+        "no longer mean anything."),
+    fix=(
+        "Keep exactly one owner of loss scaling: either the framework's (DeepSpeed `fp16.enabled`, "
+        "`TrainingArguments(fp16=True)`, `Accelerator(mixed_precision='fp16')`, Lightning "
+        "`precision='16-mixed'`) with no GradScaler of your own, or your GradScaler with the "
+        "framework's fp16 off; delete any constant `loss * loss_scale` left from apex-era code."),
+    example=(
+        "static_loss_scale = 128.0                     # left over from apex O2\n"
+        "scaler = torch.amp.GradScaler(\"cuda\")\n"
+        "...\n"
+        "scaler.scale(loss * static_loss_scale).backward()"),
+    error_when=(
+        "the loss reaching backward carries a second scale factor (measured in the fp16 run), "
+        "or two loss-scale owners stand on one training path; for two GradScalers of the "
+        "diagnosed loop, only when the run saw them on one loss or one optimizer's gradients "
+        "(one scaled what the other unscales or steps, both step one optimizer, or one scaled "
+        "an already scaled loss); each on its own losses and optimizer is no finding. "
+        "Warning: owners in separate entry points that no scanned file runs together, or two "
+        "GradScalers of the loop that no run could tell apart."),
+    measured="effective loss scale; loss-scale owners on one path",
+    decided_in=f"{__name__}:double_scaling",
+)
+
+
+def double_scaling(seen: Observed) -> Finding:
+    """`double-scaling`: two loss-scale state machines on one loss.
+    Error: a second scale factor measured, or two owners on one path (two GradScalers: seen
+    by the run on one loss or optimizer); warning: separate entry points, or GradScalers no
+    run could tell apart. (`DOUBLE_SCALING.error_when`)"""
+    return Finding(seen.rung, KindId.DOUBLE_SCALING, seen.severity, **seen.fields(DOUBLE_SCALING))
+
+
+@dataclass(frozen=True)
+class ScaledTwice:
+    """scaler.scale() given a loss already scaled by `first_scale`: the effective loss scale
+    is first_scale x scale."""
+
+    kind: ClassVar[KindId] = KindId.DOUBLE_SCALING
+    rung: str
+    window: int
+    scale: float | None
+    first_scale: float
+    skipped_steps: int
+    location: Location | None = None
+
+
+def scaled_twice(o: ScaledTwice) -> Finding:
+    """`double-scaling` from the state machine: a second scale factor measured in the run, an
+    error."""
+    effective = o.first_scale * (o.scale or 1)
+    message = (f"scaler.scale() was applied to a loss that was already scaled by "
+               f"{o.first_scale:g}: the effective loss scale is {effective:.6g}, not "
+               f"{o.scale:g}.")
+    return double_scaling(Observed(
+        o.rung, Severity.ERROR, message,
+        evidence={"scale": o.scale, "window": o.window, "measured": significant(effective),
+                  "expected": o.scale, "skipped_steps": o.skipped_steps},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class SecondScale:
+    """The fp16 run's first backward against the fp32 run's at identical weights and data: the
+    loss reaching backward was `extra` x (fp32 loss x scale), a second scale besides the
+    GradScaler's."""
+
+    rung: str
+    fp32_loss: float
+    fp16_loss: float
+    scale: float
+    extra: float
+    skipped_steps: int
+    scaler_steps: int
+    location: Location | None = None
+
+
+def second_scale(o: SecondScale) -> Finding:
+    """`double-scaling` measured in the run: an error (the effective scale is another)."""
+    extra = abs(o.extra)
+    return double_scaling(Observed(o.rung, Severity.ERROR,
+        f"The loss reaching backward is {extra:.6g}x what the scaler alone would give "
+        f"(fp32 loss {o.fp32_loss:.6g} x scale {o.scale:g} = {o.fp32_loss * o.scale:.6g}, got "
+        f"{o.fp16_loss:.6g}): a second, hand-written loss scale sits on top of the GradScaler. "
+        f"Effective scale {extra * o.scale:.6g}; {o.skipped_steps} of {o.scaler_steps} steps "
+        "were skipped.",
+        evidence={"measured": significant(extra * o.scale), "expected": o.scale,
+                  "extra_factor": significant(extra), "skipped_steps": o.skipped_steps,
+                  "scaler_steps": o.scaler_steps},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class PrecisionsDisagree:
+    """The static scan: the HF Trainer asks for one precision and hands DeepSpeed a config that
+    enables another (both settings own the one engine's precision)."""
+
+    rung: str
+    asked: str                  # the Trainer's ("fp16", "bf16")
+    asked_at: str               # where, as the scan shows it
+    enabled: str                # the config's
+    enabled_at: str
+    entry: str
+    owners: tuple[dict[str, Any], ...]
+    location: Location | None = None
+
+
+def precisions_disagree(o: PrecisionsDisagree) -> Finding:
+    """`double-scaling` of two precision owners on one engine: an error (transformers refuses
+    the run when it starts)."""
+    return double_scaling(Observed(o.rung, Severity.ERROR,
+        f"The HF Trainer asks for {o.asked} ({o.asked_at}) and hands "
+        f"DeepSpeed a config that enables {o.enabled} ({o.enabled_at}): "
+        "two settings own the precision of one engine and disagree. "
+        "transformers refuses explicit config values that contradict "
+        "TrainingArguments when it starts.",
+        evidence={"measured": 2, "expected": 1, "scope": "same-path", "entry": o.entry,
+                  "owners": list(o.owners)},
+        location=o.location,
+        fix=(f'Set the config\'s "{o.enabled}" and "{o.asked}" `enabled` to "auto" so the '
+             "Trainer fills them in from TrainingArguments, or make both ask for the "
+             "same precision.")))

@@ -1,0 +1,531 @@
+"""Each kind's unit from a hand-built observation: the severity on both sides of its boundary
+and the words and numbers of its message, computed here (a ratio from two norms written in the
+test, a rate from two counts), not by ampdoctor. The end-to-end recipes check the same kinds
+from real runs (tests/test_e2e_diagnose.py, tests/test_frameworks.py, tests/test_script_mode.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ampdoctor.enums import KindId, RungId, Severity
+from ampdoctor.findings import Location
+from ampdoctor.kinds import CATALOGUE
+from ampdoctor.kinds.baseline import NotRepeatable, Runs, not_repeatable
+
+LINE = Location("train.py", 12, "train_loop", "x = x + torch.randn_like(x)")
+
+
+# --- nondeterministic-baseline --------------------------------------------------------------
+
+def test_two_loop_runs_that_differ_are_an_error_naming_the_draw():
+    # two runs' norms 1.0 and 1.0125: relative difference 0.0125
+    rel = abs(1.0125 - 1.0) / 1.0
+    finding = not_repeatable(NotRepeatable(RungId.REPRODUCIBILITY, Runs.LOOP, rel_err=rel,
+                                           cosine=0.99991234, tolerance=1e-5,
+                                           random_modules=(), random_site=LINE,
+                                           location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.NONDETERMINISTIC_BASELINE,
+                                                Severity.ERROR)
+    assert finding.message.startswith(
+        "Two fp32 runs of the loop from the same weights differ by 0.0125 (relative) under a "
+        "different RNG state (cosine 0.99991).")
+    assert "(first at train.py:12)" in finding.message
+    assert finding.evidence == {"measured": 0.0125, "expected": 0.0, "tolerance": 1e-5,
+                                "cosine": 0.999912, "random_modules": []}
+    assert finding.location == LINE
+    assert finding.title == CATALOGUE[KindId.NONDETERMINISTIC_BASELINE].title
+
+
+@pytest.mark.parametrize("aligned, says", [
+    (False, "Random layers active in the model: Dropout(p=0.1)."),
+    (True, "their forwards were aligned per micro-batch, so the randomness comes from "
+           "elsewhere")])
+def test_random_layers_are_named_aligned_or_not(aligned, says):
+    finding = not_repeatable(NotRepeatable(RungId.REPRODUCIBILITY, Runs.REFERENCE,
+                                           rel_err=3e-3, cosine=0.5, tolerance=1e-5,
+                                           random_modules=("Dropout(p=0.1)",),
+                                           aligned=aligned))
+    assert says in finding.message
+    assert finding.message.startswith("Two fp32 reference gradients at the same weights "
+                                      "differ by 0.003 (relative)")
+
+
+def test_a_script_reading_different_data_is_a_warning_with_nothing_measured():
+    """The boundary: nothing was compared, so nothing fails."""
+    finding = not_repeatable(NotRepeatable(RungId.REPRODUCIBILITY, Runs.SCRIPT_DATA,
+                                           location=LINE))
+    assert finding.severity is Severity.WARNING
+    assert finding.evidence == {"measured": "different data", "expected": "the same data"}
+    assert "without a fixed seed" in finding.message
+
+
+def test_script_runs_and_script_reference_are_errors_with_their_difference():
+    rel = (2.5 - 2.0) / 2.0      # 0.25
+    runs = not_repeatable(NotRepeatable(RungId.REPRODUCIBILITY, Runs.SCRIPT, rel_err=rel,
+                                        tolerance=1e-5, random_site=LINE, location=LINE))
+    assert runs.severity is Severity.ERROR
+    assert "(relative difference 0.25)" in runs.message
+    assert "(it draws random numbers at train.py:12)" in runs.message
+    assert runs.evidence == {"measured": 0.25, "expected": 0.0, "tolerance": 1e-5}
+    ref = not_repeatable(NotRepeatable(RungId.REPRODUCIBILITY, Runs.SCRIPT_REFERENCE,
+                                       rel_err=rel))
+    assert ref.message == ("Two runs of the reference (--reference-args) at the same weights "
+                           "differ by 0.25 (relative): the fp32 reference is not repeatable.")
+    assert ref.evidence == {"measured": 0.25, "expected": 0.0}
+
+
+# --- frequent-skips -------------------------------------------------------------------------
+
+def _trajectory(flags, first_ok, own_scaler=True, scales=None, growth_interval=2000,
+                grew=False):
+    from ampdoctor.kinds.frequent_skips import SkipTrajectory
+    scales = scales if scales is not None else tuple(1024.0 for f in flags if not f)
+    return SkipTrajectory(RungId.SKIPS, tuple(flags), tuple(scales), first_ok, 0,
+                          growth_interval, 2.0, grew, own_scaler=own_scaler, location=LINE)
+
+
+@pytest.mark.parametrize("after, severity", [
+    # 3 skips in the 9 steps after the first real update: 33 % > 25 %; in 12 steps: 25 %, not >
+    ([True, False, False] * 3, Severity.ERROR), ([True, False, False, False] * 3, None)])
+def test_skips_after_the_first_real_update_fail_above_the_threshold(after, severity):
+    from ampdoctor.kinds.frequent_skips import skip_trajectory
+    flags = [False] + after                       # step 0 is the first real update
+    finding = skip_trajectory(_trajectory(flags, first_ok=0))
+    if severity is None:
+        assert finding is None
+        return
+    assert finding is not None and finding.severity is severity
+    skipped, steps_after = 3, len(after)
+    assert (f"After its first real update (step 0) the fp16 run skipped {skipped} of the "
+            f"{steps_after} steps that followed ({skipped / steps_after:.0%}, threshold 25%)"
+            ) in finding.message
+    assert finding.evidence["skip_rate_after_first_update"] == round(skipped / steps_after, 6)
+    assert finding.evidence["measured"] == round(skipped / len(flags), 6)
+
+
+def test_the_same_skips_in_a_run_forced_into_fp16_are_a_warning():
+    from ampdoctor.kinds.base import FORCED_FP16
+    from ampdoctor.kinds.frequent_skips import skip_trajectory
+    finding = skip_trajectory(_trajectory([False] + [True, False, False] * 3, first_ok=0,
+                                          own_scaler=False))
+    assert finding is not None and finding.severity is Severity.WARNING
+    assert finding.message.endswith(FORCED_FP16)
+
+
+def test_a_run_that_never_settles_is_a_warning_with_its_count():
+    from ampdoctor.kinds.frequent_skips import skip_trajectory
+    finding = skip_trajectory(_trajectory([True] * 4, first_ok=4, scales=(0.5, 0.25)))
+    assert finding is not None and finding.severity is Severity.WARNING
+    assert finding.message.startswith(
+        "The fp16 run skipped 4 of 4 optimizer steps (100%, threshold 25%) and the scale fell "
+        "to 0.25")
+
+
+def test_a_scaler_rebuilt_every_step_is_an_error_with_both_scales():
+    from ampdoctor.kinds.frequent_skips import RESET_FIX, ScaleReset, scale_reset
+    finding = scale_reset(ScaleReset(RungId.SKIPS, "plain fp16 run", 2, 3,
+                                     (True, True, True), (32768.0, 32768.0, 32768.0),
+                                     reached=32768.0, restarted=65536.0, growth_interval=2000,
+                                     location=LINE))
+    assert finding.severity is Severity.ERROR and finding.fix == RESET_FIX
+    assert "the GradScaler(...) call at train.py:12 runs again" in finding.message
+    assert "The scale backed off to 32768, yet the next step started again from 65536" \
+        in finding.message
+    assert finding.message.endswith("3 of 3 steps were skipped.")
+    assert finding.evidence["measured"] == 65536.0 and finding.evidence["expected"] == 32768.0
+
+
+@pytest.mark.parametrize("skipped, steps, fails", [(2, 7, True), (2, 8, False), (1, 2, False)])
+def test_the_sentinels_steady_skips_boundary(skipped, steps, fails):
+    """2/7 = 28.6 % > 25 %; 2/8 = 25 % is not above; 1 skip is below MIN_COUNTED_SKIPS."""
+    from ampdoctor.kinds.frequent_skips import SteadySkips, steady_skips
+    finding = steady_skips(SteadySkips("watch", skipped, steps, 1024.0, 2.0, 2000, 0.5))
+    assert (finding is not None) is fails
+    if finding is not None:
+        assert f"a rate of {skipped / steps:.0%}" in finding.message
+        assert finding.evidence["measured"] == round(skipped / steps, 6)
+
+
+# --- no-zero-grad-after-skip ----------------------------------------------------------------
+
+@pytest.mark.parametrize("in_a_row, own_scaler, severity", [
+    (0, True, None), (1, True, Severity.ERROR), (2, False, Severity.WARNING)])
+def test_windows_poisoned_after_the_injected_overflow(in_a_row, own_scaler, severity):
+    from ampdoctor.kinds.skips import SkippedAfterInjection, skipped_after_injection
+    applied = (0, 1, 4)
+    finding = skipped_after_injection(SkippedAfterInjection(
+        RungId.SKIPS, 2, in_a_row, applied, (False, False, True, True, False),
+        own_scaler=own_scaler, location=LINE))
+    if severity is None:
+        assert finding is None
+        return
+    assert (finding.kind, finding.severity) == (KindId.NO_ZERO_GRAD_AFTER_SKIP, severity)
+    assert finding.message.startswith(f"After the injected overflow in window 2 the next "
+                                      f"{in_a_row} window(s) were skipped too")
+    assert finding.evidence["measured"] == in_a_row
+    assert finding.evidence["applied_windows"] == [0, 1, 4]
+
+
+def test_a_skip_path_that_keeps_the_inf_names_the_parameter_and_torchs_refusal():
+    from ampdoctor.kinds.skips import SkipPathLeftOpen, skip_path_left_open
+    error = "RuntimeError: unscale_() has already been called on this optimizer"
+    finding = skip_path_left_open(SkipPathLeftOpen(RungId.SKIPS, "fc.weight", error,
+                                                   location=LINE))
+    assert finding.severity is Severity.ERROR
+    assert finding.message.startswith("An inf injected into fc.weight.grad sent the loop down")
+    assert f"({error})" in finding.message
+    assert finding.evidence["error"] == error
+
+
+# --- update-per-microbatch ------------------------------------------------------------------
+
+@pytest.mark.parametrize("before, after, backoffs", [(65536.0, 32768.0, 1),
+                                                     (65536.0, 16384.0, 2)])
+def test_backoffs_in_the_injected_window(before, after, backoffs):
+    import math
+
+    from ampdoctor.kinds.scaling import Backoffs, backoffs_in_window
+    assert round(math.log(after / before) / math.log(0.5)) == backoffs   # the oracle
+    finding = backoffs_in_window(Backoffs(RungId.SKIPS, backoffs, before, after, 0.5,
+                                          location=LINE))
+    if backoffs == 1:
+        assert finding is None
+        return
+    assert (finding.kind, finding.severity) == (KindId.UPDATE_PER_MICROBATCH, Severity.ERROR)
+    assert finding.message.startswith("One overflowing micro-batch backed the scale off 2 "
+                                      "times (65536 -> 16384, backoff factor 0.5)")
+
+
+def test_a_refused_update_counts_the_updates_before_the_step():
+    from ampdoctor.kinds.scaling import RefusedUpdate, refused_update_finding
+    finding = refused_update_finding(RefusedUpdate(RungId.FP16_SCALER, 3, "AssertionError: x",
+                                                   microbatch=1, location=LINE))
+    assert finding.severity is Severity.ERROR
+    assert finding.evidence == {"measured": 3, "expected": 0,
+                                "updates_before_the_windows_step": 3,
+                                "error": "AssertionError: x", "microbatch": 1}
+
+
+# --- the step state machine's kinds (rules/scale_state.py observations) ---------------------
+
+def test_a_clip_in_scaled_space_measures_the_scale_and_is_a_warning_while_updates_match():
+    from ampdoctor.kinds.clipping import ScaledClip, scaled_clip
+    seen, true = 57427.0, 0.876382          # the clip saw S x the true norm
+    o = ScaledClip(RungId.FP16_SCALER, 0, 65536.0, seen, true, 1.0, location=LINE)
+    error = scaled_clip(o)
+    assert (error.kind, error.severity) == (KindId.CLIP_BEFORE_UNSCALE, Severity.ERROR)
+    assert error.evidence["measured"] == float(f"{seen / true:.6g}")      # 65527.3
+    assert (f"it saw a gradient norm of 57427 where the true norm is 0.876382 — a ratio of "
+            f"{seen / true:.6g}, the loss scale (65536)") in error.message
+    from dataclasses import replace
+    warning = scaled_clip(replace(o, update_matched=True))
+    assert warning.severity is Severity.WARNING
+    assert warning.message.startswith("Every fp16 update matched the reference, but it clipped "
+                                      "gradients still multiplied by the loss scale")
+    assert warning.message.endswith(f"({error.message})")
+
+
+def test_a_clip_of_one_of_two_optimizers_names_the_one_not_unscaled():
+    from ampdoctor.kinds.clipping import ScaledClip, scaled_clip
+    finding = scaled_clip(ScaledClip(RungId.FP16_SCALER, 1, 1024.0, None, None, 1.0,
+                                     optimizer=1, optimizers=2, unscaled_others=(0,)))
+    assert finding.evidence["optimizer"] == 1
+    assert finding.message.endswith(
+        " Optimizer 1 (of 2) had not been unscaled although optimizer(s) [0] had: the clip "
+        "mixed scaled and true gradients; call scaler.unscale_() on optimizer 1 before "
+        "clipping.")
+
+
+def test_a_clip_by_value_in_scaled_space_is_off_by_the_scale():
+    from ampdoctor.kinds.clipping import ScaledClip, scaled_clip
+    finding = scaled_clip(ScaledClip(RungId.FP16_SCALER, 0, 256.0, None, None, 0.5,
+                                     by_value=True))
+    assert finding.evidence["measured"] == 256.0
+    assert "a clip value 256x too small in true-gradient space" in finding.message
+
+
+@pytest.mark.parametrize("matched, severity", [(False, Severity.ERROR),
+                                               (True, Severity.WARNING)])
+def test_a_direct_step_on_scaled_gradients(matched, severity):
+    from ampdoctor.kinds.scaling import StepOnScaled, step_on_scaled
+    ratio = 65536.0 * 1.0000004               # the update S x the reference
+    finding = step_on_scaled(StepOnScaled(RungId.FP16_SCALER, 2, 65536.0, 1, ratio,
+                                          update_matched=matched))
+    assert (finding.kind, finding.severity) == (KindId.MISSING_UNSCALE, severity)
+    assert f"its gradient is {ratio:.6g}x the reference." in finding.message
+    assert finding.evidence["measured"] == float(f"{ratio:.6g}")
+
+
+def test_updates_without_a_step_and_a_loss_scaled_twice_are_errors():
+    from ampdoctor.kinds.double_scaling import ScaledTwice, scaled_twice
+    from ampdoctor.kinds.scaling import UpdateWithoutStep, update_without_step
+    update = update_without_step(UpdateWithoutStep(RungId.FP16_SCALER, 0, 1024.0, 12, 3))
+    assert update.severity is Severity.ERROR
+    assert update.message == ("scaler.update() ran 12 times for 3 scaler.step() calls: more "
+                              "than once per optimizer step.")
+    twice = scaled_twice(ScaledTwice(RungId.FP16_SCALER, 0, 1024.0, 1024.0, 0))
+    assert twice.evidence["measured"] == float(f"{1024.0 * 1024.0:.6g}")   # 1048580.0
+    assert "the effective loss scale is 1.04858e+06, not 1024." in twice.message
+
+
+# --- rung context: the clip-space rung's forced threshold -----------------------------------
+
+def test_a_forced_clip_leads_every_kind_but_the_one_that_words_its_clip():
+    from ampdoctor.kinds import decide
+    from ampdoctor.kinds.base import Observed
+    seen = Observed(RungId.CLIP_SPACE, Severity.ERROR, "Step 0: off.", forced_clip=0.0123456)
+    lead = ("With clipping forced (max_grad_norm=0.01235, a tenth of the true gradient norm) "
+            "the clipped update differs from the reference clipped the way the loop meant: ")
+    assert decide(KindId.GRADIENT_MISMATCH, seen).message == lead + "Step 0: off."
+    assert decide(KindId.CLIP_BEFORE_UNSCALE, seen).message == "Step 0: off."
+
+
+# --- loop-error -----------------------------------------------------------------------------
+
+def test_a_loop_that_raised_in_a_helper_names_the_loops_line():
+    from ampdoctor.kinds.loop_error import LoopRaised, loop_raised
+    loop = Location("/src/train.py", 30, "train_loop")
+    helper = Location("/src/helpers.py", 8, "clip")
+    finding = loop_raised(LoopRaised(RungId.FP32_ACCUM, "fp32", "TypeError: x",
+                                     frames=(loop, helper), clip_given_none="clip_grad_norm_",
+                                     location=helper))
+    assert finding.severity is Severity.ERROR
+    assert finding.message.startswith("The loop raised in the fp32 run: TypeError: x. torch's "
+                                      "clip_grad_norm_() was given None as its threshold")
+    assert finding.message.endswith(" (in clip(), called from the loop at train.py:30)")
+    assert finding.evidence["loop_line"] == "/src/train.py:30"
+    assert finding.evidence["user_frames"] == ["/src/train.py:30 in train_loop",
+                                               "/src/helpers.py:8 in clip"]
+
+
+def test_ranks_that_hung_name_where_they_waited():
+    from ampdoctor.kinds.loop_error import RanksHung, ranks_hung
+    finding = ranks_hung(RanksHung(RungId.DDP_SYNC, 2, 30.0, (1,), (0,), (0, 1),
+                                   location=LINE))
+    assert finding.message == (
+        "Rank(s) 1 of 2 did not finish the loop within ddp.timeout_s = 30 s and were stopped, "
+        "waiting at train.py:12 (train_loop): a hang (a collective its peers never join -- "
+        "ranks taking different numbers of steps or syncs --, or a loop that never ends); "
+        "rank(s) 0 had left the loop and waited for the others.")
+    assert finding.evidence["measured"] == 1
+
+
+# --- half-open-amp --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step, severity", [(None, Severity.WARNING), (1, Severity.ERROR)])
+def test_autocast_in_the_fp32_run_fails_once_an_update_differs(step, severity):
+    from ampdoctor.kinds.precision import AutocastInFp32, autocast_in_fp32
+    rel = abs(1.0021 - 1.0) / 1.0          # 0.0021 off the reference
+    finding = autocast_in_fp32(AutocastInFp32(RungId.FP32_ACCUM, "bfloat16", 3, step, rel,
+                                              1.0021, 0.9999871, 1e-5, location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.HALF_OPEN_AMP, severity)
+    assert finding.evidence["measured"] == "bfloat16" and finding.evidence["autocast_entered"] == 3
+    if step is not None:
+        assert (f"Step 1 differs from the fp32 reference by {rel:.3g} (relative; tolerance "
+                "1e-05, norm ratio 1.002, cosine 0.99999): rounding, not a factor.") \
+            in finding.message
+        assert finding.evidence["relative_error"] == round(rel, 6)
+
+
+def test_a_scaler_in_bf16_is_a_warning_and_says_where():
+    from ampdoctor.kinds.precision import ScalerInBf16, scaler_in_bf16
+    run = scaler_in_bf16(ScalerInBf16(RungId.BF16_NO_SCALER, 65536.0, location=LINE))
+    script = scaler_in_bf16(ScalerInBf16(RungId.BF16_NO_SCALER, 65536.0, in_script=True))
+    assert run.severity is script.severity is Severity.WARNING
+    assert run.message.startswith("A GradScaler is enabled in the bf16 run.")
+    assert script.message.startswith("A GradScaler is enabled in the script, whose autocast "
+                                     "asks for bfloat16 only.")
+
+
+def test_weights_cast_to_fp16_name_the_first_tensors_and_the_count():
+    from ampdoctor.kinds.precision import WeightsCast, weights_cast
+    names = tuple(f"layer{i}.weight" for i in range(5))
+    finding = weights_cast(WeightsCast(RungId.FP32_ACCUM, "fp32", ("torch.float16",), names, 6,
+                                       loop_is_reference=True,
+                                       location=Location("train.py", 9, "f", "model.half()")))
+    assert finding.severity is Severity.ERROR
+    assert ("The fp32 run cast the model's weights to float16 (`model.half()`, line 9): 5 of 6 "
+            "trainable parameter tensor(s) (`layer0.weight`, `layer1.weight`, `layer2.weight` "
+            "and 2 more)") in finding.message
+    assert "the loop-as-reference, the same loop, is cast too" in finding.message
+    assert finding.evidence["parameters_cast"] == 5
+
+
+@pytest.mark.parametrize("entered, says", [(0, "autocast was never entered"),
+                                           (2, "autocast was entered 2 time(s) but never "
+                                               "enabled")])
+def test_autocast_off_is_an_error(entered, says):
+    from ampdoctor.kinds.precision import AutocastOff, autocast_off
+    finding = autocast_off(AutocastOff(RungId.BF16_NO_SCALER, "bf16", "bfloat16", "cpu",
+                                       entered, scaler=False))
+    assert finding.severity is Severity.ERROR
+    assert finding.message == (f"The bf16 run asked for autocast(bfloat16) but {says} on cpu: "
+                               "every forward ran in fp32, so this 'mixed precision' run is "
+                               "really fp32.")
+
+
+# --- missing-unscale / unscale-twice / double-scaling from torch's refusals and the run ----
+
+def test_torchs_refusal_of_a_second_unscale_names_the_first_call():
+    from ampdoctor.kinds.scaling import UnscaleRefused, unscale_refused
+    first = Location("train.py", 20, "train_loop")
+    finding = unscale_refused(UnscaleRefused(RungId.FP16_SCALER, "fp16", "RuntimeError: x",
+                                             first=first, location=LINE))
+    assert finding.message.endswith("The first call was at train.py:20; keep one of the two.")
+    assert finding.evidence["first_unscale"] == "train.py:20"
+    same = unscale_refused(UnscaleRefused(RungId.FP16_SCALER, "fp16", "RuntimeError: x",
+                                          first=first, first_is_refused=True))
+    assert same.message.endswith("divided by the scale twice.")
+
+
+def test_a_second_scale_on_the_loss_reports_the_extra_factor():
+    from ampdoctor.kinds.double_scaling import SecondScale, second_scale
+    v32, scale, extra = 0.5, 1024.0, 128.0
+    v16 = v32 * scale * extra               # the loss reaching backward
+    finding = second_scale(SecondScale(RungId.FP16_SCALER, v32, v16, scale, extra, 3, 4))
+    assert finding.severity is Severity.ERROR
+    assert finding.message.startswith(
+        "The loss reaching backward is 128x what the scaler alone would give (fp32 loss 0.5 x "
+        "scale 1024 = 512, got 65536)")
+    assert finding.evidence["measured"] == extra * scale and finding.evidence["expected"] == scale
+
+
+# --- step-per-microbatch / zero-grad-inside-accumulation / missing-zero-grad ----------------
+
+def test_more_steps_than_windows_is_an_error_with_the_steps_per_window():
+    from ampdoctor.kinds.stepping import StepsPerWindow, steps_per_window
+    steps, windows = 12, 3                  # K = 4: a step on every micro-batch
+    finding = steps_per_window(StepsPerWindow(RungId.FP32_ACCUM, "fp32", 0, steps, windows, 4,
+                                              1, framework="Fabric", location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.STEP_PER_MICROBATCH, Severity.ERROR)
+    assert finding.message.startswith(
+        f"The optimizer stepped 12 times for 3 windows of K=4 micro-batches in the fp32 run "
+        f"({steps / windows:.3g} steps per window; the first step came after 1 "
+        "micro-batch(es)).")
+    assert finding.evidence["steps_per_window"] == steps / windows
+    from ampdoctor.kinds import FRAMEWORK_FIXES
+    assert finding.fix == FRAMEWORK_FIXES[(KindId.STEP_PER_MICROBATCH, "Fabric")]
+
+
+def test_an_off_by_one_window_names_the_first_count():
+    from ampdoctor.kinds.mismatch import OFF_BY_ONE_TITLE, OffBoundary, off_boundary
+    finding = off_boundary(OffBoundary(RungId.FP32_ACCUM, 0, 4, (1, 5, 9)))
+    assert finding.title == OFF_BY_ONE_TITLE
+    assert finding.message.startswith("The optimizer stepped after 1 micro-batch(es), not on a "
+                                      "boundary of K=4")
+    assert finding.evidence["microbatches_at_each_step"] == [1, 5, 9]
+
+
+@pytest.mark.parametrize("measured, severity", [(True, Severity.ERROR),
+                                                (False, Severity.WARNING)])
+def test_a_zero_grad_inside_the_window_fails_only_when_the_update_was_compared(measured,
+                                                                              severity):
+    from ampdoctor.kinds.stepping import ZeroedInside, zeroed_inside
+    ratio = 1 / 4 * 1.003                    # one of four micro-batches reached the step
+    comparison = {"measured": ratio, "expected": 1.0, "step": 1} if measured else None
+    finding = zeroed_inside(ZeroedInside(RungId.FP32_ACCUM, 1, 4, 1 if measured else None,
+                                         ratio if measured else None,
+                                         0.99 if measured else None, comparison=comparison))
+    assert finding.severity is severity
+    assert finding.evidence["measured"] == 1 and finding.evidence["expected"] == 4
+    if measured:
+        assert list(finding.evidence)[:3] == ["measured", "expected", "step"]
+        assert finding.evidence["norm_ratio"] == round(ratio, 6)
+        assert f"gradient norm ratio {ratio:.4g} to the reference" in finding.message
+
+
+def test_gradients_carried_over_name_the_parameters_not_cleared():
+    from ampdoctor.kinds.stepping import CarriedOver, carried_over
+    names = tuple(f"p{i}" for i in range(6))
+    finding = carried_over(CarriedOver(RungId.FP32_ACCUM, 2, names, 8, 2.0, {"step": 2}))
+    assert (finding.kind, finding.severity) == (KindId.MISSING_ZERO_GRAD, Severity.ERROR)
+    assert finding.message.startswith("Step 2: for 6 of 8 parameters (p0, p1, p2, p3, ...) the "
+                                      "optimizer consumed this window's reference gradient plus "
+                                      "what step 1 already applied")
+    assert "(the zero_grad call covers only part of the model)" in finding.message
+
+
+def test_the_sentinels_counts_are_errors():
+    from ampdoctor.kinds.stepping import (
+        OneBackwardPerStep,
+        ZeroedInWindow,
+        one_backward_per_step,
+        zeroed_in_window,
+    )
+    one = one_backward_per_step(OneBackwardPerStep("watch", 4, 3, (1, 1, 1)))
+    assert one.severity is Severity.ERROR and "4x as many updates each on 1/4" in one.message
+    zeroed = zeroed_in_window(ZeroedInWindow("watch", 5, 4, 4, 3))
+    assert zeroed.evidence["measured"] == 4 - 3
+    assert "the gradient of only the last 1 micro-batch(es)" in zeroed.message
+
+
+# --- scheduler-per-microbatch ---------------------------------------------------------------
+
+def test_a_schedule_stepped_per_micro_batch_is_an_error_with_its_speed():
+    from ampdoctor.kinds.schedule import ScheduleTooFast, schedule_too_fast
+    finding = schedule_too_fast(ScheduleTooFast(RungId.FP32_ACCUM, "fp32", "LambdaLR", 12, 3, 4,
+                                                1, 0.5, 0.2))
+    assert finding.severity is Severity.ERROR
+    assert finding.evidence["measured"] == 12 / 3
+    assert ("optimizer step 1 used lr 0.5 where the schedule gives 0.2 for that step; the "
+            "schedule runs 4x too fast.") in finding.message
+
+
+# --- gradient-mismatch ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("cosine, hint", [(0.99999, True), (0.5, False)])
+def test_no_known_shape_says_whether_the_direction_holds(cosine, hint):
+    from ampdoctor import thresholds
+    from ampdoctor.kinds.mismatch import Unexplained, unexplained
+    finding = unexplained(Unexplained(RungId.FP32_ACCUM, 1, 1, "fp32", 0.37, 1.37, cosine, 1e-5,
+                                      {"step": 1}))
+    assert (cosine > thresholds.SAME_DIRECTION_COSINE) is hint
+    assert ("only the size differs" in finding.message) is hint
+    assert "matching no known mistake" in finding.message
+
+
+def test_a_clip_after_its_step_reports_the_unclipped_factor():
+    from ampdoctor.kinds.mismatch import CLIP_AFTER_STEP_FIX, ClipAfterStep, clip_after_step
+    finding = clip_after_step(ClipAfterStep(RungId.FP32_ACCUM, 0, 5.0, 1.0, 1e-5, ratio=1.0))
+    assert finding.fix == CLIP_AFTER_STEP_FIX
+    assert finding.evidence["measured"] == 5.0 and finding.evidence["ratio"] == 1.0
+    assert "so the update used a gradient 5x the clipped one" in finding.message
+
+
+@pytest.mark.parametrize("steps, says", [(0, "No optimizer step was taken in 8 micro-batches"),
+                                         (2, "The fp32 loop took 2 optimizer step(s) for the 3 "
+                                             "windows")])
+def test_too_few_steps(steps, says):
+    from ampdoctor.kinds.mismatch import TooFewSteps, too_few_steps
+    finding = too_few_steps(TooFewSteps(RungId.FP32_ACCUM, steps, 3, 4, 8, 12, backwards=8))
+    assert finding.severity is Severity.ERROR and finding.message.startswith(says)
+    assert finding.evidence["measured"] == steps
+
+
+def test_a_call_order_no_reference_measured_is_a_warning_that_says_so():
+    """Script mode without --reference-args: the state machine's finding cannot be weighed
+    against an update, so it is a warning whatever it would be with a reference."""
+    from ampdoctor.kinds.base import UNMEASURED
+    from ampdoctor.kinds.scaling import SecondUnscale, second_unscale
+    finding = second_unscale(SecondUnscale(RungId.FP16_SCALER, 0, 1024.0, unmeasured=True))
+    assert finding.severity is Severity.WARNING
+    assert finding.message == ("unscale_() called twice on the same optimizer in one step"
+                               + UNMEASURED)
+    assert UNMEASURED == (" (No reference was run, so whether the update differs was not "
+                          "measured.)")
+
+
+@pytest.mark.parametrize("norm, severity", [(4096.0, Severity.ERROR), (0.5, Severity.WARNING)])
+def test_a_scripts_scaled_clip_fails_once_it_shrinks_the_update(norm, severity):
+    """Scale 1024, threshold 1: a scaled norm of 4096 (true 4) is clipped by 1/4096 where true
+    space clips by 1/4 (a shrink of 1/1024); a scaled norm of 0.5 is not clipped either way."""
+    from ampdoctor import thresholds
+    from ampdoctor.kinds.clipping import ScriptScaledClip, script_scaled_clip
+    seen, meant = min(1.0, 1.0 / norm), min(1.0, 1.0 / (norm / 1024.0))
+    assert (seen / meant < thresholds.CLIP_BITES_BELOW) is (severity is Severity.ERROR)
+    finding = script_scaled_clip(ScriptScaledClip(RungId.CLIP_SPACE, norm, 1024.0, 1.0))
+    assert finding.severity is severity
+    assert finding.evidence["clip_coefficient"] == float(f"{seen:.6g}")
+    assert f"It multiplied the gradient by {seen:.4g} where the threshold 1 in true space " \
+        f"gives {meant:.4g}" in finding.message
