@@ -529,3 +529,20 @@ def test_a_scripts_scaled_clip_fails_once_it_shrinks_the_update(norm, severity):
     assert finding.evidence["clip_coefficient"] == float(f"{seen:.6g}")
     assert f"It multiplied the gradient by {seen:.4g} where the threshold 1 in true space " \
         f"gives {meant:.4g}" in finding.message
+
+
+def test_a_rate_set_per_micro_batch_is_an_error_with_the_rates_it_measured():
+    from ampdoctor.kinds.schedule import RateSetPerMicroBatch, rate_set_per_micro_batch
+
+    K = 4
+    warmup = [1e-3 * (i + 1) / 9 for i in range(K)]          # get_lr(0..3) of a 9-step warm-up
+    finding = rate_set_per_micro_batch(RateSetPerMicroBatch(
+        RungId.FP32_ACCUM, "fp32", K, 0, K, tuple(warmup), 0, warmup[-1], warmup[0],
+        location=Location("train.py", 34)))
+    assert (finding.kind, finding.severity) == (KindId.SCHEDULER_PER_MICROBATCH, Severity.ERROR)
+    assert finding.evidence["lr_used"] == warmup[-1]
+    assert finding.evidence["lr_expected"] == warmup[0]
+    assert (finding.evidence["measured"], finding.evidence["expected"]) == (K, 1)
+    assert f"used lr {warmup[-1]:.6g}" in finding.message
+    assert f"uses {warmup[0]:.6g}" in finding.message and "4x too fast" in finding.message
+    assert "optimizer-step counter" in finding.fix and finding.location.line == 34

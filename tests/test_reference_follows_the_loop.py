@@ -1,7 +1,7 @@
-"""The reference follows what the loop trains and how:  parameters the loop freezes on the model it was
-handed (`requires_grad_(False)`) are left out of the reference's gradient and its clipping
-norm, as torch leaves them out of the loop's. The healthy recipe passes clean (the e2e healthy
-set runs it); here, a mistake in such a loop is still named with its factor and line."""
+"""The reference follows what the loop trains and how: parameters the loop freezes on the
+model it was handed (`requires_grad_(False)`) are left out of the reference's gradient and its
+clipping norm, as torch leaves them out of the loop's. The healthy recipe passes clean (the e2e
+healthy set runs it); here, a mistake in such a loop is still named with its factor and line."""
 
 from __future__ import annotations
 

@@ -279,3 +279,45 @@ def steps_per_update(o: StepsPerUpdate) -> Finding:
         evidence={"measured": max(o.counts), "expected": 1, "accumulation_steps": o.K,
                   "scheduler_steps_per_update": list(o.counts)},
         location=o.location))
+
+
+@dataclass(frozen=True)
+class RateSetPerMicroBatch:
+    """A learning rate the loop assigns by hand that took `values` (more than one) between two
+    optimizer steps (`window`; `most` values in one window at most), and the first optimizer
+    step whose rate is more than a step of the schedule away from the rate the same loop at
+    K = 1 assigns to it (`lr_used` against `lr_meant`). `optimizer`: which one, when the loop
+    steps several."""
+
+    rung: str
+    precision: str
+    K: int
+    window: int
+    most: int
+    values: tuple[float, ...]
+    step: int
+    lr_used: float
+    lr_meant: float
+    optimizer: int | None = None
+    location: Location | None = None
+
+
+def rate_set_per_micro_batch(o: RateSetPerMicroBatch) -> Finding:
+    """`scheduler-per-microbatch` with no scheduler object: the rate is counted in
+    micro-batches (an error: a step used another rate than the loop means for it)."""
+    shown = ", ".join(f"{v:.6g}" for v in o.values[:6]) + (", ..." if len(o.values) > 6 else "")
+    which = "" if o.optimizer is None else f" of optimizer {o.optimizer}"
+    return scheduler_per_microbatch(Observed(o.rung, Severity.ERROR,
+        f"The loop sets the learning rate{which} on every micro-batch: it took {o.most} "
+        f"different values between two optimizer steps of the {o.precision} run (window "
+        f"{o.window}: {shown}), so its schedule counts micro-batches, not optimizer steps. "
+        f"Optimizer step {o.step} used lr {o.lr_used:.6g} where the same loop at K = 1 (each "
+        f"window's data as one micro-batch) uses {o.lr_meant:.6g} for that step: the warm-up "
+        f"and decay run about {o.K}x too fast.",
+        evidence={"measured": o.most, "expected": 1, "lr_used": o.lr_used,
+                  "lr_expected": o.lr_meant, "first_step_off": o.step, "window": o.window,
+                  "accumulation_steps": o.K},
+        location=o.location,
+        fix="Compute the rate from an optimizer-step counter, not a micro-batch one: increment it "
+            "after `scaler.step(optimizer)` (or use `it // K` for a micro-batch index `it`), "
+            "assign it once per window, and size the warm-up and decay in optimizer steps."))

@@ -20,10 +20,9 @@ import linecache
 import textwrap
 from typing import Any
 
-from .. import deciders, thresholds
-from ..deciders import Observed
-from ..enums import Severity
+from .. import thresholds
 from ..findings import Finding, Location, location
+from ..kinds import schedule
 from ..loading.data import merge_micro_batches
 from ..probe.events import Backward
 from ..session import Session, Trace
@@ -107,21 +106,10 @@ def _beyond_a_step(used: float, meant: list[float], n: int) -> bool:
 
 def _finding(session: Session, trace: Trace, rung: str, slot: int, step: int, used: float,
              meant: float, window: int, most: int, values: list[float], site: Any) -> Finding:
-    shown = ", ".join(f"{v:.6g}" for v in values[:6]) + (", ..." if len(values) > 6 else "")
-    which = "" if len({s.optimizer for s in trace.steps}) < 2 else f" of optimizer {slot}"
-    return deciders.scheduler_per_microbatch(Observed(rung, Severity.ERROR,
-        f"The loop sets the learning rate{which} on every micro-batch: it took {most} "
-        f"different values between two optimizer steps of the {trace.precision} run (window "
-        f"{window}: {shown}), so its schedule counts micro-batches, not optimizer steps. "
-        f"Optimizer step {step} used lr {used:.6g} where the same loop at K = 1 (each "
-        f"window's data as one micro-batch) uses {meant:.6g} for that step: the warm-up and "
-        f"decay run about {session.K}x too fast.",
-        evidence={"measured": most, "expected": 1, "lr_used": used, "lr_expected": meant,
-                  "first_step_off": step, "window": window, "accumulation_steps": session.K},
-        location=_assignment(session) or location(site),
-        fix="Compute the rate from an optimizer-step counter, not a micro-batch one: increment it "
-            "after `scaler.step(optimizer)` (or use `it // K` for a micro-batch index `it`), "
-            "assign it once per window, and size the warm-up and decay in optimizer steps."))
+    several = len({s.optimizer for s in trace.steps}) > 1
+    return schedule.rate_set_per_micro_batch(schedule.RateSetPerMicroBatch(
+        rung, trace.precision, session.K, window, most, tuple(values), step, used, meant,
+        slot if several else None, _assignment(session) or location(site)))
 
 
 def _assignment(session: Session) -> Location | None:
