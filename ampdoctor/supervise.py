@@ -42,6 +42,7 @@ from .errors import (
     UsageError,
     UserCodeError,
 )
+from .record_model import RecordModel
 from .supervise_records import died_record, hung_record
 
 #: Extra seconds past `timeout_s` before a phase that did not end is killed: the child's own
@@ -87,7 +88,7 @@ class Outcome:
     """What the child gave: the record (or None), the error that stopped it, the rung results
     seen so far (dicts, as in the record)."""
 
-    record: dict[str, Any] | None = None
+    record: RecordModel | None = None
     error: AmpdoctorError | None = None
     done: list[dict[str, Any]] = field(default_factory=list)
 
@@ -237,7 +238,9 @@ class Watch:
             self.phase, self.phase_started = "finishing", now
         elif kind == "result":
             self.result_seen = True
-            self.outcome.record = event.get("record")
+            wired = event.get("record")
+            self.outcome.record = (RecordModel.model_validate(wired) if wired is not None
+                                   else None)
             if event.get("error"):
                 self.outcome.error = rebuild_error(event["error"])
         elif kind == "internal":
