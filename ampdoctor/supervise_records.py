@@ -88,15 +88,10 @@ def _roots(spec: Any) -> list[Path]:
 
 
 def _base_record(watch: Watch) -> RecordModel:
-    """The record of the run so far: the rungs the child reported done (their wire form)."""
-    from .record_model import FindingModel, RungModel
+    """The record of the run so far: the rungs the child reported done."""
     from .runner import new_record
     record = new_record(watch.spec, str(getattr(watch.spec, "device", "unknown")))
-    done = watch.outcome.done
-    record.rungs = [RungModel.model_validate({k: v for k, v in r.items() if k != "findings"})
-                    for r in done]
-    record.findings = [FindingModel.model_validate(f) for r in done
-                       for f in r.get("findings", []) if isinstance(f, dict)]
+    record.rungs = list(watch.outcome.done)
     return record
 
 

@@ -28,7 +28,7 @@ from .completion import complete_rungs
 from .progress_line import ProgressLine
 
 if TYPE_CHECKING:
-    from ..record_model import RecordModel
+    from ..record_model import RecordModel, RungModel
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -191,7 +191,7 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         ci.check()
     except UsageError as exc:
         return fail(exc, debug)
-    done: list[dict[str, Any]] = []
+    done: list[RungModel] = []      # the rungs that finished
     started: list[str] = []      # the rungs begun: the last one is where a signal stops it
     captured = None if verbose else Captured()
     try:
@@ -212,9 +212,8 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
                  else " while loading the spec's code" if not started else "")
         error = UserCodeError(f"interrupted by {name}{where} after {len(done)} rung(s); the "
                               "record holds the rungs that finished", cause=exc)
-        from ..record_model import RungModel
         interrupted = error_record(spec, error)
-        interrupted.rungs = [RungModel.model_validate(rung) for rung in done]
+        interrupted.rungs = done
         err.print(f"ampdoctor: interrupted by {name}; the run was stopped.", markup=False)
         ci.write(interrupted, err, 128 + int(signum))
         save_and_show(interrupted, folder, json_out, render, err, 128 + int(signum))
@@ -256,13 +255,14 @@ def _show_tracebacks(record: RecordModel, err: Console) -> None:
             sys.stderr.write(inert(finding.traceback))
 
 
-def _run_in_process(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
+def _run_in_process(spec: Any, progress: ProgressLine, done: list[RungModel],
                     started: list[str]) -> tuple[RecordModel | None, Any]:
     """The diagnose in this process (AMPDOCTOR_IN_PROCESS, or a torchrun rank 0)."""
+    from ..record_model import RungModel
     from ..source import ScriptSource
 
     def on_done(result: Any) -> None:
-        done.append(result.to_dict())
+        done.append(RungModel.of(result))
 
     if isinstance(spec, ScriptSource):
         from ..script.diagnose import run_script
@@ -318,19 +318,20 @@ def show_output(record: RecordModel, err: Console, every: bool) -> None:
         sys.stderr.flush()
 
 
-def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
+def _run_isolated(spec: Any, progress: ProgressLine, done: list[RungModel],
                   err: Console, started: list[str], captured: Captured | None = None,
                   ) -> tuple[RecordModel | None, Any]:
     """The diagnose in a child process (`supervise.run`): its events drive the progress line,
     its output goes to stderr (or to `captured`)."""
     from .. import supervise
+    from ..record_model import RungModel
 
     def on_event(event: dict[str, Any]) -> None:
         kind = event.pop("event", None)
         if kind == "progress":
             progress(event)
-        elif kind == "done":
-            done.append(event.get("rung") or {})
+        elif kind == "done" and event.get("rung"):
+            done.append(RungModel.model_validate(event["rung"]))
         elif kind == "rung":
             started.append(str(event.get("id")))
 
