@@ -86,6 +86,8 @@ class _Ordered(BaseModel):
     def given(self, name: str) -> bool:
         """Whether the record holds `name` (given, not a default)."""
         return name in self._keys
+
+
 class SourceModel(_Ordered):
     """A few lines of the user's file around a finding's line, read at diagnose time."""
 
