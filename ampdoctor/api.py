@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     AmpdoctorError,
@@ -29,17 +28,18 @@ from .errors import (
     SpecError,
     UserCodeError,
 )
-from .safetext import MESSAGE_LIMIT, exc_text, inert, safe_repr
+from .record_model import RecordModel, Verdict
+from .safetext import exc_text, safe_repr
 from .spec import Spec, load_spec
 
 if TYPE_CHECKING:
     from .findings import RungResult
-    from .record_model import FindingModel, RungModel
 
 #: What `diagnose` accepts as a spec: a `Spec` (built in code or loaded), or a YAML path.
 SpecLike = Spec | str | os.PathLike
 
-Verdict = Literal["healthy", "failed", "inconclusive", "error"]
+__all__ = ["ALIASES", "Record", "SpecLike", "Unhealthy", "Verdict", "assert_healthy", "diagnose",
+           "load"]
 
 #: Keyword overrides the CLI also offers, under the name of the flag (`steps=` is
 #: `optimizer_steps=`); every other keyword must be a spec key.
@@ -68,104 +68,9 @@ def load(spec: SpecLike, *, origins: dict[str, str] | None = None, **overrides: 
         origins={k: came_from[k] for k in overrides if k in came_from}, **overrides)
 
 
-@dataclass(frozen=True)
-class Record:
-    """A run record: the JSON the CLI saves (`data`), with typed views of it."""
-
-    data: dict[str, Any]
-    #: where it was saved (None with `save=False`)
-    path: Path | None = None
-    #: the error that stopped the run before any rung (the user's code), when there was one
-    exception: AmpdoctorError | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def verdict(self) -> Verdict:
-        return self.data["verdict"]
-
-    @property
-    def healthy(self) -> bool:
-        return self.verdict == "healthy"
-
-    @property
-    def exit_code(self) -> int:
-        """The CLI's exit code for this record: 0 healthy, 1 a rung failed, 3 the user's code
-        could not run."""
-        from .record import exit_code
-        return exit_code(self.data)
-
-    @property
-    def failed_rung(self) -> str | None:
-        return self.data.get("failed_rung")
-
-    @property
-    def findings(self) -> list[FindingModel]:
-        from .record_model import FindingModel
-        return [FindingModel.model_validate(f) for f in self.data.get("findings", [])]
-
-    @property
-    def errors(self) -> list[FindingModel]:
-        return [f for f in self.findings if f.severity == "error"]
-
-    @property
-    def warnings(self) -> list[FindingModel]:
-        return [f for f in self.findings if f.severity == "warning"]
-
-    @property
-    def rungs(self) -> list[RungModel]:
-        from .record_model import RungModel
-        return [RungModel.model_validate(r) for r in self.data.get("rungs", [])]
-
-    def to_json(self) -> str:
-        from .record import dumps
-        return dumps(self.data)
-
-    def summary(self) -> str:
-        """The diagnosis as plain text: verdict, then each finding's kind, rung, message,
-        evidence, file:line and fix (what `assert_healthy` fails with)."""
-        return summary_text(self.data)
-
-
-def summary_text(data: dict[str, Any]) -> str:
-    verdict = data.get("verdict", "error")
-    failed = data.get("failed_rung")
-    head = f"ampdoctor: {data.get('name') or 'run'}: {verdict.upper()}"
-    if failed:
-        head += f" at rung {failed}"
-    lines = [head]
-    if data.get("inconclusive"):
-        lines.append(f"  {data['inconclusive']}")
-    error = data.get("error")
-    if error:
-        lines.append(f"  error: {error.get('message', '')}")
-        loc = error.get("location")
-        if loc:
-            lines.append(f"    at {loc.get('file')}:{loc.get('line')}")
-    for f in data.get("findings", []):
-        lines.append(f"  {f.get('severity')}: {f.get('kind')} [{f.get('rung')}] "
-                     f"{f.get('title', '')}".rstrip())
-        lines.append(f"    {f.get('message', '')}")
-        evidence = {k: v for k, v in (f.get("evidence") or {}).items()
-                    if not isinstance(v, (dict, list)) or k in ("measured", "expected")}
-        if evidence:
-            lines.append("    evidence: " + ", ".join(f"{k}={_short(v)}"
-                                                      for k, v in evidence.items()))
-        loc = f.get("location")
-        if loc:
-            code = f"    {loc['code']}" if loc.get("code") else ""
-            lines.append(f"    at {loc.get('file')}:{loc.get('line')}{code}")
-        if f.get("fix"):
-            lines.append(f"    fix: {f['fix']}")
-    if data.get("path"):
-        lines.append(f"  record: {data['path']}")
-    # every field came from the user's world: shown inert, one line each, bounded
-    return "\n".join(inert(line, limit=MESSAGE_LIMIT, multiline=False) for line in lines)
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6g}"
-    text = str(value)
-    return text if len(text) <= 200 else text[:197] + "..."
+#: A run record: `diagnose()` returns one (its `path`, its `exception`), `.data` is the JSON
+#: the CLI saves, `.summary()` the diagnosis as text.
+Record = RecordModel
 
 
 def diagnose(spec: SpecLike, *, out: str | os.PathLike | None = None, save: bool = True,
@@ -191,8 +96,8 @@ def diagnose(spec: SpecLike, *, out: str | os.PathLike | None = None, save: bool
     from .processes import owned
     try:
         with owned():     # what the loop starts ends with the diagnose
-            data = run_diagnose(resolved, on_start=on_start, on_done=on_done,
-                                on_progress=on_progress)
+            record = run_diagnose(resolved, on_start=on_start, on_done=on_done,
+                                  on_progress=on_progress)
     except (UserCodeError, InputError) as exc:
         exception = exc
     except Exception:
@@ -207,14 +112,14 @@ def diagnose(spec: SpecLike, *, out: str | os.PathLike | None = None, save: bool
         exception = UserCodeError(f"the user's code {what} during the diagnose; nothing after "
                                   "it could be judged", cause=exc)
     if exception is not None:
-        data = error_record(resolved, exception)
+        record = error_record(resolved, exception)
     from .record import exit_code
-    data["exit_code"] = exit_code(data)
+    record.exit_code = exit_code(record)
     path = None
     if save:
         from .record import save as save_record
-        path = save_record(data, Path(out) if out is not None else None)
-    return Record(data, path, exception)
+        path = save_record(record, Path(out) if out is not None else None)
+    return record.saved(path, exception)
 
 
 class Unhealthy(AssertionError):

@@ -22,23 +22,29 @@ import keyword
 import os
 import re
 import textwrap
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
+from .record import as_record
+
+if TYPE_CHECKING:
+    from .record_model import RecordModel
 
 #: the steps a guard re-runs (the ladder needs a few windows; more only costs CI time)
 DEFAULT_STEPS = 3
 
 
-def guarded_kinds(record: dict[str, Any]) -> list[str]:
+def guarded_kinds(record: RecordModel | Mapping[str, Any]) -> list[str]:
     """The kinds a fixed tree must not show: the errors of a failed record (in order, once)."""
-    if record.get("verdict") != "failed":
+    record = as_record(record)
+    if record.verdict != "failed":
         return []
     kinds: list[str] = []
-    for finding in record.get("findings") or []:
-        if finding.get("severity") == "error" and finding.get("kind") not in kinds:
-            kinds.append(str(finding.get("kind")))
+    for finding in record.findings:
+        if finding.severity == "error" and finding.kind not in kinds:
+            kinds.append(finding.kind)
     return kinds
 
 
@@ -46,13 +52,13 @@ def guarded_kinds(record: dict[str, Any]) -> list[str]:
 _LEFT_OUT = ("not among the rungs asked for", "is not in the spec's precisions")
 
 
-def rung_ids(record: dict[str, Any]) -> list[str]:
+def rung_ids(record: RecordModel | Mapping[str, Any]) -> list[str]:
     """The rungs the record ran, in order (those an earlier failure kept from running, or that
     the options left out, are not): what the guard runs again."""
     ids: list[str] = []
-    for rung in record.get("rungs") or []:
-        rid = str(rung.get("id") or "")
-        status, summary = rung.get("status"), str(rung.get("summary") or "")
+    for rung in as_record(record).rungs:
+        rid = rung.id
+        status, summary = rung.status, rung.summary
         if status == "not-run" or (status == "skip" and any(s in summary for s in _LEFT_OUT)):
             continue
         if rid and rid not in ids:
@@ -77,33 +83,31 @@ def _identifier(text: str) -> str:
     return f"_{name}" if name[0].isdigit() or keyword.iskeyword(name) else name
 
 
-def default_target(record: dict[str, Any], folder: Path) -> Path:
+def default_target(record: RecordModel | Mapping[str, Any], folder: Path) -> Path:
     """tests/test_ampdoctor_<name>.py under `folder` when it has a tests/ folder, else in it."""
     tests = folder / "tests"
     base = tests if tests.is_dir() else folder
-    return base / f"test_ampdoctor_{_identifier(str(record.get('name') or 'run'))}.py"
+    return base / f"test_ampdoctor_{_identifier(as_record(record).name or 'run')}.py"
 
 
-def _what_it_found(record: dict[str, Any], base: Path) -> list[str]:
+def _what_it_found(record: RecordModel, base: Path) -> list[str]:
     """The docstring's lines on the finding(s) the test guards."""
-    verdict = record.get("verdict")
+    verdict = record.verdict
     lines: list[str] = []
-    for finding in record.get("findings") or []:
-        if verdict == "failed" and finding.get("severity") != "error":
+    for finding in record.findings:
+        if verdict == "failed" and finding.severity != "error":
             continue
-        loc = finding.get("location") or {}
-        where = (f" at {_relative(str(loc['file']), base)}:{loc.get('line')}"
-                 if loc.get("file") else "")
-        lines.append(f"  {finding.get('severity')} {finding.get('kind')}{where} "
-                     f"(rung {finding.get('rung')})")
-        message = " ".join(str(finding.get("message") or "").split())
+        loc = finding.location
+        where = (f" at {_relative(loc.file, base)}:{loc.line}" if loc and loc.file else "")
+        lines.append(f"  {finding.severity} {finding.kind}{where} (rung {finding.rung})")
+        message = " ".join(finding.message.split())
         if message:
             lines.append(f"      {message[:300]}")
-    if verdict == "error" and record.get("error"):
-        message = " ".join(str((record.get("error") or {}).get("message") or "").split())
+    if verdict == "error" and record.error:
+        message = " ".join(record.error.message.split())
         lines.append(f"  the training code could not run: {message[:300]}")
     if verdict == "inconclusive":
-        lines.append(f"  inconclusive: {record.get('inconclusive') or 'nothing was compared'}")
+        lines.append(f"  inconclusive: {record.inconclusive or 'nothing was compared'}")
     return lines or ["  nothing: the run was healthy"]
 
 
@@ -127,12 +131,13 @@ def _wrapped(text: str, width: int = 88) -> str:
     return "\n".join(out)
 
 
-def render(record: dict[str, Any], record_path: Path | None, target: Path,
+def render(record: RecordModel | Mapping[str, Any], record_path: Path | None, target: Path,
            steps: int = DEFAULT_STEPS, today: datetime.date | None = None) -> str:
     """The text of the test file that guards `record`, to be written at `target`."""
+    record = as_record(record)
     base = target.resolve().parent
     today = today or datetime.date.today()
-    script, spec = record.get("script"), record.get("spec")
+    script, spec = record.script, record.spec
     if not script and not spec:
         raise UsageError("the record names neither a spec file nor a script (a diagnose of an "
                          "in-memory Spec from the Python API): nothing to re-run; export from a "
@@ -140,24 +145,24 @@ def render(record: dict[str, Any], record_path: Path | None, target: Path,
                          "SCRIPT.py`.")
     rungs = rung_ids(record)
     kinds = guarded_kinds(record)
-    name = str(record.get("name") or "run")
-    verdict = str(record.get("verdict") or "error")
+    name = record.name or "run"
+    verdict = record.verdict
     call: list[str] = []
     if script:
         what = f"the script {_relative(str(script), base)}"
         call.append(f"script=HERE / {_lit(_relative(str(script), base))},")
-        call.append(f"args={_lit(list(record.get('args') or []))},")
-        reference = record.get("reference_args")
+        call.append(f"args={_lit(list(record.args or []))},")
+        reference = record.reference_args
         if reference is not None:
-            origin = record.get("reference_args_origin") or "given"
+            origin = record.reference_args_origin or "given"
             call.append(f"reference_args={_lit(list(reference))},  # {origin} in the diagnose")
-        cwd = record.get("cwd")
+        cwd = record.cwd
         if cwd:
             call.append(f"cwd=HERE / {_lit(_relative(str(cwd), base))},")
     else:
         what = f"the spec {_relative(str(spec), base)}"
         call.append(f"spec=HERE / {_lit(_relative(str(spec), base))},")
-    every = [str(r.get("id")) for r in record.get("rungs") or []]
+    every = [r.id for r in record.rungs]
     if rungs and rungs != every:      # (all of them: the ladder's own choice, kept so)
         call.append(f"rungs={_lit(rungs)},")
     call.append(f"steps={int(steps)},")
@@ -231,12 +236,12 @@ def guard_command(*, spec: str | os.PathLike[str] | None, script: str | os.PathL
     return command
 
 
-def judge_guard(record: dict[str, Any], kinds: list[str]) -> str | None:
+def judge_guard(record: RecordModel | Mapping[str, Any], kinds: list[str]) -> str | None:
     """Why the re-run diagnosis shows the tree not fixed (None: it is): not healthy, or a
     guarded kind back at any severity."""
-    verdict = record.get("verdict")
-    back = sorted({str(f.get("kind")) for f in record.get("findings") or []
-                   if f.get("kind") in kinds})
+    record = as_record(record)
+    verdict = record.verdict
+    back = sorted({f.kind for f in record.findings if f.kind in kinds})
     if verdict == "healthy" and not back:
         return None
     if verdict == "healthy":
@@ -251,12 +256,11 @@ def run_guard(*, spec: str | os.PathLike[str] | None = None,
               reference_args: list[str] | None = None, cwd: str | os.PathLike[str] | None = None,
               rungs: list[str] | None = None, steps: int | None = DEFAULT_STEPS,
               device: str | None = "cpu", kinds: list[str] | None = None,
-              out: Path) -> tuple[dict[str, Any] | None, str | None]:
+              out: Path) -> tuple[RecordModel | None, str | None]:
     """Re-run a diagnosis in a process of its own (`ampdoctor diagnose ... --json`, the same
     command a user types); the record and why the tree is not fixed (None: it is)."""
     import subprocess
 
-    from .api import summary_text
     command = guard_command(spec=spec, script=script, args=list(args or []),
                             reference_args=(list(reference_args) if reference_args is not None
                                             else None),
@@ -266,12 +270,12 @@ def run_guard(*, spec: str | os.PathLike[str] | None = None,
                           capture_output=True, text=True, check=False,
                           env=dict(os.environ, NO_COLOR="1"))
     try:
-        record = json.loads(proc.stdout)
-    except ValueError:
+        record = as_record(json.loads(proc.stdout))
+    except (ValueError, TypeError, UsageError):   # not JSON, or JSON that is not a record
         record = None
-    if not isinstance(record, dict):
+    if record is None:
         tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
         return None, (f"ampdoctor could not re-run the diagnosis (exit {proc.returncode}): "
                       f"{' '.join(command[1:])}\n{tail}")
     why = judge_guard(record, list(kinds or []))
-    return record, None if why is None else f"{why}\n{summary_text(record)}"
+    return record, None if why is None else f"{why}\n{record.summary()}"

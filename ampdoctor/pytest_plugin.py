@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from .record_model import RecordModel
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -76,7 +79,7 @@ class AmpdoctorFixture:
     def assert_fixed(self, *, spec: Any = None, script: Any = None, args: Any = None,
                      reference_args: Any = None, cwd: Any = None, rungs: Any = None,
                      steps: int | None = 3, device: str | None = "cpu",
-                     kinds: Any = None) -> dict[str, Any]:
+                     kinds: Any = None) -> RecordModel:
         """Re-run a diagnosis (what `ampdoctor export-test` writes a call of): `spec=` a YAML
         spec, or `script=` with its `args`, `reference_args` and `cwd`; on `rungs`, `steps`
         optimizer steps, `device`. Fails the test, with the diagnosis (kind, rung, numbers,

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from .errors import UsageError
+from .record_model import RecordModel, validate
 
 DEFAULT_DIR = Path(".ampdoctor") / "runs"
 #: The shape of the records this version writes (`record_version`).
@@ -33,11 +33,18 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", name).strip("-")[:60] or "run"
 
 
-def save(record: dict[str, Any], out_dir: Path | None = None) -> Path:
+def as_record(record: RecordModel | Mapping[str, Any]) -> RecordModel:
+    """The model of a record given as one or as its JSON data (validated: UsageError naming
+    the field when it is not a record)."""
+    return record if isinstance(record, RecordModel) else validate(dict(record), "the record")
+
+
+def save(record: RecordModel | Mapping[str, Any], out_dir: Path | None = None) -> Path:
+    record = as_record(record)
     out_dir = Path(out_dir) if out_dir else DEFAULT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    base = f"{stamp}-{_slug(str(record.get('name', 'run')))}"
+    base = f"{stamp}-{_slug(record.name)}"
     # The whole record goes to a temporary file first (a name `latest` never reads), then is
     # linked under a name that did not exist: os.link fails rather than replace, so two saves in
     # the same second (two processes, one folder) each get their own name.
@@ -79,20 +86,11 @@ def _claim(tmp: str, path: Path) -> None:
             fh.write(src.read())
 
 
-def dumps(record: dict[str, Any]) -> str:
+def dumps(record: RecordModel | Mapping[str, Any], filled: bool = False) -> str:
     """The record as strict JSON (RFC 8259 has no NaN or Infinity: a non-finite number, such as
-    the gradient norm of a step that overflowed, is written as null)."""
-    return json.dumps(_finite(record), indent=2, default=str, allow_nan=False) + "\n"
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
+    the gradient norm of a step that overflowed, is written as null), its keys in the order
+    they were given; `filled`: every default filled in (a record read back, `report --json`)."""
+    return as_record(record).to_json(filled=filled)
 
 
 def latest(out_dir: Path | None = None) -> Path:
@@ -121,15 +119,14 @@ def latest(out_dir: Path | None = None) -> Path:
 INTERRUPTED_PREFIX = "interrupted by "
 
 
-def is_interrupted(data: dict[str, Any]) -> bool:
+def is_interrupted(record: RecordModel | Mapping[str, Any]) -> bool:
     """The stub record of a run stopped by a signal (Ctrl-C, SIGTERM): its `exit_code` is
     128 + the signal; a record written before `exit_code` existed is known by its message."""
-    code = data.get("exit_code")
-    if isinstance(code, int) and not isinstance(code, bool):
-        return code >= 128
-    error = data.get("error")
-    return (data.get("verdict") == "error" and isinstance(error, dict)
-            and str(error.get("message") or "").startswith(INTERRUPTED_PREFIX))
+    record = as_record(record)
+    if record.exit_code is not None:
+        return record.exit_code >= 128
+    return (record.verdict == "error" and record.error is not None
+            and record.error.message.startswith(INTERRUPTED_PREFIX))
 
 
 def latest_complete(out_dir: Path | None = None) -> tuple[Path, Path | None]:
@@ -151,7 +148,7 @@ def latest_complete(out_dir: Path | None = None) -> tuple[Path, Path | None]:
     return newest, newest
 
 
-def load(path: Path) -> dict[str, Any]:
+def load(path: Path) -> RecordModel:
     path = Path(path)
     if path.is_dir():
         return load(latest(path))
@@ -176,8 +173,8 @@ def load(path: Path) -> dict[str, Any]:
     problem = _out_of_bounds(record)
     if problem is not None:
         raise UsageError(f"{path}: not a valid ampdoctor run record: {problem}.")
-    from .record_model import validate
-    return upgrade(validate(record, str(path)))
+    # what older records lack gets its default: every renderer can rely on the current shape
+    return validate(record, str(path))
 
 
 #: Beyond these a record is not one ampdoctor wrote: nested deeper than MAX_DEPTH, an integer
@@ -206,48 +203,23 @@ def _out_of_bounds(record: Any) -> str | None:
     return None
 
 
-def upgrade(record: dict[str, Any]) -> dict[str, Any]:
-    """Fill what older records lack, so every renderer can rely on the current shape."""
-    record.setdefault("record_version", 1)
-    record.setdefault("name", "run")
-    record.setdefault("device", "unknown")
-    record.setdefault("failed_rung", None)
-    record.setdefault("rungs", [])
-    record.setdefault("findings", [])
-    series = record.setdefault("series", {})
-    for key in ("scale", "grad_norm_before_unscale", "grad_norm_after_unscale", "skipped"):
-        series.setdefault(key, [])
-    for rung in record["rungs"]:
-        rung.setdefault("summary", "")
-        rung.setdefault("seconds", 0.0)
-    for finding in record["findings"]:
-        finding.setdefault("evidence", {})
-        finding.setdefault("location", None)
-        finding.setdefault("fix", "")
-        finding.setdefault("title", finding.get("kind", ""))
-        finding.setdefault("message", "")
-    return record
-
-
-def exit_code(record: dict[str, Any]) -> int:
+def exit_code(record: RecordModel | Mapping[str, Any]) -> int:
     """The `diagnose` exit code a record stands for. A healthy record written under `--strict`
     (`"strict": true`) with a warning (a `warning` finding, or a `warn` rung) is 1."""
-    if record.get("verdict") == "healthy":
-        return 1 if record.get("strict") is True and _warned(record) else 0
-    if record.get("verdict") == "failed":
+    record = as_record(record)
+    if record.verdict == "healthy":
+        return 1 if record.strict is True and _warned(record) else 0
+    if record.verdict == "failed":
         return 1
-    if record.get("verdict") == "inconclusive":
+    if record.verdict == "inconclusive":
         return 2
-    err = record.get("error") or {}
     # only the codes an error can have: a record's own field never picks any other
-    return 2 if isinstance(err, dict) and err.get("exit_code") == 2 else 3
+    return 2 if record.error is not None and record.error.exit_code == 2 else 3
 
 
-def _warned(record: dict[str, Any]) -> bool:
-    findings = record.get("findings") or []
-    rungs = record.get("rungs") or []
-    return (any(isinstance(f, dict) and f.get("severity") == "warning" for f in findings)
-            or any(isinstance(r, dict) and r.get("status") == "warn" for r in rungs))
+def _warned(record: RecordModel) -> bool:
+    return (any(f.severity == "warning" for f in record.findings)
+            or any(r.status == "warn" for r in record.rungs))
 
 
 def atomic_write_text(path: Path, text: str) -> None:

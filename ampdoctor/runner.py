@@ -8,7 +8,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from .errors import (
@@ -21,6 +21,9 @@ from .errors import (
 from .findings import RungResult
 from .source import ScriptSource
 from .spec import Spec
+
+if TYPE_CHECKING:
+    from .record_model import RecordModel
 
 
 @contextlib.contextmanager
@@ -63,8 +66,8 @@ def _no_hard_exit():
 
 def run_diagnose(spec: Spec, on_start: Callable[[str], None] | None = None,
                  on_done: Callable[[RungResult], None] | None = None,
-                 on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """Run the ladder on a validated spec and return the run record (a dict).
+                 on_progress: Callable[[dict[str, Any]], None] | None = None) -> RecordModel:
+    """Run the ladder on a validated spec and return the run record.
 
     `on_progress` is called at each optimizer step of the loop's runs with
     {"rung", "precision", "step", "steps"}. The process is left as it was found
@@ -87,7 +90,7 @@ _ONE_AT_A_TIME = threading.Lock()
 
 def _run_diagnose(spec: Spec, on_start: Callable[[str], None] | None,
                   on_done: Callable[[RungResult], None] | None,
-                  on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+                  on_progress: Callable[[dict[str, Any]], None] | None) -> RecordModel:
     import torch
 
     from . import progress
@@ -96,6 +99,7 @@ def _run_diagnose(spec: Spec, on_start: Callable[[str], None] | None,
     from .probe import patches, recorder, wrappers
     from .probe.callsite import CallSiteFinder
     from .process_state import ProcessState
+    from .record_model import RunSeriesModel
     from .session import Session
 
     before = ProcessState.take()
@@ -119,8 +123,8 @@ def _run_diagnose(spec: Spec, on_start: Callable[[str], None] | None,
             check_finite(micro_batches)
             session = Session(spec, code, device, finder, micro_batches)
             results = run_ladder(session, started_rung, on_done)
-            record["notes"] = sorted(session.notes | _left_behind_notes(code))
-            record["runs"] = session.charts
+            record.notes = sorted(session.notes | _left_behind_notes(code))
+            record.runs = [RunSeriesModel.model_validate(run) for run in session.charts]
         finally:
             recorder.activate(None)
             if code is not None:
@@ -128,8 +132,8 @@ def _run_diagnose(spec: Spec, on_start: Callable[[str], None] | None,
             torch.set_rng_state(rng_state)
             before.restore()
     fill_record(record, results)
-    record["seconds"] = round(time.perf_counter() - started, 3)
-    record["reference_mode"] = "loss" if spec.loss else "loop"
+    record.seconds = round(time.perf_counter() - started, 3)
+    record.reference_mode = "loss" if spec.loss else "loop"
     return record
 
 
@@ -198,7 +202,7 @@ def _git_commit(root) -> str | None:
     return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
-def new_record(spec: Spec | ScriptSource, device: str) -> dict[str, Any]:
+def new_record(spec: Spec | ScriptSource, device: str) -> RecordModel:
     """The record before any rung ran, for a spec or a script (`source.ScriptSource`): a
     script's names the script, its args and the reference's args (and whether they were
     given or inferred) where a spec's names the spec file."""
@@ -221,71 +225,74 @@ def new_record(spec: Spec | ScriptSource, device: str) -> dict[str, Any]:
 
 def blank_record(*, spec: str | None, source: dict[str, Any], name: str, device: str,
                  accumulation_steps: int | None, optimizer_steps: int,
-                 micro_batch_size: int | None, environment: dict[str, Any]) -> dict[str, Any]:
+                 micro_batch_size: int | None, environment: dict[str, Any]) -> RecordModel:
     """The record before any rung ran (verdict "error" until it is filled), for a spec or,
     with `source` (script, args, reference_args) after `spec`, a script."""
-    return {
-        "record_version": 1,
-        "ampdoctor_version": __version__,
-        "spec": spec,
+    from .record_model import RecordModel, SeriesModel
+    return RecordModel(
+        record_version=1,
+        ampdoctor_version=__version__,
+        spec=spec,
         **source,
-        "name": name,
-        "device": device,
-        "cuda_available": device.startswith("cuda"),
-        "accumulation_steps": accumulation_steps,
-        "optimizer_steps": optimizer_steps,
-        "micro_batch_size": micro_batch_size,
-        "verdict": "error",
-        "failed_rung": None,
-        "rungs": [],
-        "findings": [],
-        "series": {"scale": [], "grad_norm_before_unscale": [], "grad_norm_after_unscale": [],
-                   "skipped": []},
-        "error": None,
-        "environment": environment,
-    }
+        name=name,
+        device=device,
+        cuda_available=device.startswith("cuda"),
+        accumulation_steps=accumulation_steps,
+        optimizer_steps=optimizer_steps,
+        micro_batch_size=micro_batch_size,
+        verdict="error",
+        failed_rung=None,
+        rungs=[],
+        findings=[],
+        series=SeriesModel(scale=[], grad_norm_before_unscale=[], grad_norm_after_unscale=[],
+                           skipped=[]),
+        error=None,
+        environment=environment,
+    )
 
 
-def fill_record(record: dict[str, Any], results: list[RungResult]) -> None:
+def fill_record(record: RecordModel, results: list[RungResult]) -> None:
     """The rungs and findings into the record, and the verdict. Under keep_going the rungs
     after the first failure are in it, each marked `after_failure` (and their findings too);
     the verdict, `failed_rung` and so the exit code are the first failure's alone."""
-    from .source_snippet import attach
-    record["rungs"] = []
-    record["findings"] = []
+    from .record_model import FindingModel, RungModel, attach_source
+    record.rungs = []
+    record.findings = []
+    series: list[dict[str, Any]] = []
     for r in results:
-        rung = r.to_dict()
-        later = bool(rung["details"].pop("after_failure", False))
+        # what the rung handed the record, not the rung's own details
+        later = bool(r.details.pop("after_failure", False))
+        part = r.details.pop("series", None)
+        if part:
+            series.append(part)
+        rung = RungModel.of(r)
         if later:
-            rung["after_failure"] = True
-        record["rungs"].append(rung)
+            rung.after_failure = True
+        record.rungs.append(rung)
         for f in r.findings:
-            finding = f.to_dict()
-            if later:
-                finding["after_failure"] = True
-            attach(finding)
-            record["findings"].append(finding)
+            finding = FindingModel.of(f, after_failure=later)
+            attach_source(finding)
+            record.findings.append(finding)
     failed = next((r for r in results if r.status == "fail"), None)
-    record["failed_rung"] = failed.id if failed else None
-    if any(r.get("after_failure") for r in record["rungs"]):
-        record["keep_going"] = True
+    record.failed_rung = failed.id.value if failed else None
+    if any(r.after_failure for r in record.rungs):
+        record.keep_going = True
     # the verdict is the first failure's: what ran after it does not change it
     decided = results[:results.index(failed) + 1] if failed else results
     loop_errors = [f for r in decided for f in r.findings if f.kind == "loop-error"]
     if loop_errors:
-        record["verdict"] = "error"
+        record.verdict = "error"
     elif failed:
-        record["verdict"] = "failed"
+        record.verdict = "failed"
     elif not any(compared(r) for r in results):
         # nothing wrong was seen, but nothing was compared either: not a clean bill
-        record["verdict"] = "inconclusive"
-        record["inconclusive"] = inconclusive_reason(results)
+        record.verdict = "inconclusive"
+        record.inconclusive = inconclusive_reason(results)
     else:
-        record["verdict"] = "healthy"
-    for r in results:
-        series = r.details.pop("series", None)
-        if series:
-            record["series"].update(series)
+        record.verdict = "healthy"
+    for part in series:
+        for key, values in part.items():
+            setattr(record.series, key, values)
 
 
 def compared(result: RungResult) -> bool:
@@ -309,20 +316,20 @@ COMPARING_RUNGS = ("fp32-accum", "bf16-no-scaler", "fp16-scaler", "clip-space", 
 
 
 def error_record(spec: Spec | ScriptSource | None, exc: AmpdoctorError,
-                 device: str = "unknown") -> dict[str, Any]:
+                 device: str = "unknown") -> RecordModel:
     """A record for a run that could not start (bad spec is not recorded; user code is)."""
+    from .record_model import ErrorModel, LocationModel, RecordModel, attach_source
     if device == "unknown" and spec is not None:
         device = spec.device
-    record: dict[str, Any] = new_record(spec, device) if spec is not None else {
-        "record_version": 1, "ampdoctor_version": __version__, "verdict": "error"}
-    record["verdict"] = "error"
-    record["error"] = {"type": type(exc).__name__, "message": exc.message,
-                       "exit_code": exc.exit_code}
+    record = new_record(spec, device) if spec is not None else RecordModel(
+        record_version=1, ampdoctor_version=__version__, verdict="error")
+    record.verdict = "error"
+    error = record.error = ErrorModel(type=type(exc).__name__, message=exc.message,
+                                      exit_code=exc.exit_code)
     location = getattr(exc, "location", None)
     if location:
-        from .source_snippet import attach
-        record["error"]["location"] = {"file": location[0], "line": location[1]}
-        attach(record["error"])
+        error.location = LocationModel(file=location[0], line=location[1])
+        attach_source(error)
     if isinstance(exc, (UserCodeError, InputError)) and exc.cause is not None:
-        record["error"]["traceback"] = format_traceback(exc.cause)
+        error.traceback = format_traceback(exc.cause)
     return record

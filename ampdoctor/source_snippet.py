@@ -57,15 +57,3 @@ def snippet(file: str, line: int, context: int = CONTEXT) -> dict[str, Any] | No
     lines = [t if len(t) <= MAX_LINE else t[:MAX_LINE - 1] + "…" for t in text[start - 1:end]]
     return {"file": file, "start": start, "line": line, "lines": lines}
 
-
-def attach(item: dict[str, Any]) -> None:
-    """Give a finding (or an error) with a location its `source` snippet."""
-    loc = item.get("location")
-    if not isinstance(loc, dict) or item.get("source"):
-        return
-    try:
-        found = snippet(str(loc["file"]), int(loc["line"]))
-    except (KeyError, TypeError, ValueError):
-        return
-    if found is not None:
-        item["source"] = found

@@ -43,6 +43,7 @@ from .errors import (
     UsageError,
     UserCodeError,
 )
+from .record_model import RecordModel, RungModel
 from .supervise_records import died_record, hung_record
 
 #: Extra seconds past `timeout_s` before a phase that did not end is killed: the child's own
@@ -86,11 +87,11 @@ def rebuild_error(fields: dict[str, Any]) -> AmpdoctorError:
 @dataclass
 class Outcome:
     """What the child gave: the record (or None), the error that stopped it, the rung results
-    seen so far (dicts, as in the record)."""
+    seen so far (as the record holds them)."""
 
-    record: dict[str, Any] | None = None
+    record: RecordModel | None = None
     error: AmpdoctorError | None = None
-    done: list[dict[str, Any]] = field(default_factory=list)
+    done: list[RungModel] = field(default_factory=list)
 
 
 def _child_command() -> list[str]:
@@ -239,11 +240,14 @@ class Watch:
                 # a run of a script starts: each run is bounded on its own (timeout_s)
                 self.phase_started = now
         elif kind == "done":
-            self.outcome.done.append(event.get("rung") or {})
+            if event.get("rung"):
+                self.outcome.done.append(RungModel.model_validate(event["rung"]))
             self.phase, self.phase_started = "finishing", now
         elif kind == "result":
             self.result_seen = True
-            self.outcome.record = event.get("record")
+            wired = event.get("record")
+            self.outcome.record = (RecordModel.model_validate(wired) if wired is not None
+                                   else None)
             if event.get("error"):
                 self.outcome.error = rebuild_error(event["error"])
         elif kind == "internal":

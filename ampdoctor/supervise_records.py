@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 if TYPE_CHECKING:
     from .evidence import Evidence
+    from .record_model import ErrorModel, FindingModel, RecordModel
 
 
 class Watch(Protocol):
@@ -86,46 +87,55 @@ def _roots(spec: Any) -> list[Path]:
     return roots
 
 
-def _base_record(watch: Watch) -> dict[str, Any]:
+def _base_record(watch: Watch) -> RecordModel:
+    """The record of the run so far: the rungs the child reported done."""
     from .runner import new_record
     record = new_record(watch.spec, str(getattr(watch.spec, "device", "unknown")))
-    record["rungs"] = list(watch.outcome.done)
-    record["findings"] = [f for r in watch.outcome.done for f in r.get("findings", [])
-                          if isinstance(f, dict)]
-    for rung in record["rungs"]:
-        rung.pop("findings", None)
+    record.rungs = list(watch.outcome.done)
     return record
 
 
-def _close_ladder(record: dict[str, Any], rung: str, summary: str,
-                  finding: dict[str, Any]) -> None:
+def _close_ladder(record: RecordModel, rung: str, summary: str,
+                  finding: FindingModel) -> None:
     """The stopped rung as a failure, the rungs after it not run."""
     from .findings import RUNG_IDS
-    record["rungs"].append({"id": rung, "status": "fail", "seconds": finding["evidence"].get(
-        "measured", 0.0), "summary": summary})
-    record["findings"].append(finding)
-    seen = {r.get("id") for r in record["rungs"]}
+    from .record_model import RungModel
+    record.rungs.append(RungModel(id=rung, status="fail",
+                                  seconds=finding.evidence.get("measured", 0.0),
+                                  summary=summary))
+    record.findings.append(finding)
+    seen = {r.id for r in record.rungs}
     for rung_id in RUNG_IDS:
         if rung_id not in seen and rung_id in RUNG_IDS[RUNG_IDS.index(rung) + 1:]:
-            record["rungs"].append({"id": rung_id, "status": "not-run", "seconds": 0.0,
-                                    "summary": "an earlier rung failed"})
-    record["failed_rung"] = rung
-    record["verdict"] = "error"
+            record.rungs.append(RungModel(id=rung_id.value, status="not-run", seconds=0.0,
+                                          summary="an earlier rung failed"))
+    record.failed_rung = rung
+    record.verdict = "error"
 
 
 def _loop_error(rung: str, message: str, evidence: Evidence,
-                location: dict[str, Any] | None, title: str, fix: str) -> dict[str, Any]:
+                location: tuple[str, int] | None, title: str, fix: str) -> FindingModel:
     """The `loop-error` finding of a child that hung or died, as its record holds it (the keys
     of a finding the child would have written itself)."""
     from .deciders import Observed, loop_error
     from .enums import Severity
     from .findings import Location
+    from .record_model import FindingModel
     seen = Observed(rung, Severity.ERROR, message, evidence=evidence,
-                    location=Location(**location) if location else None, title=title, fix=fix)
-    return loop_error(seen).to_dict()
+                    location=Location(*location) if location else None, title=title, fix=fix)
+    return FindingModel.of(loop_error(seen))
 
 
-def hung_record(watch: Watch, elapsed: float, stacks: str) -> dict[str, Any]:
+def _user_code_error(message: str, location: tuple[str, int] | None = None) -> ErrorModel:
+    """The record's `error` of a child that hung or died outside a rung (exit 3)."""
+    from .record_model import ErrorModel, LocationModel
+    error = ErrorModel(type="UserCodeError", message=message, exit_code=3)
+    if location:
+        error.location = LocationModel(file=location[0], line=location[1])
+    return error
+
+
+def hung_record(watch: Watch, elapsed: float, stacks: str) -> RecordModel:
     """The record of a run killed at its hard bound: the rungs that finished, the stopped one
     as a loop-error saying the loop did not stop, where it was, and the rest not run."""
     record = _base_record(watch)
@@ -144,7 +154,7 @@ def hung_record(watch: Watch, elapsed: float, stacks: str) -> dict[str, Any]:
     if progress:
         evidence.update({"last_precision": progress.get("precision"),
                          "last_step": progress.get("step")})
-    location = {"file": site[0], "line": site[1]} if site else None
+    location = (site[0], site[1]) if site else None
     if watch.phase in ("starting", "loading", "finishing"):
         what = {"starting": "ampdoctor's start (the interpreter, importing torch)",
                 "loading": "loading the spec's code (importing it, the data factory)",
@@ -152,10 +162,8 @@ def hung_record(watch: Watch, elapsed: float, stacks: str) -> dict[str, Any]:
         message = (f"{what[0].upper()}{what[1:]} did not finish within {key} = {timeout:g} s and "
                    f"did not stop when asked, so the process running it was killed after "
                    f"{elapsed:.0f} s.{where}")
-        record["error"] = {"type": "UserCodeError", "message": message, "exit_code": 3}
-        if location:
-            record["error"]["location"] = location
-        record["verdict"] = "error"
+        record.error = _user_code_error(message, location)
+        record.verdict = "error"
         return record
     message = (f"The {watch.phase} rung did not finish within {key} = {timeout:g} s, and the "
                f"loop did not stop when ampdoctor stopped it (a bare `except:` that swallows "
@@ -173,7 +181,7 @@ def hung_record(watch: Watch, elapsed: float, stacks: str) -> dict[str, Any]:
     return record
 
 
-def died_record(watch: Watch) -> dict[str, Any]:
+def died_record(watch: Watch) -> RecordModel:
     """The record of a child that ended without sending one (killed by a signal, a crash in
     native code, an exit the loop forced)."""
     record = _base_record(watch)
@@ -188,7 +196,7 @@ def died_record(watch: Watch) -> dict[str, Any]:
                "its record (a crash in native code, running out of memory, or the loop "
                "killing its own process); the record holds the rungs that finished.")
     if phase in ("starting", "loading", "finishing"):
-        record["error"] = {"type": "UserCodeError", "message": message, "exit_code": 3}
+        record.error = _user_code_error(message)
         return record
     finding = _loop_error(phase, message, {"measured": None, "expected": None,
                                             "exit_status": code}, None,

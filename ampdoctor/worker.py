@@ -42,8 +42,8 @@ class Channel:
         self.lock = threading.Lock()
 
     def send(self, event: str, **fields: Any) -> None:
-        from .record import _finite
-        line = json.dumps({"event": event, **_finite(fields)}, default=str, allow_nan=False,
+        from .record_model import finite
+        line = json.dumps({"event": event, **finite(fields)}, default=str, allow_nan=False,
                           separators=(",", ":"))
         with self.lock:
             self.stream.write(line + "\n")
@@ -157,8 +157,8 @@ def _run(job: dict[str, Any], channel: Channel) -> None:
         from .record import exit_code
         from .script.diagnose import run_script
         record, exception = run_script(source_from_wire(job["spec"]), started, done, progress)
-        record["exit_code"] = exit_code(record)
-        channel.send("result", record=record,
+        record.exit_code = exit_code(record)
+        channel.send("result", record=record.dump(),
                      error=_error_fields(exception) if exception is not None else None)
         return
     try:
@@ -168,7 +168,7 @@ def _run(job: dict[str, Any], channel: Channel) -> None:
         channel.send("result", record=None, error=_error_fields(exc))
         return
     error = _error_fields(result.exception) if result.exception is not None else None
-    channel.send("result", record=result.data, error=error)
+    channel.send("result", record=result.dump(), error=error)
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ def test_every_exit_path_leaves_torch_and_the_interpreter_as_they_were(tmp_path,
             run_diagnose(spec)
     else:
         record = run_diagnose(spec)
-        assert record["verdict"] == outcome
+        assert record.verdict == outcome
     assert _state() == before
     assert recorder.ACTIVE is None
     assert _user_modules(tmp_path) == set()

@@ -38,19 +38,20 @@ def test_a_later_loop_error_does_not_change_the_first_failures_verdict():
     from ampdoctor import record as records
     from ampdoctor.findings import Finding, RungResult
     from ampdoctor.ladder import after_failure
+    from ampdoctor.record_model import RecordModel
     from ampdoctor.runner import fill_record
 
     first = RungResult("fp32-accum", "fail", "missing-accumulation-average: ...", [
         Finding("fp32-accum", "missing-accumulation-average", "error", "4x")])
     later = after_failure(RungResult("bf16-no-scaler", "fail", "the bf16 loop raised", [
         Finding("bf16-no-scaler", "loop-error", "error", "raised")]))
-    record = {"series": {}}
+    record = RecordModel(verdict="error")
     fill_record(record, [first, later])
-    assert record["verdict"] == "failed" and record["failed_rung"] == "fp32-accum"
+    assert record.verdict == "failed" and record.failed_rung == "fp32-accum"
     assert records.exit_code(record) == 1          # not 3: the loop error came after
-    assert record["findings"][1]["after_failure"] is True
+    assert record.findings[1].after_failure is True
     # without the first failure, the loop error decides
-    alone = {"series": {}}
+    alone = RecordModel(verdict="error")
     fill_record(alone, [RungResult("bf16-no-scaler", "fail", "raised", [
         Finding("bf16-no-scaler", "loop-error", "error", "raised")])])
-    assert alone["verdict"] == "error" and records.exit_code(alone) == 3
+    assert alone.verdict == "error" and records.exit_code(alone) == 3

@@ -63,7 +63,7 @@ def test_torch_is_restored_after_diagnose(config, raises, verdict):
             run_diagnose(spec)
     else:
         record = run_diagnose(spec)
-        assert record["verdict"] == verdict
+        assert record.verdict == verdict
     assert _snapshot() == before
     assert _hooks() == hooks_before
     assert (torch.Tensor.backward, torch.nn.utils.clip_grad_norm_, torch.amp.GradScaler.step,

@@ -24,21 +24,25 @@ import json
 import math
 import os
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
+from ..record import as_record
 from ..safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
+
+if TYPE_CHECKING:
+    from ..record_model import FindingModel, RecordModel
 
 #: A rung status -> what it is in JUnit (`warn` is `failure` only under --strict).
 _SKIPPED = ("skip", "not-run")
 
 
-def warnings_of(record: dict[str, Any]) -> list[dict[str, Any]]:
+def warnings_of(record: RecordModel) -> list[FindingModel]:
     """The findings of severity `warning` (a `warn` rung's findings)."""
-    return [f for f in record.get("findings") or [] if isinstance(f, dict)
-            and f.get("severity") == "warning"]
+    return record.warnings
 
 
 @dataclass(frozen=True)
@@ -60,27 +64,30 @@ class CiOptions:
             if not os.access(folder, os.W_OK):
                 raise UsageError(f"{option} {path}: the folder {folder} cannot be written.")
 
-    def mark(self, record: dict[str, Any]) -> None:
+    def mark(self, record: RecordModel) -> None:
         """Under --strict: flag the record, and say when its warnings fail the run."""
         if not self.strict:
             return
-        record["strict"] = True
+        record.strict = True
         found = warnings_of(record)
-        warned = [r.get("id") for r in record.get("rungs") or [] if r.get("status") == "warn"]
-        if record.get("verdict") == "healthy" and (found or warned):
-            kinds = ", ".join(sorted({str(f.get("kind")) for f in found})) or "a warn rung"
+        warned = [r.id for r in record.rungs if r.status == "warn"]
+        if record.verdict == "healthy" and (found or warned):
+            kinds = ", ".join(sorted({f.kind for f in found})) or "a warn rung"
             note = (f"--strict: {len(found) or len(warned)} warning(s) ({kinds}) fail this run: "
                     "exit 1")
-            record["notes"] = [note] + list(record.get("notes") or [])
+            record.notes = [note, *record.notes]
 
-    def write(self, record: dict[str, Any], err: Any) -> bool:
-        """Write the asked-for files; False (and a clear line) when one could not be."""
+    def write(self, record: RecordModel, err: Any, exit_code: int) -> bool:
+        """Write the asked-for files (the process's `exit_code` in them); False (and a clear
+        line) when one could not be."""
+        shown = record.model_copy(deep=True)
+        shown.exit_code = exit_code
         for option, path, text in (("--junit", self.junit, junit_xml),
                                    ("--sarif", self.sarif, sarif_json)):
             if path is None:
                 continue
             try:
-                Path(path).write_text(text(record), encoding="utf-8")
+                Path(path).write_text(text(shown), encoding="utf-8")
             except OSError as exc:
                 err.print(inert(f"ampdoctor: usage error: {option} {path}: cannot be written "
                                 f"({exc.strerror or type(exc).__name__})"),
@@ -93,59 +100,59 @@ class CiOptions:
 
 # -- JUnit ---------------------------------------------------------------------------------------
 
-def _where(finding: dict[str, Any]) -> str:
-    loc = finding.get("location")
-    if isinstance(loc, dict) and loc.get("file"):
-        return f"{loc['file']}:{loc.get('line')}" if loc.get("line") is not None else loc["file"]
+def _where(finding: FindingModel) -> str:
+    loc = finding.location
+    if loc is not None and loc.file:
+        return f"{loc.file}:{loc.line}"
     return ""
 
 
-def _finding_text(finding: dict[str, Any]) -> str:
+def _finding_text(finding: FindingModel) -> str:
     where = _where(finding)
-    lines = [f"{finding.get('severity')}: {finding.get('kind')}: {finding.get('title', '')}",
-             str(finding.get("message", ""))]
+    lines = [f"{finding.severity}: {finding.kind}: {finding.title}", finding.message]
     if where:
         lines.append(f"at {where}")
-    if finding.get("fix"):
-        lines.append(f"fix: {finding['fix']}")
+    if finding.fix:
+        lines.append(f"fix: {finding.fix}")
     return inert("\n".join(lines), limit=4 * MESSAGE_LIMIT)
 
 
-def junit_xml(record: dict[str, Any]) -> str:
+def junit_xml(record: RecordModel | Mapping[str, Any]) -> str:
     """The record as JUnit XML (see the module docstring)."""
-    name = inert(record.get("name") or "run", limit=FIELD_LIMIT, multiline=False)
-    strict = bool(record.get("strict"))
-    rungs = [r for r in record.get("rungs") or [] if isinstance(r, dict)]
-    by_rung: dict[str, list[dict[str, Any]]] = {}
-    for finding in record.get("findings") or []:
-        if isinstance(finding, dict):
-            by_rung.setdefault(str(finding.get("rung")), []).append(finding)
+    record = as_record(record)
+    name = inert(record.name or "run", limit=FIELD_LIMIT, multiline=False)
+    strict = bool(record.strict)
+    rungs = record.rungs
+    by_rung: dict[str, list[FindingModel]] = {}
+    for finding in record.findings:
+        by_rung.setdefault(finding.rung, []).append(finding)
     suite = ET.Element("testsuite", name=f"ampdoctor.{name}")
     props = ET.SubElement(suite, "properties")
     for key in ("verdict", "exit_code", "failed_rung", "device", "spec", "script", "strict"):
-        if record.get(key) is not None:
-            value = record[key]
+        value = getattr(record, key)
+        if value is not None:
             text = json.dumps(value) if isinstance(value, bool) else value
             ET.SubElement(props, "property", name=key,
                           value=inert(text, limit=FIELD_LIMIT, multiline=False))
     counts = {"tests": 0, "failures": 0, "skipped": 0, "errors": 0}
     total = 0.0
     for rung in rungs:
-        rid = inert(rung.get("id", ""), limit=FIELD_LIMIT, multiline=False)
-        seconds = _seconds(rung.get("seconds"))
+        rid = inert(rung.id, limit=FIELD_LIMIT, multiline=False)
+        seconds = _seconds(rung.seconds)
         total += seconds
         case = ET.SubElement(suite, "testcase", classname=f"ampdoctor.{name}", name=rid,
                              time=f"{seconds:.3f}")
         counts["tests"] += 1
-        status = rung.get("status")
-        findings = by_rung.get(str(rung.get("id")), [])
-        summary = inert(rung.get("summary", ""), limit=MESSAGE_LIMIT)
+        status = rung.status
+        findings = by_rung.get(rung.id, [])
+        summary = inert(rung.summary, limit=MESSAGE_LIMIT)
         if status == "fail" or (status == "warn" and strict):
-            first = next((f for f in findings if f.get("severity") == "error"), None) or \
-                (findings[0] if findings else {})
-            failure = ET.SubElement(case, "failure", type=inert(first.get("kind", status),
-                                                                multiline=False),
-                                    message=inert(first.get("title") or summary,
+            first = next((f for f in findings if f.severity == "error"), None) or \
+                (findings[0] if findings else None)
+            failure = ET.SubElement(case, "failure",
+                                    type=inert(first.kind if first else status,
+                                               multiline=False),
+                                    message=inert((first.title if first else "") or summary,
                                                   limit=FIELD_LIMIT, multiline=False))
             failure.text = "\n\n".join(_finding_text(f) for f in findings) or summary
             counts["failures"] += 1
@@ -155,20 +162,20 @@ def junit_xml(record: dict[str, Any]) -> str:
         elif findings:
             ET.SubElement(case, "system-out").text = "\n\n".join(_finding_text(f)
                                                                    for f in findings)
-    error = record.get("error")
-    if not rungs and isinstance(error, dict):
+    error = record.error
+    if not rungs and error is not None:
         case = ET.SubElement(suite, "testcase", classname=f"ampdoctor.{name}", name="setup",
                              time="0.000")
-        element = ET.SubElement(case, "error", type=inert(error.get("type") or "error",
+        element = ET.SubElement(case, "error", type=inert(error.type or "error",
                                                           multiline=False),
-                                message=inert(error.get("message", ""), limit=FIELD_LIMIT,
+                                message=inert(error.message, limit=FIELD_LIMIT,
                                               multiline=False))
-        element.text = inert(error.get("message", ""), limit=4 * MESSAGE_LIMIT)
+        element.text = inert(error.message, limit=4 * MESSAGE_LIMIT)
         counts["tests"] += 1
         counts["errors"] += 1
     for key, value in counts.items():
         suite.set(key, str(value))
-    suite.set("time", f"{_seconds(record.get('seconds')) or total:.3f}")
+    suite.set("time", f"{_seconds(record.seconds) or total:.3f}")
     root = ET.Element("testsuites", {"name": "ampdoctor", "time": suite.get("time", "0"),
                                       **{k: str(v) for k, v in counts.items()}})
     root.append(suite)
@@ -185,26 +192,27 @@ def _seconds(value: Any) -> float:
 
 # -- SARIF ---------------------------------------------------------------------------------------
 
-def _location_file(finding: dict[str, Any], record: dict[str, Any]) -> str | None:
+def _location_file(finding: FindingModel, record: RecordModel) -> str | None:
     """The user's file as an absolute path (a relative one is relative to the spec)."""
-    loc = finding.get("location")
-    if not isinstance(loc, dict) or not isinstance(loc.get("file"), str) or not loc["file"]:
+    loc = finding.location
+    if loc is None or not loc.file:
         return None
-    file = loc["file"]
-    if not os.path.isabs(file) and isinstance(record.get("spec"), str):
-        file = os.path.join(os.path.dirname(record["spec"]), file)
+    file = loc.file
+    if not os.path.isabs(file) and record.spec is not None:
+        file = os.path.join(os.path.dirname(record.spec), file)
     return os.path.abspath(file)
 
 
-def sarif_json(record: dict[str, Any], base: str | None = None) -> str:
+def sarif_json(record: RecordModel | Mapping[str, Any], base: str | None = None) -> str:
     """The record's findings as SARIF 2.1.0 (see the module docstring)."""
     from .._version import __version__
     from ..kinds import CATALOGUE
     from ..scan.render import SARIF_SCHEMA, physical_location, sarif_text
 
+    record = as_record(record)
     base = base or os.getcwd()
-    findings = [f for f in record.get("findings") or [] if isinstance(f, dict)]
-    kinds = sorted({str(f.get("kind")) for f in findings})
+    findings = record.findings
+    kinds = sorted({f.kind for f in findings})
     rules = []
     for kind in kinds:
         entry = CATALOGUE.get(kind)
@@ -216,20 +224,20 @@ def sarif_json(record: dict[str, Any], base: str | None = None) -> str:
         rules.append(rule)
     results = []
     for finding in findings:
-        kind = str(finding.get("kind"))
+        kind = finding.kind
         result: dict[str, Any] = {
             "ruleId": kind,
             "ruleIndex": kinds.index(kind),
-            "level": "error" if finding.get("severity") == "error" else "warning",
-            "message": sarif_text(f"{finding.get('title', '')}: {finding.get('message', '')}"),
-            "properties": {"rung": inert(finding.get("rung"), limit=FIELD_LIMIT),
-                           "evidence": _inert_tree(finding.get("evidence") or {})},
+            "level": "error" if finding.severity == "error" else "warning",
+            "message": sarif_text(f"{finding.title}: {finding.message}"),
+            "properties": {"rung": inert(finding.rung, limit=FIELD_LIMIT),
+                           "evidence": _inert_tree(finding.evidence)},
         }
         file = _location_file(finding, record)
-        if file is not None:
-            line = (finding.get("location") or {}).get("line")
+        if file is not None and finding.location is not None:
+            line = finding.location.line
             result["locations"] = [{"physicalLocation": physical_location(
-                file, line if isinstance(line, int) and line > 0 else None, base)}]
+                file, line if line > 0 else None, base)}]
         results.append(result)
     sarif = {
         "$schema": SARIF_SCHEMA,
@@ -239,13 +247,13 @@ def sarif_json(record: dict[str, Any], base: str | None = None) -> str:
                                 "informationUri": "https://github.com/ampdoctor/ampdoctor",
                                 "rules": rules}},
             "originalUriBaseIds": {"%SRCROOT%": {"uri": Path(base).as_uri().rstrip("/") + "/"}},
-            "invocations": [{"executionSuccessful": record.get("verdict") != "error",
-                             "exitCode": record.get("exit_code")}],
-            "properties": {"verdict": record.get("verdict"),
-                           "failed_rung": record.get("failed_rung"),
-                           "spec": inert(record.get("spec"), limit=FIELD_LIMIT),
-                           "script": (inert(record["script"], limit=FIELD_LIMIT)
-                                      if record.get("script") is not None else None)},
+            "invocations": [{"executionSuccessful": record.verdict != "error",
+                             "exitCode": record.exit_code}],
+            "properties": {"verdict": record.verdict,
+                           "failed_rung": record.failed_rung,
+                           "spec": inert(record.spec, limit=FIELD_LIMIT),
+                           "script": (inert(record.script, limit=FIELD_LIMIT)
+                                      if record.script is not None else None)},
             "results": results,
         }],
     }

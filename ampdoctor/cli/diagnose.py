@@ -14,7 +14,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -26,6 +26,9 @@ from .ci_reports import CiOptions
 from .common import INTERNAL_ERROR, fail, internal, stderr_console, stdout_console
 from .completion import complete_rungs
 from .progress_line import ProgressLine
+
+if TYPE_CHECKING:
+    from ..record_model import RecordModel, RungModel
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -188,7 +191,7 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         ci.check()
     except UsageError as exc:
         return fail(exc, debug)
-    done: list[dict[str, Any]] = []
+    done: list[RungModel] = []      # the rungs that finished
     started: list[str] = []      # the rungs begun: the last one is where a signal stops it
     captured = None if verbose else Captured()
     try:
@@ -210,9 +213,9 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         error = UserCodeError(f"interrupted by {name}{where} after {len(done)} rung(s); the "
                               "record holds the rungs that finished", cause=exc)
         interrupted = error_record(spec, error)
-        interrupted["rungs"] = done
+        interrupted.rungs = done
         err.print(f"ampdoctor: interrupted by {name}; the run was stopped.", markup=False)
-        ci.write(dict(interrupted, exit_code=128 + int(signum)), err)
+        ci.write(interrupted, err, 128 + int(signum))
         save_and_show(interrupted, folder, json_out, render, err, 128 + int(signum))
         return 128 + int(signum)
     except (SpecError, LaunchError) as exc:
@@ -227,8 +230,8 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         assert exception is not None
         return fail(exception, debug)
     from .. import record as records
-    if captured is not None and captured.text and "output" not in record:
-        record["output"] = [{"run": "the loop's runs", "text": captured.text}]
+    if captured is not None and captured.text and not record.given("output"):
+        record.output = [{"run": "the loop's runs", "text": captured.text}]
     show_output(record, err, every=debug)
     ci.mark(record)
     code = records.exit_code(record)
@@ -236,29 +239,30 @@ def diagnose_here(spec: Any, json_out: bool, debug: bool, out: Path | None,
         code = fail(exception, debug)
     elif debug:
         _show_tracebacks(record, err)
-    if not ci.write(dict(record, exit_code=code), err):
+    if not ci.write(record, err, code):
         code = UsageError.exit_code
     if not save_and_show(record, folder, json_out, render, err, code):
         return UsageError.exit_code
     return code
 
 
-def _show_tracebacks(record: dict[str, Any], err: Console) -> None:
+def _show_tracebacks(record: RecordModel, err: Console) -> None:
     """--debug: the traceback each finding kept (the user's code raising in a rung)."""
-    for finding in record.get("findings", []):
-        if finding.get("traceback"):
-            err.print(inert(f"traceback of the {finding.get('kind')} in rung "
-                            f"{finding.get('rung')}:"), markup=False, highlight=False)
-            sys.stderr.write(inert(finding["traceback"]))
+    for finding in record.findings:
+        if finding.traceback:
+            err.print(inert(f"traceback of the {finding.kind} in rung {finding.rung}:"),
+                      markup=False, highlight=False)
+            sys.stderr.write(inert(finding.traceback))
 
 
-def _run_in_process(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
-                    started: list[str]) -> tuple[dict[str, Any] | None, Any]:
+def _run_in_process(spec: Any, progress: ProgressLine, done: list[RungModel],
+                    started: list[str]) -> tuple[RecordModel | None, Any]:
     """The diagnose in this process (AMPDOCTOR_IN_PROCESS, or a torchrun rank 0)."""
+    from ..record_model import RungModel
     from ..source import ScriptSource
 
     def on_done(result: Any) -> None:
-        done.append(result.to_dict())
+        done.append(RungModel.of(result))
 
     if isinstance(spec, ScriptSource):
         from ..script.diagnose import run_script
@@ -267,7 +271,7 @@ def _run_in_process(spec: Any, progress: ProgressLine, done: list[dict[str, Any]
     from ..api import diagnose as run
     result = run(spec, save=False, on_start=started.append, on_done=on_done,
                  on_progress=progress)
-    return result.data, result.exception
+    return result, result.exception
 
 
 class Captured:
@@ -299,11 +303,11 @@ class Captured:
 OUTPUT_KEPT = 16 * 1024
 
 
-def show_output(record: dict[str, Any], err: Console, every: bool) -> None:
+def show_output(record: RecordModel, err: Console, every: bool) -> None:
     """The captured output of the training code on stderr: every run's with `every` (--debug),
     else the first run's once when the run ended in an error (what a crash printed)."""
-    outputs = [o for o in record.get("output") or [] if isinstance(o, dict) and o.get("text")]
-    if not outputs or not (every or record.get("verdict") == "error"):
+    outputs = [o for o in record.output or [] if o.get("text")]
+    if not outputs or not (every or record.verdict == "error"):
         return
     for entry in outputs if every else outputs[:1]:
         err.print(inert(f"--- output of the {entry.get('run')} (captured; --verbose shows it "
@@ -314,19 +318,20 @@ def show_output(record: dict[str, Any], err: Console, every: bool) -> None:
         sys.stderr.flush()
 
 
-def _run_isolated(spec: Any, progress: ProgressLine, done: list[dict[str, Any]],
+def _run_isolated(spec: Any, progress: ProgressLine, done: list[RungModel],
                   err: Console, started: list[str], captured: Captured | None = None,
-                  ) -> tuple[dict[str, Any] | None, Any]:
+                  ) -> tuple[RecordModel | None, Any]:
     """The diagnose in a child process (`supervise.run`): its events drive the progress line,
     its output goes to stderr (or to `captured`)."""
     from .. import supervise
+    from ..record_model import RungModel
 
     def on_event(event: dict[str, Any]) -> None:
         kind = event.pop("event", None)
         if kind == "progress":
             progress(event)
-        elif kind == "done":
-            done.append(event.get("rung") or {})
+        elif kind == "done" and event.get("rung"):
+            done.append(RungModel.model_validate(event["rung"]))
         elif kind == "rung":
             started.append(str(event.get("id")))
 
@@ -380,18 +385,18 @@ def _signals_interrupt() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def save_and_show(record: dict[str, Any], out: Path, json_out: bool,
-                  render: Callable[[dict[str, Any], Console], None], err: Console,
+def save_and_show(record: RecordModel, out: Path, json_out: bool,
+                  render: Callable[[RecordModel, Console], None], err: Console,
                   code: int) -> bool:
     """Save the record (its `exit_code` the process's), then show it; False (and a clear
     line) when it could not be saved (exit 2, which the record shown says)."""
     from .. import record as records
-    record["exit_code"] = code
+    record.exit_code = code
     try:
         path = records.save(record, out)
         saved = True
     except OSError as exc:
-        record["exit_code"] = UsageError.exit_code
+        record.exit_code = UsageError.exit_code
         saved = False
         problem = (f"ampdoctor: usage error: could not save the record under "
                    f"{out or records.DEFAULT_DIR}: {exc}")

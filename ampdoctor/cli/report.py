@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -12,6 +12,9 @@ from .._version import __version__
 from ..errors import AmpdoctorError, UsageError
 from ..safetext import FIELD_LIMIT, inert
 from .common import fail, stderr_console, stdout_console
+
+if TYPE_CHECKING:
+    from ..record_model import RecordModel
 
 
 def report(
@@ -47,7 +50,7 @@ def report(
 
 
 def show_record(record: Path | None, html: bool, output: Path | None, json_out: bool,
-                out: Path | None) -> dict[str, Any]:
+                out: Path | None) -> RecordModel:
     """Load the record (the latest under `out` when none is named) and show it: an HTML page,
     JSON on stdout, or the terminal view. The record, for its exit code."""
     from .. import record as records
@@ -61,10 +64,10 @@ def show_record(record: Path | None, html: bool, output: Path | None, json_out: 
                                          f"interrupted run; {shown}.", limit=FIELD_LIMIT),
                                    highlight=False, markup=False)
     data = records.load(path)
-    if int(data.get("record_version") or 1) > records.RECORD_VERSION:
+    if (data.record_version or 1) > records.RECORD_VERSION:
         stderr_console().print(inert(f"note: {path} was written by a newer ampdoctor (record "
-                                     f"version {data['record_version']}, ampdoctor "
-                                     f"{data.get('ampdoctor_version') or '?'}); shown with "
+                                     f"version {data.record_version}, ampdoctor "
+                                     f"{data.ampdoctor_version or '?'}); shown with "
                                      f"what ampdoctor {__version__} knows of it.",
                                      limit=FIELD_LIMIT),
                                highlight=False, markup=False)
@@ -76,7 +79,7 @@ def show_record(record: Path | None, html: bool, output: Path | None, json_out: 
                                highlight=False,
                                markup=False)
     elif json_out:
-        sys.stdout.write(records.dumps(data))
+        sys.stdout.write(records.dumps(data, filled=True))
     else:
         render(data, stdout_console())
     return data

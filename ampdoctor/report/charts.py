@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,8 @@ from .. import thresholds
 
 if TYPE_CHECKING:
     from matplotlib.typing import RcKeyType
+
+    from ..record_model import RunSeriesModel
 
 #: one style for every chart
 BLUE, RED, GREY, GREEN = "#2563eb", "#b91c1c", "#6b7280", "#15803d"
@@ -100,17 +103,18 @@ class Chart:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-def ratio_data(run: dict[str, Any]) -> Chart | None:
+def ratio_data(run: RunSeriesModel | Mapping[str, Any]) -> Chart | None:
     """The update each step applied over the reference's; a clip that bit adds the norm it
     saw over the reference's unclipped norm (where the factor of the bug shows). A record from
     before `update_ratio` has only `ratio`: the pre-clip ratio where a clip bit."""
-    ratios = run.get("ratio") or []
-    preclip = run.get("preclip") or []
-    update = run.get("update_ratio")
-    steps = run.get("step") or []
-    bad = run.get("bad") or []
+    run = as_run(run)
+    ratios = run.ratio
+    preclip = run.preclip
+    update = run.update_ratio
+    steps = run.step
+    bad = run.bad
     applied, seen, flagged = [], [], []
-    for i in range(max(len(ratios), len(update or []))):
+    for i in range(max(len(ratios), len(update))):
         x = steps[i] if i < len(steps) and isinstance(steps[i], int) else i
         clipped = i < len(preclip) and preclip[i] is True
         ratio = ratios[i] if i < len(ratios) and _finite([ratios[i]]) else None
@@ -142,10 +146,10 @@ def ratio_data(run: dict[str, Any]) -> Chart | None:
     if flagged:
         series.append(Series("judged bad", tuple(flagged), style="cross", color=RED, marker="x"))
     bands = []
-    band = run.get("band") or []
+    band = run.band
     if len(band) == 2 and all(_number(b) for b in band):
         bands.append((f"tolerance band {band[0]:g} to {band[1]:g}", band[0], band[1], GREEN, 0.15))
-    noise = run.get("noise_band") or []
+    noise = run.noise_band
     if len(noise) == 2 and all(_number(b) for b in noise):
         bands.append((f"precision noise if cosine >= {thresholds.NOISE_MIN_COSINE:g}:\n"
                       f"{noise[0]:g} to {noise[1]:g}", noise[0], noise[1], GREY, 0.08))
@@ -156,8 +160,8 @@ def ratio_data(run: dict[str, Any]) -> Chart | None:
                  reference_line=1.0, yscale="log" if log else "linear")
 
 
-def _in_band(run: dict[str, Any], value: float) -> bool:
-    band = run.get("band") or []
+def _in_band(run: RunSeriesModel, value: float) -> bool:
+    band = run.band
     return len(band) == 2 and all(_number(b) for b in band) and band[0] <= value <= band[1]
 
 
@@ -165,19 +169,20 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _at_steps(run: dict[str, Any], values: list[Any]) -> list[tuple[int, float]]:
+def _at_steps(run: RunSeriesModel, values: list[Any]) -> list[tuple[int, float]]:
     """(the step's ordinal, value) for every finite value of a per-step series."""
-    steps = run.get("step") or []
+    steps = run.step
     return [(steps[i] if i < len(steps) and isinstance(steps[i], int) else i, v)
             for i, v in _finite(values)]
 
 
-def scale_data(run: dict[str, Any]) -> Chart | None:
-    scale = [(i, v) for i, v in _finite(run.get("scale") or []) if v > 0]
+def scale_data(run: RunSeriesModel | Mapping[str, Any]) -> Chart | None:
+    run = as_run(run)
+    scale = [(i, v) for i, v in _finite(run.scale) if v > 0]
     if not scale:
         return None
     series = [Series("loss scale after update()", tuple(scale), style="steps")]
-    skipped = run.get("skipped") or []
+    skipped = run.skipped
     values = dict(scale)
     marks = [(i, values.get(i, scale[0][1])) for i, s in enumerate(skipped) if s]
     if marks:
@@ -187,21 +192,22 @@ def scale_data(run: dict[str, Any]) -> Chart | None:
                  tuple(series), yscale="log2")
 
 
-def norm_data(run: dict[str, Any]) -> Chart | None:
+def norm_data(run: RunSeriesModel | Mapping[str, Any]) -> Chart | None:
     """Gradient L2 norms: the one a clip that bit saw (in true space when it knew the scale,
     else in the space it clipped in) and the reference's unclipped one, per step; and the norm
     at each unscale_, before it (still x S) and after it."""
+    run = as_run(run)
     series = []
     for key, label, color, marker in (
             ("clip_norm", "norm a clip saw", GREY, "D"),
             ("reference_norm", "reference's norm (unclipped)", GREEN, "^")):
-        points = [(x, v) for x, v in _at_steps(run, run.get(key) or []) if v > 0]
+        points = [(x, v) for x, v in _at_steps(run, getattr(run, key)) if v > 0]
         if points:
             series.append(Series(label, tuple(points), color=color, marker=marker))
     for key, label, color, marker in (
             ("grad_norm_before_unscale", "at unscale_, before it (x S)", RED, "o"),
             ("grad_norm_after_unscale", "at unscale_, after it (true)", BLUE, "s")):
-        points = [(i, v) for i, v in _finite(run.get(key) or []) if v > 0]
+        points = [(i, v) for i, v in _finite(getattr(run, key)) if v > 0]
         if points:
             series.append(Series(label, tuple(points), color=color, marker=marker))
     if not series:
@@ -251,7 +257,13 @@ def values_table(chart: Chart) -> tuple[list[int], list[tuple[str, list[str]]]]:
     return steps, rows
 
 
-def run_charts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def as_run(run: RunSeriesModel | Mapping[str, Any]) -> RunSeriesModel:
+    """A run's series as the model (a record's JSON data for one is validated)."""
+    from ..record_model import RunSeriesModel
+    return run if isinstance(run, RunSeriesModel) else RunSeriesModel.model_validate(run)
+
+
+def run_charts(runs: list[RunSeriesModel]) -> list[dict[str, Any]]:
     """For each run: its rung, label and the charts it has ([(Chart, svg)])."""
     _agg()
     import matplotlib
@@ -259,7 +271,7 @@ def run_charts(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [chart for run in runs if (chart := _run_charts(run))]
 
 
-def _run_charts(run: dict[str, Any]) -> dict[str, Any] | None:
+def _run_charts(run: RunSeriesModel) -> dict[str, Any] | None:
     charts = []
     for make in (ratio_data, scale_data, norm_data):
         try:
@@ -271,4 +283,4 @@ def _run_charts(run: dict[str, Any]) -> dict[str, Any] | None:
             charts.append((chart, svg))
     if not charts:
         return None
-    return {"rung": run.get("rung", ""), "label": run.get("label", ""), "charts": charts}
+    return {"rung": run.rung, "label": run.label, "charts": charts}

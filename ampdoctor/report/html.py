@@ -5,13 +5,15 @@ external load). matplotlib is imported only when a page is rendered.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from jinja2 import Environment, PackageLoader
 from markupsafe import Markup
 
-from ..record import atomic_write_text
+from ..record import as_record, atomic_write_text
+from ..record_model import RecordModel, RunSeriesModel
 from ..safetext import FIELD_LIMIT, TRACEBACK_LIMIT, inert
 
 #: The statuses, severities and verdicts the stylesheet knows.
@@ -40,7 +42,9 @@ def _css(value: Any) -> str:
     return value if isinstance(value, str) and value in CSS_CLASSES else "unknown"
 
 
-def render_html(record: dict[str, Any]) -> str:
+def render_html(record: RecordModel | Mapping[str, Any]) -> str:
+    """The page of a record (its JSON data is read as one: `record.as_record`)."""
+    record = as_record(record)
     # Every value from the record is escaped, whatever the template's name: a spec name, a
     # path or an exception message is text, never markup (select_autoescape(["html"]) would
     # not match `report.html.j2`); and `finalize` makes every value's control characters
@@ -50,14 +54,15 @@ def render_html(record: dict[str, Any]) -> str:
     env.filters["css"] = _css
     env.filters["oneline"] = _oneline
     from .charts import run_charts, values_table
-    runs = record.get("runs") or []
-    series = record.get("series") or {}
-    if not runs and any(series.get(k) for k in ("scale", "grad_norm_after_unscale")):
+    runs = record.runs
+    series = record.series
+    if not runs and (series.scale or series.grad_norm_after_unscale):
         # a record from before per-run series: its fp16 series alone
-        runs = [{"rung": "fp16-scaler", "precision": "fp16", "label": "fp16 run", **series}]
+        runs = [RunSeriesModel.model_validate({"rung": "fp16-scaler", "precision": "fp16",
+                                               "label": "fp16 run", **series.dump(filled=True)})]
     charted = run_charts(runs)
     # the run the failed rung judged comes first: what a postmortem reader looks for
-    charted.sort(key=lambda run: run["rung"] != record.get("failed_rung"))
+    charted.sort(key=lambda run: run["rung"] != record.failed_rung)
     for run in charted:
         # matplotlib's SVG: numbers and fixed labels only (charts.py), so it is markup
         run["charts"] = [{"title": chart.title, "xlabel": chart.xlabel.replace("\n", " "),
@@ -67,7 +72,7 @@ def render_html(record: dict[str, Any]) -> str:
     return template.render(record=record, runs=charted)
 
 
-def write_html(record: dict[str, Any], target: Path) -> Path:
+def write_html(record: RecordModel | Mapping[str, Any], target: Path) -> Path:
     """Write atomically: a reader never sees half a report."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,8 @@ bound with a note (`FIELD_LIMIT` for one-line fields, `MESSAGE_LIMIT` for messag
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.panel import Panel
@@ -18,6 +19,9 @@ from rich.table import Table
 from rich.text import Text
 
 from ..safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
+
+if TYPE_CHECKING:
+    from ..record_model import FindingModel, LocationModel, RecordModel, SourceModel
 
 
 def _one(value: Any, limit: int = FIELD_LIMIT) -> str:
@@ -46,11 +50,9 @@ def display_path(path: Any) -> str:
     return rel if not rel.startswith(".." + os.sep + "..") else path
 
 
-def _where(loc: Any) -> str:
+def _where(loc: LocationModel) -> str:
     """`file:line` of a record's location, safe to print."""
-    if not isinstance(loc, dict):
-        return _one(loc)
-    return f"{_one(display_path(loc.get('file')))}:{_one(loc.get('line'))}"
+    return f"{_one(display_path(loc.file))}:{_one(loc.line)}"
 
 
 def _fmt(value: Any) -> str:
@@ -69,14 +71,16 @@ def _seconds(value: Any) -> str:
         return _one(value)
 
 
-def render(record: dict[str, Any], console: Console) -> None:
-    verdict = record.get("verdict", "error")
+def render(record: RecordModel | Mapping[str, Any], console: Console) -> None:
+    """The record on `console` (a record's JSON data is read as one: `record.as_record`)."""
+    from ..record import as_record
+    record = as_record(record)
+    verdict = record.verdict
     head = Text()
     head.append("ampdoctor ", style="bold")
-    head.append(f"{_one(record.get('name', ''))}  ")
-    head.append(_one(verdict).upper(),
-                style=VERDICT_STYLE.get(verdict, "bold") if isinstance(verdict, str) else "bold")
-    device = record.get("device", "unknown")
+    head.append(f"{_one(record.name)}  ")
+    head.append(_one(verdict).upper(), style=VERDICT_STYLE.get(verdict, "bold"))
+    device = record.device
     head.append(f"   device: {_one(device)}")
     if device == "cpu":
         head.append(" (no CUDA: every rung ran on the CPU)", style="dim")
@@ -84,18 +88,17 @@ def render(record: dict[str, Any], console: Console) -> None:
     ran = what_ran(record)
     if ran:
         console.print(Text(ran, style="dim"))
-    found = record.get("found")
-    if isinstance(found, dict) and isinstance(found.get("text"), str):
+    found = record.found
+    if found is not None and isinstance(found.get("text"), str):
         console.print(Text(_many(found["text"]), style="dim"))
 
-    if record.get("error") and not record.get("rungs"):
-        err = record["error"]
-        loc = err.get("location")
-        where = f"\n  at {_where(loc)}" if loc else ""
-        text = Text.assemble(("error: ", "bold magenta"), f"{_many(err.get('message'))}{where}")
-        if (err.get("source") or {}).get("lines"):
+    err = record.error
+    if err is not None and not record.rungs:
+        where = f"\n  at {_where(err.location)}" if err.location else ""
+        text = Text.assemble(("error: ", "bold magenta"), f"{_many(err.message)}{where}")
+        if err.source is not None and err.source.lines:
             text.append("\n")
-            _source_lines(text, err["source"])
+            _source_lines(text, err.source)
         console.print(text)
         return
 
@@ -106,40 +109,37 @@ def render(record: dict[str, Any], console: Console) -> None:
     # the summary wraps between words, never inside one: its column is at least as wide as
     # its longest word (a path, a number), so rich never has to fold one
     table.add_column("summary", overflow="fold", min_width=_longest_word(
-        _many(rung.get("summary", "")) for rung in record.get("rungs", [])))
-    for rung in record.get("rungs", []):
-        status = rung.get("status", "")
+        _many(rung.summary) for rung in record.rungs))
+    for rung in record.rungs:
         # every value from the record is text, never rich markup ("[/]" in a message)
-        table.add_row(Text(_one(rung.get("id", ""))),
-                      Text(_one(status), style=STATUS_STYLE.get(status, "")
-                           if isinstance(status, str) else ""),
-                      _seconds(rung.get("seconds", 0)),
-                      Text(_many(rung.get("summary", ""))))
+        table.add_row(Text(_one(rung.id)),
+                      Text(_one(rung.status), style=STATUS_STYLE.get(rung.status, "")),
+                      _seconds(rung.seconds),
+                      Text(_many(rung.summary)))
     console.print(table)
 
-    for finding in record.get("findings", []):
+    for finding in record.findings:
         console.print(_finding_panel(finding))
-    for note in record.get("notes", []):
+    for note in record.notes:
         console.print(Text(f"note: {_many(note)}", style="dim"))
-    if verdict == "healthy" and not record.get("findings"):
+    if verdict == "healthy" and not record.findings:
         console.print("[green]No finding: accumulation and mixed precision match the fp32 "
                       "reference on every rung that ran.[/]")
     elif verdict == "inconclusive":
-        console.print(Text(f"Inconclusive: {_many(record.get('inconclusive') or '')}",
+        console.print(Text(f"Inconclusive: {_many(record.inconclusive or '')}",
                            style="yellow"))
 
 
-def what_ran(record: dict[str, Any]) -> str:
+def what_ran(record: RecordModel) -> str:
     """A script's record: the command line that ran and the reference's (given or inferred);
     '' for a spec's (its name is the spec's)."""
-    script = record.get("script")
-    if not isinstance(script, str):
+    script = record.script
+    if script is None:
         return ""
-    args = record.get("args")
-    line = f"script: {_one(' '.join([script, *map(str, args if isinstance(args, list) else [])]))}"
-    reference = record.get("reference_args")
-    if isinstance(reference, list):
-        origin = record.get("reference_args_origin") or "given"
+    line = f"script: {_one(' '.join([script, *(record.args or [])]))}"
+    reference = record.reference_args
+    if reference is not None:
+        origin = record.reference_args_origin or "given"
         line += f" · reference: {_one(' '.join(map(str, reference)))} ({_one(origin)})"
     else:
         line += " · no reference"
@@ -157,34 +157,34 @@ def _longest_word(texts: Any) -> int:
 LONGEST_WORD = 60
 
 
-def _finding_panel(finding: dict[str, Any]) -> Panel:
-    severity = finding.get("severity", "error")
+def _finding_panel(finding: FindingModel) -> Panel:
+    severity = finding.severity
     style = "red" if severity == "error" else "yellow"
     body = Text()
-    body.append(_many(finding.get("message", "")) + "\n")
-    loc = finding.get("location")
+    body.append(_many(finding.message) + "\n")
+    loc = finding.location
     if loc:
         body.append("\n  at ", style="dim")
         body.append(_where(loc), style="bold")
-        source = finding.get("source") or {}
-        if isinstance(source, dict) and source.get("lines"):
+        source = finding.source
+        if source is not None and source.lines:
             body.append("\n")
             _source_lines(body, source)
-        elif isinstance(loc, dict) and loc.get("code"):
-            body.append(f"    {_one(loc['code'])}", style="cyan")
+        elif loc.code:
+            body.append(f"    {_one(loc.code)}", style="cyan")
         body.append("\n")
-    evidence = finding.get("evidence") or {}
-    if isinstance(evidence, dict) and evidence:
+    evidence = finding.evidence
+    if evidence:
         body.append("\n  evidence: ", style="dim")
         keys = ["measured", "expected", "tolerance"] + [k for k in evidence if k not in
                                                         ("measured", "expected", "tolerance")]
         body.append(", ".join(f"{_one(k)}={_fmt(evidence[k])}" for k in keys if k in evidence))
         body.append("\n")
-    if finding.get("fix"):
+    if finding.fix:
         body.append("\n  fix: ", style="bold green")
-        body.append(_many(finding["fix"]))
-    title = Text(f"{_one(severity)}: {_one(finding.get('kind'))} [{_one(finding.get('rung'))}] "
-                 f"{_one(finding.get('title', ''))}")
+        body.append(_many(finding.fix))
+    title = Text(f"{_one(severity)}: {_one(finding.kind)} [{_one(finding.rung)}] "
+                 f"{_one(finding.title)}")
     return Panel(body, title=title, title_align="left", border_style=style, expand=False)
 
 
@@ -195,15 +195,10 @@ def error_text(message: str, location: tuple[str, int] | None = None) -> str:
     return f"{_many(message)}{where}"
 
 
-def _source_lines(body: Text, source: dict[str, Any]) -> None:
+def _source_lines(body: Text, source: SourceModel) -> None:
     """The user's lines around the finding, the offending one marked (text, never markup)."""
-    try:
-        start, hit = int(source.get("start") or 1), int(source.get("line") or 0)
-    except (TypeError, ValueError):     # a hand-edited record
-        start, hit = 1, 0
-    lines = source.get("lines") or []
-    if not isinstance(lines, list):
-        lines = [lines]
+    start, hit = source.start or 1, source.line or 0
+    lines = source.lines
     for offset, line in enumerate(lines):
         number = start + offset
         mark = ">" if number == hit else " "

@@ -12,7 +12,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import processes
 from ..errors import AmpdoctorError, UsageError, UserCodeError
@@ -20,6 +20,9 @@ from ..findings import RungResult
 from ..source import ScriptSource
 from .command import Command
 from .session import ScriptSession
+
+if TYPE_CHECKING:
+    from ..record_model import RecordModel
 
 
 def _count(n: int) -> str:
@@ -74,7 +77,7 @@ def _short(dtype: str) -> str:
 def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = None,
                on_done: Callable[[RungResult], None] | None = None,
                on_progress: Callable[[dict[str, Any]], None] | None = None,
-               ) -> tuple[dict[str, Any], AmpdoctorError | None]:
+               ) -> tuple[RecordModel, AmpdoctorError | None]:
     """Diagnose the script of `source` on the one ladder (`ladder.run_ladder`, with script
     mode's rungs); the run record, and the AmpdoctorError that stopped it before the ladder
     (the script could not run at all, a bad reference, a run past its time bound), which the
@@ -95,9 +98,10 @@ def _diagnose(source: ScriptSource, command: Command, started: float,
               on_start: Callable[[str], None] | None,
               on_done: Callable[[RungResult], None] | None,
               on_progress: Callable[[dict[str, Any]], None] | None,
-              ) -> tuple[dict[str, Any], AmpdoctorError | None]:
+              ) -> tuple[RecordModel, AmpdoctorError | None]:
     from .. import progress
     from ..ladder import run_ladder
+    from ..record_model import RunSeriesModel
     from ..runner import error_record, fill_record, new_record
     from .rungs import RUNGS, weights
 
@@ -117,28 +121,31 @@ def _diagnose(source: ScriptSource, command: Command, started: float,
             fp32 = ss.start()
             _check_started(ss, fp32)
             _check_device(source, ss)
-            record.update(device=str(ss.device), cuda_available=ss.device.type == "cuda",
-                          accumulation_steps=ss.K, micro_batch_size=ss.spec.micro_batch_size)
-            record["found"] = found(ss)
+            record.device = str(ss.device)
+            record.cuda_available = ss.device.type == "cuda"
+            record.accumulation_steps = ss.K
+            record.micro_batch_size = ss.spec.micro_batch_size
+            record.found = found(ss)
             results = run_ladder(ss, started_rung, on_done, rungs=RUNGS, weights=weights(ss))
         except AmpdoctorError as exc:
             failed = error_record(source, exc)
-            failed.update({k: record[k] for k in ("device", "cuda_available",
-                                                   "accumulation_steps", "micro_batch_size",
-                                                   "found") if k in record})
-            failed["seconds"] = round(time.perf_counter() - started, 3)
+            for key in ("device", "cuda_available", "accumulation_steps", "micro_batch_size",
+                        "found"):
+                if record.given(key):
+                    setattr(failed, key, getattr(record, key))
+            failed.seconds = round(time.perf_counter() - started, 3)
             if ss.outputs:
-                failed["output"] = ss.outputs
+                failed.output = ss.outputs
             return failed, exc
     fill_record(record, results)
     if ss.command.reference_args is not None:     # a reference inferred after a first step
-        record["reference_args"] = list(ss.command.reference_args)
-    record["notes"] = sorted(_notes(ss, source))
-    record["runs"] = ss.charts
-    record["seconds"] = round(time.perf_counter() - started, 3)
-    record["reference_mode"] = "script"
+        record.reference_args = list(ss.command.reference_args)
+    record.notes = sorted(_notes(ss, source))
+    record.runs = [RunSeriesModel.model_validate(run) for run in ss.charts]
+    record.seconds = round(time.perf_counter() - started, 3)
+    record.reference_mode = "script"
     if ss.outputs:
-        record["output"] = ss.outputs
+        record.output = ss.outputs
     return record, None
 
 

@@ -25,7 +25,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from .checks import COUNT_WINDOWS, RUNG, CountChecks, LossFn, Window, built_at
 from .distributed import DistributedReplay, ranks_record, unwrap, writes_record
 from .patching import Patching, direct_site
 from .replay import device_of, precision_now
+
+if TYPE_CHECKING:
+    from ..record_model import RecordModel
 
 #: optimizer steps between two expensive checks, by default
 DEFAULT_EVERY = 500
@@ -143,11 +146,13 @@ class Watch(CountChecks, DistributedReplay, Patching):
         if self.skips and exc[0] is None:
             with contextlib.suppress(WatchError):
                 self._judge_skips()
-        self.record = self._make_record() if self.group is None \
+        record = self._make_record() if self.group is None \
             else ranks_record(self, gathered=exc[0] is None)
+        # the user's copy: the record's JSON data, as the saved file has it (and where)
+        self.record = record.dump()
         if self.out is not None and writes_record(self.group):
             from ..record import save
-            self.record["path"] = str(save(self.record, Path(self.out)))
+            self.record["path"] = str(save(record, Path(self.out)))
 
     # ------------------------------------------------------------------ the micro-batches
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
@@ -368,26 +373,27 @@ class Watch(CountChecks, DistributedReplay, Patching):
         """Tell the user of a finding (a framework's callback says it its framework's way)."""
         warnings.warn(text, stacklevel=5)
 
-    def _make_record(self) -> dict[str, Any]:
+    def _make_record(self) -> RecordModel:
+        from ..record_model import FindingModel, RungModel
         from ..runner import blank_record, environment
         errors = [f for f in self.findings if f.severity == Severity.ERROR]
         record = blank_record(spec=None, source={}, name=self.name, device=device_of(self.params),
                               accumulation_steps=self.K, optimizer_steps=self.updates,
                               micro_batch_size=None, environment=environment(None))
-        record["verdict"] = "failed" if errors else "healthy"
-        record["failed_rung"] = RUNG if errors else None
+        record.verdict = "failed" if errors else "healthy"
+        record.failed_rung = RUNG if errors else None
         status = "fail" if errors else ("warn" if self.findings else "pass")
         summary = (f"{self.updates} optimizer steps watched ({len(self.skips)} skipped), "
                    f"{len(self.checked)} update(s) checked against the fp32 reference")
-        record["rungs"] = [{"id": RUNG, "status": status, "summary": summary,
-                            "seconds": round(time.perf_counter() - self.started, 3)}]
-        record["findings"] = [f.to_dict() for f in self.findings]
-        record["watch"] = {"checked": self.checked, "skipped_steps": len(self.skips),
-                           "every": self.every}
-        record["notes"] = list(self.notes)
-        record["seconds"] = round(time.perf_counter() - self.started, 3)
+        record.rungs = [RungModel(id=RUNG, status=status, summary=summary,
+                                  seconds=round(time.perf_counter() - self.started, 3))]
+        record.findings = [FindingModel.of(f) for f in self.findings]
+        record.watch = {"checked": self.checked, "skipped_steps": len(self.skips),
+                        "every": self.every}
+        record.notes = list(self.notes)
+        record.seconds = round(time.perf_counter() - self.started, 3)
         from ..record import exit_code
-        record["exit_code"] = exit_code(record)
+        record.exit_code = exit_code(record)
         return record
 
 

@@ -17,13 +17,16 @@ ranks that saw it), every rank holds the same record, and rank 0 alone writes it
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..findings import Finding, Severity
 from .checks import Window
 from .replay import ReplayCheck, Replayed
+
+if TYPE_CHECKING:
+    from ..record_model import RecordModel
 
 
 def replica_group(model: torch.nn.Module) -> Any:
@@ -109,7 +112,7 @@ class DistributedReplay(ReplayCheck):
         return reference
 
 
-def ranks_record(watch: Any, gathered: bool) -> dict[str, Any]:
+def ranks_record(watch: Any, gathered: bool) -> RecordModel:
     """The record of a watched DDP run: every rank's findings (each kind once, at its most
     severe, its evidence naming the ranks that saw it), the same on every rank. Without
     `gathered` (the run stopped with an exception: a peer may never reach the collective) the
@@ -124,11 +127,10 @@ def ranks_record(watch: Any, gathered: bool) -> dict[str, Any]:
     else:
         watch.notes.append(f"the run stopped with an exception on rank {rank}: the ranks' "
                            f"findings were not gathered; this record holds rank {rank}'s alone")
-    record: dict[str, Any] = watch._make_record()
-    record["rungs"][0]["summary"] += f", on each of {world} DDP ranks"
-    record["watch"]["world_size"] = world
-    record["watch"]["rank"] = rank
-    record["watch"]["gathered"] = gathered
+    record: RecordModel = watch._make_record()
+    record.rungs[0].summary += f", on each of {world} DDP ranks"
+    assert record.watch is not None
+    record.watch.update(world_size=world, rank=rank, gathered=gathered)
     return record
 
 
