@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
+from .enums import KindId
 from .errors import (
     AmpdoctorError,
     InputError,
@@ -279,7 +280,7 @@ def fill_record(record: RecordModel, results: list[RungResult]) -> None:
         record.keep_going = True
     # the verdict is the first failure's: what ran after it does not change it
     decided = results[:results.index(failed) + 1] if failed else results
-    loop_errors = [f for r in decided for f in r.findings if f.kind == "loop-error"]
+    loop_errors = [f for r in decided for f in r.findings if f.kind == KindId.LOOP_ERROR]
     if loop_errors:
         record.verdict = "error"
     elif failed:
