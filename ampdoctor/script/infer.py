@@ -154,13 +154,9 @@ def _to_try(script: str, args: list[str], k: Flag | None, batch: Flag | None,
             f"{shlex.quote(shlex.join(ref))} -- {run}")
 
 
-#: what a user with a DeepSpeed script is told (script mode does not drive an engine yet)
-DEEPSPEED_HINT = (
-    "Script mode does not run DeepSpeed scripts yet (their runs would need a process group of "
-    "their own and the engine's precision switched per rung in its config): diagnose the loop "
-    "with a spec whose train_loop builds the engine from `run` (the README's 'Training that a "
-    "framework runs', DeepSpeed), and `ampdoctor scan` the script and its config for a second "
-    "loss-scale owner")
+#: the deferred "batch option" of a script that builds a DeepSpeed engine: K and the micro-batch
+#: are its config's, the reference's engine is built with K = 1 and K x b (`script.deepspeed`)
+DEEPSPEED_BATCH = "train_micro_batch_size_per_gpu"
 
 
 def builds_deepspeed_engine(tree: ast.AST) -> bool:
@@ -196,9 +192,16 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
     all_flags = init_script.flags(tree, undefaulted=True)
     k = _pick(all_flags, K_FLAGS)
     batch = _pick(all_flags, BATCH_FLAGS)
-    if (k is None or batch is None) and builds_deepspeed_engine(tree):
-        raise UsageError(f"{script} builds a DeepSpeed engine (deepspeed.initialize): its K "
-                         "and micro-batch are in the DeepSpeed config. " + DEEPSPEED_HINT)
+    if builds_deepspeed_engine(tree):
+        # the engine steps at its config's boundary, whatever option fed the config
+        return Inferred(args=list(args),
+                        text="the DeepSpeed config with gradient_accumulation_steps 1 and "
+                        f"{DEEPSPEED_BATCH} K x b (inferred once K is seen)",
+                        how="the DeepSpeed config sets K (gradient_accumulation_steps) and the "
+                        f"micro-batch ({DEEPSPEED_BATCH}); the reference's engine gets 1 and "
+                        "K x b, fp32, ZeRO stage 0, no clipping (the user's config is not "
+                        "changed)", K=0, micro_batch=0, k_option="gradient_accumulation_steps",
+                        batch_option=DEEPSPEED_BATCH, deferred=True)
     total = _pick(all_flags, TOTAL_FLAGS) if k is None else None
     if total is not None and batch is not None:
         return Inferred(args=list(args), text=f"{batch.option} K x b (inferred once K is seen)",

@@ -28,7 +28,6 @@ from ..reference import WindowReference
 from . import spawn
 from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
-from .infer import DEEPSPEED_HINT
 from .references import deferred, window_reference
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
@@ -67,6 +66,8 @@ class ScriptSession:
         self.outputs: list[dict[str, Any]] = []
         self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
         self.per_mb_cache: dict[tuple[int, int], Any] = {}
+        #: a DeepSpeed script's reference engine config keys (`references.deferred`)
+        self.deepspeed_reference: dict[str, Any] | None = None
         self._pinned: list[Any] = []
         #: where the script's file writes land: a folder per run (`scratch`, `files`)
         self.scratch = Scratch()
@@ -76,6 +77,8 @@ class ScriptSession:
         cmd = self.command
         args = cmd.reference_args if reference else cmd.args
         assert args is not None
+        if reference and self.deepspeed_reference is not None:
+            extra.setdefault("deepspeed", dict(self.deepspeed_reference))
         return Job(script=self.script, args=list(args), precision=precision,
                    steps=extra.pop("steps", self.N), cwd=cmd.cwd, env=dict(cmd.env),
                    reference=reference, **extra)
@@ -120,11 +123,9 @@ class ScriptSession:
             if first.error is not None:
                 how = (f"exited ({first.ended})" if first.ended.startswith("exit")
                        else "raised")
-                hint = (f". {DEEPSPEED_HINT}"
-                        if "deepspeed" in str(first.error.get("traceback") or "") else "")
                 raise UserCodeError(
                     f"the script run with the reference's arguments ({' '.join(cmd_args)}) "
-                    f"{how} before its first optimizer step: {first.error.get('text')}{hint}",
+                    f"{how} before its first optimizer step: {first.error.get('text')}",
                     location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)

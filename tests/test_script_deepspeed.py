@@ -1,0 +1,102 @@
+"""Script mode on DeepSpeed scripts, end to end through the real CLI and the real DeepSpeed (CPU,
+one process): scripts written the way DeepSpeed's guide and DeepSpeedExamples write them
+(argparse with `deepspeed.add_config_arguments`, a `--deepspeed_config` file or a config dict
+handed to `deepspeed.initialize(config=...)`, `engine.backward(loss)` / `engine.step()` on every
+micro-batch). K and the micro-batch come from the engine's config; the reference is the same
+script with its engine built at K = 1 and K x b (a copy of a config file in the scratch folder);
+healthy ones pass clean at fp32 and bf16, ZeRO 0-3, and fp16 that DeepSpeed refuses on this device
+is a skip naming the line, not the user's error. Skipped where DeepSpeed is not installed."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+
+import pytest
+
+from conftest import RECIPES, marked_line, run_cli
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                                reason="deepspeed is not installed (pip install "
+                                       "'ampdoctor[deepspeed]')")
+
+SCRIPTS = RECIPES / "scripts"
+TRAIN = SCRIPTS / "deepspeed_train.py"              # config dict in code (cifar10_deepspeed's way)
+GETTING_STARTED = SCRIPTS / "deepspeed_getting_started.py"   # --deepspeed_config FILE
+DOUBLE = SCRIPTS / "deepspeed_double_average.py"   # FILE, and the loop's own / K
+
+
+def _diagnose(tmp_path, script, *args):
+    result = run_cli("diagnose", script, "--json", "--out", tmp_path / "runs", "--", *args,
+                     cwd=script.parent)
+    assert result.stdout.strip(), result.stderr[-3000:]
+    return result, json.loads(result.stdout)
+
+
+def _rung(record, rung_id):
+    return next(r for r in record["rungs"] if r["id"] == rung_id)
+
+
+def _initialize_line(script) -> int:
+    return next(i for i, t in enumerate(script.read_text().splitlines(), 1)
+                if "= deepspeed.initialize(" in t)
+
+
+@pytest.mark.parametrize("args", [
+    ["--dtype", "fp32"], ["--dtype", "bf16"], ["--stage", "2"],
+    ["--stage", "3", "--dtype", "bf16"], ["--clip", "0.05"]],
+    ids=["fp32", "bf16", "zero2", "zero3-bf16", "clip"])
+def test_healthy_deepspeed_script_passes_clean(tmp_path, args):
+    result, record = _diagnose(tmp_path, TRAIN, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert record["findings"] == []
+    # K and the micro-batch are the engine's config's; the reference reads the whole window
+    assert (record["accumulation_steps"], record["micro_batch_size"]) == (4, 8)
+    assert record["found"]["reference_batch"] == 32
+    for rung in ("reproducibility", "fp32-accum", "bf16-no-scaler"):
+        assert _rung(record, rung)["status"] == "pass", _rung(record, rung)
+    assert _rung(record, "fp32-accum")["details"]["steps_compared"] == 3
+    bf16 = _rung(record, "bf16-no-scaler")["details"]
+    assert bf16["steps_compared"] == 3
+    assert 0 < bf16["max_relative_error"] < bf16["tolerance"]
+    fp16 = _rung(record, "fp16-scaler")
+    if fp16["status"] == "skip":   # a CPU without fp16 kernels: DeepSpeed refuses it
+        assert "DeepSpeed refused the fp16" in fp16["summary"]
+        facts = fp16["details"]["framework_precision"]
+        assert facts["asked_at"].endswith(f"deepspeed_train.py:{_initialize_line(TRAIN)}")
+        assert _rung(record, "skips")["status"] == "skip"
+    else:
+        assert fp16["status"] == "pass", fp16
+    assert any("builds a DeepSpeed engine: its config's K = 4 micro-batches of 8" in n
+               for n in record["notes"])
+
+
+def test_config_file_script_passes_and_its_file_is_not_changed(tmp_path):
+    config = SCRIPTS / "deepspeed_getting_started.json"
+    before = hashlib.sha256(config.read_bytes()).hexdigest()
+    result, record = _diagnose(tmp_path, GETTING_STARTED, "--deepspeed_config", config.name)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert record["findings"] == []
+    assert _rung(record, "fp32-accum")["status"] == "pass"
+    assert hashlib.sha256(config.read_bytes()).hexdigest() == before
+    # the reference named a scratch copy of the config (K = 1, batch K x b), not the user's file
+    reference = record["reference_args"]
+    assert reference[0] == "--deepspeed_config" and reference[1] != config.name
+    assert reference[1].endswith("k1-batch32-deepspeed_getting_started.json")
+
+
+def test_loop_dividing_on_top_of_engine_backward_is_double_average(tmp_path):
+    """The script reads K from its own config file and divides the loss by it: the engine's
+    backward divides again. The reference reads the scratch copy (K = 1), so it does not."""
+    result, record = _diagnose(tmp_path, DOUBLE, "--deepspeed_config",
+                               "deepspeed_double_average.json")
+    assert result.returncode == 1, result.stderr[-3000:]
+    finding = record["findings"][0]
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "double-average")
+    assert finding["evidence"]["measured"] == pytest.approx(0.25, rel=1e-3)
+    assert finding["evidence"]["factor"] == pytest.approx(0.25)
+    assert finding["evidence"]["framework"] == "DeepSpeed"
+    assert finding["location"]["file"].endswith("deepspeed_double_average.py")
+    assert finding["location"]["line"] == marked_line(DOUBLE, "double-average")
+    assert "engine.backward(loss)" in finding["message"]
