@@ -100,3 +100,28 @@ def test_loop_dividing_on_top_of_engine_backward_is_double_average(tmp_path):
     assert finding["location"]["file"].endswith("deepspeed_double_average.py")
     assert finding["location"]["line"] == marked_line(DOUBLE, "double-average")
     assert "engine.backward(loss)" in finding["message"]
+
+
+def test_loop_dividing_by_its_own_k_option_is_double_average(tmp_path):
+    """The script's K option feeds its config and its loss division: the reference sets the
+    option to 1 (and the batch option to K x b) as well as the engine's config, so the reference
+    does not divide; the run's engine consumes a quarter of the window's gradient."""
+    result, record = _diagnose(tmp_path, TRAIN, "--bug", "double-average")
+    assert result.returncode == 1, result.stderr[-3000:]
+    reference = record["reference_args"]
+    assert reference[reference.index("--gradient_accumulation_steps") + 1] == "1"
+    assert reference[reference.index("--per_device_train_batch_size") + 1] == "32"
+    finding = record["findings"][0]
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "double-average")
+    assert finding["evidence"]["measured"] == pytest.approx(0.25, rel=1e-3)
+    assert finding["location"]["line"] == marked_line(TRAIN, "double-average")
+
+
+def test_a_deepspeed_script_under_a_launcher_of_two_ranks_is_exit_2(tmp_path):
+    """Script mode runs a DeepSpeed script in one process: as one of two launched ranks it
+    says so and what to use instead, before any run."""
+    result = run_cli("diagnose", TRAIN, "--out", tmp_path / "runs", "--",
+                     env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "WORLD_SIZE=2" in result.stderr and "wrapper: deepspeed" in result.stderr
+    assert "Traceback" not in result.stderr

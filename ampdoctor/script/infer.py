@@ -159,9 +159,14 @@ def _to_try(script: str, args: list[str], k: Flag | None, batch: Flag | None,
 DEEPSPEED_BATCH = "train_micro_batch_size_per_gpu"
 
 
-def builds_deepspeed_engine(tree: ast.AST) -> bool:
-    """Whether the script calls `deepspeed.initialize` (through any name `deepspeed` is
-    imported as, or `from deepspeed import initialize`)."""
+def builds_deepspeed_engine(tree: ast.AST | str) -> bool:
+    """Whether the script (its tree, or its path) calls `deepspeed.initialize` (through any
+    name `deepspeed` is imported as, or `from deepspeed import initialize`)."""
+    if isinstance(tree, str):
+        try:
+            tree = ast.parse(Path(tree).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            return False
     names, functions = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -260,6 +265,32 @@ def _pick(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:
                                          or isinstance(flag.default, (int, float))):
                 return flag
     return None
+
+
+def deepspeed_options(script: str, args: list[str], K: int, b: int, batch: int,
+                      cwd: str | None = None) -> list[str]:
+    """A DeepSpeed script's reference arguments: `args` with its own accumulation option set to
+    1 and its batch option to `batch` where their values (given or default) are the engine's K
+    and b -- the options that feed its config, which a script may also divide the loss by."""
+    try:
+        tree = ast.parse(Path(cwd or os.getcwd(), script).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return list(args)
+    all_flags = init_script.flags(tree, undefaulted=True)
+    longs = _long_options(all_flags)
+    out = list(args)
+    for names, engine, value in ((K_FLAGS, K, 1), (BATCH_FLAGS, b, batch)):
+        flag = _pick(all_flags, names)
+        if flag is None or flag.configurator:
+            continue
+        given = _occurrences(flag, out, longs)
+        try:
+            current = _number(given.value if given.value is not None else flag.default, "")
+        except ValueError:
+            continue
+        if current == engine:
+            out = _set(out, flag, given, value)
+    return out
 
 
 def with_batch(script: str, args: list[str], batch: int, cwd: str | None = None

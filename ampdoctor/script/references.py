@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,7 +29,7 @@ import torch
 from ..errors import UsageError, UserCodeError
 from ..probe.events import EngineBuilt
 from ..reference import WindowReference, per_microbatch_full
-from .infer import DEEPSPEED_BATCH, with_batch
+from .infer import DEEPSPEED_BATCH, deepspeed_options, with_batch
 
 if TYPE_CHECKING:
     from .child import Job, Outcome
@@ -109,22 +110,25 @@ def _deepspeed(ss: ScriptSession, first: Outcome) -> list[str]:
                             location=(site.file, site.line) if site is not None else None)
     K = engines[0].accumulation_steps
     ss.deepspeed_reference = {"gradient_accumulation_steps": 1, DEEPSPEED_BATCH: K * b}
-    args = deepspeed_args(ss, engines[0].config_file, K * b)
-    copy = (f"; its config file's copy {args[-1] if args else ''} holds them"
-            if args != list(ss.command.args) else "")
+    args = deepspeed_args(ss, engines[0].config_file, K, b, K * b)
+    changed = (f"; run with {shlex.join(args)}" if args != list(ss.command.args) else "")
     ss.notes.add(f"the script builds a DeepSpeed engine: its config's K = {K} micro-batches of "
                  f"{b}; the reference is the same script, its engine's config copy set to "
                  f"gradient_accumulation_steps 1 and {DEEPSPEED_BATCH} {K * b} (fp32, ZeRO "
-                 f"stage 0, no clipping{copy}; the user's config is not changed)")
+                 f"stage 0, no clipping{changed}; the user's config is not changed)")
     return args
 
 
-def deepspeed_args(ss: ScriptSession, config_file: str | None, batch: int) -> list[str]:
-    """The run's arguments with the DeepSpeed config file they name (`--deepspeed_config
-    FILE`) replaced by a copy in the diagnose's scratch folder with K = 1 and the micro-batch
-    `batch`, so a script that reads its config itself for K or the batch reads the reference's;
-    the arguments as they are when they name no config file."""
+def deepspeed_args(ss: ScriptSession, config_file: str | None, K: int, b: int, batch: int
+                   ) -> list[str]:
+    """The run's arguments (K micro-batches of b) with the script's own options for K and the
+    batch at 1 and `batch` (`infer.deepspeed_options`), and the DeepSpeed config file they name
+    (`--deepspeed_config FILE`) replaced by a copy in the diagnose's scratch folder with K = 1
+    and the micro-batch `batch`, so a script that reads its config itself for K or the batch
+    reads the reference's."""
     args = list(ss.command.args)
+    # (the script's own options that feed its config, if any)
+    args = deepspeed_options(ss.script, args, K, b, batch, ss.command.cwd)
     if config_file is None:
         return args
     def names_it(arg: str) -> bool:
@@ -192,7 +196,7 @@ def per_microbatch(ss: ScriptSession, window: int, state: Mapping[str, torch.Ten
         return None
     deepspeed = ss.deepspeed_reference
     engines = fp32.events_of(EngineBuilt)
-    args = (deepspeed_args(ss, engines[0].config_file if engines else None, b)
+    args = (deepspeed_args(ss, engines[0].config_file if engines else None, ss.K, b, b)
             if deepspeed is not None
             else with_batch(ss.script, list(reference_args), b, ss.command.cwd))
     if args is None:

@@ -28,6 +28,7 @@ from ..reference import WindowReference
 from . import spawn
 from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
+from .infer import builds_deepspeed_engine
 from .references import deferred, window_reference
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
@@ -114,6 +115,7 @@ class ScriptSession:
 
     def start(self) -> ScriptTrace:
         """The fp32 run (first the reference's first window, if any, for K x b)."""
+        _one_process(self.command, self.script)
         if self.command.reference_args is None and self.command.defer_batch is not None:
             self.command.reference_args = deferred(self, self.command.defer_batch)
         if self.command.reference_args is not None:
@@ -381,6 +383,18 @@ class ScriptSession:
     def random_modules(self) -> list[str]:
         fp32 = self.traces.get("fp32")
         return list(fp32.outcome.dropout) if fp32 is not None else []
+
+
+def _one_process(command: Command, script: str) -> None:
+    """A DeepSpeed script under a launcher of several ranks: not run (UsageError, exit 2)."""
+    world = command.env.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1 and builds_deepspeed_engine(script):
+        raise UsageError(
+            f"{os.path.basename(script)} builds a DeepSpeed engine and this process is one of "
+            f"WORLD_SIZE={world} ranks: script mode runs a DeepSpeed script in one process "
+            "(it sets RANK=0 WORLD_SIZE=1 itself). Run `ampdoctor diagnose SCRIPT -- ARGS` "
+            "without the launcher, or diagnose two ranks with a spec "
+            "(`ddp: {world_size: 2, wrapper: deepspeed}`, docs/frameworks.md)")
 
 
 def _per_window(injector: Any) -> int:

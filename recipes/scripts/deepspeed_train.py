@@ -3,7 +3,11 @@ healthy: argparse with `deepspeed.add_config_arguments`, the config built in cod
 arguments (`--dtype`, `--stage`, `--accum`) and handed to `deepspeed.initialize(config=...)`
 with the training data (DeepSpeed's own data loader), inputs cast to the dtype the engine runs
 in, and on every micro-batch `engine.backward(loss)` / `engine.step()`: the engine divides the
-loss by gradient_accumulation_steps and steps at its own boundary. Tiny synthetic data, CPU."""
+loss by gradient_accumulation_steps and steps at its own boundary. K and the micro-batch are
+options that feed the config (DeepSpeed-Chat's names). Tiny synthetic data, CPU.
+
+`--bug double-average`: BROKEN, the loop also divides the loss by its K option (0.25x at K = 4).
+"""
 import argparse
 
 import deepspeed
@@ -18,7 +22,9 @@ def add_argument():
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--dtype", default="fp32", choices=["bf16", "fp16", "fp32"])
     parser.add_argument("--stage", default=0, type=int, choices=[0, 1, 2, 3])
-    parser.add_argument("--accum", default=4, type=int)
+    parser.add_argument("--gradient_accumulation_steps", default=4, type=int)
+    parser.add_argument("--per_device_train_batch_size", default=8, type=int)
+    parser.add_argument("--bug", default="none", choices=["none", "double-average"])
     parser.add_argument("--clip", default=0.0, type=float)
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -26,8 +32,8 @@ def add_argument():
 
 def get_ds_config(args):
     return {
-        "train_micro_batch_size_per_gpu": 8,
-        "gradient_accumulation_steps": args.accum,
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "steps_per_print": 100000,
         "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}},
         "gradient_clipping": args.clip,
@@ -71,7 +77,9 @@ def main(args):
                 inputs = inputs.to(target_dtype)
             outputs = model_engine(inputs)
             loss = criterion(outputs.float(), targets)
-            model_engine.backward(loss)
+            if args.bug == "double-average":
+                loss = loss / args.gradient_accumulation_steps
+            model_engine.backward(loss)  # BUG: double-average
             model_engine.step()
 
 
