@@ -125,3 +125,49 @@ def test_a_deepspeed_script_under_a_launcher_of_two_ranks_is_exit_2(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "WORLD_SIZE=2" in result.stderr and "wrapper: deepspeed" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_each_runs_engine_config_is_a_changed_copy_of_the_users():
+    """What `deepspeed.initialize` is handed in each run: the rung's precision in the config's
+    sections, a reference's K = 1 and K x b at ZeRO stage 0 without clipping, clip-space's
+    threshold; the user's mapping itself unchanged."""
+    import copy
+
+    from ampdoctor.script.deepspeed import asked_precision, configured
+    user = {"train_batch_size": 32, "gradient_accumulation_steps": 4,
+            "bfloat16": {"enabled": True}, "gradient_clipping": 1.0,
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                                  "overlap_comm": True}}
+    kept = copy.deepcopy(user)
+    assert asked_precision(user) == "bf16"
+    run = configured(user, "fp32", False, None, None)
+    assert (run["bf16"], run["fp16"]) == ({"enabled": False}, {"enabled": False})
+    assert asked_precision(run) == "fp32" and "bfloat16" not in run
+    assert (run["train_batch_size"], run["gradient_clipping"]) == (32, 1.0)
+    assert run["zero_optimization"]["stage"] == 3
+    keys = {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 32}
+    ref = configured(user, "fp32", True, keys, None)
+    assert "train_batch_size" not in ref and "gradient_clipping" not in ref
+    assert ref["gradient_accumulation_steps"] == 1
+    assert ref["train_micro_batch_size_per_gpu"] == 32
+    assert ref["zero_optimization"] == {"stage": 0, "overlap_comm": True}
+    given = configured(user, "fp32", True, None, None)   # --reference-args: K as given
+    assert (given["train_batch_size"], given["gradient_accumulation_steps"]) == (32, 4)
+    clipped = configured(user, "bf16", False, None, 0.5)
+    assert clipped["gradient_clipping"] == 0.5 and asked_precision(clipped) == "bf16"
+    assert user == kept
+
+
+@pytest.mark.parametrize(("bug", "kind", "measured"), [
+    # the loop steps the engine's WarmupLR on each of the 4 micro-batches, the engine once more
+    ("scheduler-twice", "scheduler-per-microbatch", 5.0),
+    # engine.zero_grad() sets param.grad = None itself: the line is that call
+    ("zero-grad-inside", "zero-grad-inside-accumulation", 1)])
+def test_loop_calls_besides_the_engines_are_named_at_their_line(tmp_path, bug, kind, measured):
+    result, record = _diagnose(tmp_path, TRAIN, "--bug", bug)
+    assert result.returncode == 1, result.stderr[-3000:]
+    finding = record["findings"][0]
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", kind)
+    assert finding["evidence"]["measured"] == measured
+    assert finding["evidence"]["framework"] == "DeepSpeed"
+    assert finding["location"]["line"] == marked_line(TRAIN, kind)

@@ -6,10 +6,10 @@ The config the script hands `deepspeed.initialize` (its `config=` mapping or pat
 `--deepspeed_config` file of its `args`) is read and copied; the copy gets
 
 - the run's precision: `bf16.enabled` / `fp16.enabled` as the rung forces it (fp32: both off);
-- for a reference (`Job.deepspeed`): `gradient_accumulation_steps` 1 and
-  `train_micro_batch_size_per_gpu` K x b (`train_batch_size` dropped: DeepSpeed derives it),
-  ZeRO stage 0 and no `gradient_clipping` (the reference is the unclipped fp32 gradient of the
-  whole window, which ZeRO's partitioning does not change on one rank);
+- for a reference: ZeRO stage 0 and no `gradient_clipping` (the reference is the unclipped
+  fp32 gradient of the whole window, which ZeRO's partitioning does not change on one rank),
+  and unless the user gave --reference-args (`Job.deepspeed`), `gradient_accumulation_steps` 1
+  and `train_micro_batch_size_per_gpu` K x b (`train_batch_size` dropped: DeepSpeed derives it);
 - for clip-space (`Job.clip_at`): `gradient_clipping` at that threshold.
 
 When the rung's precision is not the one the user's config asks for, the engine's floating
@@ -51,9 +51,10 @@ def asked_precision(config: dict[str, Any]) -> str:
     return "fp32"
 
 
-def configured(config: dict[str, Any], precision: str, reference: dict[str, Any] | None,
-               clip_at: float | None) -> dict[str, Any]:
-    """A copy of the user's config with what the run decides (module docstring)."""
+def configured(config: dict[str, Any], precision: str, reference: bool,
+               keys: dict[str, Any] | None, clip_at: float | None) -> dict[str, Any]:
+    """A copy of the user's config with what the run decides (module docstring); `keys`: a
+    reference's K and batch (none when the user gave --reference-args)."""
     built = copy.deepcopy(config)
     if "bfloat16" in built:   # (the old spelling of the bf16 section)
         built.setdefault("bf16", built.pop("bfloat16"))
@@ -61,9 +62,10 @@ def configured(config: dict[str, Any], precision: str, reference: dict[str, Any]
         kept = built.get(section)
         built[section] = {**(kept if isinstance(kept, dict) else {}),
                           "enabled": precision == section}
-    if reference is not None:
+    if keys is not None:
         built.pop("train_batch_size", None)
-        built.update(reference)
+        built.update(keys)
+    if reference:
         zero = built.get("zero_optimization")
         built["zero_optimization"] = {"stage": 0} if not isinstance(zero, dict) else {
             **{k: v for k, v in zero.items() if not k.startswith("offload")}, "stage": 0}
@@ -122,7 +124,7 @@ def install(probe: Any, patcher: patches.Patcher) -> None:
         if mapping is None:
             return original(*args, **kwargs)
         asked = asked_precision(mapping)
-        built = configured(mapping, job.precision, job.deepspeed, job.clip_at)
+        built = configured(mapping, job.precision, job.reference, job.deepspeed, job.clip_at)
         user_args = bound.arguments.get("args")
         saved = {}
         if where in ("deepspeed_config", "deepscale_config"):

@@ -7,6 +7,10 @@ loss by gradient_accumulation_steps and steps at its own boundary. K and the mic
 options that feed the config (DeepSpeed-Chat's names). Tiny synthetic data, CPU.
 
 `--bug double-average`: BROKEN, the loop also divides the loss by its K option (0.25x at K = 4).
+`--bug scheduler-twice`: BROKEN, the loop steps the engine's WarmupLR on every micro-batch
+besides `engine.step()`, which steps it at its boundary (5 steps of the schedule per window).
+`--bug zero-grad-inside`: BROKEN, `engine.zero_grad()` on every micro-batch: only the window's
+last micro-batch reaches the update.
 """
 import argparse
 
@@ -24,7 +28,9 @@ def add_argument():
     parser.add_argument("--stage", default=0, type=int, choices=[0, 1, 2, 3])
     parser.add_argument("--gradient_accumulation_steps", default=4, type=int)
     parser.add_argument("--per_device_train_batch_size", default=8, type=int)
-    parser.add_argument("--bug", default="none", choices=["none", "double-average"])
+    parser.add_argument("--bug", default="none",
+                        choices=["none", "double-average", "scheduler-twice",
+                                 "zero-grad-inside"])
     parser.add_argument("--clip", default=0.0, type=float)
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -36,6 +42,8 @@ def get_ds_config(args):
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "steps_per_print": 100000,
         "optimizer": {"type": "Adam", "params": {"lr": 0.001, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
+                                                     "warmup_num_steps": 10}},
         "gradient_clipping": args.clip,
         "bf16": {"enabled": args.dtype == "bf16"},
         "fp16": {"enabled": args.dtype == "fp16", "initial_scale_power": 15},
@@ -61,7 +69,7 @@ def main(args):
     trainset = torch.utils.data.TensorDataset(features, labels)
     net = Net()
     parameters = filter(lambda p: p.requires_grad, net.parameters())
-    model_engine, optimizer, trainloader, _ = deepspeed.initialize(
+    model_engine, optimizer, trainloader, lr_scheduler = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset,
         config=get_ds_config(args))
     target_dtype = None
@@ -75,12 +83,16 @@ def main(args):
             inputs, targets = data[0].to(model_engine.device), data[1].to(model_engine.device)
             if target_dtype is not None:
                 inputs = inputs.to(target_dtype)
+            if args.bug == "zero-grad-inside":
+                model_engine.zero_grad()  # BUG: zero-grad-inside-accumulation
             outputs = model_engine(inputs)
             loss = criterion(outputs.float(), targets)
             if args.bug == "double-average":
                 loss = loss / args.gradient_accumulation_steps
             model_engine.backward(loss)  # BUG: double-average
             model_engine.step()
+            if args.bug == "scheduler-twice":
+                lr_scheduler.step()  # BUG: scheduler-per-microbatch
 
 
 if __name__ == "__main__":
