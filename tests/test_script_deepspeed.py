@@ -171,3 +171,22 @@ def test_loop_calls_besides_the_engines_are_named_at_their_line(tmp_path, bug, k
     assert finding["evidence"]["measured"] == measured
     assert finding["evidence"]["framework"] == "DeepSpeed"
     assert finding["location"]["line"] == marked_line(TRAIN, kind)
+
+
+def test_gradscaler_over_an_fp16_config_file_is_double_scaling_as_scan_says(tmp_path):
+    """The config file the engine was built from is searched with the script: diagnose names
+    the GradScaler and the config's fp16 section, the owners `ampdoctor scan SCRIPT CONFIG`
+    names, though this device may refuse fp16."""
+    script = SCRIPTS / "deepspeed_gradscaler.py"
+    config = SCRIPTS / "deepspeed_gradscaler.json"
+    result, record = _diagnose(tmp_path, script, "--deepspeed_config", config.name)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert record["failed_rung"] == "double-scaling"
+    finding = record["findings"][0]
+    assert finding["kind"] == "double-scaling" and finding["severity"] == "error"
+    assert finding["location"]["line"] == marked_line(script, "double-scaling")
+    seen = {(o["kind"], o["file"], o["line"]) for o in finding["evidence"]["owners"]}
+    assert ("DeepSpeed fp16", str(config), 5) in seen
+    scan = run_cli("scan", str(script), str(config), "--json")
+    assert scan.returncode == 1
+    assert {(o["kind"], o["file"], o["line"]) for o in json.loads(scan.stdout)["owners"]} == seen

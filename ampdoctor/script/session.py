@@ -22,7 +22,7 @@ import torch
 
 from ..errors import UsageError, UserCodeError
 from ..probe.callsite import CallSiteFinder
-from ..probe.events import Backward, Clip
+from ..probe.events import Backward, Clip, EngineBuilt
 from ..probe.trace import Trace
 from ..reference import WindowReference
 from . import spawn
@@ -154,6 +154,8 @@ class ScriptSession:
         self.spec.max_grad_norm = clips[0] if clips else None
         self.spec.micro_batch_size = b
         self.spec.accumulation_steps = self.K
+        self.spec.config_files = sorted({e.config_file for e in outcome.events
+                                         if isinstance(e, EngineBuilt) and e.config_file})
         trace = replay(outcome, "fp32", self.K, self.finder, None)
         self.traces["fp32"] = trace
         if outcome.steps and outcome.error is None:
