@@ -190,3 +190,27 @@ def test_gradscaler_over_an_fp16_config_file_is_double_scaling_as_scan_says(tmp_
     scan = run_cli("scan", str(script), str(config), "--json")
     assert scan.returncode == 1
     assert {(o["kind"], o["file"], o["line"]) for o in json.loads(scan.stdout)["owners"]} == seen
+
+
+@pytest.mark.parametrize("bug", ["none", "missing-average"])
+def test_loop_accumulating_around_an_engine_of_k_1_takes_k_from_the_loop(tmp_path, bug):
+    """The config's gradient_accumulation_steps is 1 and the loop steps the engine every K
+    micro-batches itself: K is the loop's (4), and its --accum option is 1 in the reference.
+    Dividing by K itself is healthy; without the division (the engine does not divide at K 1)
+    the update is the sum of the micro-batch gradients, 4x."""
+    script = SCRIPTS / "deepspeed_loop_accumulation.py"
+    result, record = _diagnose(tmp_path, script, "--deepspeed_config",
+                               "deepspeed_loop_accumulation.json", "--bug", bug)
+    assert record["accumulation_steps"] == 4
+    reference = record["reference_args"]
+    assert reference[reference.index("--accum") + 1] == "1"
+    if bug == "none":
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert record["findings"] == []
+        assert _rung(record, "fp32-accum")["details"]["steps_compared"] == 3
+        return
+    assert result.returncode == 1, result.stderr[-3000:]
+    finding = record["findings"][0]
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "missing-accumulation-average")
+    assert finding["evidence"]["measured"] == pytest.approx(4.0, rel=1e-3)
+    assert finding["location"]["line"] == marked_line(script, "missing-accumulation-average")

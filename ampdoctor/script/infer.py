@@ -267,11 +267,12 @@ def _pick(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:
     return None
 
 
-def deepspeed_options(script: str, args: list[str], K: int, b: int, batch: int,
+def deepspeed_options(script: str, args: list[str], K: set[int], b: int, batch: int,
                       cwd: str | None = None) -> list[str]:
     """A DeepSpeed script's reference arguments: `args` with its own accumulation option set to
-    1 and its batch option to `batch` where their values (given or default) are the engine's K
-    and b -- the options that feed its config, which a script may also divide the loss by."""
+    1 and its batch option to `batch` where their values (given or default) are K (the engine
+    config's or the loop's) and b -- the options that feed its config or its loop's own
+    accumulation, which a script may also divide the loss by."""
     try:
         tree = ast.parse(Path(cwd or os.getcwd(), script).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, SyntaxError):
@@ -279,7 +280,7 @@ def deepspeed_options(script: str, args: list[str], K: int, b: int, batch: int,
     all_flags = init_script.flags(tree, undefaulted=True)
     longs = _long_options(all_flags)
     out = list(args)
-    for names, engine, value in ((K_FLAGS, K, 1), (BATCH_FLAGS, b, batch)):
+    for names, engine, value in ((K_FLAGS, K, 1), (BATCH_FLAGS, {b}, batch)):
         flag = _pick(all_flags, names)
         if flag is None or flag.configurator:
             continue
@@ -288,7 +289,7 @@ def deepspeed_options(script: str, args: list[str], K: int, b: int, batch: int,
             current = _number(given.value if given.value is not None else flag.default, "")
         except ValueError:
             continue
-        if current == engine:
+        if current in engine:
             out = _set(out, flag, given, value)
     return out
 

@@ -108,18 +108,24 @@ def _deepspeed(ss: ScriptSession, first: Outcome) -> list[str]:
         raise UserCodeError(f"{ss.script}: a first fp32 run was to show the DeepSpeed engine's "
                             f"K and micro-batch, but {why}",
                             location=(site.file, site.line) if site is not None else None)
-    K = engines[0].accumulation_steps
+    from_config = engines[0].accumulation_steps
+    # the micro-batches the loop fed before the engine's first update: the config's K when the
+    # loop calls engine.step() on every micro-batch, as DeepSpeed documents
+    K = first.micro_batches() or from_config
     ss.deepspeed_reference = {"gradient_accumulation_steps": 1, DEEPSPEED_BATCH: K * b}
-    args = deepspeed_args(ss, engines[0].config_file, K, b, K * b)
+    args = deepspeed_args(ss, engines[0].config_file, {K, from_config}, b, K * b)
     changed = (f"; run with {shlex.join(args)}" if args != list(ss.command.args) else "")
-    ss.notes.add(f"the script builds a DeepSpeed engine: its config's K = {K} micro-batches of "
-                 f"{b}; the reference is the same script, its engine's config copy set to "
+    fed = (f"its config's K = {K} micro-batches of {b}" if from_config == K else
+           f"its loop fed K = {K} micro-batches of {b} before the engine's first update (the "
+           f"config's gradient_accumulation_steps is {from_config})")
+    ss.notes.add(f"the script builds a DeepSpeed engine: {fed}; the reference is the same "
+                 "script, its engine's config copy set to "
                  f"gradient_accumulation_steps 1 and {DEEPSPEED_BATCH} {K * b} (fp32, ZeRO "
                  f"stage 0, no clipping{changed}; the user's config is not changed)")
     return args
 
 
-def deepspeed_args(ss: ScriptSession, config_file: str | None, K: int, b: int, batch: int
+def deepspeed_args(ss: ScriptSession, config_file: str | None, K: set[int], b: int, batch: int
                    ) -> list[str]:
     """The run's arguments (K micro-batches of b) with the script's own options for K and the
     batch at 1 and `batch` (`infer.deepspeed_options`), and the DeepSpeed config file they name
@@ -196,7 +202,7 @@ def per_microbatch(ss: ScriptSession, window: int, state: Mapping[str, torch.Ten
         return None
     deepspeed = ss.deepspeed_reference
     engines = fp32.events_of(EngineBuilt)
-    args = (deepspeed_args(ss, engines[0].config_file if engines else None, ss.K, b, b)
+    args = (deepspeed_args(ss, engines[0].config_file if engines else None, {ss.K}, b, b)
             if deepspeed is not None
             else with_batch(ss.script, list(reference_args), b, ss.command.cwd))
     if args is None:
