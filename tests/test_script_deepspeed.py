@@ -24,7 +24,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
 SCRIPTS = RECIPES / "scripts"
 TRAIN = SCRIPTS / "deepspeed_train.py"              # config dict in code (cifar10_deepspeed's way)
 GETTING_STARTED = SCRIPTS / "deepspeed_getting_started.py"   # --deepspeed_config FILE
-DOUBLE = SCRIPTS / "deepspeed_double_average.py"   # FILE, and the loop's own / K
 
 
 def _diagnose(tmp_path, script, *args):
@@ -89,16 +88,16 @@ def test_config_file_script_passes_and_its_file_is_not_changed(tmp_path):
 def test_loop_dividing_on_top_of_engine_backward_is_double_average(tmp_path):
     """The script reads K from its own config file and divides the loss by it: the engine's
     backward divides again. The reference reads the scratch copy (K = 1), so it does not."""
-    result, record = _diagnose(tmp_path, DOUBLE, "--deepspeed_config",
-                               "deepspeed_double_average.json")
+    result, record = _diagnose(tmp_path, GETTING_STARTED, "--deepspeed_config",
+                               "deepspeed_getting_started.json", "--bug", "double-average")
     assert result.returncode == 1, result.stderr[-3000:]
     finding = record["findings"][0]
     assert (finding["rung"], finding["kind"]) == ("fp32-accum", "double-average")
     assert finding["evidence"]["measured"] == pytest.approx(0.25, rel=1e-3)
     assert finding["evidence"]["factor"] == pytest.approx(0.25)
     assert finding["evidence"]["framework"] == "DeepSpeed"
-    assert finding["location"]["file"].endswith("deepspeed_double_average.py")
-    assert finding["location"]["line"] == marked_line(DOUBLE, "double-average")
+    assert finding["location"]["file"].endswith("deepspeed_getting_started.py")
+    assert finding["location"]["line"] == marked_line(GETTING_STARTED, "double-average")
     assert "engine.backward(loss)" in finding["message"]
 
 
@@ -198,9 +197,9 @@ def test_loop_accumulating_around_an_engine_of_k_1_takes_k_from_the_loop(tmp_pat
     micro-batches itself: K is the loop's (4), and its --accum option is 1 in the reference.
     Dividing by K itself is healthy; without the division (the engine does not divide at K 1)
     the update is the sum of the micro-batch gradients, 4x."""
-    script = SCRIPTS / "deepspeed_loop_accumulation.py"
+    script = GETTING_STARTED
     result, record = _diagnose(tmp_path, script, "--deepspeed_config",
-                               "deepspeed_loop_accumulation.json", "--bug", bug)
+                               "deepspeed_loop_accumulation.json", "--accum", "4", "--bug", bug)
     assert record["accumulation_steps"] == 4
     reference = record["reference_args"]
     assert reference[reference.index("--accum") + 1] == "1"
