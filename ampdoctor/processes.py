@@ -23,6 +23,11 @@ A SIGKILL to the CLI leaves no time to do it: `Guardian` is a small process of
 ampdoctor's own (its own session, stdin a pipe from the CLI, stdout and stderr /dev/null so it
 never holds the caller's pipes) that does it when that pipe closes, whatever closed it.
 
+A SIGKILLed worker cannot remove its temporary folders either: ampdoctor's own temporary files
+(a script's scratch folder, which may hold its checkpoints, its captured outputs, spilled
+gradients, the stack dump) go in the run's folder (`temp_root`, named by `TEMP_ENV`), which the
+CLI removes when it is done with the run and the guardian removes when the CLI died.
+
 Standard library only (the guardian runs this file as a script, `python -I -S processes.py`);
 without /proc, only process groups are killed.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +47,9 @@ from typing import Any
 
 #: The environment variable that marks a run's processes.
 TOKEN_ENV = "AMPDOCTOR_RUN_TOKEN"
+#: The environment variable naming the run's temporary folder (set for the worker by the CLI).
+#: Not TMPDIR: the script's own temporary files and multiprocessing's sockets keep theirs.
+TEMP_ENV = "AMPDOCTOR_TEMP"
 #: How long `end` keeps killing what it finds (a process that forks while it is killed).
 END_WAIT_S = 3.0
 #: How long the caller waits for its guardian to leave once done with it.
@@ -50,6 +59,13 @@ _PROC = "/proc"
 
 def new_token() -> str:
     return uuid.uuid4().hex
+
+
+def temp_root() -> str | None:
+    """The folder this run's ampdoctor-made temporary files go in (`tempfile`'s `dir=`), or
+    None (the system's) outside a supervised run or when it is gone."""
+    root = os.environ.get(TEMP_ENV)
+    return root if root and os.path.isdir(root) else None
 
 
 def with_token(env: dict[str, str], token: str) -> dict[str, str]:
@@ -309,6 +325,10 @@ class Guardian:
         """Also end the processes of session `sid` (the worker's, its leader alive now)."""
         self._send(f"{sid} {started_at(sid) or 0}")
 
+    def remove(self, folder: str) -> None:
+        """Also remove `folder` (the run's temporary folder) once the run's processes ended."""
+        self._send(f"temp {folder}")
+
     def close(self) -> None:
         """Done: the caller ended the run; the guardian sweeps by the token only (a session the
         caller reaped may since be a stranger's) and leaves; waited for briefly, so that it is
@@ -334,8 +354,12 @@ def _guard(token: str) -> None:
     for sig in (signal.SIGINT, signal.SIGHUP):    # a terminal's signals are the CLI's to handle
         signal.signal(sig, signal.SIG_IGN)
     sessions: dict[int, int] = {}
+    folders: list[str] = []
     done = False
     for line in sys.stdin.buffer:
+        if line.startswith(b"temp "):
+            folders.append(os.fsdecode(line[5:].rstrip(b"\n")))
+            continue
         words = line.split()
         if words == [b"done"]:
             done = True
@@ -344,9 +368,11 @@ def _guard(token: str) -> None:
             sessions[sid] = started
     if done:
         end(token)
-        return
-    end(token, [sid for sid, started in sessions.items()
-                if started_at(sid) in (None, started)])
+    else:
+        end(token, [sid for sid, started in sessions.items()
+                    if started_at(sid) in (None, started)])
+    for folder in folders:       # nothing of the run is left to write in them
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

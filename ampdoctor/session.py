@@ -184,6 +184,7 @@ class Session(ReferenceBuilder):
             probe.capture_grads = capture
             probe.before_backward = before_backward
             probe.step_sink = step_sink
+            probe.on_frozen = self.loop_froze
             # (a reduced-precision run is judged with the fp32 run's clip thresholds: as it
             # runs only once that run exists, as with the whole ladder)
             if (judge_as_it_runs is not None and JUDGE_AS_IT_RUNS

@@ -23,6 +23,7 @@ import contextlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -117,16 +118,21 @@ class Watch:
         self.result_seen = False
         #: a script's runs are each bounded (by the worker too): the clock restarts per run
         self.per_run = bool(getattr(spec, "script", None))
+        # the run's temporary folder: what ampdoctor writes there goes with the run, even when
+        # the worker is killed (removed by `close`, or by the guardian when this process dies)
+        self.temp = tempfile.mkdtemp(prefix="ampdoctor-")
         # where the child's faulthandler writes its stacks on SIGUSR2
-        fd, self.dump_path = tempfile.mkstemp(prefix="ampdoctor-stacks-", suffix=".txt")
-        os.close(fd)
+        self.dump_path = os.path.join(self.temp, "stacks.txt")
+        Path(self.dump_path).touch()
         read_fd, write_fd = os.pipe()
         job = {"spec": wire, "channel_fd": write_fd, "dump_path": self.dump_path,
                "parent": os.getpid()}
         # every process of the run carries the token; the guardian ends them if this one dies
         self.token = processes.new_token()
         self.guardian = processes.Guardian(self.token)
-        env = processes.with_token(dict(os.environ, PYTHONUNBUFFERED="1"), self.token)
+        self.guardian.remove(self.temp)
+        env = processes.with_token(dict(os.environ, PYTHONUNBUFFERED="1",
+                                        **{processes.TEMP_ENV: self.temp}), self.token)
         env.pop("PYTHONSTARTUP", None)
         try:
             self.proc = subprocess.Popen(
@@ -135,7 +141,7 @@ class Watch:
         except OSError as exc:
             os.close(read_fd)
             os.close(write_fd)
-            os.unlink(self.dump_path)
+            shutil.rmtree(self.temp, ignore_errors=True)
             self.guardian.close()
             raise LaunchError(f"could not start the process that runs the loop: {exc}",
                               cause=exc) from exc
@@ -313,8 +319,7 @@ class Watch:
             except OSError:
                 pass
         self.sel.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.dump_path)
+        shutil.rmtree(self.temp, ignore_errors=True)
 
     # ------------------------------------------------------------------------ the run
     def run(self) -> Outcome:

@@ -96,6 +96,9 @@ BROKEN = {
     "broken_fetch_ahead_step_per_microbatch": ("fp32-accum", "step-per-microbatch", "measured",
                                                (12, 12),
                                                "broken_fetch_ahead_step_per_microbatch.py"),
+    # the rate assigned by hand from a micro-batch counter: 4 values inside each window
+    "broken_lr_set_per_microbatch": ("fp32-accum", "scheduler-per-microbatch", "measured",
+                                     (3.99, 4.01), "broken_lr_set_per_microbatch.py"),
     "broken_fetch_ahead_scheduler_per_microbatch": (
         "fp32-accum", "scheduler-per-microbatch", "measured", (3.9, 4.4),
         "broken_fetch_ahead_scheduler_per_microbatch.py"),

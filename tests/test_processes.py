@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import uuid
@@ -66,13 +68,27 @@ def _assert_none_left(mark: str, grace_s: float = 0.0) -> None:
         while _carrying(mark) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _carrying(mark) == []
+        # and no temporary folder of ampdoctor's (a script's scratch holds its checkpoints)
+        assert _ampdoctor_temp(mark) == [], f"left in {_temp(mark)}: {_ampdoctor_temp(mark)}"
     finally:
         for pid, _ in _carrying(mark):      # never leave them to the next test
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(_temp(mark), ignore_errors=True)
+
+
+def _temp(mark: str) -> Path:
+    """The run's TMPDIR: a folder of its own (short: multiprocessing puts sockets in it)."""
+    return Path(tempfile.gettempdir()) / f"adt-{mark[:12]}"
 
 
 def _env(mark: str, **extra: str) -> dict[str, str]:
-    return dict(os.environ, NO_COLOR="1", COLUMNS="200", LEAK_MARK=mark, **extra)
+    _temp(mark).mkdir()
+    return dict(os.environ, NO_COLOR="1", COLUMNS="200", LEAK_MARK=mark,
+                TMPDIR=str(_temp(mark)), **extra)
+
+
+def _ampdoctor_temp(mark: str) -> list[str]:
+    return sorted(p.name for p in _temp(mark).glob("ampdoctor-*"))
 
 
 def _spec(tmp_path: Path, timeout_s: float | None = None) -> Path:

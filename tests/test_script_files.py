@@ -52,6 +52,8 @@ OPERATIONS = '''
 import json, logging, os, shutil, sys, tempfile
 from pathlib import Path
 import torch
+from safetensors import safe_open            # bound before the patches, as transformers does
+from safetensors.torch import load_file, save_file
 from ampdoctor.probe import patches
 from ampdoctor.script import files
 
@@ -107,6 +109,13 @@ with patches.installed(lambda p: files.install(overlay, p)):
     seen["chdir_read"] = Path("deep/f.txt").read_text()
     os.chdir(sys.argv[2])
     seen["data"] = len(Path("data.bin").read_bytes())
+    # safetensors writes and reads its path from Rust (the HF Trainer's save_model): into a
+    # folder the script made, which only the scratch holds
+    os.makedirs("out/checkpoint-3", exist_ok=True)
+    save_file({"w": torch.ones(2)}, "out/checkpoint-3/model.safetensors")
+    seen["st_load"] = load_file("out/checkpoint-3/model.safetensors")["w"].tolist()
+    with safe_open("out/checkpoint-3/model.safetensors", framework="pt") as f:
+        seen["st_keys"] = list(f.keys())
     seen["report"] = overlay.report(sys.argv[2])
 print(json.dumps(seen))
 '''
@@ -136,6 +145,8 @@ def test_the_overlay_shows_the_script_its_own_writes_and_changes_nothing(tmp_pat
     assert (seen["new"], seen["chdir_read"], seen["data"]) == ("f", "f", 256)
     assert seen["report"]["hidden"] == ["out/ckpt-1.pt", "out/metrics.json", "out/old_run"]
     assert "out/model.pt" in seen["report"]["written"]
+    assert (seen["st_load"], seen["st_keys"]) == ([1.0, 1.0], ["w"])
+    assert "out/checkpoint-3/model.safetensors" in seen["report"]["written"]
     # the user's folder: byte for byte as it was, nothing added
     assert tree(tmp_path / "project") == before
 

@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from .. import processes as run_processes
 from ..errors import LaunchError
 from ..safetext import exc_text, inert
 
@@ -201,7 +202,8 @@ def _supervise(processes: dict[int, Any], paths: dict[int, str], deadline: float
 def run_spawned(spec_path: str, world_size: int, timeout_s: float) -> dict[int, dict[str, Any]]:
     """All ranks on this machine; {rank: result} (a rank missing from it did not finish)."""
     deadline = time.monotonic() + timeout_s
-    with tempfile.TemporaryDirectory(prefix="ampdoctor-ddp-") as folder:
+    with tempfile.TemporaryDirectory(prefix="ampdoctor-ddp-",
+                                     dir=run_processes.temp_root()) as folder:
         paths = {r: os.path.join(folder, f"rank{r}.json") for r in range(world_size)}
         port = free_port()
         processes = {}
@@ -287,7 +289,8 @@ class TorchrunGroup:
     # every rank ----------------------------------------------------------------------------
     def _run_own_rank(self, port: int, timeout_s: float) -> dict[int, dict[str, Any]]:
         deadline = time.monotonic() + timeout_s
-        with tempfile.TemporaryDirectory(prefix="ampdoctor-ddp-") as folder:
+        with tempfile.TemporaryDirectory(prefix="ampdoctor-ddp-",
+                                     dir=run_processes.temp_root()) as folder:
             path = os.path.join(folder, f"rank{self.rank}.json")
             process = _start(self.rank, self.world_size, self.spec_path, self.master, port,
                              timeout_s, path)

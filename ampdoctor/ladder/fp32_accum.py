@@ -11,6 +11,7 @@ from ..enums import RungId, Severity, Status
 from ..evidence import Evidence
 from ..findings import Finding, RungResult, conclude
 from ..probe.events import AutocastEntered, Backward
+from ..rules.lr_set_by_hand import lr_set_by_hand_findings
 from ..session import Session
 from .analysis import (
     compare_trace,
@@ -59,7 +60,8 @@ def run(session: Session) -> RungResult:
     if trace.error is not None:
         finding = loop_error_finding(trace, RUNG)
         return RungResult(RUNG, Status.FAIL, f"the fp32 loop raised ({finding.kind})", [finding])
-    findings = scheduler_findings(session, trace, RUNG)
+    findings = (scheduler_findings(session, trace, RUNG)
+                or lr_set_by_hand_findings(session, trace, RUNG))
     if trace.steps and no_gradient_stepped(trace):
         return _no_step(session, trace, findings)
     count = step_count_finding(session, trace, RUNG)

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .. import processes
 from ..errors import InputError, SpecError
 from ..spec import Spec
 from .naming import spec_where, unusable
@@ -91,7 +92,8 @@ def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., An
 
         batches = list(micro_batches)
         known = {f.name for f in dataclasses.fields(TrainingArguments)}
-        with tempfile.TemporaryDirectory(prefix="ampdoctor-trainer-") as output_dir:
+        with tempfile.TemporaryDirectory(prefix="ampdoctor-trainer-",
+                                         dir=processes.temp_root()) as output_dir:
             settings: dict[str, Any] = {
                 "output_dir": output_dir,
                 "per_device_train_batch_size": _batch_len(batches[0]),
@@ -158,7 +160,8 @@ def lightning_loop(spec: Spec, module_factory: Callable[..., Any]) -> Callable[.
         # the run's own optimizers (those ampdoctor built from configure_optimizers), so the
         # Trainer steps the objects the probe and the reference know
         model.configure_optimizers = lambda: optimizer
-        with tempfile.TemporaryDirectory(prefix="ampdoctor-lightning-") as root:
+        with tempfile.TemporaryDirectory(prefix="ampdoctor-lightning-",
+                                         dir=processes.temp_root()) as root:
             settings: dict[str, Any] = {
                 "accelerator": "cpu" if run.device_type == "cpu" else "gpu", "devices": 1,
                 "precision": LIGHTNING_PRECISION[run.precision],

@@ -52,6 +52,9 @@ class Backward(Event):
     #: its first scaled one only (a read is a host-device sync)
     value: float | None = None
     scaled_by: float | None = None      # the GradScaler scale(s) applied to it
+    #: parameter group 0's learning rate of each optimizer known so far (by slot) as the
+    #: backward ran (None where it is a tensor: reading one would be a host-device sync)
+    lrs: tuple[float | None, ...] = ()
     kind: ClassVar[str] = "backward"
 
 

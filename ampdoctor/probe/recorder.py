@@ -133,6 +133,10 @@ class Probe:
         #: Called with each StepRecord (gradients filled) as the step happens; the record then
         #: keeps no gradients and the probe no snapshots (a streamed comparison).
         self.step_sink: Callable[[StepRecord], None] | None = None
+        #: Called with the names of the model's parameters that do not require a gradient as
+        #: each step group begins (a loop may freeze part of the model it was handed): the
+        #: reference then trains what the loop trains
+        self.on_frozen: Callable[[frozenset[str]], None] | None = None
         #: Sees each step as it happens (`observer.StepObserver`, set by the rung driver), or
         #: None: the probe copies what every step consumed
         self.step_observer: StepObserver | None = None
@@ -233,7 +237,8 @@ class Probe:
         value = float(tensor.detach().float()) if read else None
         self._scaled_read = self._scaled_read or (read and scaled_by is not None)
         self.backward_count += 1
-        self.record(Backward, site=site, value=value, scaled_by=scaled_by)
+        self.record(Backward, site=site, value=value, scaled_by=scaled_by,
+                    lrs=tuple(_first_lr(o) for o in self._optimizers))
 
     def _snapshot(self, state: Mapping[str, torch.Tensor] | None = None) -> None:
         """Keep the weights the current step group starts from (the reference's parameters):
@@ -260,6 +265,9 @@ class Probe:
         self._backwards_at_group = self.backward_count
         self._group_consumed = tuple(sorted(set(self._consumed)))
         self._consumed = []
+        if self.model is not None and self.on_frozen is not None:
+            self.on_frozen(frozenset(n for n, p in self.model.named_parameters()
+                                     if not p.requires_grad))
         if self.model is not None and self.capture_grads and self.step_sink is None:
             observer = self.step_observer
             if observer is None or not observer.begin_group(
@@ -343,6 +351,14 @@ def _host_copy(grad: torch.Tensor, shard_wise: bool = False) -> torch.Tensor:
         return shards.piece(grad.detach(),
                             lambda local: local.to("cpu", torch.float32, copy=True))
     return full_tensor(grad.detach()).to("cpu", torch.float32, copy=True)
+
+
+def _first_lr(optimizer: Any) -> float | None:
+    """Parameter group 0's learning rate as a number, without a device sync (None when it is
+    a tensor or missing)."""
+    groups = getattr(optimizer, "param_groups", None) or [{}]
+    lr = groups[0].get("lr") if isinstance(groups[0], dict) else None
+    return float(lr) if isinstance(lr, (int, float)) and not isinstance(lr, bool) else None
 
 
 def _caller(depth: int) -> FrameType:

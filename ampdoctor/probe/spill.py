@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .. import processes
+
 #: A copy at least this large (bytes) is spilled; smaller ones stay in memory.
 SPILL_BYTES = 32 * 2**20
 #: ... unless fewer than this many such copies are in memory: those stay.
@@ -50,7 +52,8 @@ def _writer() -> ThreadPoolExecutor:
 def _directory() -> str:
     global _DIR
     if _DIR is None:
-        _DIR = tempfile.TemporaryDirectory(prefix="ampdoctor-spill-")
+        _DIR = tempfile.TemporaryDirectory(prefix="ampdoctor-spill-",
+                                           dir=processes.temp_root())
     return _DIR.name
 
 

@@ -95,6 +95,11 @@ class ReferenceBuilder:
     loop_weighting: str | None
     _template: torch.nn.Module
     _ref_model: torch.nn.Module | None
+    #: the parameters the loop's model did not train at its last step group (frozen by the
+    #: loop itself: `requires_grad_(False)` on the model it was handed), None before any
+    #: run reached a step; the reference model trains what the loop trains
+    loop_frozen: frozenset[str] | None = None
+    _ref_trainable: dict[str, bool] | None = None
     window: Callable[[int], list[Any]]
     probe_settings: Callable[..., ProbeSettings]
     run_loop: Callable[..., Trace]
@@ -123,9 +128,22 @@ class ReferenceBuilder:
         if model is None:
             model = self._ref_model = build_model(self.code, self.device, self.spec.seed)
             recorder.ForwardAligner(self.batch_index, self.align_seed).attach(model)
+            self._ref_trainable = {n: p.requires_grad for n, p in model.named_parameters()}
         model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
         model.train(training)
+        trainable = self._ref_trainable or {}
+        frozen = self.loop_frozen
+        if frozen is not None and frozen <= trainable.keys():   # (names of the same model)
+            for n, p in model.named_parameters():
+                p.requires_grad_(trainable[n] and n not in frozen)
         return model
+
+    def loop_froze(self, frozen: frozenset[str]) -> None:
+        """The loop's model does not train `frozen` (`Probe.on_frozen`): the references from
+        now on leave them out, as the loop's optimizer steps do."""
+        if frozen != self.loop_frozen:
+            self.loop_frozen = frozen
+            self._ref_cache = None
 
     def _grads_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
         """The model's gradients as fp32 host tensors; the model's .grad are left None. A grad
@@ -216,7 +234,7 @@ class ReferenceBuilder:
             return None
         if state is not self.initial_state and not compare.same_tensors(state, self.initial_state):
             return None
-        return (ids, training, weighting)
+        return (ids, training, weighting, self.loop_frozen)
 
     def _check_finite(self, ref: WindowReference, window: str) -> WindowReference:
         bad = [n for n, g in ref.full.items() if g is not None and not compare.all_finite(g)]

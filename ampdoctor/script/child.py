@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .. import processes
 from ..errors import format_traceback
 from ..probe import frameworks, patches, recorder, spill, wrappers
 from ..probe.callsite import CallSiteFinder, Site
@@ -338,7 +339,8 @@ def run(job: Job) -> Outcome:
     probe = ScriptProbe(job, finder)
     out = probe.out
     prefork.import_frameworks(script, job.cwd)
-    overlay = files.Overlay(job.scratch or tempfile.mkdtemp(prefix="ampdoctor-run-"))
+    overlay = files.Overlay(job.scratch or tempfile.mkdtemp(prefix="ampdoctor-run-",
+                                                              dir=processes.temp_root()))
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, overlay.root, True)
         patched = stack.enter_context(patches.installed(wrappers.install)).patched

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import processes
 from ..errors import AmpdoctorError, UsageError, UserCodeError
 from ..findings import RungResult
 from ..source import ScriptSource
@@ -79,7 +80,8 @@ def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = No
     (the script could not run at all, a bad reference, a run past its time bound), which the
     record's `error` holds too."""
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="ampdoctor-output-") as output_dir:
+    with tempfile.TemporaryDirectory(prefix="ampdoctor-output-",
+                                     dir=processes.temp_root()) as output_dir:
         command = Command(source.script, list(source.args),
                           list(source.reference_args) if source.reference_args is not None
                           else None, steps=source.optimizer_steps, timeout_s=source.timeout_s,

@@ -10,8 +10,9 @@ copied into the scratch first; one that is removed (or renamed away, or under a 
 only hidden from the script. Every read (`open`, `os.stat`/`lstat`/`access`, `os.listdir`/`scandir`,
 `torch.load`, `os.chdir`) sees the shadow first and a hidden path as missing, so the script sees
 its own writes as it would plainly, and nothing that existed before is changed. The temp dir
-(`tempfile`, `TMPDIR`) is a folder of the scratch. Code that opens paths outside Python (a
-C library's own `fopen`) is not redirected.
+(`tempfile`, `TMPDIR`) is a folder of the scratch. Writers that open their path outside Python
+are redirected where ampdoctor knows them (`native`: torch.save/load, safetensors' files, which
+the HF Trainer and accelerate save checkpoints with); another C library's own `fopen` is not.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import tempfile
 from typing import Any
 
 from ..probe import patches
+from . import native
 
 #: paths never redirected (devices, kernel files)
 SYSTEM = ("/dev", "/proc", "/sys")
@@ -383,27 +385,4 @@ def install(overlay: Overlay, patcher: patches.Patcher) -> None:
     real["makedirs"](temp, exist_ok=True)
     patcher.setattr(tempfile, "tempdir", temp)
     os.environ["TMPDIR"] = temp
-    _torch(overlay, patcher)
-
-
-def _torch(overlay: Overlay, patcher: patches.Patcher) -> None:
-    """torch.save writes a path from C++ (not through `open`): its path redirected; torch.load
-    reads the shadow."""
-    import torch
-
-    save, load = torch.save, torch.load
-
-    @functools.wraps(save)
-    def torch_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(f, (str, os.PathLike)):
-            f = overlay.write(f, keep=False)
-        return save(obj, f, *args, **kwargs)
-
-    @functools.wraps(load)
-    def torch_load(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(f, (str, os.PathLike)):
-            f = overlay.read(f)
-        return load(f, *args, **kwargs)
-
-    patcher.setattr(torch, "save", torch_save)
-    patcher.setattr(torch, "load", torch_load)
+    native.install(overlay, patcher)

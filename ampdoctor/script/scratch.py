@@ -11,6 +11,8 @@ import tempfile
 import weakref
 from typing import Any
 
+from .. import processes
+
 #: how the note on the script's files starts (one note, replaced as runs add to it)
 NOTE = "the script's file writes went to a scratch folder,"
 
@@ -19,7 +21,7 @@ class Scratch:
     """The scratch folder of a diagnose and what its runs wrote there (module docstring)."""
 
     def __init__(self) -> None:
-        self.root = tempfile.mkdtemp(prefix="ampdoctor-script-")
+        self.root = tempfile.mkdtemp(prefix="ampdoctor-script-", dir=processes.temp_root())
         weakref.finalize(self, shutil.rmtree, self.root, True)
         self.runs = 0
         self.written: set[str] = set()

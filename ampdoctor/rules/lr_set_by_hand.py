@@ -1,0 +1,164 @@
+"""Rule `scheduler-per-microbatch` for a learning rate the loop sets by hand
+(`for g in optimizer.param_groups: g["lr"] = get_lr(it)`), with no scheduler object to count.
+
+The step state machine allows the learning rate to change only at a window's boundary: between
+two optimizer steps the K micro-batches all train towards the same update. A loop that computes
+its rate from a micro-batch counter (`it` incremented per micro-batch, `enumerate(loader)`'s
+index) sets a different value on each micro-batch of a window, and its warm-up and decay run
+about K times too fast in optimizer steps. Seen that way (the probe reads parameter group 0's
+rate at every backward), the rule measures the consequence the same way script mode does: the
+same loop at K = 1, each window's data as one micro-batch, sets the rate its author meant for
+each optimizer step; the finding is an error when a step used another rate, and names the line
+that assigns it.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import linecache
+import textwrap
+from typing import Any
+
+from .. import deciders, thresholds
+from ..deciders import Observed
+from ..enums import Severity
+from ..findings import Finding, Location, location
+from ..loading.data import merge_micro_batches
+from ..probe.events import Backward
+from ..session import Session, Trace
+
+
+def _step_lrs(trace: Trace, slot: int) -> list[tuple[int, float]]:
+    """(seq, lr of parameter group 0) of the first step of each step group of optimizer
+    `slot`, in order."""
+    seen: dict[int, tuple[int, float]] = {}
+    for s in trace.steps:
+        if s.optimizer == slot and s.lrs and s.group not in seen:
+            seen[s.group] = (s.seq, float(s.lrs[0]))
+    return list(seen.values())
+
+
+def _changes_inside_windows(trace: Trace, slot: int, steps: list[tuple[int, float]]
+                            ) -> tuple[int, int, list[float], Any] | None:
+    """The first window (its index) in which the rate took more than one value across the
+    backwards before its step, how many values it took at most in one window, that window's
+    values and the site of the backward that first saw a new one; None when the rate never
+    changed inside a window."""
+    backwards = [e for e in trace.events_of(Backward)
+                 if len(e.lrs) > slot and e.lrs[slot] is not None]
+    first: tuple[int, list[float], Any] | None = None
+    most = 1
+    previous = -1
+    for window, (seq, _) in enumerate(steps):
+        values: list[float] = []
+        site = None
+        for e in backwards:
+            lr = e.lrs[slot]
+            if previous < e.seq < seq and lr is not None and (
+                    not values or _differs(values[-1], lr)):
+                values.append(lr)
+                site = site or (e.site if len(values) > 1 else None)
+        previous = seq
+        if len(values) > 1:
+            most = max(most, len(values))
+            if first is None:
+                first = (window, values, site)
+    return None if first is None else (first[0], most, first[1], first[2])
+
+
+def _differs(a: float, b: float) -> bool:
+    return abs(a - b) > thresholds.LR_RTOL * max(abs(a), abs(b), 1e-30)
+
+
+def lr_set_by_hand_findings(session: Session, trace: Trace, rung: str) -> list[Finding]:
+    """A finding when the loop changed an optimizer's rate between the micro-batches of a
+    window and an optimizer step used another rate than the same loop at K = 1 gives it."""
+    if session.K < 2 or not trace.steps:
+        return []
+    for slot in sorted({s.optimizer for s in trace.steps}):
+        steps = _step_lrs(trace, slot)
+        inside = _changes_inside_windows(trace, slot, steps)
+        if inside is None:
+            continue
+        window, most, values, site = inside
+        merged = [merge_micro_batches(session.window(w)) for w in range(session.N)]
+        if any(m is None for m in merged):
+            return []        # ragged windows: no K = 1 run to measure the consequence with
+        once = session.run_loop("fp32", micro_batches=merged, K=1, capture=False)
+        if once.error is not None:
+            return []
+        meant = [lr for _, lr in _step_lrs(once, slot)]
+        for n, (_, used) in enumerate(steps[:len(meant)]):
+            if _beyond_a_step(used, meant, n):
+                return [_finding(session, trace, rung, slot, n, used, meant[n], window, most,
+                                 values, site)]
+    return []
+
+
+def _beyond_a_step(used: float, meant: list[float], n: int) -> bool:
+    """Whether step `n`'s rate lies outside what the schedule gives between the step before
+    and the step after it: a rate read from a fractional step (`it / K`) is less than a step
+    off and harmless; one counted in micro-batches is K - 1 steps ahead from the first step."""
+    near = meant[max(0, n - 1):n + 2]
+    low, high = min(near), max(near)
+    return _differs(used, min(max(used, low), high))
+
+
+def _finding(session: Session, trace: Trace, rung: str, slot: int, step: int, used: float,
+             meant: float, window: int, most: int, values: list[float], site: Any) -> Finding:
+    shown = ", ".join(f"{v:.6g}" for v in values[:6]) + (", ..." if len(values) > 6 else "")
+    which = "" if len({s.optimizer for s in trace.steps}) < 2 else f" of optimizer {slot}"
+    return deciders.scheduler_per_microbatch(Observed(rung, Severity.ERROR,
+        f"The loop sets the learning rate{which} on every micro-batch: it took {most} "
+        f"different values between two optimizer steps of the {trace.precision} run (window "
+        f"{window}: {shown}), so its schedule counts micro-batches, not optimizer steps. "
+        f"Optimizer step {step} used lr {used:.6g} where the same loop at K = 1 (each "
+        f"window's data as one micro-batch) uses {meant:.6g} for that step: the warm-up and "
+        f"decay run about {session.K}x too fast.",
+        evidence={"measured": most, "expected": 1, "lr_used": used, "lr_expected": meant,
+                  "first_step_off": step, "window": window, "accumulation_steps": session.K},
+        location=_assignment(session) or location(site),
+        fix="Compute the rate from an optimizer-step counter, not a micro-batch one: increment it "
+            "after `scaler.step(optimizer)` (or use `it // K` for a micro-batch index `it`), "
+            "assign it once per window, and size the warm-up and decay in optimizer steps."))
+
+
+def _assignment(session: Session) -> Location | None:
+    """The line of the training loop's function that assigns a learning rate
+    (`group["lr"] = ...`, `param_group.update(lr=...)`); None when it has none (the rate is set
+    elsewhere)."""
+    loop = getattr(session.code, "train_loop", None)
+    try:
+        function = inspect.unwrap(loop)   # type: ignore[arg-type]
+        code = function.__code__
+        source = inspect.getsource(function)
+    except (AttributeError, TypeError, OSError, ValueError):
+        return None
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        line = _assigns_lr(node)
+        if line is not None:
+            at = code.co_firstlineno + line - 1
+            text = linecache.getline(code.co_filename, at).strip()
+            return Location(code.co_filename, at, code.co_name, text or None)
+    return None
+
+
+def _assigns_lr(node: ast.AST) -> int | None:
+    targets: list[ast.expr] = []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    for target in targets:
+        if (isinstance(target, ast.Subscript) and isinstance(target.slice, ast.Constant)
+                and target.slice.value == "lr"):
+            return target.lineno
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "update" and any(k.arg == "lr" for k in node.keywords)):
+        return node.lineno
+    return None
