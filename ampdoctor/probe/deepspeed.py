@@ -359,9 +359,10 @@ def _wrap_init_distributed(original: Callable[..., Any]) -> Callable[..., Any]:
             for key, value in (("RANK", rank), ("LOCAL_RANK", rank),
                                ("WORLD_SIZE", str(torch.distributed.get_world_size()))):
                 os.environ.setdefault(key, value)
-        elif recorder.ACTIVE is not None and "RANK" not in os.environ:
+        elif recorder.ACTIVE is not None and "MASTER_PORT" not in os.environ and \
+                os.environ.get("WORLD_SIZE", "1") == "1":
             # one process, not launched by `deepspeed`/torchrun: without these DeepSpeed looks
-            # for MPI
+            # for MPI (script mode set all but the port before the script ran)
             defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
             for key, value in defaults.items():

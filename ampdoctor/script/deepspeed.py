@@ -17,8 +17,8 @@ inputs are cast to the dtype the engine cast the module to (the script, written 
 precision, cannot have done it), as DeepSpeed's own fp16 `auto_cast` does.
 
 One process not started by a launcher gets what DeepSpeed reads to form a group of one
-(`RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR MASTER_PORT`, `probe.deepspeed.SINGLE_PROCESS`)
-before the script runs, so a script that reads `LOCAL_RANK` itself finds it.
+(`RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR`) before the script runs, so a script that reads
+`LOCAL_RANK` itself finds it; `MASTER_PORT` when DeepSpeed initialises its group.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-from ..probe import deepspeed as probe_deepspeed
 from ..probe import patches
 from ..probe.events import EngineBuilt
 
@@ -90,13 +89,14 @@ def _user_config(bound: inspect.BoundArguments) -> tuple[Any, str | None]:
 
 
 def single_process_environment() -> None:
-    """What DeepSpeed reads to form a group of one, unless a launcher set it (module doc)."""
+    """What DeepSpeed reads to form a group of one, unless a launcher set it (module doc); the
+    port is left to `probe.deepspeed`'s `init_distributed`, which picks a free one just before
+    DeepSpeed binds it (picked at the script's start, another process could take it first)."""
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return
-    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(probe_deepspeed.free_port())}
-    for key in probe_deepspeed.SINGLE_PROCESS:
-        os.environ.setdefault(key, defaults[key])
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
 
 
 def install(probe: Any, patcher: patches.Patcher) -> None:
