@@ -222,6 +222,31 @@ class _EngineStep:
         probe.on_optimizer_step(self.inner, recorder.Consumed(grads, state))
 
 
+def load_weights(engine: Any, model: torch.nn.Module, state: Any) -> None:
+    """Set the weights the engine's optimizer steps to `state` (by name, as in `model`): its
+    fp32 masters or this rank's partition of them (`layout`), and under ZeRO-3 the module's own
+    shards (`ds_tensor`), which a `load_state_dict` of the partitioned module cannot reach. A
+    teacher-forced run's weights loaded into the module alone would be overwritten from the
+    masters at the engine's next step."""
+    with torch.no_grad():
+        for piece in layout(engine, model):
+            value = state.get(piece.name)
+            if value is not None:
+                flat = piece.flat.data.view(-1)
+                flat[piece.flat_start:piece.flat_start + piece.numel].copy_(
+                    value.reshape(-1)[piece.start:piece.start + piece.numel])
+        rank = _dp_rank(engine.optimizer)
+        for name, param in model.named_parameters():
+            shard: Any = getattr(param, "ds_tensor", None)
+            value = state.get(name)
+            if shard is None or value is None:
+                continue
+            zero3: Any = param   # (DeepSpeed's partitioned parameter)
+            start = rank * zero3.partition_numel()
+            real = max(0, min(shard.numel(), int(zero3.ds_numel) - start))
+            shard.data.view(-1)[:real].copy_(value.reshape(-1)[start:start + real])
+
+
 def _clip(engine: Any, probe: recorder.Probe) -> None:
     """The engine clips the consumed gradient at the config's `gradient_clipping` (global L2
     norm, in true-gradient space): a clip of every parameter, for the reference to mirror."""
@@ -314,7 +339,7 @@ def _built(engine: Any, probe: recorder.Probe, config: Any) -> None:
                  ran=precision)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -334,11 +359,12 @@ def _wrap_init_distributed(original: Callable[..., Any]) -> Callable[..., Any]:
             for key, value in (("RANK", rank), ("LOCAL_RANK", rank),
                                ("WORLD_SIZE", str(torch.distributed.get_world_size()))):
                 os.environ.setdefault(key, value)
-        elif recorder.ACTIVE is not None and "RANK" not in os.environ:
+        elif recorder.ACTIVE is not None and "MASTER_PORT" not in os.environ and \
+                os.environ.get("WORLD_SIZE", "1") == "1":
             # one process, not launched by `deepspeed`/torchrun: without these DeepSpeed looks
-            # for MPI
+            # for MPI (script mode set all but the port before the script ran)
             defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
             for key, value in defaults.items():
                 os.environ.setdefault(key, value)
         return original(*args, **kwargs)

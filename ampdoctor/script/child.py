@@ -44,7 +44,7 @@ from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecor
 from ..probe.observer import ProbeSettings
 from ..probe.trace import WeightCast, weight_cast
 from ..safetext import exc_text, safe_str
-from . import expectation, files, forcing, prefork
+from . import deepspeed, expectation, files, forcing, prefork
 
 
 @dataclass
@@ -70,6 +70,8 @@ class Job:
     max_forwards: int = 10_000
     #: the run's scratch folder (`files.Overlay`); None: a temp dir of the child's own
     scratch: str | None = None
+    #: a reference's DeepSpeed config keys (K = 1, the batch K x b: `script.deepspeed`)
+    deepspeed: dict[str, Any] | None = None
 
 
 @dataclass
@@ -185,6 +187,10 @@ class ScriptProbe:
         self.loaded = -1              # the teacher state last loaded
         self.captured = -1            # the window whose reference gradient was kept
         self.current = 0              # the window of the last micro-batch forward
+        self.engine: Any = None       # the DeepSpeed engine the script built, if any
+
+    def engine_built(self, engine: Any) -> None:
+        self.engine = engine
 
     # --- the model -----------------------------------------------------------------------
     def module_built(self, module: torch.nn.Module) -> None:
@@ -273,8 +279,7 @@ class ScriptProbe:
                 raise StopScript
             self.loaded = self.windows
             assert self.model is not None
-            with torch.no_grad():
-                self.model.load_state_dict(dict(teacher[self.windows]), strict=False)
+            self._load(teacher[self.windows])
         self.current = self.windows
         # a 0-d tensor (a count such as transformers' `num_items_in_batch`) holds no rows: each
         # of the run's K forwards gets the window's count, the reference's one forward gets it
@@ -291,6 +296,20 @@ class ScriptProbe:
         index = len(self.out.forwards) - 1
         self.probe.on_microbatch(index)
         self.probe.on_forward(index)
+
+    def _load(self, state: Mapping[str, torch.Tensor]) -> None:
+        """The teacher's weights into the model, and into the masters a DeepSpeed engine's
+        optimizer steps (a ZeRO-3 module's partitioned parameters only there)."""
+        assert self.model is not None
+        if self.engine is not None:
+            from ..probe.deepspeed import load_weights
+            load_weights(self.engine, self.model, state)
+        shapes = {n: p.shape for n, p in self.model.named_parameters()
+                  if getattr(p, "ds_tensor", None) is None}
+        own = {k: v for k, v in state.items() if k in shapes or
+               k not in dict(self.model.named_parameters())}
+        with torch.no_grad():
+            self.model.load_state_dict(own, strict=False)
 
     # --- the reference's unclipped gradient -------------------------------------------------
     def keep_reference(self) -> None:
@@ -332,6 +351,8 @@ def run(job: Job) -> Outcome:
             patches.installed(lambda p: files.install(overlay, p))).patched
         patched += stack.enter_context(
             patches.installed(lambda p: forcing.install(probe, p))).patched
+        patched += stack.enter_context(
+            patches.installed(lambda p: deepspeed.install(probe, p))).patched
         patched += stack.enter_context(
             patches.installed(lambda p: expectation.install(probe.expectation, p))).patched
         # a preloaded library's own copy of a patched function points at the patched one
@@ -384,7 +405,9 @@ def _finish(probe: ScriptProbe) -> Outcome:
         out.param_names = {id(prm): n for n, prm in model.named_parameters()}
         out.owners = {id(prm): slot for slot, opt in enumerate(p.optimizers)
                       for g in opt.param_groups for prm in g["params"]}
-        out.param_shapes = {n: prm.shape for n, prm in model.named_parameters()}
+        # (a ZeRO-3 parameter is partitioned: its whole shape is `ds_shape`)
+        out.param_shapes = {n: getattr(prm, "ds_shape", prm.shape)
+                            for n, prm in model.named_parameters()}
         first = next(iter(model.parameters()), None)
         out.device = str(first.device) if first is not None else "cpu"
         out.cast = weight_cast(model, [])

@@ -44,8 +44,12 @@ class ScriptSpec:
     dropout: str = "off"
     device: str = "auto"
 
+    #: the config files the script's engines were built from (a DeepSpeed `--deepspeed_config`):
+    #: searched with the script for loss-scale owners, as `ampdoctor scan SCRIPT CONFIG` does
+    config_files: list[str] = field(default_factory=list)
+
     def scan_paths(self) -> list[Path]:
-        return [Path(self.script)]
+        return [Path(self.script), *(Path(f) for f in self.config_files)]
 
 
 class ScriptCode:

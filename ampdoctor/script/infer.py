@@ -154,18 +154,19 @@ def _to_try(script: str, args: list[str], k: Flag | None, batch: Flag | None,
             f"{shlex.quote(shlex.join(ref))} -- {run}")
 
 
-#: what a user with a DeepSpeed script is told (script mode does not drive an engine yet)
-DEEPSPEED_HINT = (
-    "Script mode does not run DeepSpeed scripts yet (their runs would need a process group of "
-    "their own and the engine's precision switched per rung in its config): diagnose the loop "
-    "with a spec whose train_loop builds the engine from `run` (the README's 'Training that a "
-    "framework runs', DeepSpeed), and `ampdoctor scan` the script and its config for a second "
-    "loss-scale owner")
+#: the deferred "batch option" of a script that builds a DeepSpeed engine: K and the micro-batch
+#: are its config's, the reference's engine is built with K = 1 and K x b (`script.deepspeed`)
+DEEPSPEED_BATCH = "train_micro_batch_size_per_gpu"
 
 
-def builds_deepspeed_engine(tree: ast.AST) -> bool:
-    """Whether the script calls `deepspeed.initialize` (through any name `deepspeed` is
-    imported as, or `from deepspeed import initialize`)."""
+def builds_deepspeed_engine(tree: ast.AST | str) -> bool:
+    """Whether the script (its tree, or its path) calls `deepspeed.initialize` (through any
+    name `deepspeed` is imported as, or `from deepspeed import initialize`)."""
+    if isinstance(tree, str):
+        try:
+            tree = ast.parse(Path(tree).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            return False
     names, functions = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -196,9 +197,16 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
     all_flags = init_script.flags(tree, undefaulted=True)
     k = _pick(all_flags, K_FLAGS)
     batch = _pick(all_flags, BATCH_FLAGS)
-    if (k is None or batch is None) and builds_deepspeed_engine(tree):
-        raise UsageError(f"{script} builds a DeepSpeed engine (deepspeed.initialize): its K "
-                         "and micro-batch are in the DeepSpeed config. " + DEEPSPEED_HINT)
+    if builds_deepspeed_engine(tree):
+        # the engine steps at its config's boundary, whatever option fed the config
+        return Inferred(args=list(args),
+                        text="the DeepSpeed config with gradient_accumulation_steps 1 and "
+                        f"{DEEPSPEED_BATCH} K x b (inferred once K is seen)",
+                        how="the DeepSpeed config sets K (gradient_accumulation_steps) and the "
+                        f"micro-batch ({DEEPSPEED_BATCH}); the reference's engine gets 1 and "
+                        "K x b, fp32, ZeRO stage 0, no clipping (the user's config is not "
+                        "changed)", K=0, micro_batch=0, k_option="gradient_accumulation_steps",
+                        batch_option=DEEPSPEED_BATCH, deferred=True)
     total = _pick(all_flags, TOTAL_FLAGS) if k is None else None
     if total is not None and batch is not None:
         return Inferred(args=list(args), text=f"{batch.option} K x b (inferred once K is seen)",
@@ -257,6 +265,33 @@ def _pick(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:
                                          or isinstance(flag.default, (int, float))):
                 return flag
     return None
+
+
+def deepspeed_options(script: str, args: list[str], K: set[int], b: int, batch: int,
+                      cwd: str | None = None) -> list[str]:
+    """A DeepSpeed script's reference arguments: `args` with its own accumulation option set to
+    1 and its batch option to `batch` where their values (given or default) are K (the engine
+    config's or the loop's) and b -- the options that feed its config or its loop's own
+    accumulation, which a script may also divide the loss by."""
+    try:
+        tree = ast.parse(Path(cwd or os.getcwd(), script).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, SyntaxError):
+        return list(args)
+    all_flags = init_script.flags(tree, undefaulted=True)
+    longs = _long_options(all_flags)
+    out = list(args)
+    for names, engine, value in ((K_FLAGS, K, 1), (BATCH_FLAGS, {b}, batch)):
+        flag = _pick(all_flags, names)
+        if flag is None or flag.configurator:
+            continue
+        given = _occurrences(flag, out, longs)
+        try:
+            current = _number(given.value if given.value is not None else flag.default, "")
+        except ValueError:
+            continue
+        if current in engine:
+            out = _set(out, flag, given, value)
+    return out
 
 
 def with_batch(script: str, args: list[str], batch: int, cwd: str | None = None

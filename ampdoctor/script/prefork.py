@@ -74,7 +74,8 @@ def script_imports(script: str, cwd: str) -> list[str]:
 
 #: the frameworks whose classes the probe patches (`probe.frameworks`): a run imports those its
 #: script imports before the patches go in, when the server did not preload them
-FRAMEWORKS = ("accelerate", "transformers", "lightning", "pytorch_lightning", "lightning_fabric")
+FRAMEWORKS = ("accelerate", "transformers", "lightning", "pytorch_lightning", "lightning_fabric",
+              "deepspeed")
 
 
 def import_frameworks(script: str, cwd: str) -> None:

@@ -18,14 +18,18 @@ accumulation consumes, the mean (or sum) of these per-micro-batch references is
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..errors import UsageError
+from ..errors import UsageError, UserCodeError
+from ..probe.events import EngineBuilt
 from ..reference import WindowReference, per_microbatch_full
-from .infer import with_batch
+from .infer import DEEPSPEED_BATCH, deepspeed_options, with_batch
 
 if TYPE_CHECKING:
     from .child import Job, Outcome
@@ -41,6 +45,8 @@ class ScriptSession(Protocol):
     notes: set[str]
     #: (id(state), window) -> `per_microbatch` (the states are pinned by the session)
     per_mb_cache: dict[tuple[int, int], tuple[list[Grads], list[float]] | None]
+    #: a DeepSpeed script's reference config keys (`_deepspeed`), None for another script
+    deepspeed_reference: dict[str, Any] | None
 
     @property
     def traces(self) -> dict[str, Any]: ...
@@ -50,6 +56,8 @@ class ScriptSession(Protocol):
     def command(self) -> Any: ...     # session.Command
     @property
     def script(self) -> str: ...
+    @property
+    def scratch(self) -> Any: ...     # scratch.Scratch
     def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job: ...
     def run(self, job: Job, what: str) -> Outcome: ...
 
@@ -67,6 +75,8 @@ def deferred(ss: ScriptSession, batch_option: str) -> list[str]:
     (the total unchanged, so the script's K comes out 1). UsageError (exit 2) when the step
     does not show them."""
     first = ss.run(ss.job("fp32", steps=1), "fp32 run (to read K)")
+    if batch_option == DEEPSPEED_BATCH:
+        return _deepspeed(ss, first)
     K = first.micro_batches()
     b = first.forwards[0].rows if first.forwards else 0
     args = with_batch(ss.script, list(ss.command.args), K * b, ss.command.cwd) \
@@ -81,6 +91,70 @@ def deferred(ss: ScriptSession, batch_option: str) -> list[str]:
     ss.notes.add(f"the script derives K itself: its first fp32 step showed K = {K} "
                  f"micro-batches of {b}, so the reference sets {batch_option} to {K * b} "
                  f"({' '.join(args)}); give --reference-args to set it yourself")
+    return args
+
+
+def _deepspeed(ss: ScriptSession, first: Outcome) -> list[str]:
+    """The reference of a script that builds a DeepSpeed engine: the run's own arguments, its
+    engine built with the config's K (`gradient_accumulation_steps`) at 1 and the micro-batch
+    at K x b (`script.deepspeed`, `ss.deepspeed_reference`)."""
+    engines = [e for e in first.events if isinstance(e, EngineBuilt)]
+    b = first.forwards[0].rows if first.forwards else 0
+    if first.error is not None or not engines or not first.steps or not b:
+        why = (f"it raised: {first.error.get('text')}" if first.error is not None
+               else "it built no DeepSpeed engine" if not engines
+               else "it made no optimizer step")
+        site = first.error.get("site") if first.error is not None else None
+        raise UserCodeError(f"{ss.script}: a first fp32 run was to show the DeepSpeed engine's "
+                            f"K and micro-batch, but {why}",
+                            location=(site.file, site.line) if site is not None else None)
+    from_config = engines[0].accumulation_steps
+    # the micro-batches the loop fed before the engine's first update: the config's K when the
+    # loop calls engine.step() on every micro-batch, as DeepSpeed documents
+    K = first.micro_batches() or from_config
+    ss.deepspeed_reference = {"gradient_accumulation_steps": 1, DEEPSPEED_BATCH: K * b}
+    args = deepspeed_args(ss, engines[0].config_file, {K, from_config}, b, K * b)
+    changed = (f"; run with {shlex.join(args)}" if args != list(ss.command.args) else "")
+    fed = (f"its config's K = {K} micro-batches of {b}" if from_config == K else
+           f"its loop fed K = {K} micro-batches of {b} before the engine's first update (the "
+           f"config's gradient_accumulation_steps is {from_config})")
+    ss.notes.add(f"the script builds a DeepSpeed engine: {fed}; the reference is the same "
+                 "script, its engine's config copy set to "
+                 f"gradient_accumulation_steps 1 and {DEEPSPEED_BATCH} {K * b} (fp32, ZeRO "
+                 f"stage 0, no clipping{changed}; the user's config is not changed)")
+    return args
+
+
+def deepspeed_args(ss: ScriptSession, config_file: str | None, K: set[int], b: int, batch: int
+                   ) -> list[str]:
+    """The run's arguments (K micro-batches of b) with the script's own options for K and the
+    batch at 1 and `batch` (`infer.deepspeed_options`), and the DeepSpeed config file they name
+    (`--deepspeed_config FILE`) replaced by a copy in the diagnose's scratch folder with K = 1
+    and the micro-batch `batch`, so a script that reads its config itself for K or the batch
+    reads the reference's."""
+    args = list(ss.command.args)
+    # (the script's own options that feed its config, if any)
+    args = deepspeed_options(ss.script, args, K, b, batch, ss.command.cwd)
+    if config_file is None:
+        return args
+    def names_it(arg: str) -> bool:
+        named = arg.partition("=")[2] if "=" in arg else arg
+        return bool(named) and os.path.abspath(os.path.join(ss.command.cwd, named)) == config_file
+
+    index = next((i for i, arg in enumerate(args) if names_it(arg)), None)
+    if index is None:
+        return args
+    option, joined, _ = args[index].partition("=")
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    config.pop("train_batch_size", None)
+    config.update({"gradient_accumulation_steps": 1, DEEPSPEED_BATCH: batch})
+    folder = os.path.join(ss.scratch.root, "deepspeed")
+    os.makedirs(folder, exist_ok=True)
+    copy = os.path.join(folder, f"k1-batch{batch}-{os.path.basename(config_file)}")
+    with open(copy, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=1)
+    args[index] = f"{option}={copy}" if joined else copy
     return args
 
 
@@ -126,13 +200,19 @@ def per_microbatch(ss: ScriptSession, window: int, state: Mapping[str, torch.Ten
     reference_args = ss.command.reference_args
     if fp32 is None or not b or reference_args is None or ss.K < 2:
         return None
-    args = with_batch(ss.script, list(reference_args), b, ss.command.cwd)
+    deepspeed = ss.deepspeed_reference
+    engines = fp32.events_of(EngineBuilt)
+    args = (deepspeed_args(ss, engines[0].config_file if engines else None, {ss.K}, b, b)
+            if deepspeed is not None
+            else with_batch(ss.script, list(reference_args), b, ss.command.cwd))
     if args is None:
         return None
     K = ss.K
     first, last = window * K, (window + 1) * K
     job = ss.job("fp32", reference=True, steps=last, teacher=[state] * last)
     job.args = args
+    if deepspeed is not None:
+        job.deepspeed = {**deepspeed, DEEPSPEED_BATCH: b}
     ref = ss.run(job, "per-micro-batch reference run")
     if ref.error is not None or len(ref.ref_grads) < last:
         return None

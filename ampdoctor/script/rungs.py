@@ -28,7 +28,7 @@ from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
 from ..ladder.analysis import loop_error_finding, scheduler_findings
 from ..ladder.casts import weight_cast_finding
 from ..ladder.reproducibility import repeat_tolerance
-from ..probe.events import Backward, Clip, Scale, ZeroGrad
+from ..probe.events import Backward, Clip, EngineBuilt, Scale, ZeroGrad
 from ..rules.scale_state import call_order_finding, runtime_double_scaling, violation_observations
 from .lrs import lr_mismatch
 from .references import Grads
@@ -196,6 +196,8 @@ def unavailable(ss: ScriptSession, precision: str) -> str | None:
     fp32 = ss.trace("fp32")
     if fp32.error is not None:
         return "the fp32 run raised (see fp32-accum)"
+    if fp32.events_of(EngineBuilt):   # the engine's config sets it (`script.deepspeed`)
+        return amp.bf16_supported(ss) if precision == "bf16" else None  # type: ignore[arg-type]
     autocasts = _autocast_requests(ss)
     if not autocasts:
         return (f"the script never enters autocast on {ss.device.type}: it trains in fp32 "
@@ -209,6 +211,17 @@ def unavailable(ss: ScriptSession, precision: str) -> str | None:
     if precision == "bf16":
         return amp.bf16_supported(ss)  # type: ignore[arg-type]
     return None
+
+
+def fp16_unavailable(ss: ScriptSession) -> str | None:
+    """Why there is no fp16 run for the rungs that read one: the script cannot run it, or its
+    DeepSpeed engine refused it on this device (the fp16-scaler rung's skip says so)."""
+    reason = unavailable(ss, "fp16")
+    if reason is None and ss.trace("fp32").events_of(EngineBuilt):
+        changed = amp.framework_change(ss.trace("fp16"))
+        if changed is not None and changed[1]["precision_ran"] is None:
+            return changed[0]
+    return reason
 
 
 def precision_rung(precision: str) -> Callable[[ScriptSession], RungResult]:
@@ -231,7 +244,7 @@ def double_scaling(ss: ScriptSession) -> RungResult:
 
 def clip_space_rung(ss: ScriptSession) -> RungResult:
     rung = RungId.CLIP_SPACE
-    reason = unavailable(ss, "fp16")
+    reason = fp16_unavailable(ss)
     if reason:
         return RungResult(rung, Status.SKIP, f"no fp16 run: {reason}")
     if not ss.trace("fp16").events_of(Clip):
@@ -272,7 +285,7 @@ def _clip_space_from_trace(ss: ScriptSession, trace: ScriptTrace) -> RungResult:
 
 
 def skips_rung(ss: ScriptSession) -> RungResult:
-    reason = unavailable(ss, "fp16")
+    reason = fp16_unavailable(ss)
     if reason:
         return RungResult(RungId.SKIPS, Status.SKIP, f"no fp16 run: {reason}")
     return skips.run(ss)  # type: ignore[arg-type]

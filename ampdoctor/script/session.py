@@ -22,13 +22,13 @@ import torch
 
 from ..errors import UsageError, UserCodeError
 from ..probe.callsite import CallSiteFinder
-from ..probe.events import Backward, Clip
+from ..probe.events import Backward, Clip, EngineBuilt
 from ..probe.trace import Trace
 from ..reference import WindowReference
 from . import spawn
 from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
-from .infer import DEEPSPEED_HINT
+from .infer import builds_deepspeed_engine
 from .references import deferred, window_reference
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
@@ -67,6 +67,8 @@ class ScriptSession:
         self.outputs: list[dict[str, Any]] = []
         self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
         self.per_mb_cache: dict[tuple[int, int], Any] = {}
+        #: a DeepSpeed script's reference engine config keys (`references.deferred`)
+        self.deepspeed_reference: dict[str, Any] | None = None
         self._pinned: list[Any] = []
         #: where the script's file writes land: a folder per run (`scratch`, `files`)
         self.scratch = Scratch()
@@ -76,6 +78,8 @@ class ScriptSession:
         cmd = self.command
         args = cmd.reference_args if reference else cmd.args
         assert args is not None
+        if reference and self.deepspeed_reference is not None:
+            extra.setdefault("deepspeed", dict(self.deepspeed_reference))
         return Job(script=self.script, args=list(args), precision=precision,
                    steps=extra.pop("steps", self.N), cwd=cmd.cwd, env=dict(cmd.env),
                    reference=reference, **extra)
@@ -111,6 +115,7 @@ class ScriptSession:
 
     def start(self) -> ScriptTrace:
         """The fp32 run (first the reference's first window, if any, for K x b)."""
+        _one_process(self.command, self.script)
         if self.command.reference_args is None and self.command.defer_batch is not None:
             self.command.reference_args = deferred(self, self.command.defer_batch)
         if self.command.reference_args is not None:
@@ -120,11 +125,9 @@ class ScriptSession:
             if first.error is not None:
                 how = (f"exited ({first.ended})" if first.ended.startswith("exit")
                        else "raised")
-                hint = (f". {DEEPSPEED_HINT}"
-                        if "deepspeed" in str(first.error.get("traceback") or "") else "")
                 raise UserCodeError(
                     f"the script run with the reference's arguments ({' '.join(cmd_args)}) "
-                    f"{how} before its first optimizer step: {first.error.get('text')}{hint}",
+                    f"{how} before its first optimizer step: {first.error.get('text')}",
                     location=_where(first.error))
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
@@ -151,6 +154,8 @@ class ScriptSession:
         self.spec.max_grad_norm = clips[0] if clips else None
         self.spec.micro_batch_size = b
         self.spec.accumulation_steps = self.K
+        self.spec.config_files = sorted({e.config_file for e in outcome.events
+                                         if isinstance(e, EngineBuilt) and e.config_file})
         trace = replay(outcome, "fp32", self.K, self.finder, None)
         self.traces["fp32"] = trace
         if outcome.steps and outcome.error is None:
@@ -380,6 +385,18 @@ class ScriptSession:
     def random_modules(self) -> list[str]:
         fp32 = self.traces.get("fp32")
         return list(fp32.outcome.dropout) if fp32 is not None else []
+
+
+def _one_process(command: Command, script: str) -> None:
+    """A DeepSpeed script under a launcher of several ranks: not run (UsageError, exit 2)."""
+    world = command.env.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1 and builds_deepspeed_engine(script):
+        raise UsageError(
+            f"{os.path.basename(script)} builds a DeepSpeed engine and this process is one of "
+            f"WORLD_SIZE={world} ranks: script mode runs a DeepSpeed script in one process "
+            "(it sets RANK=0 WORLD_SIZE=1 itself). Run `ampdoctor diagnose SCRIPT -- ARGS` "
+            "without the launcher, or diagnose two ranks with a spec "
+            "(`ddp: {world_size: 2, wrapper: deepspeed}`, docs/frameworks.md)")
 
 
 def _per_window(injector: Any) -> int:
