@@ -546,3 +546,40 @@ def test_a_rate_set_per_micro_batch_is_an_error_with_the_rates_it_measured():
     assert f"used lr {warmup[-1]:.6g}" in finding.message
     assert f"uses {warmup[0]:.6g}" in finding.message and "4x too fast" in finding.message
     assert "optimizer-step counter" in finding.fix and finding.location.line == 34
+
+
+def test_a_norm_read_at_an_infinite_threshold_is_a_warning_and_explains_no_mismatch():
+    """`clip_grad_norm_(params, inf)` before `unscale_` (a grad norm computed for logging)
+    clips nothing: a warning about the logged value, never the cause of a mismatch."""
+    from dataclasses import replace
+
+    from ampdoctor.findings import Finding
+    from ampdoctor.kinds.clipping import ScaledClip, scaled_clip
+    from ampdoctor.rules.scale_state import explain_with_calls
+
+    seen, true = 190589.0, 2.90818
+    o = ScaledClip(RungId.FP16_SCALER, 0, 65536.0, seen, true, float("inf"), location=LINE)
+    for update_matched in (False, True):
+        finding = scaled_clip(replace(o, update_matched=update_matched))
+        assert finding.severity is Severity.WARNING
+        assert "never clips, so the update is not affected" in finding.message
+        assert f"{seen / true:.6g}x, the loss scale (65536)" in finding.message
+        assert "scaler.get_scale()" in finding.fix
+    mismatch = Finding(RungId.FP16_SCALER, KindId.GRADIENT_MISMATCH, Severity.ERROR, "off")
+    judgement = type("J", (), {"steps": []})()
+    kept, warnings = explain_with_calls([mismatch], [o], judgement)
+    assert (kept, warnings) == ([mismatch], [])
+    finite = replace(o, max_norm=1.0)
+    kept, _ = explain_with_calls([mismatch], [finite], judgement)
+    assert [f.kind for f in kept] == [KindId.CLIP_BEFORE_UNSCALE]
+
+
+def test_a_skip_path_without_update_is_a_loop_error_whose_fix_says_update_on_every_path():
+    from ampdoctor.kinds.loop_error import UpdateMissing, no_update_before_unscale
+
+    finding = no_update_before_unscale(UpdateMissing(
+        RungId.SKIPS, "fp16", "unscale_() has already been called", 1, 2, location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.LOOP_ERROR, Severity.ERROR)
+    assert (finding.evidence["measured"], finding.evidence["expected"]) == (1, 2)
+    assert "never reached scaler.update()" in finding.message
+    assert "on every path" in finding.fix and "timeout" not in finding.fix

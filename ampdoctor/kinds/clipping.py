@@ -10,6 +10,7 @@ This module must not import torch: the static scan, `report` and `explain` run w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -82,6 +83,14 @@ class ScaledClip:
     update_matched: bool = False
     unmeasured: bool = False            # no reference run compared the update (a script)
 
+    @property
+    def never_clips(self) -> bool:
+        """A norm clip at an infinite threshold: a norm read (for logging), not a clip."""
+        try:
+            return not self.by_value and not math.isfinite(float(self.max_norm))
+        except (TypeError, ValueError):
+            return False
+
 
 def scaled_clip(o: ScaledClip) -> Finding:
     """`clip-before-unscale` from the state machine: an error where it explains a mismatch the
@@ -96,6 +105,17 @@ def scaled_clip(o: ScaledClip) -> Finding:
                           "expected": 1.0, "norm_seen_by_clip": seen,
                           "true_norm": significant(true) if true else None,
                           "max_grad_norm": o.max_norm}
+    if o.never_clips:
+        return clip_before_unscale(Observed(o.rung, Severity.WARNING,
+            "clip_grad_norm_ ran before scaler.unscale_ with an infinite max_norm: it never "
+            "clips, so the update is not affected, but the norm it returned (a logged "
+            "grad_norm) is the scaled one"
+            + (f": {seen:.6g} where the true norm is {true:.6g}, {ratio:.6g}x, the loss scale "
+               f"({o.scale:g})." if ratio and seen and true else "."),
+            evidence=evidence, location=o.location,
+            fix="Read the norm after `scaler.unscale_(optimizer)` (unscale first, then "
+                "`clip_grad_norm_`, then `scaler.step(optimizer)`, which does not unscale "
+                "again), or divide it by `scaler.get_scale()` before logging it."))
     if o.by_value:
         message = (f"clip_grad_value_ ran before scaler.unscale_: the clip value "
                    f"{o.max_norm} was applied to gradients multiplied by the "

@@ -76,7 +76,11 @@ def no_update_before_unscale(o: UpdateMissing) -> Finding:
         "one. Call scaler.update() once per window on every path, skipped or not.",
         evidence={"error": o.error, "updates": o.updates, "scaler_steps": o.scaler_steps,
                   "measured": o.updates, "expected": o.scaler_steps or 1},
-        location=o.location))
+        location=o.location,
+        fix="Call `scaler.update()` once per window on every path. Where the loop skips a "
+            "window itself (a non-finite norm, then `continue`), call `scaler.update()` before "
+            "leaving it, or drop the check: `scaler.step(optimizer)` already skips a step "
+            "whose gradients are not finite."))
 
 
 @dataclass(frozen=True)

@@ -158,8 +158,10 @@ def explain_with_calls(mismatch: list[Finding], violations: list[CallOrder],
         same = next((v for v in relevant if v.kind == first.kind), None)
         if same is not None and first.kind != KindId.CLIP_BEFORE_UNSCALE:
             return [call_order_finding(same)], []
-        if first.kind == KindId.GRADIENT_MISMATCH and relevant:
-            return [call_order_finding(relevant[0])], []
+        # (a norm read at an infinite threshold changes no update: it explains no mismatch)
+        able = [v for v in relevant if not (isinstance(v, ScaledClip) and v.never_clips)]
+        if first.kind == KindId.GRADIENT_MISMATCH and able:
+            return [call_order_finding(able[0])], []
         return mismatch, []
     return [], [call_order_finding(replace(v, update_matched=True)) for v in relevant]
 
