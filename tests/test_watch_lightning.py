@@ -265,6 +265,9 @@ def test_lightning_s_documented_manual_clip_sees_scaled_gradients_too():
     mine = own.record["findings"][0]["evidence"]
     for key in ("scale", "norm_seen_by_clip", "true_norm", "measured"):
         assert finding["evidence"][key] == mine[key], key
+    # the fix in Lightning's terms: where to clip instead, and that its own call is the issue
+    assert finding["evidence"]["framework"] == "Lightning"
+    assert "on_before_optimizer_step" in finding["fix"] and "#18089" in finding["fix"]
 
 
 def test_on_error_raise_stops_fit_with_the_finding():

@@ -18,7 +18,7 @@ from .. import thresholds
 from ..enums import KindId, Severity
 from ..evidence import Evidence, significant
 from ..findings import Finding, Location
-from .base import Kind, Observed, call_order_verdict
+from .base import Kind, Observed, call_order_verdict, in_framework_terms
 
 CLIP_BEFORE_UNSCALE = Kind(
     KindId.CLIP_BEFORE_UNSCALE,
@@ -49,6 +49,16 @@ CLIP_BEFORE_UNSCALE = Kind(
         "Step {step}: the optimizer consumed {ratio:.4g}x the reference gradient = {label}: the "
         "gradients were clipped against a norm taken before unscale_, in scaled space."),
     words_its_clip=True,
+    framework_fixes={
+        "Lightning":
+            "Lightning unscales only inside the optimizer step: a clip in `on_after_backward`, "
+            "or between `self.manual_backward(loss)` and `opt.step()` (a `clip_grad_norm_`, or "
+            "`self.clip_gradients(...)` where Lightning's manual-optimization guide places it; "
+            "Lightning-AI/pytorch-lightning#18089), sees scaled gradients under 16-mixed. With "
+            "automatic optimization set `gradient_clip_val` on the Trainer; with manual "
+            "optimization clip in `on_before_optimizer_step(self, optimizer)`, which Lightning "
+            "calls after the unscale.",
+    },
 )
 
 
@@ -56,6 +66,7 @@ def clip_before_unscale(seen: Observed) -> Finding:
     """`clip-before-unscale`: gradients are clipped while still scaled.
     Error: the scaled-space clip changed the update; warning: it has not bitten yet.
     (`CLIP_BEFORE_UNSCALE.error_when`)"""
+    seen = in_framework_terms(CLIP_BEFORE_UNSCALE, seen)
     return Finding(seen.rung, KindId.CLIP_BEFORE_UNSCALE, seen.severity,
                    **seen.fields(CLIP_BEFORE_UNSCALE))
 
@@ -201,6 +212,7 @@ class WatchedScaledClip:
     scale: float
     max_norm: float
     location: Location | None = None
+    framework: str | None = None         # the framework driving the training (its fix)
 
 
 def watched_scaled_clip(o: WatchedScaledClip) -> Finding:
@@ -219,7 +231,8 @@ def watched_scaled_clip(o: WatchedScaledClip) -> Finding:
         o.rung, Severity.ERROR if bites else Severity.WARNING, message,
         evidence={"measured": round(o.norm_seen / max(true, 1e-30), 6), "expected": 1.0,
                   "scale": o.scale, "norm_seen_by_clip": round(o.norm_seen, 6),
-                  "true_norm": round(true, 6), "max_grad_norm": o.max_norm, "step": o.step},
+                  "true_norm": round(true, 6), "max_grad_norm": o.max_norm, "step": o.step,
+                  **({"framework": o.framework} if o.framework else {})},
         location=o.location))
 
 

@@ -257,7 +257,8 @@ class Watch(CountChecks, DistributedReplay, Patching):
         if scale == 1.0 or not math.isfinite(w.clip_norm):
             return
         self._found(watched_scaled_clip(WatchedScaledClip(
-            RUNG, self.updates, w.clip_norm, scale, max_norm, location=location(site))))
+            RUNG, self.updates, w.clip_norm, scale, max_norm, location=location(site),
+            framework=getattr(self, "framework", None))))
 
     def _wrap_scheduler_step(self, original: Callable[..., Any]) -> Callable[..., Any]:
         watch = self
