@@ -11,7 +11,7 @@ one that matches the user's gradient names the kind. Ratios alone are ambiguous 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -162,7 +162,8 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return float(low * 0 + high * 0) == 0
 
 
-def _chunked(user: torch.Tensor, ref: torch.Tensor):
+def _chunked(user: torch.Tensor, ref: torch.Tensor
+             ) -> tuple[tuple[float, float, float], float]:
     """The squared norms of user, ref and user - ref, and dot(user, ref), chunk by chunk in
     float64 (see CHUNK)."""
     su = sr = sd = dot = 0.0
@@ -229,7 +230,7 @@ def metrics(user: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> Metrics:
                         tol)
 
 
-def metrics_from(norm_u: float, norm_r: float, diff: float, dot, numel: int,
+def metrics_from(norm_u: float, norm_r: float, diff: float, dot: Callable[[], float], numel: int,
                  tol: Tolerance) -> Metrics:
     """The metrics of two vectors of `numel` elements from their norms, the norm of their
     difference and (called only when both norms are positive) their dot product."""

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
 import torch
 
@@ -35,16 +36,16 @@ class JudgedGroup:
     #: the run diverged after a bad step: the judge stops before this group
     stop: bool = False
 
-    def reference_norm(self, names) -> float:
+    def reference_norm(self, names: Iterable[str]) -> float:
         """The unclipped reference's 2-norm over `names`."""
         return math.sqrt(sum(self.ref_squares.get(n, 0.0) for n in names))
 
-    def gradient_norm(self, seq: int, names) -> float:
+    def gradient_norm(self, seq: int, names: Iterable[str]) -> float:
         """The 2-norm over `names` of the gradient the step at event `seq` consumed."""
         return math.sqrt(sum(self.grad_squares[seq].get(n, 0.0) for n in names))
 
 
-def _squares(grads) -> dict[str, float]:
+def _squares(grads: Mapping[str, torch.Tensor | None]) -> dict[str, float]:
     """Each parameter's squared 2-norm (a None gradient: 0)."""
     return {n: 0.0 if g is None else compare.sum_of_squares(g) for n, g in grads.items()}
 
@@ -81,7 +82,7 @@ class StepJudge:
         self.stopped = False
         self.failed = False
 
-    def __deepcopy__(self, memo) -> StepJudge:
+    def __deepcopy__(self, memo: dict[int, Any]) -> StepJudge:
         # A loop that deep-copies its model (an EMA) copies the probe its hooks reach: the
         # session behind this judge (earlier runs' freed weights among it) is not the loop's.
         return self
@@ -210,18 +211,18 @@ class JudgedGradients(Mapping):
     """The parameter names of a step judged as it happened, whose gradients were not kept.
     Reading one is a bug in ampdoctor, said loudly (never zeros)."""
 
-    def __init__(self, names, seq: int):
+    def __init__(self, names: Iterable[str], seq: int) -> None:
         self._names = list(names)
         self._seq = seq
 
-    def __getitem__(self, key: str):
+    def __getitem__(self, key: str) -> NoReturn:
         raise RuntimeError(f"the gradients of the step at event {self._seq} were judged as "
                            "they happened and not kept")
 
     def __contains__(self, key: object) -> bool:
         return key in self._names
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
     def __len__(self) -> int:
@@ -229,7 +230,7 @@ class JudgedGradients(Mapping):
 
 
 @contextlib.contextmanager
-def outside_the_loop(device: torch.device):
+def outside_the_loop(device: torch.device) -> Iterator[None]:
     """Run ampdoctor's own passes from inside the loop's optimizer step as if outside it: the
     probe off (nothing here is the loop's), grad mode on, no autocast, and the loop's RNG state
     (CPU and this CUDA device) left as it was."""

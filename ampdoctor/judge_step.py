@@ -121,7 +121,8 @@ def finite_state(state: Mapping[str, torch.Tensor]) -> bool:
     return all(compare.all_finite(v) for v in state.values() if v.is_floating_point())
 
 
-def _hand_clip(calls: list[ClipCall], trace: Trace, names: list[str], user, reference,
+def _hand_clip(calls: list[ClipCall], trace: Trace, names: list[str], user: compare.Grads,
+               reference: Mapping[str, torch.Tensor | None],
                session: Session, tol: compare.Tolerance) -> list[ClipCall]:
     """No clip call was seen but the loop was handed max_grad_norm: it may clip by hand
     (`p.grad.mul_(max_norm / norm)`). The reference then clips all parameters at that threshold,
@@ -138,7 +139,8 @@ def _hand_clip(calls: list[ClipCall], trace: Trace, names: list[str], user, refe
     return calls
 
 
-def _preclip_ratio(reference, calls: list[ClipCall]) -> float | None:
+def _preclip_ratio(reference: Mapping[str, torch.Tensor | None], calls: list[ClipCall]
+                   ) -> float | None:
     """For the last norm clip that bit: the norm it saw (in true space) over the reference's
     unclipped norm of the same parameters."""
     biting = [c for c in calls if c.bit]

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Literal
 
-_LIBC = None
+_LIBC: ctypes.CDLL | Literal[False] | None = None
 
 
-def _libc():
+def _libc() -> ctypes.CDLL | Literal[False]:
     global _LIBC
     if _LIBC is None:
         try:

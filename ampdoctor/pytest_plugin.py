@@ -65,12 +65,13 @@ class AmpdoctorFixture:
                     "relative spec path is read beside the test file, then under the rootdir, "
                     "never the working directory", pytrace=False)
 
-    def diagnose(self, spec: Any, **overrides: Any):
+    def diagnose(self, spec: Any, **overrides: Any) -> RecordModel:
         """`ampdoctor.diagnose(spec, **overrides)`, the record saved under `self.out`."""
         from .api import diagnose
         return diagnose(self.spec_path(spec), out=self.out, **overrides)
 
-    def assert_healthy(self, spec: Any, *, allow_warnings: bool = True, **overrides: Any):
+    def assert_healthy(self, spec: Any, *, allow_warnings: bool = True, **overrides: Any
+                       ) -> RecordModel:
         """Fail the test, with the diagnosis as the message, unless `spec` is healthy."""
         from .api import assert_healthy
         return assert_healthy(self.spec_path(spec), allow_warnings=allow_warnings, out=self.out,

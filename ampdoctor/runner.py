@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ._version import __version__
 from .enums import KindId
@@ -24,11 +24,14 @@ from .source import ScriptSource
 from .spec import Spec
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .loading import UserCode
     from .record_model import RecordModel
 
 
 @contextlib.contextmanager
-def _deterministic_cuda():
+def _deterministic_cuda() -> Iterator[None]:
     """TF32 would put ~1e-3 noise into fp32 matmuls on Ampere+: off while we compare."""
     import torch
     if not torch.cuda.is_available():
@@ -44,7 +47,7 @@ def _deterministic_cuda():
 
 
 @contextlib.contextmanager
-def _no_hard_exit():
+def _no_hard_exit() -> Iterator[None]:
     """`os._exit()` from the user's code in this process becomes a SystemExit ampdoctor records
     (a loop error, exit 3): it would otherwise end the process with no record -- `os._exit(0)`
     as a silent "healthy". Forked children (DataLoader workers) exit as they always do."""
@@ -53,7 +56,7 @@ def _no_hard_exit():
     real = os._exit
     pid = os.getpid()
 
-    def _exit(status: int) -> None:
+    def _exit(status: int) -> NoReturn:
         if os.getpid() != pid:
             real(status)
         raise SystemExit(f"os._exit({status})")
@@ -138,7 +141,7 @@ def _run_diagnose(spec: Spec, on_start: Callable[[str], None] | None,
     return record
 
 
-def _left_behind_notes(code) -> set[str]:
+def _left_behind_notes(code: UserCode) -> set[str]:
     from .process_state import DESCRIBED
     return {f"your loop left {DESCRIBED.get(name, name)} changed when it returned; ampdoctor "
             "restored it after each run, so no later run or reference inherited it"
@@ -183,7 +186,7 @@ def environment(spec: Spec | None) -> dict[str, Any]:
 MAX_SPEC_TEXT = 64 * 1024
 
 
-def _git_commit(root) -> str | None:
+def _git_commit(root: Path) -> str | None:
     """The commit of the user's project when it is a git tree (read-only: no index refresh),
     with `+dirty` when it has uncommitted changes; None otherwise."""
     import os

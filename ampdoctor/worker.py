@@ -26,9 +26,12 @@ import json
 import os
 import sys
 import threading
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from . import processes
+
+if TYPE_CHECKING:
+    from .findings import RungResult
 
 #: The real `os._exit`, taken before any user code could replace it.
 _EXIT = os._exit
@@ -144,7 +147,7 @@ def _run(job: dict[str, Any], channel: Channel) -> None:
     from .source import is_script_wire
     from .spec import from_wire
 
-    def done(result) -> None:
+    def done(result: RungResult) -> None:
         channel.send("done", rung=result.to_dict())
 
     def started(rung: str) -> None:

@@ -24,8 +24,9 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -121,7 +122,7 @@ def _child(rank: int, world_size: int, spec_path: str, master: str, port: int,
 
 
 def _start(rank: int, world_size: int, spec_path: str, master: str, port: int,
-           timeout_s: float, result_path: str):
+           timeout_s: float, result_path: str) -> BaseProcess:
     import multiprocessing
 
     process = multiprocessing.get_context("spawn").Process(
@@ -161,7 +162,7 @@ def _where_stuck(processes: dict[int, Any], paths: dict[int, str]) -> dict[int, 
     return stuck
 
 
-def _stop(processes) -> None:
+def _stop(processes: Iterable[BaseProcess]) -> None:
     for process in processes:
         if process.is_alive():
             process.kill()

@@ -23,13 +23,19 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..enums import RungId
 from ..safetext import exc_text
+
+if TYPE_CHECKING:
+    from ..judge import Judgement, StepJudgement
+    from ..probe.callsite import CallSiteFinder, Site
+    from ..probe.recorder import Probe
+    from ..session import Session, Trace
 
 RUNG = RungId.DDP_SYNC
 #: Calls per rank kept for the comparison of the ranks' call sequences.
@@ -49,7 +55,7 @@ def shard(mb: Any, rank: int, world_size: int) -> Any:
     return tuple(cut(t) for t in mb)
 
 
-def _site(site) -> list[Any] | None:
+def _site(site: Site | None) -> list[Any] | None:
     return [site.file, site.line, site.function] if site is not None else None
 
 
@@ -59,7 +65,7 @@ class SyncObserver:
     #: shards the model in place before its optimizer is built (FSDP only)
     shard: Callable[[torch.nn.Module], None] | None = None
 
-    def __init__(self, finder, device: torch.device):
+    def __init__(self, finder: CallSiteFinder, device: torch.device) -> None:
         self.finder = finder
         self.device = device
         #: [backward ordinal (1-based) during which a bucket was all-reduced, bytes]
@@ -71,7 +77,7 @@ class SyncObserver:
         self.recording = False
         self.restore: Callable[[], None] = lambda: None
 
-    def wrap(self, model: torch.nn.Module, probe) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, probe: Probe) -> torch.nn.Module:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
@@ -85,20 +91,22 @@ class SyncObserver:
                 super().__setattr__(name, value)
 
             @contextlib.contextmanager
-            def no_sync(self):  # DDP's own, minus the recording of its internal flag sets
+            def no_sync(self) -> Iterator[None]:  # DDP's own, minus recording its flag sets
                 site = observer.finder.from_frame(sys._getframe(1))
                 observer.no_syncs.append([_site(site), probe.backward_count])
                 old = self.require_backward_grad_sync
-                torch.nn.Module.__setattr__(self, "require_backward_grad_sync", False)
+                torch.nn.Module.__setattr__(self, "require_backward_grad_sync",
+                                            False)  # type: ignore[arg-type]
                 try:
                     yield
                 finally:
-                    torch.nn.Module.__setattr__(self, "require_backward_grad_sync", old)
+                    torch.nn.Module.__setattr__(self, "require_backward_grad_sync",
+                                                old)  # type: ignore[arg-type]
 
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         ddp_model = RecordingDDP(model, device_ids=device_ids)
 
-        def counting_hook(state, bucket):
+        def counting_hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
             buffer = bucket.buffer()
             self.buckets.append([probe.backward_count, buffer.numel() * buffer.element_size()])
             return default_hooks.allreduce_hook(state, bucket)
@@ -114,7 +122,7 @@ class EngineObserver(SyncObserver):
     says). The loop is handed the model itself, as in a single-process run; the rung judges
     what every rank's engine consumed (read by probe/deepspeed.py, shards summed)."""
 
-    def wrap(self, model: torch.nn.Module, probe) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, probe: Probe) -> torch.nn.Module:
         self.recording = True
         return model
 
@@ -140,7 +148,7 @@ class ShardObserver(SyncObserver):
     #: judge each rank's own piece of every gradient (`shards`), not the gathered whole
     shard_wise = SHARD_WISE
 
-    def __init__(self, finder, device: torch.device):
+    def __init__(self, finder: CallSiteFinder, device: torch.device) -> None:
         super().__init__(finder, device)
         #: HSDP: the backward ordinal of each all-reduce across the replicas
         self.replica_reduces: list[int] = []
@@ -163,7 +171,7 @@ class ShardObserver(SyncObserver):
         """The process group of the ranks holding the same pieces (HSDP), or None."""
         return self.mesh.get_group("replicate") if self.mesh is not None else None
 
-    def wrap(self, model: torch.nn.Module, probe) -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, probe: Probe) -> torch.nn.Module:
         import torch.distributed as dist
 
         probe.shard_wise = self.shard_wise
@@ -172,7 +180,8 @@ class ShardObserver(SyncObserver):
         sharded: Any = model
         original = sharded.set_requires_gradient_sync
 
-        def set_requires_gradient_sync(requires_gradient_sync: bool, *args, **kwargs):
+        def set_requires_gradient_sync(requires_gradient_sync: bool, *args: Any,
+                                       **kwargs: Any) -> Any:
             if observer.recording:
                 site = observer.finder.from_frame(sys._getframe(1))
                 observer.toggles.append([bool(requires_gradient_sync), _site(site),
@@ -185,7 +194,7 @@ class ShardObserver(SyncObserver):
                     if hasattr(dist, n))
         collective = getattr(dist, name)
 
-        def counting(*args, **kwargs):
+        def counting(*args: Any, **kwargs: Any) -> Any:
             tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
             size = tensor.numel() * tensor.element_size() if tensor is not None else 0
             observer.buckets.append([probe.backward_count, size])
@@ -198,7 +207,7 @@ class ShardObserver(SyncObserver):
         self.recording = True
         return model
 
-    def _watch_replicas(self, sharded: Any, probe) -> None:
+    def _watch_replicas(self, sharded: Any, probe: Probe) -> None:
         """HSDP: record each all-reduce across the replicas (after a reduce-scatter) and each
         `set_requires_all_reduce` the loop calls, with its line."""
         import torch.distributed as dist
@@ -206,7 +215,7 @@ class ShardObserver(SyncObserver):
         observer, group = self, self.replica_group()
         original = sharded.set_requires_all_reduce
 
-        def set_requires_all_reduce(requires_all_reduce: bool, *args, **kwargs):
+        def set_requires_all_reduce(requires_all_reduce: bool, *args: Any, **kwargs: Any) -> Any:
             if observer.recording:
                 site = observer.finder.from_frame(sys._getframe(1))
                 observer.all_reduce_toggles.append([bool(requires_all_reduce), _site(site),
@@ -216,7 +225,7 @@ class ShardObserver(SyncObserver):
         sharded.set_requires_all_reduce = set_requires_all_reduce
         all_reduce, restore = dist.all_reduce, self.restore
 
-        def counting(tensor, *args, **kwargs):
+        def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             if kwargs.get("group") is group and observer.recording:
                 observer.replica_reduces.append(probe.backward_count)
             return all_reduce(tensor, *args, **kwargs)
@@ -276,7 +285,7 @@ def _pieces_apart(vectors: list[torch.Tensor], replicas: Any) -> tuple[list[floa
     return out, held
 
 
-def _whole(grads) -> dict[str, torch.Tensor | None]:
+def _whole(grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
     """A step's gradients whole: each rank's pieces put together (a collective, the same
     step on every rank); a gradient that is not a piece as it is."""
     from ..shards import place_of, whole
@@ -288,13 +297,14 @@ def _whole(grads) -> dict[str, torch.Tensor | None]:
     return out
 
 
-def _consumed_bytes(steps) -> int:
+def _consumed_bytes(steps: Iterable[StepJudgement]) -> int:
     """Bytes of the consumed-gradient copies the rank keeps for its judge."""
     return sum(g.numel() * g.element_size() for s in steps for g in s.step.grads.values()
                if g is not None)
 
 
-def _agreement(session, judgement, model: torch.nn.Module, observer) -> dict[str, Any]:
+def _agreement(session: Session, judgement: Judgement, model: torch.nn.Module,
+               observer: SyncObserver) -> dict[str, Any]:
     """How far each step's consumed gradient, and the final parameters, are from rank 0's
     (sharded: how far the replicas of each piece are apart); and the bytes the comparison held
     on this rank."""
@@ -308,7 +318,7 @@ def _agreement(session, judgement, model: torch.nn.Module, observer) -> dict[str
     steps = judgement.steps[:min(counts)]
     sharded = isinstance(observer, ShardObserver) and observer.shard_wise
     if sharded:
-        replicas = observer.replica_group()
+        replicas = cast(ShardObserver, observer).replica_group()
         grads = [torch.cat([g.reshape(-1) for g in s.step.grads.values() if g is not None]
                            or [torch.zeros(0)]) for s in steps]
         local: list[Any] = [p.detach() for p in model.parameters()]
@@ -328,7 +338,7 @@ def _agreement(session, judgement, model: torch.nn.Module, observer) -> dict[str
                                  "total": consumed + held}}
 
 
-def _unclipped_ratio(session, trace, judged) -> float | None:
+def _unclipped_ratio(session: Session, trace: Trace, judged: StepJudgement) -> float | None:
     """The consumed gradient's norm over the reference's, both before any clip: the factor a
     clip hides (a loss divided by world_size, clipped to max_grad_norm like the reference)."""
     from ..rules.accumulation import unclipped

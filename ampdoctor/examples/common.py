@@ -30,7 +30,7 @@ def make_regression_data() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def mse_loss(model: nn.Module, batch) -> torch.Tensor:
+def mse_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Mean squared error of one `(x, y)` micro-batch: a scalar, the micro-batch mean."""
     x, y = batch
     return F.mse_loss(model(x).float(), y.float())

@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from .. import progress
 from ..enums import RungId, Status
@@ -32,7 +33,8 @@ def _rungs() -> dict[str, Callable]:
     }
 
 
-def rung_weights(spec) -> dict[str, float]:
+def rung_weights(spec: Any) -> dict[str, float]:
+    # spec: a Spec or a script's ScriptSpec (duck-typed)
     """Each rung's expected cost relative to the others, for the progress line's estimate of
     the time left (measured on the sample specs: reproducibility runs the loop twice and
     builds the fp32 references the later rungs reuse, about 70 % of a diagnose; clip-space and
@@ -49,7 +51,8 @@ RUNG_PRECISION = {"bf16-no-scaler": "bf16", "fp16-scaler": "fp16", "clip-space":
                   "skips": "fp16"}
 
 
-def _skipped(session, rung_id: RungId) -> RungResult | None:
+def _skipped(session: Any, rung_id: RungId) -> RungResult | None:
+    # session: a Session or a script's ScriptSession (duck-typed)
     """The skip of a rung the spec leaves out (`rungs`, or a precision it does not use)."""
     wanted = RUNG_PRECISION.get(rung_id)
     chosen = session.spec.rungs
@@ -63,9 +66,9 @@ def _skipped(session, rung_id: RungId) -> RungResult | None:
     return None
 
 
-def run_ladder(session, on_start: Callable[[str], None] | None = None,
+def run_ladder(session: Any, on_start: Callable[[str], None] | None = None,
                on_done: Callable[[RungResult], None] | None = None,
-               rungs: dict[str, Callable] | None = None,
+               rungs: dict[str, Callable[..., RungResult]] | None = None,
                weights: dict[str, float] | None = None) -> list[RungResult]:
     """Every rung in order on `session`, the one driver of every run source: a spec's loop or
     framework entry point (the rungs of this package), or a script (`rungs`: script mode's

@@ -20,13 +20,13 @@ from .. import compare, thresholds
 from ..enums import RungId, Status
 from ..findings import RungResult, conclude
 from ..probe.events import Clip, Scale, Unscale, Update
-from ..session import Session, flat
+from ..session import Session, Trace, flat
 from .analysis import compare_trace, loop_error_finding
 
 RUNG = RungId.CLIP_SPACE
 
 
-def _clip_ratios(trace) -> list[float]:
+def _clip_ratios(trace: Trace) -> list[float]:
     """Each clip's norm over the norm after the unscale_ before it (1 in true space, S when
     the clip saw scaled gradients)."""
     ratios = []
@@ -56,7 +56,8 @@ def _clip_ratios(trace) -> list[float]:
 MIN_SHARED_WINDOWS = 2
 
 
-def _shared_with_skips(session: Session, plain, threshold: float | None):
+def _shared_with_skips(session: Session, plain: Trace, threshold: float | None
+                       ) -> Trace | None:
     """The clipping pass, run once for both rungs: the skips rung's overflow-injected fp16
     run with clipping forced. Its clipped windows are judged as a plain forced run's would be
     (the skipped window consumed nothing). Only when the skips rung will run anyway, windows

@@ -12,6 +12,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 from ..enums import RungId, Status
@@ -41,7 +42,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
         yield
         return
 
-    def on_alarm(signum, frame):
+    def on_alarm(signum: int, frame: FrameType | None) -> None:
         # An exception raised where it is swallowed (a __del__, a gc callback) would be lost:
         # fire again shortly until one reaches the rung (the finally below disarms).
         signal.setitimer(signal.ITIMER_REAL, REFIRE_S)
@@ -57,7 +58,8 @@ def deadline(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def timeout_result(rung: RungId, session, exc: RungTimeout) -> RungResult:
+def timeout_result(rung: RungId, session: Any, exc: RungTimeout) -> RungResult:
+    # session: a Session or a script's ScriptSession (duck-typed), as `run_ladder` is given
     seconds = session.spec.timeout_s
     site = session.finder.from_frame(exc.frame)
     last = exc.last

@@ -18,7 +18,9 @@ from ampdoctor.scan import describe, scan_paths
 from ampdoctor.scan.verdict import same_path_finding
 
 if TYPE_CHECKING:
+    from ampdoctor.findings import Finding
     from ampdoctor.rules.scaler_ownership import Ownership
+    from ampdoctor.scan.sites import ScanReport
 
 RUNG = RungId.DOUBLE_SCALING
 
@@ -103,8 +105,8 @@ def evaluate(scan_paths_: list[Path] | list[str], runtime_owner: dict[str, Any] 
     )
 
 
-def _summary(findings: list, report, focus: set[str], dormant: list[dict[str, Any]],
-             base: str | None) -> str:
+def _summary(findings: list[Finding], report: ScanReport, focus: set[str],
+             dormant: list[dict[str, Any]], base: str | None) -> str:
     """The rung's summary, before its notes: the worst finding's owners, or this loop's owners
     (a diagnose), or every owner the scan found."""
     owners = report.owners
@@ -175,7 +177,8 @@ def _same_owner(a: dict[str, Any], b: dict[str, Any]) -> bool:
                                                             b.get("line"))
 
 
-def _without(finding, dormant: list[dict[str, Any]], base: str | None):
+def _without(finding: Finding, dormant: list[dict[str, Any]], base: str | None
+             ) -> Finding | None:
     """A same-path finding over the owners this loop's runs built: rebuilt (message, count and
     location from those owners) when some of its owners are dormant, None when fewer than two
     are left."""
@@ -261,7 +264,7 @@ def _site(ownership: Ownership, slot: int, base: str | None) -> str:
     return "GradScaler at " + _where({"file": use.file, "line": use.line}, base)
 
 
-def _touches(finding, focus: set[str]) -> bool:
+def _touches(finding: Finding, focus: set[str]) -> bool:
     """Does a finding involve one of the diagnosed loop's own files?"""
     ev = finding.evidence
     files = {o.get("file") for o in ev.get("owners", [])}

@@ -4,15 +4,17 @@ reference, step by step (averaging factor, reduction, zero_grad placement, steps
 from __future__ import annotations
 
 from collections import Counter
+from typing import cast
 
 from ..enums import KindId, RungId, Status
 from ..findings import Finding, RungResult, conclude
+from ..judge import Judgement
 from ..kinds.loop_error import IgnoresMicroBatches, ignores_micro_batches
 from ..kinds.mismatch import TooFewSteps, too_few_steps
 from ..kinds.precision import AutocastInFp32, autocast_in_fp32
 from ..probe.events import AutocastEntered, Backward
 from ..rules.lr_set_by_hand import lr_set_by_hand_findings
-from ..session import Session
+from ..session import Session, Trace
 from .analysis import (
     compare_trace,
     location,
@@ -25,13 +27,13 @@ from .casts import weight_cast_finding
 RUNG = RungId.FP32_ACCUM
 
 
-def no_gradient_stepped(trace) -> bool:
+def no_gradient_stepped(trace: Trace) -> bool:
     """The loop called optimizer.step() but no backward ran before any step (a Lightning
     `training_step` that returns None: the step is called, the backward skipped)."""
     return not trace.events_of(Backward) and all(step.backwards == 0 for step in trace.steps)
 
 
-def _no_step(session: Session, trace, findings: list[Finding]) -> RungResult:
+def _no_step(session: Session, trace: Trace, findings: list[Finding]) -> RungResult:
     """No optimizer step took a gradient: said as such (what the other rungs would read as
     nondeterminism or a zero_grad misplaced has nothing to compare)."""
     taken, total = trace.microbatches_taken, len(session.micro_batches)
@@ -95,7 +97,8 @@ def run(session: Session) -> RungResult:
                     {"max_relative_error": worst, "steps_compared": len(comparisons)})
 
 
-def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
+def _autocast_in_fp32(session: Session, trace: Trace, judgement: Judgement
+                      ) -> Finding | None:
     """The fp32 run entered an enabled autocast: the loop hard-codes its precision instead of
     following run.autocast_dtype. An error when the update differs from the reference (it then
     explains the mismatch), a warning when it happens to match."""
@@ -107,8 +110,9 @@ def _autocast_in_fp32(session: Session, trace, judgement) -> Finding | None:
     bad = judgement.first_bad
     # the line that chose the dtype: where the autocast was built, if not where it was entered
     where = location(first.created_at or first.site)
+    dtype = cast(str, first.dtype)   # an enabled autocast has a dtype
     if bad is None:
-        return autocast_in_fp32(AutocastInFp32(RUNG, first.dtype, len(entered), location=where))
+        return autocast_in_fp32(AutocastInFp32(RUNG, dtype, len(entered), location=where))
     return autocast_in_fp32(AutocastInFp32(
-        RUNG, first.dtype, len(entered), bad.ordinal, bad.metrics.rel_err, bad.metrics.ratio,
+        RUNG, dtype, len(entered), bad.ordinal, bad.metrics.rel_err, bad.metrics.ratio,
         bad.metrics.cosine, judgement.tolerance.rtol, location=where))

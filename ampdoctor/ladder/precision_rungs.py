@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..findings import RungResult
 from ..probe.events import ScalerInit
 
+if TYPE_CHECKING:
+    from ..rules.scaler_ownership import Ownership
+    from ..session import Session
 
-def run_bf16(session) -> RungResult:
+
+def run_bf16(session: Session) -> RungResult:
     from .amp import run_bf16 as run
     return run(session)
 
 
-def run_fp16(session) -> RungResult:
+def run_fp16(session: Session) -> RungResult:
     from .amp import run_fp16 as run
     return run(session)
 
 
-def run_double_scaling(session) -> RungResult:
+def run_double_scaling(session: Any) -> RungResult:
+    # session: a Session or a script's ScriptSession (duck-typed)
     from .double_scaling import evaluate
     runtime_owner = None
     trace = session.traces.get("fp16")
@@ -35,7 +42,7 @@ def run_double_scaling(session) -> RungResult:
                     constructed, _ownership(session), executed)
 
 
-def _ownership(session):
+def _ownership(session: Any) -> Ownership | None:
     """What the run with enabled GradScalers (the fp16 one first) saw them do, or None."""
     from ..rules.scaler_ownership import ownership
 
@@ -46,16 +53,16 @@ def _ownership(session):
     return None
 
 
-def run_clip_space(session) -> RungResult:
+def run_clip_space(session: Session) -> RungResult:
     from .clip_space import run
     return run(session)
 
 
-def run_skips(session) -> RungResult:
+def run_skips(session: Session) -> RungResult:
     from .skips import run
     return run(session)
 
 
-def run_ddp(session) -> RungResult:
+def run_ddp(session: Session) -> RungResult:
     from .ddp_sync import run
     return run(session)

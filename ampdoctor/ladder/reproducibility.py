@@ -12,6 +12,8 @@ from .. import compare, thresholds
 from ..enums import RungId, Status
 from ..findings import Finding, RungResult, status_from_findings
 from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
+from ..probe.callsite import Site
+from ..probe.events import StepRecord
 from ..session import Session, WeightsCast
 from .analysis import location
 
@@ -25,7 +27,7 @@ def repeat_tolerance() -> compare.Tolerance:
 
 
 def _nondeterministic(session: Session, runs: Runs, m: compare.Metrics,
-                      random_site=None) -> Finding:
+                      random_site: Site | None = None) -> Finding:
     modules = session.random_modules()
     site = random_site
     if site is None and modules:
@@ -77,7 +79,7 @@ def run(session: Session) -> RungResult:
     first_group = [s for s in run_a.steps if s.group == run_a.steps[0].group] if run_a.steps \
         else []
 
-    def against_run_a(step_b) -> bool:
+    def against_run_a(step_b: StepRecord) -> bool:
         # streamed: each step of the second run is compared as it happens, then dropped;
         # true once the first group is compared (the probe then stops the run)
         nonlocal worst, compared

@@ -51,7 +51,7 @@ from .series import keep, run_series
 RUNG = RungId.SKIPS
 
 
-def scaler_of(trace: Trace):
+def scaler_of(trace: Trace) -> Any:
     return trace.scalers[0] if trace.scalers else None
 
 

@@ -100,7 +100,8 @@ class ForwardAligner:
             handle.remove()
         self._handles = []
 
-    def _pre(self, module, args, kwargs):
+    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> None:
         index = self.index.find(args, kwargs)
         if self.depth == 0:
             FORWARDS["loop" if self.on_forward is not None else "reference"] += 1
@@ -118,7 +119,7 @@ class ForwardAligner:
         self.depth += 1
         return None
 
-    def _post(self, module, args, output):
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self.depth = max(0, self.depth - 1)
         fork = self._forks.pop() if self._forks else None
         if fork is not None:
@@ -139,7 +140,7 @@ class MicroBatchFeed(Sequence):
     def __len__(self) -> int:
         return len(self._items)
 
-    def __getitem__(self, index):
+    def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(len(self._items)))]
         if index < 0:

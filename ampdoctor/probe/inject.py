@@ -5,6 +5,7 @@ ladder."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,7 +66,8 @@ class OverflowInjector:
             if param.requires_grad:
                 self._handles.append(param.register_hook(self._poison(name, param)))
 
-    def _poison(self, name: str, param: torch.Tensor):
+    def _poison(self, name: str, param: torch.Tensor
+                ) -> Callable[[torch.Tensor], torch.Tensor | None]:
         def poison(grad: torch.Tensor) -> torch.Tensor | None:
             if self.fired:
                 return None

@@ -9,7 +9,7 @@ leaves torch as it found it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _NOTSET = object()
@@ -48,7 +48,7 @@ class Patcher:
 
 
 @contextlib.contextmanager
-def installed(install) -> Iterator[Patcher]:
+def installed(install: Callable[[Patcher], object]) -> Iterator[Patcher]:
     """Run `install(patcher)` and undo everything on exit, whatever the exit."""
     patcher = Patcher()
     try:

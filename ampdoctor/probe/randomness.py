@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from . import recorder
 from .patches import Patcher
@@ -14,9 +16,9 @@ _DROPOUT_FUNCTIONS = ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_d
                       "feature_alpha_dropout")
 
 
-def _wrap_dropout(original):
+def _wrap_dropout(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def dropout(input, p=0.5, *args, **kwargs):
+    def dropout(input: Any, p: float = 0.5, *args: Any, **kwargs: Any) -> Any:
         if recorder.current_settings().dropout_off:
             p = 0.0
             kwargs.pop("p", None)
@@ -24,9 +26,9 @@ def _wrap_dropout(original):
     return dropout
 
 
-def _wrap_sdpa(original):
+def _wrap_sdpa(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def scaled_dot_product_attention(*args, **kwargs):
+    def scaled_dot_product_attention(*args: Any, **kwargs: Any) -> Any:
         if recorder.current_settings().dropout_off:
             if len(args) > 4:
                 args = (*args[:4], 0.0, *args[5:])
@@ -42,9 +44,9 @@ _RANDOM_FUNCTIONS = ("rand", "rand_like", "randn", "randn_like", "randint", "ran
                      "randperm", "normal", "bernoulli", "multinomial", "poisson")
 
 
-def _wrap_random(original, name: str):
+def _wrap_random(original: Callable[..., Any], name: str) -> Callable[..., Any]:
     @functools.wraps(original)
-    def draw(*args, **kwargs):
+    def draw(*args: Any, **kwargs: Any) -> Any:
         probe = recorder.ACTIVE
         if probe is not None and not probe.inside("random") and (
                 probe.aligner is None or probe.aligner.depth == 0) and probe.random_site is None:

@@ -7,19 +7,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.amp import GradScaler
 
 from ..safetext import MESSAGE_LIMIT, cut, safe_str
 from . import recorder
 from .events import GetScale, Scale, ScalerInit, ScalerStep, Unscale, Update
 from .patches import Patcher
-from .recorder import optimizer_params
+from .recorder import Probe, optimizer_params
 from .wrapping import active, caller, grad_norm
 
 
-def _scale_value(scaler) -> float | None:
+def _scale_value(scaler: GradScaler) -> float | None:
     """The scaler's current scale through its public API (None when disabled)."""
     if not scaler.is_enabled():
         return None
@@ -33,9 +35,9 @@ def _scale_value(scaler) -> float | None:
             probe.leave("internal")
 
 
-def _wrap_get_scale(original):
+def _wrap_get_scale(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def get_scale(self):
+    def get_scale(self: GradScaler) -> Any:
         result = original(self)
         probe = active()
         if probe is not None and not probe.inside("internal") and not probe.inside("scaler_step"):
@@ -45,9 +47,9 @@ def _wrap_get_scale(original):
     return get_scale
 
 
-def _wrap_scaler_init(original):
+def _wrap_scaler_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
+    def __init__(self: GradScaler, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         probe = active()
         if probe is None:
@@ -67,9 +69,9 @@ def _wrap_scaler_init(original):
     return __init__
 
 
-def _wrap_scale(original):
+def _wrap_scale(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def scale(self, outputs):
+    def scale(self: GradScaler, outputs: Any) -> Any:
         probe = active()
         if probe is None:
             return original(self, outputs)
@@ -88,7 +90,7 @@ def _wrap_scale(original):
                      input_already_scaled=already, reaches=_reaches(probe, slot, result))
         if isinstance(result, torch.Tensor) and value is not None:
             with contextlib.suppress(AttributeError, RuntimeError):
-                result._ampdoctor_scale = value * (already or 1.0)
+                result._ampdoctor_scale = value * (already or 1.0)  # type: ignore[attr-defined]
         return result
     return scale
 
@@ -100,7 +102,7 @@ REACH_WALKS = 8
 REACH_WALKS_IN_ALL = 64
 
 
-def _reaches(probe, slot: int, result) -> tuple[int, ...] | None:
+def _reaches(probe: Probe, slot: int, result: Any) -> tuple[int, ...] | None:
     """The leaves (parameters) a scaled loss's backward reaches, by their id(): read from its
     autograd graph (the leaves that still require a gradient) only while two enabled
     GradScalers exist (whose losses and optimizers must not mix), for a scaler's first
@@ -127,9 +129,9 @@ def _reaches(probe, slot: int, result) -> tuple[int, ...] | None:
     return tuple(sorted(leaves))
 
 
-def _wrap_unscale(original):
+def _wrap_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def unscale_(self, optimizer):
+    def unscale_(self: GradScaler, optimizer: torch.optim.Optimizer) -> Any:
         probe = active()
         if probe is None:
             return original(self, optimizer)
@@ -150,9 +152,10 @@ def _wrap_unscale(original):
     return unscale_
 
 
-def _wrap_scaler_step(original):
+def _wrap_scaler_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def step(self, optimizer, *args, **kwargs):
+    def step(self: GradScaler, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
+             ) -> Any:
         probe = active()
         if probe is None:
             return original(self, optimizer, *args, **kwargs)
@@ -173,9 +176,9 @@ def _wrap_scaler_step(original):
     return step
 
 
-def _wrap_update(original):
+def _wrap_update(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def update(self, new_scale=None):
+    def update(self: GradScaler, new_scale: Any = None) -> Any:
         probe = active()
         if probe is None:
             return original(self, new_scale)
@@ -195,9 +198,9 @@ def _wrap_update(original):
     return update
 
 
-def _wrap_scaler_load_state_dict(original):
+def _wrap_scaler_load_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self: GradScaler, state_dict: Any) -> Any:
         probe = active()
         if probe is not None:
             probe.scales_seen.pop(probe.scaler_slot(self), None)   # the scale is overwritten

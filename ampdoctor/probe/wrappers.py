@@ -8,18 +8,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
 
 from . import randomness, scaler_wrappers
+from .callsite import Site
 from .events import AutocastEntered, Clip, SchedulerStep, ZeroGrad
 from .patches import Patcher
 from .recorder import Probe
 from .wrapping import active, caller
 
 
-def _backward_site(probe: Probe, frame):
+def _backward_site(probe: Probe, frame: FrameType) -> Site | None:
     """The user's line of a backward: its caller, or - when a framework calls backward (the HF
     Trainer, Lightning's automatic optimization) - the line of the user's training step that
     computed the loss."""
@@ -34,9 +37,9 @@ def _backward_site(probe: Probe, frame):
     return loss_site
 
 
-def _wrap_backward(original):
+def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def backward(self, *args, **kwargs):
+    def backward(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         probe = active()
         if probe is None or probe.inside("backward"):
             return original(self, *args, **kwargs)
@@ -51,9 +54,9 @@ def _wrap_backward(original):
     return backward
 
 
-def _wrap_autograd_backward(original):
+def _wrap_autograd_backward(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def backward(tensors, *args, **kwargs):
+    def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         probe = active()
         if probe is None or probe.inside("backward"):
             return original(tensors, *args, **kwargs)
@@ -71,9 +74,9 @@ def _wrap_autograd_backward(original):
     return backward
 
 
-def _wrap_zero_grad(original, owner: str):
+def _wrap_zero_grad(original: Callable[..., Any], owner: str) -> Callable[..., Any]:
     @functools.wraps(original)
-    def zero_grad(self, *args, **kwargs):
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> Any:
         probe = active()
         if probe is not None and not probe.inside("zero_grad"):
             opt = probe.optimizer_slot(self) if owner == "optimizer" else None
@@ -89,9 +92,9 @@ def _wrap_zero_grad(original, owner: str):
     return zero_grad
 
 
-def _wrap_clip(original, kind: str):
+def _wrap_clip(original: Callable[..., Any], kind: str) -> Callable[..., Any]:
     @functools.wraps(original)
-    def clip(parameters, *args, **kwargs):
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         probe = active()
         if probe is None or probe.inside("clip"):
             return original(parameters, *args, **kwargs)
@@ -113,11 +116,11 @@ def _wrap_clip(original, kind: str):
     return clip
 
 
-def _wrap_total_norm(original):
+def _wrap_total_norm(original: Callable[..., Any]) -> Callable[..., Any]:
     """`get_total_norm(tensors, norm_type, ...)`, the first half of the two-step clip: remember
     its norm type for the `clip_grads_with_norm_` that uses the norm (nothing is recorded)."""
     @functools.wraps(original)
-    def get_total_norm(tensors, *args, **kwargs):
+    def get_total_norm(tensors: Any, *args: Any, **kwargs: Any) -> Any:
         probe = active()
         if probe is None or probe.inside("clip"):
             return original(tensors, *args, **kwargs)
@@ -134,7 +137,7 @@ def _wrap_total_norm(original):
 _TOTAL_NORMS_KEPT = 8
 
 
-def _norm_type_of(probe, total_norm, params: list[torch.Tensor]) -> float:
+def _norm_type_of(probe: Probe, total_norm: Any, params: list[torch.Tensor]) -> float:
     """The norm type of the `get_total_norm` call that computed `total_norm`: the same tensor,
     else one over exactly these parameters' gradients; 2.0 when none was observed."""
     grad_ids = {id(p.grad) for p in params if p.grad is not None}
@@ -147,11 +150,11 @@ def _norm_type_of(probe, total_norm, params: list[torch.Tensor]) -> float:
     return 2.0
 
 
-def _wrap_clip_with_norm(original):
+def _wrap_clip_with_norm(original: Callable[..., Any]) -> Callable[..., Any]:
     """`clip_grads_with_norm_(parameters, max_norm, total_norm)`, the second half of the
     two-step clip: one Clip of kind "norm", as `clip_grad_norm_` gives."""
     @functools.wraps(original)
-    def clip_grads_with_norm_(parameters, *args, **kwargs):
+    def clip_grads_with_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         probe = active()
         if probe is None or probe.inside("clip"):
             return original(parameters, *args, **kwargs)
@@ -177,9 +180,9 @@ def _wrap_clip_with_norm(original):
 _REPLAYED: set[tuple[Any, ...]] = set()
 
 
-def _wrap_scheduler_step(original):
+def _wrap_scheduler_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def step(self, *args, **kwargs):
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         probe = active()
         if probe is None or probe.inside("scheduler") or probe.inside("scheduler_init"):
             return original(self, *args, **kwargs)
@@ -218,9 +221,9 @@ def _wrap_scheduler_step(original):
 wrap_scheduler_step = _wrap_scheduler_step
 
 
-def _wrap_initial_step(original):
+def _wrap_initial_step(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def _initial_step(self, *args, **kwargs):
+    def _initial_step(self: Any, *args: Any, **kwargs: Any) -> Any:
         probe = active()
         if probe is None:
             return original(self, *args, **kwargs)
@@ -232,9 +235,9 @@ def _wrap_initial_step(original):
     return _initial_step
 
 
-def _wrap_autocast_enter(original):
+def _wrap_autocast_enter(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def __enter__(self):
+    def __enter__(self: Any) -> Any:
         result = original(self)
         probe = active()
         if probe is not None:
@@ -249,9 +252,9 @@ def _wrap_autocast_enter(original):
     return __enter__
 
 
-def _wrap_autocast_init(original):
+def _wrap_autocast_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         probe = active()
         if probe is not None:
@@ -261,7 +264,8 @@ def _wrap_autocast_init(original):
     return __init__
 
 
-def _step_pre_hook(optimizer, args, kwargs):
+def _step_pre_hook(optimizer: torch.optim.Optimizer, args: tuple[Any, ...],
+                   kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     probe = active()
     if probe is None:
         return None
@@ -274,9 +278,9 @@ def _step_pre_hook(optimizer, args, kwargs):
     # A step handed a closure (Lightning's automatic optimization, LBFGS) runs the last
     # micro-batch's forward and backward - and the unscale and the clip - inside the step: the
     # gradient it consumes exists only once the closure has run, so that is when it is read.
-    seen = []
+    seen: list[bool] = []
 
-    def closure_then_observe():
+    def closure_then_observe() -> Any:
         result = closure()
         if not seen and active() is probe:
             seen.append(True)

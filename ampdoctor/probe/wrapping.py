@@ -4,6 +4,7 @@ the frame of the code that called the wrapped function, and the norm of gradient
 from __future__ import annotations
 
 import sys
+from types import FrameType
 
 import torch
 
@@ -17,7 +18,7 @@ def active() -> Probe | None:
     return recorder.ACTIVE
 
 
-def caller(depth: int):
+def caller(depth: int) -> FrameType:
     """The frame `depth` levels up from the call of `caller`: 2, from inside a wrapper, is the
     code that called the wrapped function."""
     return sys._getframe(depth)

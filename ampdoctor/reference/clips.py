@@ -14,7 +14,7 @@ referenced at that threshold in true space, so the mismatch shows.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -147,14 +147,14 @@ class ClippedReference(Mapping):
         ops = self.ops.get(name)
         return tensor if tensor is None or not ops else _applied(tensor.float(), ops)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self.reference)
 
     def __len__(self) -> int:
         return len(self.reference)
 
 
-def norm_of(reference: Mapping[str, torch.Tensor | None], names, norm_type: float,
+def norm_of(reference: Mapping[str, torch.Tensor | None], names: Iterable[str], norm_type: float,
             ops: dict[str, list[ClipOp]] | None = None) -> float:
     """The norm of the reference over `names` (a missing or None gradient is zeros), with the
     clip ops applied when given (`_norm` over the parts: no flattened copy)."""

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -245,12 +245,14 @@ class ReferenceBuilder:
                 "the data slice and the loss.")
         return ref
 
-    def _reference_from_loss(self, mbs, state, training, per_mb: bool = True) -> WindowReference:
+    def _reference_from_loss(self, mbs: list[Any], state: Mapping[str, torch.Tensor],
+                             training: bool, per_mb: bool = True) -> WindowReference:
         """The reference from the spec's `loss`: the mean of the micro-batch losses' gradients,
         or, for `(loss_sum, weight_sum)`, the sum of the loss sums' gradients over the sum of
         the weights. Without `per_mb`, autograd accumulates the window in .grad (one copy of
         the gradients instead of K)."""
         model = self._model_at(state, training)
+        loss_fn = cast(Callable[..., Any], self.code.loss)   # called only when the spec has one
         per: list[dict[str, torch.Tensor | None]] = []
         counts: list[float] = []
         weighted = False
@@ -258,7 +260,7 @@ class ReferenceBuilder:
         for index, mb in enumerate(mbs):
             if per_mb:
                 model.zero_grad(set_to_none=True)
-            out = self._user_loss("the loss function", self.code.loss, model, mb)
+            out = self._user_loss("the loss function", loss_fn, model, mb)
             if isinstance(out, (tuple, list)) and len(out) == 2:
                 weighted = True
                 loss_sum, weight = out
@@ -298,7 +300,7 @@ class ReferenceBuilder:
         model.zero_grad(set_to_none=True)
         return WindowReference(full, per if per_mb else None, counts, weighted, "loss")
 
-    def _user_loss(self, what: str, fn, *args: Any) -> Any:
+    def _user_loss(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         """Call the spec's loss (or backward through it): a dtype error that names a field of
         the data is the data factory's (exit 2, `Session._refuse_data_dtype`), any other error
         the user's code's (exit 3)."""

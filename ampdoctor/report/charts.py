@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 from .. import thresholds
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
     from matplotlib.typing import RcKeyType
 
     from ..record_model import RunSeriesModel
@@ -52,7 +54,7 @@ def _agg() -> None:
         matplotlib.use("Agg")
 
 
-def _figure():
+def _figure() -> tuple[Figure, Axes]:
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
     fig = Figure(figsize=(7.6, 2.5))
@@ -62,13 +64,13 @@ def _figure():
     return fig, ax
 
 
-def _legend(ax) -> None:
+def _legend(ax: Axes) -> None:
     """Beside the axes, never over the data."""
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False,
               borderaxespad=0.0)
 
 
-def _svg(fig) -> str:
+def _svg(fig: Figure) -> str:
     buf = io.StringIO()
     fig.tight_layout()
     fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
@@ -233,8 +235,9 @@ def draw(chart: Chart) -> str:
             ax.scatter(xs, ys, marker=s.marker, color=s.color, s=60 if s.style == "cross" else 70,
                        zorder=3, label=s.label)
         else:
+            steps: dict[str, Any] = {"drawstyle": "steps-post"} if s.style == "steps" else {}
             ax.plot(xs, ys, marker=s.marker, color=s.color, linewidth=1.4, label=s.label,
-                    **({"drawstyle": "steps-post"} if s.style == "steps" else {}))
+                    **steps)
     if chart.yscale == "log2":
         ax.set_yscale("log", base=2)
     elif chart.yscale == "log":

@@ -6,6 +6,7 @@ trajectory itself (an update per micro-batch, a second scale) is the consequence
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
@@ -13,7 +14,8 @@ import torch
 from .. import compare, thresholds
 from ..enums import KindId
 from ..findings import Finding, location
-from ..judge import judged_live
+from ..judge import Judgement, judged_live
+from ..judge_live import JudgedGroup
 from ..kinds.clipping import ScaledClip, scaled_clip
 from ..kinds.double_scaling import ScaledTwice, SecondScale, scaled_twice, second_scale
 from ..kinds.scaling import (
@@ -30,7 +32,8 @@ from ..probe.statemachine import Illegal, StepStateMachine
 from ..session import Session, Trace, flat
 
 
-def _state_for_window(session: Session, trace: Trace, window: int):
+def _state_for_window(session: Session, trace: Trace, window: int
+                      ) -> tuple[Mapping[str, torch.Tensor], bool] | None:
     for ordinal, step in enumerate(trace.steps):
         if session.window_of(step, ordinal, trace) == window:
             snap = trace.snapshots.get(step.group)
@@ -41,7 +44,7 @@ def _state_for_window(session: Session, trace: Trace, window: int):
     return None
 
 
-def _judged_group(session: Session, trace: Trace, window: int):
+def _judged_group(session: Session, trace: Trace, window: int) -> JudgedGroup | None:
     """The step group of `window` judged as it happened whose weights were not kept, if any."""
     judge = judged_live(trace)
     if judge is None:
@@ -55,7 +58,8 @@ def _judged_group(session: Session, trace: Trace, window: int):
     return None
 
 
-def _reference_norm(session: Session, trace: Trace, window: int, names: list[str] | None = None):
+def _reference_norm(session: Session, trace: Trace, window: int, names: list[str] | None = None
+                    ) -> float | None:
     done = _judged_group(session, trace, window)
     if done is not None:   # the judge kept each parameter's squared norm, not the weights
         return done.reference_norm(names or session.param_order)
@@ -142,7 +146,7 @@ SCALE_TRAJECTORY_KINDS = (KindId.UPDATE_PER_MICROBATCH, KindId.DOUBLE_SCALING)
 
 
 def explain_with_calls(mismatch: list[Finding], violations: list[CallOrder],
-                       judgement) -> tuple[list[Finding], list[Finding]]:
+                       judgement: Judgement) -> tuple[list[Finding], list[Finding]]:
     """Consequence first: a call-order violation explains a mismatch the judge found (it names
     the offending call); where every update matched it is at most a warning (decided by its
     unit with `update_matched`). A clip in scaled space at a threshold multiplied by the scale

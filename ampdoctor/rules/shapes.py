@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -18,18 +18,19 @@ from ..kinds.clipping import ClipInScaledSpace
 from ..kinds.clipping import clip_in_scaled_space as clip_in_scaled_space_finding
 from ..loading import micro_batch_counts, micro_batch_size_of
 from ..probe.events import Snapshot, StepRecord
-from ..reference import reference_norm
+from ..reference import ClipCall, reference_norm
 from ..session import Session, Trace, flat
 
 
-def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, call,
+def clip_in_scaled_space(session: Session, rung: str, judged: StepJudgement, call: ClipCall,
                          reference: dict[str, torch.Tensor | None], tolerance: float) -> Finding:
     """The update differs and a clip ran on gradients still multiplied by the loss scale, at a
     threshold the loop means in true space: the threshold met S x the true norm."""
     m = judged.metrics
+    # the caller picks a clip with a scale (a clip in scaled space)
     return clip_in_scaled_space_finding(ClipInScaledSpace(
-        rung, judged.ordinal, judged.window, call.scale, call.threshold, call.total_norm,
-        reference_norm(reference, call), m.ratio, m.as_evidence(), tolerance,
+        rung, judged.ordinal, judged.window, cast(float, call.scale), call.threshold,
+        call.total_norm, reference_norm(reference, call), m.ratio, m.as_evidence(), tolerance,
         by_value=call.kind == "value", location=location(call.site)))
 
 

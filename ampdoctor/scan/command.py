@@ -13,6 +13,10 @@ import argparse
 import os
 import sys
 import traceback
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ampdoctor.scan.sites import ScanReport
 
 FORMATS = ("text", "json", "sarif")
 
@@ -22,7 +26,7 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr)
 
 
-def _summary_line(report) -> str:
+def _summary_line(report: ScanReport) -> str:
     from ampdoctor.safetext import inert
     from ampdoctor.scan.sites import display_path
 

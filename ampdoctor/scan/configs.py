@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import yaml
@@ -285,7 +285,7 @@ def _lightning_trainer(data: dict) -> tuple[dict | None, tuple[str, ...]]:
     return None, ()
 
 
-def _strings(data: Any, depth: int = 0):
+def _strings(data: Any, depth: int = 0) -> Iterator[str]:
     if depth > 12:
         return
     if isinstance(data, str):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -85,7 +86,7 @@ def _done(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return tensor.requires_grad_() if requires_grad else tensor
 
 
-def _factory(value: float):
+def _factory(value: float) -> Callable[..., torch.Tensor]:
     """`torch.rand(*size, ...)` / `randn`: a tensor of that size filled with `value`."""
     def make(*size: Any, **kwargs: Any) -> torch.Tensor:
         kwargs, grad = _creation(kwargs)
@@ -93,7 +94,7 @@ def _factory(value: float):
     return make
 
 
-def _like(value: float):
+def _like(value: float) -> Callable[..., torch.Tensor]:
     """`torch.rand_like(input, ...)` / `randn_like`."""
     def make(input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         kwargs, grad = _creation(kwargs)

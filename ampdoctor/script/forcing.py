@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -43,7 +44,7 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
     autocast_init = autocast_mode.autocast.__init__
 
     @functools.wraps(autocast_init)
-    def autocast(self, device_type, *args, **kwargs):
+    def autocast(self: Any, device_type: Any, *args: Any, **kwargs: Any) -> None:
         bound = dict(zip(("dtype", "enabled", "cache_enabled"), args, strict=False))
         bound.update(kwargs)
         asked = bound.get("dtype")
@@ -63,7 +64,7 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
     scaler_init = grad_scaler.GradScaler.__init__
 
     @functools.wraps(scaler_init)
-    def scaler(self, *args, **kwargs):
+    def scaler(self: Any, *args: Any, **kwargs: Any) -> None:
         names = ("device", "init_scale", "growth_factor", "backoff_factor", "growth_interval",
                  "enabled")
         bound = dict(zip(names, args, strict=False))
@@ -83,7 +84,7 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
     module_init = torch.nn.Module.__init__
 
     @functools.wraps(module_init)
-    def module(self, *args, **kwargs):
+    def module(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
         module_init(self, *args, **kwargs)
         probe.module_built(self)
 
@@ -92,7 +93,7 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
     optimizer_init = torch.optim.Optimizer.__init__
 
     @functools.wraps(optimizer_init)
-    def optimizer(self, *args, **kwargs):
+    def optimizer(self: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         optimizer_init(self, *args, **kwargs)
         probe.optimizer_built(self)
 
@@ -120,10 +121,10 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
             lambda opt, a, k: probe.keep_reference()))
 
 
-def _threshold(original, max_norm: float):
+def _threshold(original: Callable[..., Any], max_norm: float) -> Callable[..., Any]:
     """A norm clip that clips at `max_norm`, whatever threshold the script passes."""
     @functools.wraps(original)
-    def wrapper(parameters, *args, **kwargs):
+    def wrapper(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         if args:
             args = (max_norm, *args[1:])
         else:
@@ -132,9 +133,9 @@ def _threshold(original, max_norm: float):
     return wrapper
 
 
-def _before(original, call):
+def _before(original: Callable[..., Any], call: Callable[[], object]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         call()
         return original(*args, **kwargs)
     return wrapper
