@@ -546,3 +546,123 @@ def test_a_rate_set_per_micro_batch_is_an_error_with_the_rates_it_measured():
     assert f"used lr {warmup[-1]:.6g}" in finding.message
     assert f"uses {warmup[0]:.6g}" in finding.message and "4x too fast" in finding.message
     assert "optimizer-step counter" in finding.fix and finding.location.line == 34
+
+
+# --- the ddp-sync rung's observations (kinds.sync, kinds.mismatch, kinds.accumulation) -------
+
+def _ranks(**changes):
+    from ampdoctor.kinds.sync import RanksCompared
+    numbers = {"rank": 1, "step": 0, "ratio": 0.75, "cosine": 0.9987654, "relative_error": 0.25,
+               "max_difference": 0.0, "first_apart": None, "parameter_difference": 0.0,
+               "world_size": 2}
+    return RanksCompared(**{**numbers, **changes})
+
+
+@pytest.mark.parametrize("who, update_right, severity", [
+    ("DDP", True, Severity.ERROR),          # DDP's K-fold all-reduce saves nothing
+    ("FSDP", True, Severity.WARNING),       # FSDP2's documented trade while the update is right
+    ("FSDP", False, Severity.ERROR)])
+def test_syncing_every_micro_batch_is_a_warning_only_for_fsdp2_with_a_right_update(
+        who, update_right, severity):
+    from ampdoctor.kinds.sync import TooManySyncs, too_many_syncs
+    K, windows, one_sync = 4, 3, 2308
+    total = K * windows * one_sync                       # every backward synced
+    finding = too_many_syncs(TooManySyncs(
+        RungId.DDP_SYNC, who, synced=K * windows, backwards=K * windows, windows=windows,
+        per_window=K, total_bytes=total, one_sync_bytes=one_sync, world_size=2,
+        sharded=who == "FSDP", update_right=update_right, worst=3e-7, location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.MISSING_NO_SYNC, severity)
+    per_window = total / windows
+    assert finding.evidence["measured"] == K and finding.evidence["expected"] == 1.0
+    assert finding.evidence["bytes_per_window"] == per_window
+    verb = "all-reduced" if who == "DDP" else "reduce-scattered"
+    assert finding.message.startswith(
+        f"{who} {verb} gradients on 12 of 12 backward passes for 3 optimizer steps (4 per "
+        f"step): {per_window:,.0f} bytes per window against the 2,308 a single sync needs.")
+    assert ("documented sync-on-every-micro-batch mode" in finding.message) is (
+        severity is Severity.WARNING)
+    if who == "DDP":
+        assert finding.evidence["allreduces_per_window"] == K
+        assert finding.message.endswith("The first K-1=3 micro-batches of each window need "
+                                        "model.no_sync() (or require_backward_grad_sync = "
+                                        "False).")
+
+
+def test_a_sync_on_the_third_of_four_backwards_names_the_position_and_the_ratio():
+    from ampdoctor.kinds.sync import SyncOnWrongBackward, sync_on_wrong_backward
+    ratio = 3 / 4                             # three of four micro-batches reached the update
+    finding = sync_on_wrong_backward(SyncOnWrongBackward(
+        RungId.DDP_SYNC, "DDP", position=3, per_window=4, positions=(3, 3, 3), apart=False,
+        ranks=_ranks(ratio=ratio), location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.MISSING_NO_SYNC, Severity.ERROR)
+    assert (finding.evidence["measured"], finding.evidence["expected"]) == (3, 4)
+    assert finding.evidence["synced_backward_in_window"] == [3, 3, 3]
+    assert finding.evidence["ratio"] == ratio and finding.evidence["rank"] == 1
+    assert finding.message == (
+        "DDP all-reduced once per window, but on backward 3 of 4, not the last: the later "
+        "micro-batches' gradients stayed rank-local and out of the window's update. Rank 1 "
+        "consumed 0.75x the reference gradient of the global batch (cosine 0.9988) at step 0.")
+
+
+def test_hsdp_all_reducing_early_and_never_are_two_kinds():
+    from ampdoctor.kinds.mismatch import ReplicasNeverAllReduced, replicas_never_all_reduced
+    from ampdoctor.kinds.sync import ReplicasAllReducedLate, replicas_all_reduced_late
+    late = replicas_all_reduced_late(ReplicasAllReducedLate(
+        RungId.DDP_SYNC, position=(6 - 1) % 4 + 1, per_window=4, missed=(0, 1),
+        replica_all_reduces=2, ranks=_ranks()))
+    assert late.kind == KindId.MISSING_NO_SYNC and late.evidence["measured"] == 2
+    assert "on backward 2 of 4, not the window's last (window(s) 0, 1)" in late.message
+    never = replicas_never_all_reduced(ReplicasNeverAllReduced(
+        RungId.DDP_SYNC, windows=3, missed=(0, 1, 2), stepped=0, steps_judged=3,
+        ranks=_ranks()))
+    assert (never.kind, never.severity) == (KindId.GRADIENT_MISMATCH, Severity.ERROR)
+    assert (never.evidence["measured"], never.evidence["expected"]) == (0, 3)
+    assert never.evidence["windows_not_all_reduced"] == [0, 1, 2]
+    assert "rank 0 consumed a gradient at 0 of its 3 optimizer steps" in never.message
+    assert "set_requires_all_reduce(i % K == K - 1)" in never.fix
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_ranks_that_never_synced_drift_or_never_step(sharded):
+    from ampdoctor.kinds.mismatch import NeverSynced, never_synced
+    drift = abs(1.25 - 1.0) / 1.0
+    finding = never_synced(NeverSynced(
+        RungId.DDP_SYNC, "FSDP" if sharded else "DDP", sharded=sharded, windows=3,
+        stepped=0 if sharded else 3, steps_judged=3,
+        ranks=_ranks(parameter_difference=drift)))
+    assert (finding.kind, finding.severity) == (KindId.GRADIENT_MISMATCH, Severity.ERROR)
+    assert finding.evidence["steps_with_a_gradient"] == (0 if sharded else 3)
+    assert ("no rank stepped at all" in finding.message) is sharded
+    assert ("the ranks' parameters ended 0.25 apart" in finding.message) is not sharded
+    assert bool(finding.fix != CATALOGUE[KindId.GRADIENT_MISMATCH].fix) is sharded
+
+
+def test_ranks_apart_name_where_their_calls_part():
+    from ampdoctor.kinds.mismatch import RanksApart, ranks_apart
+    apart = abs(0.4 - 0.1) / 0.1 * 0.1       # 0.3 of the reference norm, written here
+    finding = ranks_apart(RanksApart(
+        RungId.DDP_SYNC, "DDP", _ranks(rank=0, max_difference=apart, first_apart=1,
+                                       parameter_difference=0.0123),
+        other_rank=1, parted=("a clip call that only one of them makes", "train.py", 12),
+        location=LINE))
+    assert finding.kind == KindId.GRADIENT_MISMATCH
+    assert finding.evidence["measured"] == round(apart, 6) and finding.evidence["expected"] == 0
+    assert finding.message.startswith(f"The ranks consumed different gradients ({apart:.3g} "
+                                      "apart, relative, first at step 1)")
+    assert finding.message.endswith("(0.0123 after the run). Rank 0 and rank 1 part ways at a "
+                                    "clip call that only one of them makes (train.py:12).")
+
+
+def test_a_loss_over_the_world_size_is_a_double_average_with_the_unclipped_ratio():
+    from ampdoctor.kinds.accumulation import DividedByWorldSize, divided_by_world_size
+    world_size = 4
+    ratio = 1 / world_size
+    finding = divided_by_world_size(DividedByWorldSize(
+        RungId.DDP_SYNC, "DDP", ratio, _ranks(world_size=world_size, ratio=0.05,
+                                              ratio_before_clip=ratio)))
+    assert (finding.kind, finding.severity) == (KindId.DOUBLE_AVERAGE, Severity.ERROR)
+    assert finding.evidence["measured"] == 0.25
+    assert finding.evidence["ratio"] == 0.05 and finding.evidence["ratio_before_clip"] == 0.25
+    assert finding.message.startswith("Every rank consumed 0.25x the reference gradient of the "
+                                      "global batch: 1/world_size (=0.25). DDP already averages")
+
