@@ -666,3 +666,35 @@ def test_a_loss_over_the_world_size_is_a_double_average_with_the_unclipped_ratio
     assert finding.message.startswith("Every rank consumed 0.25x the reference gradient of the "
                                       "global batch: 1/world_size (=0.25). DDP already averages")
 
+
+# --- a process the watchdog killed or saw die (kinds.loop_error) -----------------------------
+
+@pytest.mark.parametrize("precision", [None, "fp16"])
+def test_a_killed_process_says_its_bound_where_it_was_and_its_last_progress(precision):
+    from ampdoctor.kinds.loop_error import ProcessKilled, process_killed
+    elapsed = 12.5 + 0.76                                # killed a little after its bound
+    finding = process_killed(ProcessKilled(
+        RungId.FP32_ACCUM, "ddp.timeout_s", 12.5, elapsed, location=Location("train.py", 12),
+        function="step", progressed=True, last_precision=precision, last_step=2, steps=3))
+    assert (finding.kind, finding.severity) == (KindId.LOOP_ERROR, Severity.ERROR)
+    assert finding.evidence == {"ddp.timeout_s": 12.5, "measured": round(elapsed, 1),
+                                "expected": None, "killed_after_s": round(elapsed, 1),
+                                "last_precision": precision, "last_step": 2}
+    assert "within ddp.timeout_s = 12.5 s" in finding.message
+    assert "killed after 13 s. It was at train.py:12 (step)." in finding.message
+    assert ("Its last progress was the fp16 run at optimizer step 2/3." in finding.message) is (
+        precision is not None)
+    assert finding.title == "The loop did not stop"
+
+
+@pytest.mark.parametrize("status, signal_name, how", [
+    (-9, "SIGKILL", "was killed by SIGKILL"), (1, None, "exited with status 1")])
+def test_a_process_that_died_says_how(status, signal_name, how):
+    from ampdoctor.kinds.loop_error import ProcessDied, process_died
+    died = ProcessDied(RungId.FP16_SCALER, status, signal_name)
+    finding = process_died(died)
+    assert finding.severity is Severity.ERROR and finding.evidence["exit_status"] == status
+    assert finding.message.startswith(f"The process running the loop {how} during the "
+                                      "fp16-scaler rung, before ampdoctor could write")
+    assert ProcessDied("loading", status, signal_name).message.startswith(
+        f"The process running the loop {how} while loading the spec's code")
