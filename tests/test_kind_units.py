@@ -698,3 +698,32 @@ def test_a_process_that_died_says_how(status, signal_name, how):
                                       "fp16-scaler rung, before ampdoctor could write")
     assert ProcessDied("loading", status, signal_name).message.startswith(
         f"The process running the loop {how} while loading the spec's code")
+
+
+# --- a script's learning rate against its reference's (kinds.mismatch) -----------------------
+
+@pytest.mark.parametrize("scheduled, says", [
+    (False, "not from the optimizer step's batch of K x b = 4 x 8"),
+    (True, "its schedule (warm-up, length) from the number of micro-batches")])
+def test_a_rate_off_the_reference_is_an_error_with_the_ratio(scheduled, says):
+    from ampdoctor.kinds.mismatch import RateOffReference, rate_off_reference
+    run_lr, ref_lr = 1e-3 * 8 / 256, 1e-3 * 32 / 256        # scaled by b, not by K x b
+    ratio = run_lr / ref_lr
+    finding = rate_off_reference(RateOffReference(
+        RungId.FP32_ACCUM, 0, 0, run_lr, ref_lr, "--accum_iter 1 --batch_size 32", K=4,
+        micro_batch_size=8, scheduled=scheduled, location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.GRADIENT_MISMATCH, Severity.ERROR)
+    assert finding.evidence == {"measured": round(ratio, 6), "expected": 1.0, "step": 0,
+                                "lr_used": run_lr, "lr_expected": ref_lr}
+    assert finding.message.startswith(
+        f"Step 0: the optimizer's learning rate is {run_lr:.6g} in the run and {ref_lr:.6g} "
+        f"in the reference (--accum_iter 1 --batch_size 32), {ratio:.4g}x: ")
+    assert says in finding.message
+
+
+def test_a_reference_rate_of_zero_gives_an_infinite_ratio_as_text():
+    from ampdoctor.kinds.mismatch import RateOffReference, rate_off_reference
+    finding = rate_off_reference(RateOffReference(RungId.FP32_ACCUM, 2, 1, 1e-3, 0.0, "", 4,
+                                                  None, scheduled=True))
+    assert finding.evidence["measured"] == "inf"
+    assert "learning rate (parameter group 1) is 0.001" in finding.message

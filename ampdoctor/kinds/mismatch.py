@@ -10,6 +10,7 @@ This module must not import torch: the static scan, `report` and `explain` run w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .. import thresholds
@@ -302,3 +303,55 @@ def ranks_apart(o: RanksApart) -> Finding:
                   **o.ranks.evidence()},
         location=o.location))
 
+
+@dataclass(frozen=True)
+class RateOffReference:
+    """A script's optimizer stepped with another learning rate than its reference (the same
+    script without accumulation) at the same optimizer step: each gradient matched, the update
+    did not."""
+
+    rung: str
+    step: int
+    group: int                  # the first parameter group whose rate differs
+    run_lr: float
+    ref_lr: float
+    reference_args: str         # the reference's command-line arguments
+    K: int
+    micro_batch_size: int | None   # the spec's, where it names one
+    scheduled: bool             # a scheduler stepped in the run (its pace may be the cause)
+    location: Location | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.run_lr / self.ref_lr if self.ref_lr else math.inf
+
+
+def rate_off_reference(o: RateOffReference) -> Finding:
+    """`gradient-mismatch` of the learning rate: an error (every update is `ratio` x the one
+    the same training without accumulation makes)."""
+    ratio = o.ratio
+    if not o.scheduled:
+        cause = ("the script sets the optimizer's learning rate from the micro-batch (a "
+                 "linear scaling rule on the batch option alone?), not from the optimizer "
+                 f"step's batch of K x b = {o.K} x {o.micro_batch_size}")
+        fix = ("compute it from the effective batch: batch size x accumulation steps "
+               "(x world size)")
+    else:
+        cause = ("the script derives the learning rate from the micro-batch, or its "
+                 "schedule (warm-up, length) from the number of micro-batches (len(loader)) "
+                 "instead of optimizer steps")
+        fix = ("compute the learning rate from the effective batch (batch size x "
+               "accumulation steps) and count the schedule in optimizer steps (len(loader) "
+               "// accumulation steps per epoch)")
+    group_text = f" (parameter group {o.group})" if o.group else ""
+    message = (f"Step {o.step}: the optimizer's learning rate{group_text} is {o.run_lr:.6g} in "
+               f"the run and {o.ref_lr:.6g} in the reference ({o.reference_args}), "
+               f"{ratio:.4g}x: {cause}. Each gradient matches the full-batch one, but every "
+               f"update is {ratio:.4g}x the one the same training without accumulation makes. "
+               f"Fix: {fix}.")
+    return gradient_mismatch(Observed(
+        o.rung, Severity.ERROR, message,
+        evidence={"measured": round(ratio, 6) if math.isfinite(ratio) else str(ratio),
+                  "expected": 1.0, "step": o.step, "lr_used": o.run_lr,
+                  "lr_expected": o.ref_lr},
+        location=o.location))
