@@ -727,3 +727,38 @@ def test_a_reference_rate_of_zero_gives_an_infinite_ratio_as_text():
                                                   None, scheduled=True))
     assert finding.evidence["measured"] == "inf"
     assert "learning rate (parameter group 1) is 0.001" in finding.message
+
+
+# --- loss-scale owners the static scan found (kinds.double_scaling) --------------------------
+
+OWNERS = ({"kind": "GradScaler", "file": "train.py", "line": 12},
+          {"kind": "GradScaler", "file": "train.py", "line": 30})
+
+
+@pytest.mark.parametrize("untold", [None, "NONE_ENABLED", "UNUSED"])
+def test_owners_on_one_path_are_an_error_unless_the_runs_could_not_tell(untold):
+    from ampdoctor.kinds.double_scaling import OwnersOnOnePath, Untold, owners_on_one_path
+    why = Untold[untold] if untold else None
+    finding = owners_on_one_path(OwnersOnOnePath(
+        RungId.DOUBLE_SCALING, OWNERS, "/p/train.py", "train.py",
+        ("GradScaler at train.py:12", "GradScaler at train.py:30"), untold=why))
+    assert finding.kind == KindId.DOUBLE_SCALING
+    assert finding.severity is (Severity.WARNING if why else Severity.ERROR)
+    assert (finding.evidence["measured"], finding.evidence["expected"]) == (len(OWNERS), 1)
+    assert finding.evidence["scope"] == "same-path"
+    assert finding.message == ("2 loss-scale owners on one training path (entry point "
+                               "train.py): GradScaler at train.py:12; GradScaler at "
+                               "train.py:30." + (why.value if why else ""))
+
+
+def test_owners_in_separate_entry_points_are_a_warning_naming_them_all():
+    from ampdoctor.kinds.double_scaling import OwnersApart, owners_apart
+    finding = owners_apart(OwnersApart(
+        RungId.DOUBLE_SCALING, OWNERS,
+        (("GradScaler at a.py:3", ("a.py",)), ("DeepSpeed fp16 at ds.json", ("b.py", "c.py"))),
+        entries=("c.py", "a.py", "b.py")))
+    assert finding.severity is Severity.WARNING
+    assert finding.evidence["entries"] == ["a.py", "b.py", "c.py"]
+    assert finding.message.startswith(
+        "2 loss-scale owners of different kinds in separate entry points: GradScaler at "
+        "a.py:3 (entry point a.py); DeepSpeed fp16 at ds.json (entry point b.py, c.py).")
