@@ -9,10 +9,9 @@ import re
 import signal
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .evidence import Evidence
     from .record_model import ErrorModel, FindingModel, RecordModel
 
 
@@ -113,19 +112,6 @@ def _close_ladder(record: RecordModel, rung: str, summary: str,
     record.verdict = "error"
 
 
-def _loop_error(rung: str, message: str, evidence: Evidence,
-                location: tuple[str, int] | None, title: str, fix: str) -> FindingModel:
-    """The `loop-error` finding of a child that hung or died, as its record holds it (the keys
-    of a finding the child would have written itself)."""
-    from .deciders import Observed, loop_error
-    from .enums import Severity
-    from .findings import Location
-    from .record_model import FindingModel
-    seen = Observed(rung, Severity.ERROR, message, evidence=evidence,
-                    location=Location(*location) if location else None, title=title, fix=fix)
-    return FindingModel.of(loop_error(seen))
-
-
 def _user_code_error(message: str, location: tuple[str, int] | None = None) -> ErrorModel:
     """The record's `error` of a child that hung or died outside a rung (exit 3)."""
     from .record_model import ErrorModel, LocationModel
@@ -141,41 +127,27 @@ def hung_record(watch: Watch, elapsed: float, stacks: str) -> RecordModel:
     record = _base_record(watch)
     timeout, key = watch.limit()
     site = user_frame(stacks, watch.main_thread, _roots(watch.spec))
-    where = f" It was at {site[0]}:{site[1]} ({site[2]})." if site else ""
     progress = watch.last_progress or {}
-    seen = ""
-    if progress.get("precision"):
-        steps = f"/{progress['steps']}" if progress.get("steps") else ""
-        seen = (f" Its last progress was the {progress['precision']} run at optimizer step "
-                f"{progress.get('step', 0)}{steps}.")
-    # the bound is keyed by its own name: `timeout_s`, `ddp.timeout_s` or ampdoctor's start bound
-    evidence = cast("Evidence", {key: timeout, "measured": round(elapsed, 1), "expected": None,
-                                 "killed_after_s": round(elapsed, 1)})
-    if progress:
-        evidence.update({"last_precision": progress.get("precision"),
-                         "last_step": progress.get("step")})
     location = (site[0], site[1]) if site else None
     if watch.phase in ("starting", "loading", "finishing"):
         what = {"starting": "ampdoctor's start (the interpreter, importing torch)",
                 "loading": "loading the spec's code (importing it, the data factory)",
                 "finishing": "the end of the run"}[watch.phase]
+        where = f" It was at {site[0]}:{site[1]} ({site[2]})." if site else ""
         message = (f"{what[0].upper()}{what[1:]} did not finish within {key} = {timeout:g} s and "
                    f"did not stop when asked, so the process running it was killed after "
                    f"{elapsed:.0f} s.{where}")
         record.error = _user_code_error(message, location)
         record.verdict = "error"
         return record
-    message = (f"The {watch.phase} rung did not finish within {key} = {timeout:g} s, and the "
-               f"loop did not stop when ampdoctor stopped it (a bare `except:` that swallows "
-               f"the stop, a SIGALRM handler or `signal.alarm` of its own, or a call that "
-               f"never returns), so the process running it was killed after {elapsed:.0f} s."
-               f"{where}{seen} A loop that never ends or a very slow one: raise `{key}` in "
-               f"the spec if it is only slow.")
-    finding = _loop_error(watch.phase, message, evidence, location,
-                          title="The loop did not stop",
-                          fix="Let the loop end: no bare `except:` around the training step, "
-                              "no signal handlers of its own during the triage; raise the "
-                              "timeout if it is only slow.")
+    from .findings import Location
+    from .kinds.loop_error import ProcessKilled, process_killed
+    from .record_model import FindingModel
+    finding = FindingModel.of(process_killed(ProcessKilled(
+        watch.phase, key, timeout, elapsed, location=Location(*location) if location else None,
+        function=site[2] if site else None, progressed=bool(progress),
+        last_precision=progress.get("precision"), last_step=progress.get("step"),
+        steps=progress.get("steps"))))
     _close_ladder(record, watch.phase, f"the loop did not stop; killed after {elapsed:.0f} s",
                   finding)
     return record
@@ -184,24 +156,16 @@ def hung_record(watch: Watch, elapsed: float, stacks: str) -> RecordModel:
 def died_record(watch: Watch) -> RecordModel:
     """The record of a child that ended without sending one (killed by a signal, a crash in
     native code, an exit the loop forced)."""
+    from .kinds.loop_error import ProcessDied, process_died
+    from .record_model import FindingModel
     record = _base_record(watch)
     code = watch.proc.returncode
-    how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0
-           and -code in {s.value for s in signal.Signals} else f"exited with status {code}")
-    phase = watch.phase
-    where = {"starting": "while starting (before any user code ran)",
-             "loading": "while loading the spec's code",
-             "finishing": "after the last rung"}.get(phase, f"during the {phase} rung")
-    message = (f"The process running the loop {how} {where}, before ampdoctor could write "
-               "its record (a crash in native code, running out of memory, or the loop "
-               "killing its own process); the record holds the rungs that finished.")
-    if phase in ("starting", "loading", "finishing"):
-        record.error = _user_code_error(message)
+    died = ProcessDied(watch.phase, code, signal.Signals(-code).name
+                       if code is not None and code < 0
+                       and -code in {s.value for s in signal.Signals} else None)
+    if watch.phase in ("starting", "loading", "finishing"):
+        record.error = _user_code_error(died.message)
         return record
-    finding = _loop_error(phase, message, {"measured": None, "expected": None,
-                                            "exit_status": code}, None,
-                          title="The process running the loop died",
-                          fix="Run the loop alone to see the crash (a segfault in an "
-                              "extension, the out-of-memory killer in the system log).")
-    _close_ladder(record, phase, f"the process {how}", finding)
+    finding = FindingModel.of(process_died(died))
+    _close_ladder(record, watch.phase, f"the process {died.how}", finding)
     return record

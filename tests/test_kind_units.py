@@ -583,3 +583,219 @@ def test_a_skip_path_without_update_is_a_loop_error_whose_fix_says_update_on_eve
     assert (finding.evidence["measured"], finding.evidence["expected"]) == (1, 2)
     assert "never reached scaler.update()" in finding.message
     assert "on every path" in finding.fix and "timeout" not in finding.fix
+
+
+# --- the ddp-sync rung's observations (kinds.sync, kinds.mismatch, kinds.accumulation) -------
+
+def _ranks(**changes):
+    from ampdoctor.kinds.sync import RanksCompared
+    numbers = {"rank": 1, "step": 0, "ratio": 0.75, "cosine": 0.9987654, "relative_error": 0.25,
+               "max_difference": 0.0, "first_apart": None, "parameter_difference": 0.0,
+               "world_size": 2}
+    return RanksCompared(**{**numbers, **changes})
+
+
+@pytest.mark.parametrize("who, update_right, severity", [
+    ("DDP", True, Severity.ERROR),          # DDP's K-fold all-reduce saves nothing
+    ("FSDP", True, Severity.WARNING),       # FSDP2's documented trade while the update is right
+    ("FSDP", False, Severity.ERROR)])
+def test_syncing_every_micro_batch_is_a_warning_only_for_fsdp2_with_a_right_update(
+        who, update_right, severity):
+    from ampdoctor.kinds.sync import TooManySyncs, too_many_syncs
+    K, windows, one_sync = 4, 3, 2308
+    total = K * windows * one_sync                       # every backward synced
+    finding = too_many_syncs(TooManySyncs(
+        RungId.DDP_SYNC, who, synced=K * windows, backwards=K * windows, windows=windows,
+        per_window=K, total_bytes=total, one_sync_bytes=one_sync, world_size=2,
+        sharded=who == "FSDP", update_right=update_right, worst=3e-7, location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.MISSING_NO_SYNC, severity)
+    per_window = total / windows
+    assert finding.evidence["measured"] == K and finding.evidence["expected"] == 1.0
+    assert finding.evidence["bytes_per_window"] == per_window
+    verb = "all-reduced" if who == "DDP" else "reduce-scattered"
+    assert finding.message.startswith(
+        f"{who} {verb} gradients on 12 of 12 backward passes for 3 optimizer steps (4 per "
+        f"step): {per_window:,.0f} bytes per window against the 2,308 a single sync needs.")
+    assert ("documented sync-on-every-micro-batch mode" in finding.message) is (
+        severity is Severity.WARNING)
+    if who == "DDP":
+        assert finding.evidence["allreduces_per_window"] == K
+        assert finding.message.endswith("The first K-1=3 micro-batches of each window need "
+                                        "model.no_sync() (or require_backward_grad_sync = "
+                                        "False).")
+
+
+def test_a_sync_on_the_third_of_four_backwards_names_the_position_and_the_ratio():
+    from ampdoctor.kinds.sync import SyncOnWrongBackward, sync_on_wrong_backward
+    ratio = 3 / 4                             # three of four micro-batches reached the update
+    finding = sync_on_wrong_backward(SyncOnWrongBackward(
+        RungId.DDP_SYNC, "DDP", position=3, per_window=4, positions=(3, 3, 3), apart=False,
+        ranks=_ranks(ratio=ratio), location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.MISSING_NO_SYNC, Severity.ERROR)
+    assert (finding.evidence["measured"], finding.evidence["expected"]) == (3, 4)
+    assert finding.evidence["synced_backward_in_window"] == [3, 3, 3]
+    assert finding.evidence["ratio"] == ratio and finding.evidence["rank"] == 1
+    assert finding.message == (
+        "DDP all-reduced once per window, but on backward 3 of 4, not the last: the later "
+        "micro-batches' gradients stayed rank-local and out of the window's update. Rank 1 "
+        "consumed 0.75x the reference gradient of the global batch (cosine 0.9988) at step 0.")
+
+
+def test_hsdp_all_reducing_early_and_never_are_two_kinds():
+    from ampdoctor.kinds.mismatch import ReplicasNeverAllReduced, replicas_never_all_reduced
+    from ampdoctor.kinds.sync import ReplicasAllReducedLate, replicas_all_reduced_late
+    late = replicas_all_reduced_late(ReplicasAllReducedLate(
+        RungId.DDP_SYNC, position=(6 - 1) % 4 + 1, per_window=4, missed=(0, 1),
+        replica_all_reduces=2, ranks=_ranks()))
+    assert late.kind == KindId.MISSING_NO_SYNC and late.evidence["measured"] == 2
+    assert "on backward 2 of 4, not the window's last (window(s) 0, 1)" in late.message
+    never = replicas_never_all_reduced(ReplicasNeverAllReduced(
+        RungId.DDP_SYNC, windows=3, missed=(0, 1, 2), stepped=0, steps_judged=3,
+        ranks=_ranks()))
+    assert (never.kind, never.severity) == (KindId.GRADIENT_MISMATCH, Severity.ERROR)
+    assert (never.evidence["measured"], never.evidence["expected"]) == (0, 3)
+    assert never.evidence["windows_not_all_reduced"] == [0, 1, 2]
+    assert "rank 0 consumed a gradient at 0 of its 3 optimizer steps" in never.message
+    assert "set_requires_all_reduce(i % K == K - 1)" in never.fix
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_ranks_that_never_synced_drift_or_never_step(sharded):
+    from ampdoctor.kinds.mismatch import NeverSynced, never_synced
+    drift = abs(1.25 - 1.0) / 1.0
+    finding = never_synced(NeverSynced(
+        RungId.DDP_SYNC, "FSDP" if sharded else "DDP", sharded=sharded, windows=3,
+        stepped=0 if sharded else 3, steps_judged=3,
+        ranks=_ranks(parameter_difference=drift)))
+    assert (finding.kind, finding.severity) == (KindId.GRADIENT_MISMATCH, Severity.ERROR)
+    assert finding.evidence["steps_with_a_gradient"] == (0 if sharded else 3)
+    assert ("no rank stepped at all" in finding.message) is sharded
+    assert ("the ranks' parameters ended 0.25 apart" in finding.message) is not sharded
+    assert bool(finding.fix != CATALOGUE[KindId.GRADIENT_MISMATCH].fix) is sharded
+
+
+def test_ranks_apart_name_where_their_calls_part():
+    from ampdoctor.kinds.mismatch import RanksApart, ranks_apart
+    apart = abs(0.4 - 0.1) / 0.1 * 0.1       # 0.3 of the reference norm, written here
+    finding = ranks_apart(RanksApart(
+        RungId.DDP_SYNC, "DDP", _ranks(rank=0, max_difference=apart, first_apart=1,
+                                       parameter_difference=0.0123),
+        other_rank=1, parted=("a clip call that only one of them makes", "train.py", 12),
+        location=LINE))
+    assert finding.kind == KindId.GRADIENT_MISMATCH
+    assert finding.evidence["measured"] == round(apart, 6) and finding.evidence["expected"] == 0
+    assert finding.message.startswith(f"The ranks consumed different gradients ({apart:.3g} "
+                                      "apart, relative, first at step 1)")
+    assert finding.message.endswith("(0.0123 after the run). Rank 0 and rank 1 part ways at a "
+                                    "clip call that only one of them makes (train.py:12).")
+
+
+def test_a_loss_over_the_world_size_is_a_double_average_with_the_unclipped_ratio():
+    from ampdoctor.kinds.accumulation import DividedByWorldSize, divided_by_world_size
+    world_size = 4
+    ratio = 1 / world_size
+    finding = divided_by_world_size(DividedByWorldSize(
+        RungId.DDP_SYNC, "DDP", ratio, _ranks(world_size=world_size, ratio=0.05,
+                                              ratio_before_clip=ratio)))
+    assert (finding.kind, finding.severity) == (KindId.DOUBLE_AVERAGE, Severity.ERROR)
+    assert finding.evidence["measured"] == 0.25
+    assert finding.evidence["ratio"] == 0.05 and finding.evidence["ratio_before_clip"] == 0.25
+    assert finding.message.startswith("Every rank consumed 0.25x the reference gradient of the "
+                                      "global batch: 1/world_size (=0.25). DDP already averages")
+
+
+# --- a process the watchdog killed or saw die (kinds.loop_error) -----------------------------
+
+@pytest.mark.parametrize("precision", [None, "fp16"])
+def test_a_killed_process_says_its_bound_where_it_was_and_its_last_progress(precision):
+    from ampdoctor.kinds.loop_error import ProcessKilled, process_killed
+    elapsed = 12.5 + 0.76                                # killed a little after its bound
+    finding = process_killed(ProcessKilled(
+        RungId.FP32_ACCUM, "ddp.timeout_s", 12.5, elapsed, location=Location("train.py", 12),
+        function="step", progressed=True, last_precision=precision, last_step=2, steps=3))
+    assert (finding.kind, finding.severity) == (KindId.LOOP_ERROR, Severity.ERROR)
+    assert finding.evidence == {"ddp.timeout_s": 12.5, "measured": round(elapsed, 1),
+                                "expected": None, "killed_after_s": round(elapsed, 1),
+                                "last_precision": precision, "last_step": 2}
+    assert "within ddp.timeout_s = 12.5 s" in finding.message
+    assert "killed after 13 s. It was at train.py:12 (step)." in finding.message
+    assert ("Its last progress was the fp16 run at optimizer step 2/3." in finding.message) is (
+        precision is not None)
+    assert finding.title == "The loop did not stop"
+
+
+@pytest.mark.parametrize("status, signal_name, how", [
+    (-9, "SIGKILL", "was killed by SIGKILL"), (1, None, "exited with status 1")])
+def test_a_process_that_died_says_how(status, signal_name, how):
+    from ampdoctor.kinds.loop_error import ProcessDied, process_died
+    died = ProcessDied(RungId.FP16_SCALER, status, signal_name)
+    finding = process_died(died)
+    assert finding.severity is Severity.ERROR and finding.evidence["exit_status"] == status
+    assert finding.message.startswith(f"The process running the loop {how} during the "
+                                      "fp16-scaler rung, before ampdoctor could write")
+    assert ProcessDied("loading", status, signal_name).message.startswith(
+        f"The process running the loop {how} while loading the spec's code")
+
+
+# --- a script's learning rate against its reference's (kinds.mismatch) -----------------------
+
+@pytest.mark.parametrize("scheduled, says", [
+    (False, "not from the optimizer step's batch of K x b = 4 x 8"),
+    (True, "its schedule (warm-up, length) from the number of micro-batches")])
+def test_a_rate_off_the_reference_is_an_error_with_the_ratio(scheduled, says):
+    from ampdoctor.kinds.mismatch import RateOffReference, rate_off_reference
+    run_lr, ref_lr = 1e-3 * 8 / 256, 1e-3 * 32 / 256        # scaled by b, not by K x b
+    ratio = run_lr / ref_lr
+    finding = rate_off_reference(RateOffReference(
+        RungId.FP32_ACCUM, 0, 0, run_lr, ref_lr, "--accum_iter 1 --batch_size 32", K=4,
+        micro_batch_size=8, scheduled=scheduled, location=LINE))
+    assert (finding.kind, finding.severity) == (KindId.GRADIENT_MISMATCH, Severity.ERROR)
+    assert finding.evidence == {"measured": round(ratio, 6), "expected": 1.0, "step": 0,
+                                "lr_used": run_lr, "lr_expected": ref_lr}
+    assert finding.message.startswith(
+        f"Step 0: the optimizer's learning rate is {run_lr:.6g} in the run and {ref_lr:.6g} "
+        f"in the reference (--accum_iter 1 --batch_size 32), {ratio:.4g}x: ")
+    assert says in finding.message
+
+
+def test_a_reference_rate_of_zero_gives_an_infinite_ratio_as_text():
+    from ampdoctor.kinds.mismatch import RateOffReference, rate_off_reference
+    finding = rate_off_reference(RateOffReference(RungId.FP32_ACCUM, 2, 1, 1e-3, 0.0, "", 4,
+                                                  None, scheduled=True))
+    assert finding.evidence["measured"] == "inf"
+    assert "learning rate (parameter group 1) is 0.001" in finding.message
+
+
+# --- loss-scale owners the static scan found (kinds.double_scaling) --------------------------
+
+OWNERS = ({"kind": "GradScaler", "file": "train.py", "line": 12},
+          {"kind": "GradScaler", "file": "train.py", "line": 30})
+
+
+@pytest.mark.parametrize("untold", [None, "NONE_ENABLED", "UNUSED"])
+def test_owners_on_one_path_are_an_error_unless_the_runs_could_not_tell(untold):
+    from ampdoctor.kinds.double_scaling import OwnersOnOnePath, Untold, owners_on_one_path
+    why = Untold[untold] if untold else None
+    finding = owners_on_one_path(OwnersOnOnePath(
+        RungId.DOUBLE_SCALING, OWNERS, "/p/train.py", "train.py",
+        ("GradScaler at train.py:12", "GradScaler at train.py:30"), untold=why))
+    assert finding.kind == KindId.DOUBLE_SCALING
+    assert finding.severity is (Severity.WARNING if why else Severity.ERROR)
+    assert (finding.evidence["measured"], finding.evidence["expected"]) == (len(OWNERS), 1)
+    assert finding.evidence["scope"] == "same-path"
+    assert finding.message == ("2 loss-scale owners on one training path (entry point "
+                               "train.py): GradScaler at train.py:12; GradScaler at "
+                               "train.py:30." + (why.value if why else ""))
+
+
+def test_owners_in_separate_entry_points_are_a_warning_naming_them_all():
+    from ampdoctor.kinds.double_scaling import OwnersApart, owners_apart
+    finding = owners_apart(OwnersApart(
+        RungId.DOUBLE_SCALING, OWNERS,
+        (("GradScaler at a.py:3", ("a.py",)), ("DeepSpeed fp16 at ds.json", ("b.py", "c.py"))),
+        entries=("c.py", "a.py", "b.py")))
+    assert finding.severity is Severity.WARNING
+    assert finding.evidence["entries"] == ["a.py", "b.py", "c.py"]
+    assert finding.message.startswith(
+        "2 loss-scale owners of different kinds in separate entry points: GradScaler at "
+        "a.py:3 (entry point a.py); DeepSpeed fp16 at ds.json (entry point b.py, c.py).")

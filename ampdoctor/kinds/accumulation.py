@@ -19,6 +19,7 @@ from ..enums import KindId, Severity
 from ..evidence import Evidence, significant
 from ..findings import Finding, Location
 from .base import Kind, Observed, in_framework_terms
+from .sync import RanksCompared, words_of
 
 MISSING_ACCUMULATION_AVERAGE = Kind(
     KindId.MISSING_ACCUMULATION_AVERAGE,
@@ -414,3 +415,26 @@ def varying_divisor(o: VaryingDivisor) -> Finding:
         "tokens/samples in the whole optimizer step.",
         evidence=evidence, location=o.location, fix=VARYING_DIVISOR_FIX,
         forced_clip=o.forced_clip))
+
+
+@dataclass(frozen=True)
+class DividedByWorldSize:
+    """Every rank consumed `ratio` x the reference gradient of the global batch, within
+    tolerance of 1/world_size: the wrapper averages over the ranks and the loss does too."""
+
+    rung: str
+    who: str                    # the wrapper (`kinds.sync.WORDS`' "who")
+    ratio: float                # before a clip that bit (`RanksCompared.ratio_before_clip`)
+    ranks: RanksCompared
+    location: Location | None = None
+
+
+def divided_by_world_size(o: DividedByWorldSize) -> Finding:
+    """`double-average` over the ranks: an error (the update is 1/world_size short)."""
+    return double_average(Observed(o.rung, Severity.ERROR,
+        f"Every rank consumed {o.ratio:.4g}x the reference gradient of the global batch: "
+        f"1/world_size (={1 / o.ranks.world_size:g}). {words_of(o.who)['who']} already "
+        "averages gradients over the ranks; the loss is divided by the world size on top of "
+        "that.",
+        evidence={"measured": round(o.ratio, 6), "expected": 1.0, **o.ranks.evidence()},
+        location=o.location))

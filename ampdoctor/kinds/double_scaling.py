@@ -13,6 +13,7 @@ This module must not import torch: the static scan, `report` and `explain` run w
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, ClassVar
 
 from ..enums import KindId, Severity
@@ -149,3 +150,72 @@ def precisions_disagree(o: PrecisionsDisagree) -> Finding:
         fix=(f'Set the config\'s "{o.enabled}" and "{o.asked}" `enabled` to "auto" so the '
              "Trainer fills them in from TrainingArguments, or make both ask for the "
              "same precision.")))
+
+
+class Untold(Enum):
+    """Why the runs could not tell whether two GradScalers on one path act on one loss."""
+
+    #: no run of the loop had a GradScaler enabled
+    NONE_ENABLED = (" No run of this loop had a GradScaler enabled, so none could tell whether "
+                    "they act on one loss.")
+    #: a run saw at least one of them scale no loss or step no optimizer
+    UNUSED = (" The run could not tell whether they act on one loss: at least one of them "
+              "scaled no loss or stepped no optimizer.")
+
+
+@dataclass(frozen=True)
+class OwnersOnOnePath:
+    """The static scan: loss-scale owners (`owners`, the scan's `machine_dict`s) on the training
+    path of one entry point, located at the one to remove."""
+
+    rung: str
+    owners: tuple[dict[str, Any], ...]
+    entry: str
+    entry_shown: str                # the entry point as the scan shows it
+    owners_shown: tuple[str, ...]   # each owner as the scan shows it (`describe_owner`)
+    #: what a run saw them share, as the double-scaling rung words it ("" when no run looked)
+    met: str = ""
+    #: why the runs could not tell them apart (a warning), None where nothing says so
+    untold: Untold | None = None
+    location: Location | None = None
+
+
+def owners_on_one_path(o: OwnersOnOnePath) -> Finding:
+    """`double-scaling` of owners on one path: an error, a warning where the runs could not
+    tell whether two GradScalers act on one loss."""
+    note = o.met + (o.untold.value if o.untold else "")
+    return double_scaling(Observed(
+        o.rung, Severity.WARNING if o.untold else Severity.ERROR,
+        f"{len(o.owners)} loss-scale owners on one training path (entry point "
+        f"{o.entry_shown}): {'; '.join(o.owners_shown)}.{note}",
+        evidence={"owners": list(o.owners), "measured": len(o.owners), "expected": 1,
+                  "scope": "same-path", "entry": o.entry},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class OwnersApart:
+    """The static scan: loss-scale owners of different frameworks, each on the path of other
+    entry points; no scanned file runs them together."""
+
+    rung: str
+    owners: tuple[dict[str, Any], ...]
+    #: each owner as the scan shows it, with the entry points (shown) whose path it is on
+    shown: tuple[tuple[str, tuple[str, ...]], ...]
+    entries: tuple[str, ...]
+    location: Location | None = None
+
+
+def owners_apart(o: OwnersApart) -> Finding:
+    """`double-scaling` of owners in separate entry points: a warning (no run combines them
+    that the scan could see)."""
+    names = "; ".join(f"{owner} (entry point {', '.join(entries)})"
+                      for owner, entries in o.shown)
+    return double_scaling(Observed(
+        o.rung, Severity.WARNING,
+        f"{len(o.owners)} loss-scale owners of different kinds in separate entry points: "
+        f"{names}. No scanned file runs them together; check that no launcher, command line "
+        "or config combines them on one loss.",
+        evidence={"owners": list(o.owners), "measured": len(o.owners), "expected": 1,
+                  "scope": "separate-entry-points", "entries": sorted(o.entries)},
+        location=o.location))

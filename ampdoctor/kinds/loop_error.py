@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ..enums import KindId, Severity
 from ..evidence import Evidence
@@ -254,3 +254,81 @@ def ranks_hung(o: RanksHung) -> Finding:
                   "ranks_in_the_loop": list(o.in_loop), "ranks_past_the_loop": list(o.waiting),
                   "timeout_s": o.timeout_s, "world_size": o.world_size},
         location=site))
+
+
+@dataclass(frozen=True)
+class ProcessKilled:
+    """The watchdog killed the process running a rung at its hard bound: the loop did not stop
+    when ampdoctor stopped it. Where the user's code was (from its dumped stacks) and the last
+    progress it reported."""
+
+    rung: str
+    bound: str                  # the spec key of the bound (`timeout_s`, `ddp.timeout_s`)
+    timeout: float
+    elapsed: float
+    location: Location | None = None     # the user's frame (file, line)
+    function: str | None = None
+    progressed: bool = False    # it reported progress at all
+    last_precision: str | None = None
+    last_step: int | None = None
+    steps: int | None = None    # the optimizer steps of that run, where it said
+
+
+def process_killed(o: ProcessKilled) -> Finding:
+    """`loop-error` of a loop that did not stop: an error."""
+    where = f" It was at {_at(o.location)} ({o.function})." if o.location else ""
+    seen = ""
+    if o.last_precision:
+        steps = f"/{o.steps}" if o.steps else ""
+        seen = (f" Its last progress was the {o.last_precision} run at optimizer step "
+                f"{o.last_step or 0}{steps}.")
+    # the bound is keyed by its own name: `timeout_s`, `ddp.timeout_s` or ampdoctor's start bound
+    evidence = cast("Evidence", {o.bound: o.timeout, "measured": round(o.elapsed, 1),
+                                 "expected": None, "killed_after_s": round(o.elapsed, 1)})
+    if o.progressed:
+        evidence.update({"last_precision": o.last_precision, "last_step": o.last_step})
+    return loop_error(Observed(o.rung, Severity.ERROR,
+        f"The {o.rung} rung did not finish within {o.bound} = {o.timeout:g} s, and the "
+        f"loop did not stop when ampdoctor stopped it (a bare `except:` that swallows "
+        f"the stop, a SIGALRM handler or `signal.alarm` of its own, or a call that "
+        f"never returns), so the process running it was killed after {o.elapsed:.0f} s."
+        f"{where}{seen} A loop that never ends or a very slow one: raise `{o.bound}` in "
+        f"the spec if it is only slow.",
+        evidence=evidence, location=o.location, title="The loop did not stop",
+        fix="Let the loop end: no bare `except:` around the training step, no signal "
+            "handlers of its own during the triage; raise the timeout if it is only slow."))
+
+
+@dataclass(frozen=True)
+class ProcessDied:
+    """The process running the loop ended without sending its record (a signal, a crash in
+    native code, an exit the loop forced)."""
+
+    rung: str                   # the phase it was in (a rung, or starting/loading/finishing)
+    exit_status: int | None
+    signal_name: str | None = None   # the signal that killed it, where one did
+
+    @property
+    def how(self) -> str:
+        return (f"was killed by {self.signal_name}" if self.signal_name
+                else f"exited with status {self.exit_status}")
+
+    @property
+    def message(self) -> str:
+        """What happened, also the record's `error` where it died outside a rung."""
+        where = {"starting": "while starting (before any user code ran)",
+                 "loading": "while loading the spec's code",
+                 "finishing": "after the last rung"}.get(self.rung,
+                                                         f"during the {self.rung} rung")
+        return (f"The process running the loop {self.how} {where}, before ampdoctor could write "
+                "its record (a crash in native code, running out of memory, or the loop "
+                "killing its own process); the record holds the rungs that finished.")
+
+
+def process_died(o: ProcessDied) -> Finding:
+    """`loop-error` of a process that died during a rung: an error."""
+    return loop_error(Observed(o.rung, Severity.ERROR, o.message,
+        evidence={"measured": None, "expected": None, "exit_status": o.exit_status},
+        title="The process running the loop died",
+        fix="Run the loop alone to see the crash (a segfault in an extension, the "
+            "out-of-memory killer in the system log)."))

@@ -10,6 +10,7 @@ This module must not import torch: the static scan, `report` and `explain` run w
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .. import thresholds
@@ -17,6 +18,7 @@ from ..enums import KindId, Severity
 from ..evidence import Evidence, significant
 from ..findings import Finding, Location
 from .base import Kind, Observed
+from .sync import RanksCompared, words_of
 
 GRADIENT_MISMATCH = Kind(
     KindId.GRADIENT_MISMATCH,
@@ -202,3 +204,154 @@ def clip_after_step(o: ClipAfterStep) -> Finding:
         "cleared.",
         evidence=evidence, location=o.location, fix=CLIP_AFTER_STEP_FIX,
         forced_clip=o.forced_clip))
+
+
+@dataclass(frozen=True)
+class NeverSynced:
+    """A DDP / FSDP run in which no backward synchronised: every backward ran with sync off."""
+
+    rung: str
+    who: str                    # the wrapper (`kinds.sync.WORDS`' "who")
+    sharded: bool               # FSDP2: the sharded .grad stays None without a sync
+    windows: int
+    stepped: int                # rank 0's optimizer steps that consumed a gradient
+    steps_judged: int
+    ranks: RanksCompared
+    location: Location | None = None
+
+
+def never_synced(o: NeverSynced) -> Finding:
+    """`gradient-mismatch` of a run whose ranks never synchronised: an error (each rank stepped
+    on its own shard, or, sharded, no rank stepped at all)."""
+    words = words_of(o.who)
+    what = (f"sync was never turned back on, so the sharded .grad stayed None on every "
+            f"rank and no rank stepped at all: rank 0 consumed a gradient at {o.stepped} of "
+            f"its {o.steps_judged} optimizer steps (the optimizer skips a parameter "
+            "without a gradient) and the weights never moved, while each rank's unsharded "
+            "gradient kept accumulating unseen." if o.sharded else
+            "so each rank stepped on its own shard and the ranks' parameters ended "
+            f"{o.ranks.drift:.3g} apart (relative).")
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        f"{words['who']} never {words['verb']} a gradient: every backward ran with "
+        f"{words['switch']}; {what}",
+        evidence={"measured": 0, "expected": o.windows, "steps_with_a_gradient": o.stepped,
+                  **o.ranks.evidence()},
+        location=o.location,
+        fix=("Turn sync back on for the last micro-batch of every window, before its "
+             "forward: model.set_requires_gradient_sync(i % K == K - 1)." if o.sharded
+             else "")))
+
+
+@dataclass(frozen=True)
+class ReplicasNeverAllReduced:
+    """HSDP reduce-scattered inside each node but no backward all-reduced across the replicas
+    (set_requires_all_reduce(False), never turned back on)."""
+
+    rung: str
+    windows: int
+    missed: tuple[int, ...]     # the windows whose last backward did not all-reduce
+    stepped: int                # rank 0's optimizer steps that consumed a gradient
+    steps_judged: int
+    ranks: RanksCompared
+    location: Location | None = None
+
+
+def replicas_never_all_reduced(o: ReplicasNeverAllReduced) -> Finding:
+    """`gradient-mismatch`: FSDP2 held every reduce-scatter's output aside, no rank stepped;
+    an error."""
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        "HSDP reduce-scattered inside each node but never all-reduced across the "
+        "replicas (set_requires_all_reduce(False), never turned back on): FSDP2 holds each "
+        "reduce-scatter's output aside until an all-reduce, so the sharded .grad stayed "
+        f"None and no rank stepped at all (rank 0 consumed a gradient at {o.stepped} of its "
+        f"{o.steps_judged} optimizer steps).",
+        evidence={"measured": 0, "expected": o.windows, "steps_with_a_gradient": o.stepped,
+                  "replica_all_reduces": 0, "windows_not_all_reduced": list(o.missed),
+                  **o.ranks.evidence()},
+        location=o.location,
+        fix="Turn the all-reduce back on for the last micro-batch of every window, before "
+            "its forward: model.set_requires_all_reduce(i % K == K - 1)."))
+
+
+@dataclass(frozen=True)
+class RanksApart:
+    """One sync per window, on its last backward, yet the ranks consumed different gradients:
+    the loop does something per rank."""
+
+    rung: str
+    who: str
+    ranks: RanksCompared
+    other_rank: int                         # the rank compared with rank 0
+    #: where the two ranks' calls part ways: (the call, its file, its line)
+    parted: tuple[str, str, int] | None = None
+    location: Location | None = None
+
+
+def ranks_apart(o: RanksApart) -> Finding:
+    """`gradient-mismatch` of ranks that consumed different gradients: an error (their
+    parameters drift apart)."""
+    words = words_of(o.who)
+    how = (f" Rank 0 and rank {o.other_rank} part ways at {o.parted[0]} "
+           f"({o.parted[1]}:{o.parted[2]})." if o.parted else "")
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        f"The ranks consumed different gradients ({o.ranks.max_difference:.3g} apart, "
+        f"relative, first at step {o.ranks.first_apart}) although {words['who']} "
+        f"{words['verb']} once per window on its last backward: something in the loop is "
+        "rank-dependent (a clip, a scale or a branch on the rank), so the ranks' parameters "
+        f"drift apart ({o.ranks.drift:.3g} after the run).{how}",
+        evidence={"measured": round(o.ranks.max_difference, 6), "expected": 0.0,
+                  **o.ranks.evidence()},
+        location=o.location))
+
+
+@dataclass(frozen=True)
+class RateOffReference:
+    """A script's optimizer stepped with another learning rate than its reference (the same
+    script without accumulation) at the same optimizer step: each gradient matched, the update
+    did not."""
+
+    rung: str
+    step: int
+    group: int                  # the first parameter group whose rate differs
+    run_lr: float
+    ref_lr: float
+    reference_args: str         # the reference's command-line arguments
+    K: int
+    micro_batch_size: int | None   # the spec's, where it names one
+    scheduled: bool             # a scheduler stepped in the run (its pace may be the cause)
+    location: Location | None = None
+
+    @property
+    def ratio(self) -> float:
+        return self.run_lr / self.ref_lr if self.ref_lr else math.inf
+
+
+def rate_off_reference(o: RateOffReference) -> Finding:
+    """`gradient-mismatch` of the learning rate: an error (every update is `ratio` x the one
+    the same training without accumulation makes)."""
+    ratio = o.ratio
+    if not o.scheduled:
+        cause = ("the script sets the optimizer's learning rate from the micro-batch (a "
+                 "linear scaling rule on the batch option alone?), not from the optimizer "
+                 f"step's batch of K x b = {o.K} x {o.micro_batch_size}")
+        fix = ("compute it from the effective batch: batch size x accumulation steps "
+               "(x world size)")
+    else:
+        cause = ("the script derives the learning rate from the micro-batch, or its "
+                 "schedule (warm-up, length) from the number of micro-batches (len(loader)) "
+                 "instead of optimizer steps")
+        fix = ("compute the learning rate from the effective batch (batch size x "
+               "accumulation steps) and count the schedule in optimizer steps (len(loader) "
+               "// accumulation steps per epoch)")
+    group_text = f" (parameter group {o.group})" if o.group else ""
+    message = (f"Step {o.step}: the optimizer's learning rate{group_text} is {o.run_lr:.6g} in "
+               f"the run and {o.ref_lr:.6g} in the reference ({o.reference_args}), "
+               f"{ratio:.4g}x: {cause}. Each gradient matches the full-batch one, but every "
+               f"update is {ratio:.4g}x the one the same training without accumulation makes. "
+               f"Fix: {fix}.")
+    return gradient_mismatch(Observed(
+        o.rung, Severity.ERROR, message,
+        evidence={"measured": round(ratio, 6) if math.isfinite(ratio) else str(ratio),
+                  "expected": 1.0, "step": o.step, "lr_used": o.run_lr,
+                  "lr_expected": o.ref_lr},
+        location=o.location))

@@ -18,38 +18,37 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .. import deciders, thresholds
+from .. import thresholds
 from ..ddp import launch
-from ..deciders import Observed
-from ..enums import RungId, Severity, Status
+from ..enums import RungId, Status
 from ..errors import LaunchError
-from ..evidence import Evidence
 from ..findings import Finding, Location, RungResult, conclude, location
+from ..kinds import from_dict
+from ..kinds.accumulation import DividedByWorldSize, divided_by_world_size
 from ..kinds.loop_error import RankRaised, RanksHung, rank_raised, ranks_hung
+from ..kinds.mismatch import (
+    NeverSynced,
+    RanksApart,
+    ReplicasNeverAllReduced,
+    never_synced,
+    ranks_apart,
+    replicas_never_all_reduced,
+)
+from ..kinds.sync import (
+    WORDS,
+    RanksCompared,
+    ReplicasAllReducedLate,
+    SyncOnWrongBackward,
+    TooManySyncs,
+    replicas_all_reduced_late,
+    sync_on_wrong_backward,
+    too_many_syncs,
+)
 from ..probe.callsite import Site
 from ..spec import to_wire
 
 RUNG = RungId.DDP_SYNC
 
-#: How each wrapper names its gradient sync and the switch that turns it off.
-WORDS = {
-    "ddp": {"who": "DDP", "verb": "all-reduced", "noun": "all-reduce",
-            "switch": "model.no_sync() (or require_backward_grad_sync = False)",
-            # where a backward's gradient goes when it does not sync
-            "unsynced": "stayed rank-local and out of the window's update"},
-    "fsdp": {"who": "FSDP", "verb": "reduce-scattered", "noun": "reduce-scatter",
-             "switch": "model.set_requires_gradient_sync(False)",
-             "unsynced": "stayed in FSDP's unsharded accumulated gradient, out of this "
-                         "window's update, and was carried into the next window's "
-                         "reduce-scatter: every update after the first holds the previous "
-                         "window's last micro-batch(es) instead of its own"},
-}
-WORDS["hsdp"] = {**WORDS["fsdp"], "who": "HSDP"}
-#: the loop's DeepSpeed engine communicates itself: its collectives are its config's business
-#: (not counted); what every rank's engine consumed is judged
-WORDS["deepspeed"] = {"who": "DeepSpeed", "verb": "reduced", "noun": "gradient reduction",
-                      "switch": "(the engine's own accumulation boundary)",
-                      "unsynced": "stayed rank-local"}
 #: the wrappers whose communication the rung does not count
 ENGINES = ("DeepSpeed",)
 #: the wrappers whose gradient sync reduces into sharded gradients (FSDP2's fully_shard)
@@ -63,7 +62,7 @@ def _loc(site: list[Any] | None) -> Location | None:
     return location(Site(site[0], site[1], site[2] if len(site) > 2 else None))
 
 
-def _uneven(session, world_size: int) -> str | None:
+def _uneven(session: Any, world_size: int) -> str | None:
     for index, mb in enumerate(session.micro_batches):
         tensors = list(mb.values()) if isinstance(mb, dict) else list(mb)
         sizes = {t.shape[0] for t in tensors if t.dim() > 0}
@@ -73,7 +72,7 @@ def _uneven(session, world_size: int) -> str | None:
     return None
 
 
-def _run_ranks(session, world_size: int, timeout_s: float) -> dict[int, dict[str, Any]]:
+def _run_ranks(session: Any, world_size: int, timeout_s: float) -> dict[int, dict[str, Any]]:
     spec_path = to_wire(session.spec)
     if launch.GROUP is not None:
         return launch.GROUP.run_ranks(spec_path, timeout_s)
@@ -81,7 +80,7 @@ def _run_ranks(session, world_size: int, timeout_s: float) -> dict[int, dict[str
 
 
 def _rank_error(results: dict[int, dict[str, Any]], world_size: int, timeout_s: float,
-                finder) -> RungResult | None:
+                finder: Any) -> RungResult | None:
     errors = [r for r in results.values() if r.get("error")]
     launch_errors = [r for r in errors if r.get("stage") == "launch"]
     if launch_errors:
@@ -153,94 +152,41 @@ def _too_many_syncs(r0: dict[str, Any], words: dict[str, str], windows: int,
                     synced: list[int], positions: list[int], per_window: int,
                     one_sync_bytes: int, world_size: int, sharded: bool, update_right: bool,
                     worst: float) -> Finding | None:
-    """More syncing backwards than optimizer steps: the finding its decider makes of the
+    """More syncing backwards than optimizer steps: the finding its unit makes of the
     volume, or None where the volume is not the story (FSDP2 syncing on every window's last
     backward too, whose update is off for another reason: the consumed gradient says which)."""
-    total_bytes = sum(n for _, n in r0["buckets"])
-    per_step = len(synced) / windows
     last_missed = [w for w in range(windows) if (w + 1) * per_window not in synced]
     if sharded and not update_right and not last_missed:
         return None
     extra = next((b for b, p in zip(synced, positions, strict=False) if p != per_window),
                  synced[0])
     where = _loc(r0["no_syncs"][0][0]) if r0["no_syncs"] else _loc(r0["backwards"][extra - 1])
-    volume = (f"{words['who']} {words['verb']} gradients on {len(synced)} of "
-              f"{len(r0['backwards'])} backward passes for {windows} optimizer steps "
-              f"({per_step:.3g} per step): {total_bytes / windows:,.0f} bytes per window "
-              f"against the {one_sync_bytes:,} a single sync needs.")
-    evidence: Evidence = {
-        "measured": round(per_step, 6), "expected": 1.0,
-        "bytes_per_window": round(total_bytes / windows),
-        "minimum_bytes_per_window": one_sync_bytes, "world_size": world_size}
-    if sharded:
-        evidence["reduce_scatters_per_window"] = round(per_step, 6)
-    else:
-        evidence["allreduces_per_window"] = round(per_step, 6)
-    fix = ""
-    if sharded and update_right:
-        # FSDP2's sync-every-micro-batch mode: each backward reduce-scatters its gradient into
-        # the sharded .grad and frees the unsharded one; with set_requires_gradient_sync(False)
-        # the unsharded gradient (one reduce-scatter's input) is held over the window instead.
-        evidence["unsharded_gradient_bytes_not_held"] = one_sync_bytes
-        evidence["max_relative_error"] = round(worst, 9)
-        message = (volume + " The update is right (every rank's consumed gradient matched the "
-                   f"reference, max relative error {worst:.2g}): this is FSDP2's documented "
-                   "sync-on-every-micro-batch mode, a trade. It costs "
-                   f"{per_step:.3g}x the gradient communication of one {words['noun']} per "
-                   f"window; it saves holding the unsharded gradient accumulated over the "
-                   f"window, about {one_sync_bytes:,} bytes per rank (estimated: one "
-                   f"{words['noun']}'s input), between micro-batches.")
-        fix = ("Keep it if memory is what limits you. Otherwise switch sync off for the first "
-               f"K-1 micro-batches of each window ({words['switch']}, on again before the "
-               "last forward) for one reduce-scatter per optimizer step.")
-    elif last_missed:
-        message = (volume + f" The window's last backward did not sync (window(s) "
-                   f"{', '.join(map(str, last_missed))}): its gradient {words['unsynced']}.")
-    else:
-        message = volume + (
-            " no_sync() was entered, but after the forward: DDP decides in forward() whether "
-            "the backward all-reduces, so the context must hold the forward too."
-            if r0["no_syncs"] else
-            f" The first K-1={per_window - 1} micro-batches of each window need "
-            f"{words['switch']}.")
-    return deciders.sync_on_every_micro_batch(
-        Observed(RUNG, Severity.ERROR, message, evidence=evidence, location=where, fix=fix),
-        sharded=sharded, update_right=update_right and not last_missed)
+    return too_many_syncs(TooManySyncs(
+        RUNG, words["who"], synced=len(synced), backwards=len(r0["backwards"]),
+        windows=windows, per_window=per_window,
+        total_bytes=sum(n for _, n in r0["buckets"]), one_sync_bytes=one_sync_bytes,
+        world_size=world_size, sharded=sharded, update_right=update_right, worst=worst,
+        last_missed=tuple(last_missed), no_sync_entered=bool(r0["no_syncs"]), location=where))
 
 
 def _replicas_not_reduced(r0: dict[str, Any], windows: int, per_window: int,
-                          missed: list[int], evidence: Evidence) -> Finding:
+                          missed: list[int], ranks: RanksCompared) -> Finding:
     """HSDP reduce-scattered inside each node, but a window's last backward did not all-reduce
     across the replicas: FSDP2 holds a reduce-scatter's output aside until the next all-reduce."""
     reduced = sorted(set(r0["replica_reduces"]))
     toggles = r0.get("all_reduce_toggles") or []
     where = next((_loc(t[1]) for t in toggles if t[1]), None) or _switch_site(r0)
-    numbers: Evidence = {"replica_all_reduces": len(reduced), "windows_not_all_reduced": missed,
-                         **evidence}
     if not reduced:
-        stepped = sum(1 for s in r0["judged"] if s["ratio"] > 0)
-        return deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
-            "HSDP reduce-scattered inside each node but never all-reduced across the "
-            "replicas (set_requires_all_reduce(False), never turned back on): FSDP2 holds each "
-            "reduce-scatter's output aside until an all-reduce, so the sharded .grad stayed "
-            f"None and no rank stepped at all (rank 0 consumed a gradient at {stepped} of its "
-            f"{len(r0['judged'])} optimizer steps).",
-            evidence={"measured": 0, "expected": windows, "steps_with_a_gradient": stepped,
-                      **numbers},
-            location=where,
-            fix="Turn the all-reduce back on for the last micro-batch of every window, before "
-                "its forward: model.set_requires_all_reduce(i % K == K - 1)."))
-    position = ((reduced[0] - 1) % per_window) + 1
-    return deciders.missing_no_sync(Observed(RUNG, Severity.ERROR,
-        f"HSDP all-reduced across the replicas on backward {position} of {per_window}, not the "
-        "window's last (window(s) " + ", ".join(map(str, missed)) + "): the later "
-        "micro-batches' reduce-scattered gradients were held aside and carried into the next "
-        "window's all-reduce, out of this window's update.",
-        evidence={"measured": position, "expected": per_window, **numbers},
-        location=where))
+        return replicas_never_all_reduced(ReplicasNeverAllReduced(
+            RUNG, windows=windows, missed=tuple(missed),
+            stepped=sum(1 for s in r0["judged"] if s["ratio"] > 0),
+            steps_judged=len(r0["judged"]), ranks=ranks, location=where))
+    return replicas_all_reduced_late(ReplicasAllReducedLate(
+        RUNG, position=((reduced[0] - 1) % per_window) + 1, per_window=per_window,
+        missed=tuple(missed), replica_all_reduces=len(reduced), ranks=ranks, location=where))
 
 
-def run(session) -> RungResult:
+def run(session: Any) -> RungResult:
     spec = session.spec
     group = launch.GROUP
     if spec.ddp is None and group is None:
@@ -270,7 +216,7 @@ def run(session) -> RungResult:
     return _judge(session, results, world_size, WORDS[wrapper])
 
 
-def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
+def _judge(session: Any, results: dict[int, dict[str, Any]], world_size: int,
            words: dict[str, str]) -> RungResult:
     sharded = words["who"] in SHARDED
     r0 = results[0]
@@ -330,14 +276,6 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     rank, r = min(bad_ranks.items()) if bad_ranks else (0, r0)
     first: Any = next((s for s in r["judged"] if s["bad"]),
                       r["judged"][apart[0]] if apart else None)
-    evidence: Evidence = {"rank": rank, "step": r["judged"].index(first) if first else None,
-                "ratio": first and round(first["ratio"], 6),
-                "cosine": first and round(first["cosine"], 6),
-                "relative_error": first and round(first["relative_error"], 6),
-                "max_gradient_difference_between_ranks": round(max(diffs, default=0.0), 6),
-                "first_step_ranks_differ": apart[0] if apart else None,
-                "parameter_difference_between_ranks": r0.get("parameter_difference"),
-                "world_size": world_size}
     # HSDP: the windows whose last backward did not all-reduce across the replicas
     replica_reduced = set(r0.get("replica_reduces", []))
     hsdp_missed = ([w for w in range(windows) if (w + 1) * per_window not in replica_reduced]
@@ -348,41 +286,25 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
     # before a clip that bit: the factor a clip hides (the judge's pre-clip ratio)
     unclipped = r.get("first_bad_unclipped_ratio")
     ratio = (unclipped or first.get("preclip_ratio") or first["ratio"]) if first else 0.0
-    if first and ratio != first["ratio"]:
-        evidence["ratio_before_clip"] = round(ratio, 6)
+    ranks = RanksCompared(
+        rank, step=r["judged"].index(first) if first else None,
+        ratio=first["ratio"] if first else None, cosine=first["cosine"] if first else None,
+        relative_error=first["relative_error"] if first else None,
+        max_difference=max(diffs, default=0.0), first_apart=apart[0] if apart else None,
+        parameter_difference=r0.get("parameter_difference"), world_size=world_size,
+        ratio_before_clip=ratio if first and ratio != first["ratio"] else None)
     if not synced_backwards and not engine:
-        stepped = sum(1 for s in r0["judged"] if s["ratio"] > 0)
-        what = (f"sync was never turned back on, so the sharded .grad stayed None on every "
-                f"rank and no rank stepped at all: rank 0 consumed a gradient at {stepped} of "
-                f"its {len(r0['judged'])} optimizer steps (the optimizer skips a parameter "
-                "without a gradient) and the weights never moved, while each rank's unsharded "
-                "gradient kept accumulating unseen." if sharded else
-                "so each rank stepped on its own shard and the ranks' parameters ended "
-                f"{r0.get('parameter_difference', 0):.3g} apart (relative).")
-        finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
-            f"{words['who']} never {words['verb']} a gradient: every backward ran with "
-            f"{words['switch']}; {what}",
-            evidence={"measured": 0, "expected": windows, "steps_with_a_gradient": stepped,
-                      **evidence},
-            location=_switch_site(r0),
-            fix=("Turn sync back on for the last micro-batch of every window, before its "
-                 "forward: model.set_requires_gradient_sync(i % K == K - 1)." if sharded
-                 else "")))
+        finding = never_synced(NeverSynced(
+            RUNG, words["who"], sharded=sharded, windows=windows,
+            stepped=sum(1 for s in r0["judged"] if s["ratio"] > 0),
+            steps_judged=len(r0["judged"]), ranks=ranks, location=_switch_site(r0)))
     elif wrong_position:
-        finding = deciders.missing_no_sync(Observed(RUNG, Severity.ERROR,
-            f"{words['who']} {words['verb']} once per window, but on backward "
-            f"{wrong_position[0]} of {per_window}, not the last: the later micro-batches' "
-            f"gradients {words['unsynced']}. "
-            + (f"The ranks consumed gradients {max(diffs, default=0.0):.3g} apart (relative, "
-               f"first at step {evidence['first_step_ranks_differ']}) and their parameters "
-               f"ended {r0.get('parameter_difference', 0):.3g} apart." if apart else
-               f"Rank {rank} consumed {first['ratio']:.4g}x the reference gradient of the "
-               f"global batch (cosine {first['cosine']:.4f}) at step {evidence['step']}."),
-            evidence={"measured": wrong_position[0], "expected": per_window,
-                      "synced_backward_in_window": positions, **evidence},
+        finding = sync_on_wrong_backward(SyncOnWrongBackward(
+            RUNG, words["who"], position=wrong_position[0], per_window=per_window,
+            positions=tuple(positions), apart=bool(apart), ranks=ranks,
             location=_switch_site(r0) or _loc(r0["backwards"][synced_backwards[0] - 1])))
     elif hsdp_missed:
-        finding = _replicas_not_reduced(r0, windows, per_window, hsdp_missed, evidence)
+        finding = _replicas_not_reduced(r0, windows, per_window, hsdp_missed, ranks)
     elif apart:
         # One sync per window, on its last backward, yet the ranks consumed different
         # gradients: the loop does something per rank (a clip, a scale, a branch on rank).
@@ -393,24 +315,14 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
         where = (_loc(parted[1]) if parted else
                  Location(**explained[0]["location"]) if explained and explained[0].get("location")
                  else _loc(r0["judged"][apart[0]]["site"]) if r0["judged"] else None)
-        how = (f" Rank 0 and rank {other['rank']} part ways at {parted[0]} "
-               f"({parted[1][0]}:{parted[1][1]})." if parted and parted[1] else "")
-        finding = deciders.gradient_mismatch(Observed(RUNG, Severity.ERROR,
-            f"The ranks consumed different gradients ({max(diffs):.3g} apart, relative, first "
-            f"at step {apart[0]}) although {words['who']} {words['verb']} once per window on "
-            "its last backward: something in the loop is rank-dependent (a clip, a scale or a "
-            "branch on the rank), so the ranks' parameters drift apart "
-            f"({r0.get('parameter_difference', 0):.3g} after the run).{how}",
-            evidence={"measured": round(max(diffs), 6), "expected": 0.0, **evidence},
+        finding = ranks_apart(RanksApart(
+            RUNG, words["who"], ranks, other_rank=other["rank"],
+            parted=(parted[0], parted[1][0], parted[1][1]) if parted and parted[1] else None,
             location=where))
     elif (first and abs(ratio * world_size - 1) <= thresholds.WORLD_SIZE_RATIO_RTOL
           and first["cosine"] > thresholds.WORLD_SIZE_MIN_COSINE):
-        finding = deciders.double_average(Observed(RUNG, Severity.ERROR,
-            f"Every rank consumed {ratio:.4g}x the reference gradient of the global "
-            f"batch: 1/world_size (={1 / world_size:g}). {words['who']} already averages "
-            "gradients over "
-            "the ranks; the loss is divided by the world size on top of that.",
-            evidence={"measured": round(ratio, 6), "expected": 1.0, **evidence},
+        finding = divided_by_world_size(DividedByWorldSize(
+            RUNG, words["who"], ratio, ranks,
             location=_loc(r["backwards"][0]) if r["backwards"] else None))
     else:
         # The ranks agree and synced right, but their update is off the reference in another
@@ -419,6 +331,6 @@ def _judge(session, results: dict[int, dict[str, Any]], world_size: int,
         data["rung"] = RUNG
         data["location"] = Location(**data["location"]) if data.get("location") else None
         data["evidence"] = {**data.get("evidence", {}), "rank": rank, "world_size": world_size}
-        finding = deciders.from_dict(data)
+        finding = from_dict(data)
     return conclude(RUNG, [finding], "", details)
 

@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ampdoctor.enums import RungId, Severity
+from ampdoctor.enums import RungId
 from ampdoctor.findings import RungResult, status_from_findings
+from ampdoctor.kinds.double_scaling import Untold
 from ampdoctor.scan import describe, scan_paths
 from ampdoctor.scan.verdict import same_path_finding
 
@@ -209,9 +210,7 @@ def _judged_by_run(findings: list, ownership: Ownership | None,
             continue
         entry = finding.evidence["entry"]
         if ownership is None:
-            kept.append(same_path_finding(
-                owners, entry, base, " No run of this loop had a GradScaler enabled, so none "
-                "could tell whether they act on one loss.", Severity.WARNING))
+            kept.append(same_path_finding(owners, entry, base, untold=Untold.NONE_ENABLED))
             continue
         slots = [ownership.slots_at(os.path.realpath(o["file"]), o.get("line")) for o in owners]
         if not all(slots):
@@ -233,10 +232,7 @@ def _judged_by_run(findings: list, ownership: Ownership | None,
                             for o, opts in zip(owners, steps, strict=True))
                 + "): separate state machines, not a double scaling")
             continue
-        kept.append(same_path_finding(
-            owners, entry, base,
-            " The run could not tell whether they act on one loss: at least one of them "
-            "scaled no loss or stepped no optimizer.", Severity.WARNING))
+        kept.append(same_path_finding(owners, entry, base, untold=Untold.UNUSED))
     return kept, separate
 
 

@@ -28,10 +28,15 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from ampdoctor import deciders
-from ampdoctor.deciders import Observed
-from ampdoctor.enums import RungId, Severity
+from ampdoctor.enums import RungId
 from ampdoctor.findings import Finding, Location
+from ampdoctor.kinds.double_scaling import (
+    OwnersApart,
+    OwnersOnOnePath,
+    Untold,
+    owners_apart,
+    owners_on_one_path,
+)
 from ampdoctor.scan.graph import Graph
 from ampdoctor.scan.precision_agreement import trainer_deepspeed_mismatch
 from ampdoctor.scan.sites import DELEGATING_FRAMEWORKS, SINGLETON_FRAMEWORKS, FileScan, Site
@@ -264,26 +269,15 @@ def describe_owner(owner: dict[str, Any], base: str | None) -> str:
 
 
 def same_path_finding(owners: list[dict[str, Any]], entry: str, base: str | None,
-                      note: str = "", severity: Severity = Severity.ERROR) -> Finding:
+                      met: str = "", untold: Untold | None = None) -> Finding:
     """The rule-5 error for two or more state machines (`machine_dict`s) on the path of
-    `entry`, located at the one to remove; `note` ends the message (what a run saw, and a
-    warning's `severity` where the run could not tell)."""
+    `entry`, located at the one to remove; `met` ends the message (what a run saw them share),
+    `untold` makes it a warning (why the runs could not tell)."""
     first = owners[_to_remove_index([o["kind"] for o in owners])]
-    names = "; ".join(describe_owner(o, base) for o in owners)
-    return deciders.double_scaling(Observed(
-        rung=RUNG,
-        severity=severity,
-        message=(f"{len(owners)} loss-scale owners on one training path (entry point "
-                 f"{_short(entry, base)}): {names}.{note}"),
-        evidence={
-            "owners": owners,
-            "measured": len(owners),
-            "expected": 1,
-            "scope": "same-path",
-            "entry": entry,
-        },
-        location=Location(file=first["file"], line=first.get("line") or 1),
-    ))
+    return owners_on_one_path(OwnersOnOnePath(
+        RUNG, tuple(owners), entry, entry_shown=_short(entry, base),
+        owners_shown=tuple(describe_owner(o, base) for o in owners), met=met, untold=untold,
+        location=Location(file=first["file"], line=first.get("line") or 1)))
 
 
 def _separate_paths_warning(
@@ -299,30 +293,12 @@ def _separate_paths_warning(
     if len(frameworks) <= 1:
         return
     first = _to_remove(groups)
-    names = "; ".join(
-        f"{_describe(g, base)} (entry point "
-        f"{', '.join(_short(e, base) for e in entries_of[g[0].uid])})"
-        for g in groups
-    )
-    decision.findings.append(
-        deciders.double_scaling(Observed(
-            rung=RUNG,
-            severity=Severity.WARNING,
-            message=(
-                f"{len(groups)} loss-scale owners of different kinds in separate entry "
-                f"points: {names}. No scanned file runs them together; check that no "
-                "launcher, command line or config combines them on one loss."
-            ),
-            evidence={
-                "owners": [machine_dict(g) for g in groups],
-                "measured": len(groups),
-                "expected": 1,
-                "scope": "separate-entry-points",
-                "entries": sorted({e for g in groups for e in entries_of[g[0].uid]}),
-            },
-            location=Location(file=first.file, line=first.line or 1),
-        ))
-    )
+    decision.findings.append(owners_apart(OwnersApart(
+        RUNG, tuple(machine_dict(g) for g in groups),
+        shown=tuple((_describe(g, base), tuple(_short(e, base) for e in entries_of[g[0].uid]))
+                    for g in groups),
+        entries=tuple({e for g in groups for e in entries_of[g[0].uid]}),
+        location=Location(file=first.file, line=first.line or 1))))
 
 
 def _short(path: str, base: str | None) -> str:
@@ -341,5 +317,5 @@ def _to_remove_index(kinds: list[str]) -> int:
     return min(range(len(kinds)), key=lambda i: (_REMOVE_FIRST.get(kinds[i], 2), i))
 
 
-def _to_remove(groups):
+def _to_remove(groups: list[list[Site]]) -> Site:
     return groups[_to_remove_index([g[0].kind for g in groups])][0]

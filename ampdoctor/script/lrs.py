@@ -16,10 +16,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from .. import deciders
-from ..deciders import Observed
-from ..enums import RungId, Severity
+from ..enums import RungId
 from ..findings import Finding, location
+from ..kinds.mismatch import RateOffReference, rate_off_reference
 from ..probe.events import SchedulerStep
 
 if TYPE_CHECKING:
@@ -51,41 +50,20 @@ def lr_mismatch(ss: ScriptSession, trace: ScriptTrace) -> Finding | None:
             continue
         group = bad[0]
         run_lr, ref_lr = used[group], meant[group]
-        ratio = run_lr / ref_lr if ref_lr else math.inf
-        return _finding(ss, trace, step, group, run_lr, ref_lr, ratio)
+        return _finding(ss, trace, step, group, run_lr, ref_lr)
     return None
 
 
 def _finding(ss: ScriptSession, trace: ScriptTrace, step: int, group: int, run_lr: float,
-             ref_lr: float, ratio: float) -> Finding:
-    reference = " ".join(ss.command.reference_args or [])
+             ref_lr: float) -> Finding:
     optimizer = next((o for o in trace.outcome.optimizers if o.get("slot") == 0), None)
     built_at = optimizer.get("site") if optimizer else None
     schedule = [e for e in trace.events if isinstance(e, SchedulerStep)]
     # at step 0 the rate (or a warm-up set from the micro-batch) is the optimizer's; later
     # rates part when the schedule moves at another pace
     where = built_at if step == 0 or not schedule else schedule[0].site
-    if not schedule:
-        cause = ("the script sets the optimizer's learning rate from the micro-batch (a "
-                 "linear scaling rule on the batch option alone?), not from the optimizer "
-                 f"step's batch of K x b = {ss.K} x {ss.spec.micro_batch_size}")
-        fix = ("compute it from the effective batch: batch size x accumulation steps "
-               "(x world size)")
-    else:
-        cause = ("the script derives the learning rate from the micro-batch, or its "
-                 "schedule (warm-up, length) from the number of micro-batches (len(loader)) "
-                 "instead of optimizer steps")
-        fix = ("compute the learning rate from the effective batch (batch size x "
-               "accumulation steps) and count the schedule in optimizer steps (len(loader) "
-               "// accumulation steps per epoch)")
-    group_text = f" (parameter group {group})" if group else ""
-    message = (f"Step {step}: the optimizer's learning rate{group_text} is {run_lr:.6g} in "
-               f"the run and {ref_lr:.6g} in the reference ({reference}), {ratio:.4g}x: "
-               f"{cause}. Each gradient matches the full-batch one, but every update is "
-               f"{ratio:.4g}x the one the same training without accumulation makes. Fix: "
-               f"{fix}.")
-    return deciders.gradient_mismatch(Observed(
-        RungId.FP32_ACCUM, Severity.ERROR, message,
-        evidence={"measured": round(ratio, 6) if math.isfinite(ratio) else str(ratio),
-                  "expected": 1.0, "step": step, "lr_used": run_lr, "lr_expected": ref_lr},
+    return rate_off_reference(RateOffReference(
+        RungId.FP32_ACCUM, step, group, run_lr, ref_lr,
+        reference_args=" ".join(ss.command.reference_args or []), K=ss.K,
+        micro_batch_size=ss.spec.micro_batch_size, scheduled=bool(schedule),
         location=location(where)))
