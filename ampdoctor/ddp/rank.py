@@ -110,7 +110,7 @@ class SyncObserver:
             buffer = bucket.buffer()
             self.buckets.append([probe.backward_count, buffer.numel() * buffer.element_size()])
             return default_hooks.allreduce_hook(state, bucket)
-
+        counting_hook.__annotations__ = {}   # DDP compares them with its own types (not strings)
         ddp_model.register_comm_hook(None, counting_hook)
         self.recording = True
         return ddp_model
