@@ -141,9 +141,17 @@ class ReferenceBuilder:
     def loop_froze(self, frozen: frozenset[str]) -> None:
         """The loop's model does not train `frozen` (`Probe.on_frozen`): the references from
         now on leave them out, as the loop's optimizer steps do."""
-        if frozen != self.loop_frozen:
-            self.loop_frozen = frozen
+        before = self._frozen_by_loop()
+        self.loop_frozen = frozen
+        if self._frozen_by_loop() != before:
             self._ref_cache = None
+
+    def _frozen_by_loop(self) -> frozenset[str]:
+        """What the loop froze that the model's factory did not (a reference cached before
+        any run, and one after a run that froze nothing, are the same reference)."""
+        frozen = self.loop_frozen or frozenset()
+        return frozenset(n for n, p in self._template.named_parameters()
+                         if n in frozen and p.requires_grad)
 
     def _grads_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
         """The model's gradients as fp32 host tensors; the model's .grad are left None. A grad
@@ -234,7 +242,7 @@ class ReferenceBuilder:
             return None
         if state is not self.initial_state and not compare.same_tensors(state, self.initial_state):
             return None
-        return (ids, training, weighting, self.loop_frozen)
+        return (ids, training, weighting, self._frozen_by_loop())
 
     def _check_finite(self, ref: WindowReference, window: str) -> WindowReference:
         bad = [n for n, g in ref.full.items() if g is not None and not compare.all_finite(g)]
