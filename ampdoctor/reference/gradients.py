@@ -99,7 +99,6 @@ class ReferenceBuilder:
     #: loop itself: `requires_grad_(False)` on the model it was handed), None before any
     #: run reached a step; the reference model trains what the loop trains
     loop_frozen: frozenset[str] | None = None
-    _ref_trainable: dict[str, bool] | None = None
     window: Callable[[int], list[Any]]
     probe_settings: Callable[..., ProbeSettings]
     run_loop: Callable[..., Trace]
@@ -128,14 +127,13 @@ class ReferenceBuilder:
         if model is None:
             model = self._ref_model = build_model(self.code, self.device, self.spec.seed)
             recorder.ForwardAligner(self.batch_index, self.align_seed).attach(model)
-            self._ref_trainable = {n: p.requires_grad for n, p in model.named_parameters()}
         model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
         model.train(training)
-        trainable = self._ref_trainable or {}
-        frozen = self.loop_frozen
-        if frozen is not None and frozen <= trainable.keys():   # (names of the same model)
-            for n, p in model.named_parameters():
-                p.requires_grad_(trainable[n] and n not in frozen)
+        # the factory's flags (the template's), less what the loop froze
+        frozen = self._frozen_by_loop()
+        for (n, p), built in zip(model.named_parameters(), self._template.parameters(),
+                                 strict=True):
+            p.requires_grad_(built.requires_grad and n not in frozen)
         return model
 
     def loop_froze(self, frozen: frozenset[str]) -> None:

@@ -15,6 +15,7 @@ that assigns it.
 from __future__ import annotations
 
 import ast
+import bisect
 import inspect
 import linecache
 import textwrap
@@ -44,26 +45,24 @@ def _changes_inside_windows(trace: Trace, slot: int, steps: list[tuple[int, floa
     backwards before its step, how many values it took at most in one window, that window's
     values and the site of the backward that first saw a new one; None when the rate never
     changed inside a window."""
-    backwards = [e for e in trace.events_of(Backward)
-                 if len(e.lrs) > slot and e.lrs[slot] is not None]
-    first: tuple[int, list[float], Any] | None = None
-    most = 1
-    previous = -1
-    for window, (seq, _) in enumerate(steps):
-        values: list[float] = []
-        site = None
-        for e in backwards:
-            lr = e.lrs[slot]
-            if previous < e.seq < seq and lr is not None and (
-                    not values or _differs(values[-1], lr)):
-                values.append(lr)
-                site = site or (e.site if len(values) > 1 else None)
-        previous = seq
-        if len(values) > 1:
-            most = max(most, len(values))
-            if first is None:
-                first = (window, values, site)
-    return None if first is None else (first[0], most, first[1], first[2])
+    ends = [seq for seq, _ in steps]
+    values: list[list[float]] = [[] for _ in ends]
+    sites: list[Any] = [None] * len(ends)
+    for e in trace.events_of(Backward):
+        lr = e.lrs[slot] if len(e.lrs) > slot else None
+        window = bisect.bisect_left(ends, e.seq)     # the first step after this backward
+        if lr is None or window == len(ends):
+            continue
+        seen = values[window]
+        if not seen or _differs(seen[-1], lr):
+            seen.append(lr)
+            if len(seen) == 2:
+                sites[window] = e.site
+    changed = [w for w, seen in enumerate(values) if len(seen) > 1]
+    if not changed:
+        return None
+    first = changed[0]
+    return first, max(len(values[w]) for w in changed), values[first], sites[first]
 
 
 def _differs(a: float, b: float) -> bool:
