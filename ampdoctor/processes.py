@@ -54,6 +54,9 @@ TEMP_ENV = "AMPDOCTOR_TEMP"
 END_WAIT_S = 3.0
 #: How long the caller waits for its guardian to leave once done with it.
 GUARDIAN_WAIT_S = 2.0
+#: How often a wait for processes to end looks again (each diagnose waits at its end: a
+#: coarse step is paid in its wall time)
+POLL_S = 0.005
 _PROC = "/proc"
 
 
@@ -188,6 +191,8 @@ def end(token: str | None = None, sessions: Iterable[int] = (), groups: Iterable
     owns them all, at its end). Sessions and groups are this caller's to vouch for: their leader
     not yet reaped, or `carrying` given. Without /proc, the groups are killed whole."""
     sessions, groups, roots, spare = list(sessions), list(groups), list(roots), list(spare)
+    if not (token or sessions or roots or reap) and all(_empty_group(g) for g in groups):
+        return 0    # nothing is left in the groups (each run's end: no table of /proc to read)
     if not os.path.isdir(_PROC):     # what cannot be found without /proc
         for group in groups:
             with contextlib.suppress(OSError):
@@ -205,7 +210,18 @@ def end(token: str | None = None, sessions: Iterable[int] = (), groups: Iterable
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
         killed |= alive
-        time.sleep(0.02)
+        time.sleep(POLL_S)
+
+
+def _empty_group(group: int) -> bool:
+    """Whether no process (a zombie counts) is in process group `group`."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False    # someone's it is (EPERM): looked at through /proc
+    return False
 
 
 def _reap() -> None:
@@ -251,7 +267,7 @@ def end_descendants() -> None:
                     break
             except ChildProcessError:
                 break                # not ours to wait for: swept below
-            time.sleep(0.02)
+            time.sleep(POLL_S)
         end(roots=(os.getpid(),), sessions=(os.getpid(),), reap=True)
 
 

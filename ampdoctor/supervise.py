@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import processes
 from .errors import (
@@ -43,8 +43,10 @@ from .errors import (
     UsageError,
     UserCodeError,
 )
-from .record_model import RecordModel, RungModel
 from .supervise_records import died_record, hung_record
+
+if TYPE_CHECKING:   # (pydantic's import waits until the worker has started)
+    from .record_model import RecordModel, RungModel
 
 #: Extra seconds past `timeout_s` before a phase that did not end is killed: the child's own
 #: stop (at `timeout_s`) needs time to unwind the loop and write its finding. At most this,
@@ -241,11 +243,13 @@ class Watch:
                 self.phase_started = now
         elif kind == "done":
             if event.get("rung"):
+                from .record_model import RungModel
                 self.outcome.done.append(RungModel.model_validate(event["rung"]))
             self.phase, self.phase_started = "finishing", now
         elif kind == "result":
             self.result_seen = True
             wired = event.get("record")
+            from .record_model import RecordModel
             self.outcome.record = (RecordModel.model_validate(wired) if wired is not None
                                    else None)
             if event.get("error"):
@@ -278,7 +282,7 @@ class Watch:
                 return True
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(0.05)
+            time.sleep(processes.POLL_S)
         return True
 
     def _reap(self) -> None:

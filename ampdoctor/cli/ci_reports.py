@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UsageError
-from ..record import as_record
 from ..safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
 
 if TYPE_CHECKING:
@@ -119,6 +118,7 @@ def _finding_text(finding: FindingModel) -> str:
 
 def junit_xml(record: RecordModel | Mapping[str, Any]) -> str:
     """The record as JUnit XML (see the module docstring)."""
+    from ..record import as_record   # (pydantic: imported once the worker runs)
     record = as_record(record)
     name = inert(record.name or "run", limit=FIELD_LIMIT, multiline=False)
     strict = bool(record.strict)
@@ -209,6 +209,7 @@ def sarif_json(record: RecordModel | Mapping[str, Any], base: str | None = None)
     from ..kinds import CATALOGUE
     from ..scan.render import SARIF_SCHEMA, physical_location, sarif_text
 
+    from ..record import as_record   # (pydantic: imported once the worker runs)
     record = as_record(record)
     base = base or os.getcwd()
     findings = record.findings

@@ -324,13 +324,14 @@ def _run_isolated(spec: Any, progress: ProgressLine, done: list[RungModel],
     """The diagnose in a child process (`supervise.run`): its events drive the progress line,
     its output goes to stderr (or to `captured`)."""
     from .. import supervise
-    from ..record_model import RungModel
 
     def on_event(event: dict[str, Any]) -> None:
         kind = event.pop("event", None)
         if kind == "progress":
             progress(event)
         elif kind == "done" and event.get("rung"):
+            # (pydantic's models are imported once the worker runs: here, not before it starts)
+            from ..record_model import RungModel
             done.append(RungModel.model_validate(event["rung"]))
         elif kind == "rung":
             started.append(str(event.get("id")))

@@ -71,11 +71,7 @@ def _safetensors(overlay: Overlay, patcher: patches.Patcher) -> None:
         return real_open(overlay.read(filename) if _path_arg(filename) else filename,
                          *args, **kwargs)
 
-    for module in list(sys.modules.values()):
-        namespace = getattr(module, "__dict__", None)
-        if not isinstance(namespace, dict):
-            continue
-        if namespace.get("serialize_file") is real_serialize:
-            patcher.setattr(module, "serialize_file", serialize_file)
-        if namespace.get("safe_open") is real_open:
-            patcher.setattr(module, "safe_open", safe_open)
+    from . import prefork
+    patched = {"serialize_file": serialize_file, "safe_open": safe_open}
+    for name, attr in prefork.safetensors_holders():
+        patcher.setattr(sys.modules[name], attr, patched[attr])

@@ -41,13 +41,40 @@ ENV = "AMPDOCTOR_PREFORK_IMPORTS"
 #: the modules the server imported for the script (set in the server, inherited by each run)
 PRELOADED: list[str] = []
 
+#: the import list the server was started with (`script_imports` of the script its runs run;
+#: None in a run started without the server)
+SERVED: list[str] | None = None
+
+#: the modules loaded in the server once it had imported everything (each run looks for the
+#: names it must rebind only in the modules loaded since), and those among them that hold
+#: `(module name, attribute)` of safetensors' functions (`native`)
+SERVER_MODULES: frozenset[str] = frozenset()
+SAFETENSORS_NAMES: list[tuple[str, str]] = []
+
 #: the import list the running server was started with (in the process that starts runs)
 _SERVING: tuple[str, ...] | None = None
 
 
 def script_imports(script: str, cwd: str) -> list[str]:
     """`module` or `module:name` for every absolute import of the script that is neither the
-    standard library, torch, nor a module of the user's own (in the script's folder or `cwd`)."""
+    standard library, torch, nor a module of the user's own (in the script's folder or `cwd`).
+    Read once per version of the file (each run of a diagnose asks again)."""
+    try:
+        st = os.stat(script)
+        key = (os.path.realpath(script), os.path.realpath(cwd), st.st_mtime_ns, st.st_size)
+    except OSError:
+        return []
+    if key not in _READ:
+        _READ.clear()
+        _READ[key] = _read_imports(script, cwd)
+    return list(_READ[key])
+
+
+#: script_imports' answer for the one script it read last
+_READ: dict[tuple[str, str, int, int], list[str]] = {}
+
+
+def _read_imports(script: str, cwd: str) -> list[str]:
     try:
         with open(script, "rb") as f:
             tree = ast.parse(f.read(), filename=script)
@@ -84,7 +111,7 @@ def import_frameworks(script: str, cwd: str) -> None:
     started without the server preloads nothing), so that the Accelerator or Trainer the script
     builds is one the probe watches. The script imports them anyway; one that fails to import
     is left to the script."""
-    for name in script_imports(script, cwd):
+    for name in SERVED if SERVED is not None else script_imports(script, cwd):
         module, _, attr = name.partition(":")
         if module.split(".")[0] not in FRAMEWORKS:
             continue
@@ -140,14 +167,16 @@ def serve(ctx: Any, imports: list[str]) -> None:
 def _preload() -> None:
     """In the fork server, at its start: import what `serve` listed. The script's stdout is
     not ours to write to (`--json` prints the record there): anything printed goes to stderr."""
+    global SERVED
     raw = os.environ.pop(ENV, None)
     if not raw:
         return
     import threading
     out = os.dup(1)
     os.dup2(2, 1)
+    SERVED = list(json.loads(raw))
     try:
-        for name in json.loads(raw):
+        for name in SERVED:
             if threading.active_count() > 1:
                 break   # a library started a thread: forking more of them is not safe
             before = set(sys.modules)
@@ -162,6 +191,44 @@ def _preload() -> None:
             sys.stdout.flush()
         os.dup2(out, 1)
         os.close(out)
+    _snapshot()
+
+
+def _snapshot() -> None:
+    """In the server, its imports done: what each run need not look through again."""
+    global SERVER_MODULES
+    SAFETENSORS_NAMES.extend(_bound_names(list(sys.modules.items())))
+    SERVER_MODULES = frozenset(sys.modules)
+
+
+def safetensors_holders() -> list[tuple[str, str]]:
+    """(module name, attribute) for each loaded module that holds safetensors' own
+    `serialize_file` or `safe_open` under that name (`native` rebinds them in each run). In a
+    run forked from the server, only the modules loaded since the server's imports are looked
+    through: the server found the others once."""
+    if not SERVER_MODULES:
+        return _bound_names(list(sys.modules.items()))
+    names = [(m, a) for m, a in SAFETENSORS_NAMES if m in sys.modules]
+    return names + _bound_names([(m, sys.modules[m]) for m in list(sys.modules)
+                                 if m not in SERVER_MODULES])
+
+
+def _bound_names(modules: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """(module name, attribute) for each of `modules` that holds safetensors' own
+    `serialize_file` or `safe_open` under that name (none when safetensors is not loaded)."""
+    safetensors = sys.modules.get("safetensors")
+    if safetensors is None:
+        return []
+    real = {"serialize_file": getattr(safetensors, "serialize_file", None),
+            "safe_open": getattr(safetensors, "safe_open", None)}
+    found = []
+    for name, module in modules:
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        found += [(name, attr) for attr, fn in real.items()
+                  if fn is not None and namespace.get(attr) is fn]
+    return found
 
 
 def plain_start_method() -> None:

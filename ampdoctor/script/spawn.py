@@ -34,7 +34,9 @@ def _context() -> Any:
             else "spawn"
         _CONTEXT = multiprocessing.get_context(method)
         if method == "forkserver":
-            _CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "ampdoctor.script.child",
+            # (safetensors: what the overlay patches in every run, imported once here)
+            _CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "safetensors",
+                                            "ampdoctor.script.child",
                                             "ampdoctor.script.spawn",
                                             "ampdoctor.script.prefork"])
             from multiprocessing import resource_tracker
