@@ -118,7 +118,7 @@ def _finding_text(finding: FindingModel) -> str:
 
 def junit_xml(record: RecordModel | Mapping[str, Any]) -> str:
     """The record as JUnit XML (see the module docstring)."""
-    from ..record import as_record   # (pydantic: imported once the worker runs)
+    from ..record import as_record  # (pydantic: imported once the worker runs)
     record = as_record(record)
     name = inert(record.name or "run", limit=FIELD_LIMIT, multiline=False)
     strict = bool(record.strict)
@@ -207,9 +207,8 @@ def sarif_json(record: RecordModel | Mapping[str, Any], base: str | None = None)
     """The record's findings as SARIF 2.1.0 (see the module docstring)."""
     from .._version import __version__
     from ..kinds import CATALOGUE
+    from ..record import as_record  # (pydantic: imported once the worker runs)
     from ..scan.render import SARIF_SCHEMA, physical_location, sarif_text
-
-    from ..record import as_record   # (pydantic: imported once the worker runs)
     record = as_record(record)
     base = base or os.getcwd()
     findings = record.findings
