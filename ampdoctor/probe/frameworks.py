@@ -64,6 +64,8 @@ def _wrap_accelerator_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         state = getattr(self, "state", None)
+        if "DEEPSPEED" in str(getattr(state, "distributed_type", "")):
+            return   # accelerate hands the precision to DeepSpeed: the engine says what it ran
         asked = str(getattr(state, "mixed_precision", "no"))
         device = getattr(getattr(self, "device", None), "type", "?")
         native = bool(getattr(self, "native_amp", False))

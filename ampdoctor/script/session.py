@@ -123,6 +123,7 @@ class ScriptSession:
             first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
             self.reference_probe = first
             if first.error is not None:
+                _refused(first)
                 how = (f"exited ({first.ended})" if first.ended.startswith("exit")
                        else "raised")
                 raise UserCodeError(
@@ -140,6 +141,8 @@ class ScriptSession:
                     "holding the whole step's data: set the script's accumulation option to 1")
         outcome = self.run(self.job("fp32", min_samples=self.N * self.reference_rows),
                            "fp32 run")
+        if outcome.error is not None and not outcome.steps:
+            _refused(outcome)
         self._check_reference_model(outcome)
         if outcome.param_shapes:
             self.param_shapes = dict(outcome.param_shapes)
@@ -155,12 +158,23 @@ class ScriptSession:
         self.spec.micro_batch_size = b
         self.spec.accumulation_steps = self.K
         self.spec.config_files = sorted({e.config_file for e in outcome.events
-                                         if isinstance(e, EngineBuilt) and e.config_file})
+                                         if isinstance(e, EngineBuilt) and e.config_file}
+                                        | set(self.config_arguments()))
         trace = replay(outcome, "fp32", self.K, self.finder, None)
         self.traces["fp32"] = trace
         if outcome.steps and outcome.error is None:
             self.prepare_references(trace)   # (and whether the reference reads the same data)
         return trace
+
+    def config_arguments(self) -> list[str]:
+        """The config files among the script's arguments (`--deepspeed ds_config.json` handed
+        to a Trainer, which builds the engine from a mapping): searched with the script."""
+        found = []
+        for arg in self.command.args:
+            path = os.path.join(self.command.cwd, arg.split("=", 1)[-1])
+            if path.endswith((".json", ".yaml", ".yml")) and os.path.isfile(path):
+                found.append(os.path.abspath(path))
+        return found
 
     def _check_reference_model(self, outcome: Outcome) -> None:
         """The reference must train the run's model: the same parameters, of the same shapes
@@ -418,3 +432,25 @@ def _concat(forwards: list[Any]) -> list[list[str]]:
 def _where(error: dict[str, Any]) -> tuple[str, int] | None:
     site = error.get("site")
     return (site.file, site.line) if site is not None else None
+
+
+class PrecisionsRefused(UserCodeError):
+    """The script's first run was refused by transformers or accelerate: its Trainer's
+    precision and the DeepSpeed config it hands over disagree (`rules.trainer_precision`);
+    the double-scaling rung names the two settings, as `ampdoctor scan` does."""
+
+    def __init__(self, message: str, refusal: Any, location: Any = None) -> None:
+        super().__init__(message, location=location)
+        self.refusal = refusal
+
+
+def _refused(outcome: Outcome) -> None:
+    """Raise PrecisionsRefused when a run stopped on a Trainer/DeepSpeed precision refusal."""
+    from ..rules.trainer_precision import refusal
+    text = str((outcome.error or {}).get("text") or "")
+    met = refusal(text)
+    if met is not None:
+        raise PrecisionsRefused(
+            f"the script stopped before its first optimizer step: {met.meaning()} "
+            f"({text.splitlines()[0][:200] if text else ''})", met,
+            location=_where(outcome.error or {}))
