@@ -4,7 +4,10 @@ and DeepSpeed on CPU: `diagnose` names it with the kind, numbers, Trainer line a
 that `ampdoctor scan` gives on the same files, whether transformers refuses the run
 (`bf16.enabled: false` under `bf16=True`) or it trains an fp32 engine (a `bf16` section without
 `enabled`); a config left "auto" is healthy (its bf16 rung judged, fp16 refused by DeepSpeed on
-this device a skip). Skipped where DeepSpeed or transformers is not installed."""
+this device a skip). The `hf_trainer` key with `args: {deepspeed: ...}` hands each rung's
+Trainer the config with the rung's precision (a config that pins bf16 is healthy at every
+rung), and its double-scaling rung names the user's own TrainingArguments against that config,
+as scan does. Skipped where DeepSpeed or transformers is not installed."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import json
 
 import pytest
 
-from conftest import RECIPES, run_cli
+from conftest import CONFIGS, RECIPES, run_cli
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None
@@ -87,3 +90,39 @@ def test_trainer_handing_an_auto_config_is_healthy(tmp_path):
     assert "DeepSpeed refused the fp16" in rungs["fp16-scaler"]["summary"]
     scan = run_cli("scan", str(SCRIPT), str(SCRIPTS / "hf_trainer_deepspeed_auto.json"))
     assert scan.returncode == 0
+
+
+def _spec(tmp_path, name: str):
+    result = run_cli("diagnose", CONFIGS / "frameworks" / f"{name}.yaml", "--json", "--out",
+                     tmp_path / "runs")
+    assert result.stdout.strip(), result.stderr[-3000:]
+    record = json.loads(result.stdout)
+    return result, record, {r["id"]: r for r in record["rungs"]}
+
+
+def test_hf_trainer_key_with_a_config_pinning_bf16_is_healthy_at_every_rung(tmp_path):
+    """Without the rung's precision in the config, transformers would refuse the fp32 rung
+    (`bf16.enabled` true against ampdoctor's own bf16=False)."""
+    result, record, rungs = _spec(tmp_path, "healthy_hf_trainer_key_deepspeed")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert record["findings"] == []
+    assert rungs["fp32-accum"]["status"] == "pass"
+    assert rungs["bf16-no-scaler"]["status"] == "pass"
+    assert rungs["fp16-scaler"]["status"] == "skip"
+    assert "DeepSpeed refused the fp16" in rungs["fp16-scaler"]["summary"]
+
+
+def test_hf_trainer_key_names_the_scripts_trainer_against_its_config_as_scan_does(tmp_path):
+    result, record, rungs = _spec(tmp_path, "broken_hf_trainer_key_deepspeed_bf16_off")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert record["failed_rung"] == "double-scaling"
+    assert rungs["fp32-accum"]["status"] == "pass"   # the rungs' own Trainers ran and matched
+    [finding] = record["findings"]
+    config = SCRIPTS / "hf_trainer_deepspeed_bf16_off.json"
+    assert finding["location"] == {"file": str(SCRIPT),
+                                   "line": _line(SCRIPT, "args = TrainingArguments(")}
+    assert finding["evidence"]["config_key"] == "bf16.enabled"
+    assert finding["evidence"]["owners"][1]["line"] == _line(config, '"bf16"')
+    scan = run_cli("scan", str(SCRIPT), str(config), "--json")
+    [scanned] = json.loads(scan.stdout)["findings"]
+    assert _judged(scanned) == _judged(finding)

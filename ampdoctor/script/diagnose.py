@@ -20,7 +20,8 @@ from ..errors import AmpdoctorError, UsageError, UserCodeError
 from ..findings import RungResult
 from ..source import ScriptSource
 from .command import Command
-from .session import PrecisionsRefused, ScriptSession
+from .refused import PrecisionsRefused
+from .session import ScriptSession
 
 if TYPE_CHECKING:
     from ..record_model import RecordModel

@@ -30,6 +30,7 @@ from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
 from .infer import builds_deepspeed_engine
 from .references import deferred, window_reference
+from .refused import refused as _refused
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
 
@@ -433,24 +434,3 @@ def _where(error: dict[str, Any]) -> tuple[str, int] | None:
     site = error.get("site")
     return (site.file, site.line) if site is not None else None
 
-
-class PrecisionsRefused(UserCodeError):
-    """The script's first run was refused by transformers or accelerate: its Trainer's
-    precision and the DeepSpeed config it hands over disagree (`rules.trainer_precision`);
-    the double-scaling rung names the two settings, as `ampdoctor scan` does."""
-
-    def __init__(self, message: str, refusal: Any, location: Any = None) -> None:
-        super().__init__(message, location=location)
-        self.refusal = refusal
-
-
-def _refused(outcome: Outcome) -> None:
-    """Raise PrecisionsRefused when a run stopped on a Trainer/DeepSpeed precision refusal."""
-    from ..rules.trainer_precision import refusal
-    text = str((outcome.error or {}).get("text") or "")
-    met = refusal(text)
-    if met is not None:
-        raise PrecisionsRefused(
-            f"the script stopped before its first optimizer step: {met.meaning()} "
-            f"({text.splitlines()[0][:200] if text else ''})", met,
-            location=_where(outcome.error or {}))
