@@ -44,7 +44,7 @@ def _judged(finding: dict) -> tuple:
     ev = finding["evidence"]
     return (finding["kind"], finding["severity"], ev["measured"], ev["expected"],
             finding["location"]["line"], ev["config_key"], ev["outcome"],
-            tuple((o["file"], o["line"], o["key_path"]) for o in ev["owners"]))
+            tuple((o["kind"], o["file"], o["line"], o["key_path"]) for o in ev["owners"]))
 
 
 @pytest.mark.parametrize(("config", "key", "outcome"), [
@@ -124,5 +124,23 @@ def test_hf_trainer_key_names_the_scripts_trainer_against_its_config_as_scan_doe
     assert finding["evidence"]["config_key"] == "bf16.enabled"
     assert finding["evidence"]["owners"][1]["line"] == _line(config, '"bf16"')
     scan = run_cli("scan", str(SCRIPT), str(config), "--json")
+    [scanned] = json.loads(scan.stdout)["findings"]
+    assert _judged(scanned) == _judged(finding)
+
+
+def test_a_loop_whose_trainer_transformers_refuses_is_the_disagreement_not_a_loop_error(
+        tmp_path):
+    """A train_loop building TrainingArguments(bf16=True, deepspeed=<bf16 off>): transformers
+    raises in train(); the rung's finding is that double-scaling, as scan names it."""
+    result, record, rungs = _spec(tmp_path, "broken_trainer_loop_deepspeed_bf16_off")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert record["failed_rung"] == "fp32-accum"
+    [finding] = record["findings"]
+    assert finding["kind"] == "double-scaling"
+    assert finding["evidence"]["outcome"] == "refused-by-transformers"
+    loop_file = RECIPES / "frameworks" / "trainer_deepspeed.py"
+    assert finding["location"]["line"] == _line(loop_file, "args = TrainingArguments(")
+    scan = run_cli("scan", str(loop_file), str(SCRIPTS / "hf_trainer_deepspeed_bf16_off.json"),
+                   "--json")
     [scanned] = json.loads(scan.stdout)["findings"]
     assert _judged(scanned) == _judged(finding)

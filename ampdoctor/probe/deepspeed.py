@@ -359,16 +359,23 @@ def _wrap_init_distributed(original: Callable[..., Any]) -> Callable[..., Any]:
             for key, value in (("RANK", rank), ("LOCAL_RANK", rank),
                                ("WORLD_SIZE", str(torch.distributed.get_world_size()))):
                 os.environ.setdefault(key, value)
-        elif recorder.ACTIVE is not None and "MASTER_PORT" not in os.environ and \
-                os.environ.get("WORLD_SIZE", "1") == "1":
+        elif recorder.ACTIVE is not None:
             # one process, not launched by `deepspeed`/torchrun: without these DeepSpeed looks
             # for MPI (script mode set all but the port before the script ran)
-            defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-            for key, value in defaults.items():
-                os.environ.setdefault(key, value)
+            group_of_one()
         return original(*args, **kwargs)
     return init_distributed
+
+
+def group_of_one() -> None:
+    """What DeepSpeed (and accelerate, which otherwise takes port 29500 for everyone) reads to
+    form a process group of one, with a free port, unless a launcher set a world or a port."""
+    if "MASTER_PORT" in os.environ or os.environ.get("WORLD_SIZE", "1") != "1":
+        return
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
 
 
 def install(patcher: Patcher) -> None:

@@ -107,6 +107,10 @@ def _wrap_lightning_init(original: Callable[..., Any], framework: str,
 def _wrap_training_args_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if recorder.ACTIVE is not None and getattr(self, "deepspeed", None) and \
+                not torch.distributed.is_initialized():
+            # the arguments start accelerate's process group for the DeepSpeed engine here
+            deepspeed.group_of_one()
         original(self, *args, **kwargs)
         probe = recorder.ACTIVE
         if probe is not None:
