@@ -143,6 +143,7 @@ Evidence = TypedDict("Evidence", {
     "config_key": str,
     "config_state": str,
     "outcome": str,
+    "loss_scale": float,
     "accumulation": Any,
     "backward_line": int,
     "step_line": int,

@@ -334,9 +334,26 @@ def _built(engine: Any, probe: recorder.Probe, config: Any) -> None:
                  optimizer=type(inner).__name__ if inner is not None else "",
                  scheduler=type(scheduler).__name__ if scheduler is not None else "",
                  config_file=os.path.abspath(config) if isinstance(config, (str, os.PathLike))
-                 else None)
+                 else None, **_loss_scale(engine, precision))
     probe.record(FrameworkPrecision, site=site, framework="DeepSpeed", asked=precision,
                  ran=precision)
+
+
+def _loss_scale(engine: Any, precision: str) -> dict[str, Any]:
+    """The fp16 engine's starting loss scale and the config key that sets it."""
+    if precision != "fp16":
+        return {}
+    optimizer = engine.optimizer
+    scale: Any = getattr(optimizer, "cur_scale", None)
+    if scale is None:
+        scale = getattr(optimizer, "loss_scale", None)
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        return {}
+    static = float(getattr(engine, "loss_scale", lambda: 0)() or 0)
+    return {"loss_scale": value,
+            "loss_scale_key": "fp16.loss_scale" if static else "fp16.initial_scale_power"}
 
 
 def free_port() -> int:
