@@ -117,6 +117,8 @@ def test_hf_trainer_key_names_the_scripts_trainer_against_its_config_as_scan_doe
     assert result.returncode == 1, result.stderr[-3000:]
     assert record["failed_rung"] == "double-scaling"
     assert rungs["fp32-accum"]["status"] == "pass"   # the rungs' own Trainers ran and matched
+    assert rungs["double-scaling"]["summary"].startswith(
+        "an HF Trainer and its DeepSpeed config disagree on the precision: Trainer bf16 at ")
     [finding] = record["findings"]
     config = SCRIPTS / "hf_trainer_deepspeed_bf16_off.json"
     assert finding["location"] == {"file": str(SCRIPT),
