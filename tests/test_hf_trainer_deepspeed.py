@@ -146,3 +146,27 @@ def test_a_loop_whose_trainer_transformers_refuses_is_the_disagreement_not_a_loo
                    "--json")
     [scanned] = json.loads(scan.stdout)["findings"]
     assert _judged(scanned) == _judged(finding)
+
+
+def test_a_parsed_precision_the_scan_cannot_read_is_named_from_the_refusal(tmp_path):
+    """HfArgumentParser's `--bf16` with a config that switches bf16 off: the scan cannot read a
+    precision given on the command line, so the finding comes from transformers' refusal itself
+    (the config key at its line in the config argument, the Trainer at the line that raised);
+    exit 1 with that double-scaling, not exit 3 with the raw error."""
+    script = SCRIPTS / "hf_trainer_lm.py"
+    config = SCRIPTS / "hf_trainer_deepspeed_bf16_off.json"
+    result = run_cli("diagnose", script, "--json", "--out", tmp_path / "runs", "--",
+                     "--output_dir", "out", "--per_device_train_batch_size", "2",
+                     "--gradient_accumulation_steps", "4", "--max_steps", "3", "--use_cpu",
+                     "--report_to", "none", "--bf16", "--deepspeed", config.name, cwd=SCRIPTS)
+    assert result.returncode == 1, result.stderr[-3000:]
+    record = json.loads(result.stdout)
+    assert record["failed_rung"] == "double-scaling"
+    [finding] = record["findings"]
+    assert finding["kind"] == "double-scaling"
+    assert finding["location"]["line"] == _line(script, "trainer.train()")
+    evidence = finding["evidence"]
+    assert (evidence["config_key"], evidence["outcome"], evidence["trainer_precision"]) == (
+        "bf16.enabled", "refused-by-transformers", "bf16")
+    assert (evidence["owners"][1]["file"], evidence["owners"][1]["line"]) == (
+        str(config), _line(config, '"bf16"'))

@@ -96,16 +96,26 @@ def finding_from_error(exc: BaseException, text: str, rung: str) -> Finding | No
         return None
     site = args._ampdoctor_site
     config = getattr(args, "deepspeed", None)
-    config_file = os.path.abspath(config) if isinstance(config, str) else None
-    line = None
-    if config_file is not None:
+    return refusal_finding(met, rung, site.file, site.line,
+                           [os.path.abspath(config)] if isinstance(config, str) else [])
+
+
+def refusal_finding(met: Refusal, rung: str, trainer_file: str, trainer_line: int,
+                    config_files: list[str]) -> Finding:
+    """The refusal as a `double-scaling` finding: at the Trainer's line (its TrainingArguments
+    where known), the config key at its line in the first of `config_files` that sets it."""
+    config_file, line = None, None
+    for candidate in config_files:
         try:
-            with open(config_file, encoding="utf-8") as f:
+            with open(candidate, encoding="utf-8") as f:
                 line = text_locator(f.read())((met.section, "enabled"))
         except OSError:
             line = None
+        if line is not None:
+            config_file = candidate
+            break
     kind = "Trainer fp32" if met.asked == "fp32" else f"Trainer {met.asked}"
-    trainer = {"kind": kind, "file": site.file, "line": site.line, "key_path": None,
+    trainer = {"kind": kind, "file": trainer_file, "line": trainer_line, "key_path": None,
                "detail": "TrainingArguments handing DeepSpeed a config"}
     config_kind = f"DeepSpeed {met.section}" + ("" if met.state == "on" else " (off)")
     owner = {"kind": config_kind, "file": config_file or "(the config mapping)", "line": line,
@@ -113,6 +123,6 @@ def finding_from_error(exc: BaseException, text: str, rung: str) -> Finding | No
     config_at = (f"{os.path.basename(config_file)}:{line} ({met.config_key})" if config_file
                  else f"the config mapping ({met.config_key})")
     return precisions_disagree(PrecisionsDisagree(
-        rung, met.asked, f"{os.path.basename(site.file)}:{site.line}",
-        f"{met.section}:{met.state}", met.config_key, config_at, met.outcome, site.file,
-        (trainer, owner), location=Location(file=site.file, line=site.line)))
+        rung, met.asked, f"{os.path.basename(trainer_file)}:{trainer_line}",
+        f"{met.section}:{met.state}", met.config_key, config_at, met.outcome, trainer_file,
+        (trainer, owner), location=Location(file=trainer_file, line=trainer_line)))

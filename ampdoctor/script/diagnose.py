@@ -170,10 +170,21 @@ def _refused_results(ss: ScriptSession, exc: PrecisionsRefused,
     from ..enums import Status
     from ..ladder import RUNG_IDS
     from ..ladder.precision_rungs import run_double_scaling
+    from ..rules.trainer_precision import refusal_finding
     ss.spec.config_files = ss.config_arguments()
     result = run_double_scaling(ss)
     if not any(f.evidence.get("config_key") == exc.refusal.config_key for f in result.findings):
-        return None
+        if exc.location is None:
+            return None
+        # the scan cannot read the Trainer's precision (HfArgumentParser's --bf16): the refusal
+        # itself says it, at the line that raised, with the config key in the config arguments
+        finding = refusal_finding(exc.refusal, RungId.DOUBLE_SCALING, exc.location[0],
+                                  exc.location[1], ss.spec.config_files)
+        result = RungResult(RungId.DOUBLE_SCALING, Status.FAIL, (
+            "an HF Trainer and its DeepSpeed config disagree on the precision: "
+            f"{finding.evidence['outcome']}, read from the refusal (the scan cannot read a "
+            "precision decided at run time)"),
+            findings=[finding], details=result.details)
     results = []
     for rung_id in RUNG_IDS:
         if rung_id == RungId.DOUBLE_SCALING:
