@@ -114,3 +114,19 @@ def test_every_measured_combination_is_named_as_the_packages_behave(tmp_path, tr
     assert config_owner["key_path"] == key
     section_line = next(i for i, line in enumerate(text, 1) if f'"{name}"' in line)
     assert config_owner["line"] == section_line + (key != name)   # `enabled`: the next line
+
+
+def test_alternative_configs_one_of_which_agrees_are_not_a_disagreement(tmp_path):
+    """`deepspeed=args.deepspeed` with a bf16 and an fp16 config beside it: the command line
+    chooses one, and the bf16 one agrees with the Trainer; with only the fp16 one, accelerate
+    would refuse every launch."""
+    (tmp_path / "train.py").write_text(
+        "from transformers import TrainingArguments\n"
+        "def main(args):\n"
+        "    return TrainingArguments('out', bf16=True, deepspeed=args.deepspeed)\n")
+    (tmp_path / "ds_bf16.json").write_text(json.dumps({"bf16": {"enabled": True}}))
+    (tmp_path / "ds_fp16.json").write_text(json.dumps({"fp16": {"enabled": True}}))
+    assert run_cli("scan", str(tmp_path), "--json").record["findings"] == []
+    (tmp_path / "ds_bf16.json").unlink()
+    [finding] = run_cli("scan", str(tmp_path), "--json").record["findings"]
+    assert finding["evidence"]["outcome"] == "refused-by-accelerate"

@@ -16,8 +16,9 @@ engine. What the packages do when they disagree (transformers 5.25, accelerate 1
   refuses, DeepSpeed leaves it off, and the engine trains in fp32.
 
 One error per disagreeing Trainer and config on a training path, at the Trainer's line, with
-the config key beside it. Only literal settings are compared (a Trainer whose precision is
-decided at run time only against a config that enables bf16).
+the config key beside it; where several configs stand on the path (alternatives a command line
+chooses among) and one of them agrees, none. Only literal settings are compared (a Trainer
+whose precision is decided at run time only against a config that enables bf16).
 """
 
 from __future__ import annotations
@@ -79,8 +80,12 @@ def trainer_deepspeed_mismatch(paths: list[tuple[str, list[Site], frozenset[int]
                 section, state = site.precision.split(":", 1)
                 configs[site.file].setdefault(section, (state, site))
         for trainer in trainers:
-            for states in configs.values():
-                met = disagreement(trainer.precision, states)
+            verdicts = [disagreement(trainer.precision, states) for states in configs.values()]
+            if len(verdicts) > 1 and None in verdicts:
+                # alternative configs on one path (a `--deepspeed` the command line chooses):
+                # one agrees, so the Trainer may well be launched with that one
+                continue
+            for met in verdicts:
                 if met is None or (trainer.uid, met[1].uid) in seen:
                     continue
                 outcome, config = met
