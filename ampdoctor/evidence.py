@@ -138,6 +138,12 @@ Evidence = TypedDict("Evidence", {
     "entry": Any,
     "entries": Any,
     "static": bool,
+    # an HF Trainer and the DeepSpeed config it hands over disagreeing on the precision
+    "trainer_precision": str,
+    "config_key": str,
+    "config_state": str,
+    "outcome": str,
+    "loss_scale": float,
     "accumulation": Any,
     "backward_line": int,
     "step_line": int,

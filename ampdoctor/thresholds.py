@@ -165,6 +165,11 @@ FORCED_CLIP_FRACTION = 0.1
 #: factor exact to rounding.
 WORLD_SIZE_RATIO_RTOL = 1e-2
 WORLD_SIZE_MIN_COSINE = 0.99
+#: a DeepSpeed fp16 engine whose consumed gradient's norm ratio to the reference is its own loss
+#: scale S (or 1/S) to this relative precision, pointing the same way (cosine above
+#: SAME_DIRECTION_COSINE): the engine unscaled a loss it never scaled (or the reverse); fp16
+#: rounding moves a ratio by far less, and S is a power of two far from every other factor.
+ENGINE_SCALE_RTOL = 0.05
 #: ddp-sync: ranks whose consumed gradients differ (relative to rank 0's) by more than the
 #: ranks' own fp32 rtol consumed different gradients; this is the bound when a rank reported no
 #: tolerance.

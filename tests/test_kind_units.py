@@ -799,3 +799,48 @@ def test_owners_in_separate_entry_points_are_a_warning_naming_them_all():
     assert finding.message.startswith(
         "2 loss-scale owners of different kinds in separate entry points: GradScaler at "
         "a.py:3 (entry point a.py); DeepSpeed fp16 at ds.json (entry point b.py, c.py).")
+
+
+# --- gradient-mismatch: a framework update that is not what its config asks for -------------
+
+CONFIG_KEY = Location("ds_config.json", 5, None, '"initial_scale_power": 15,')
+
+
+def test_an_engine_update_off_by_its_loss_scale_names_the_config_key():
+    """DeepSpeed's ZeRO-0 fp16 path (upstream PR #8393): the optimizer divides by the loss scale
+    engine.backward never applied, so the consumed gradient is 1/S of the reference's."""
+    from ampdoctor.kinds.mismatch import EngineScaleOff, engine_scale_off
+    scale = 2.0 ** 15
+    consumed, reference = 1.0 / scale, 1.0        # the two norms
+    ratio = consumed / reference
+    finding = engine_scale_off(EngineScaleOff(
+        RungId.FP16_SCALER, 0, "fp16", ratio, 0.99999, scale, 1 / scale,
+        "fp16.initial_scale_power", 1e-2, {"rel_err": 1 - ratio}, location=CONFIG_KEY))
+    assert (finding.kind, finding.severity) == (KindId.GRADIENT_MISMATCH, Severity.ERROR)
+    assert finding.location == CONFIG_KEY            # the config key, not the loss line
+    assert finding.evidence["measured"] == float(f"{ratio:.6g}")
+    assert finding.evidence["expected"] == 1.0
+    assert finding.evidence["factor"] == "1/32768"
+    assert finding.evidence["loss_scale"] == scale
+    assert finding.evidence["config_key"] == "fp16.initial_scale_power"
+    assert "which is 1/32768: the engine's own loss scale (2^15, from " \
+           "`fp16.initial_scale_power`)" in finding.message
+    assert "unscaled a loss it never scaled" in finding.message
+
+
+@pytest.mark.parametrize("precision, scale, ratio, cosine, factor", [
+    ("fp16", 2.0 ** 16, 1.0 / 2 ** 16 * 1.01, 0.99999, 1 / 2 ** 16),   # 1/S within fp16 noise
+    ("fp16", 256.0, 256.0 * 0.98, 0.9999, 256.0),                      # S: never unscaled
+    ("fp16", 2.0 ** 16, 0.25, 0.99999, None),                          # 1/K: not the engine's
+    ("fp16", 2.0 ** 16, 1.0 / 2 ** 16, 0.9, None),                     # another direction
+    ("fp16", 1.0, 1.0, 0.99999, None),                                 # no scale to blame
+    ("bf16", 0.0, 1.0 / 2 ** 16, 0.99999, None),                       # no fp16 engine
+])
+def test_the_engines_scale_factor_is_matched_only_to_the_engines_own_scale(
+        precision, scale, ratio, cosine, factor):
+    from ampdoctor.probe.events import EngineBuilt
+    from ampdoctor.rules.deepspeed import scale_factor
+    engine = EngineBuilt(seq=0, microbatch=0, backwards=0, site=None, precision=precision,
+                         loss_scale=scale,
+                         loss_scale_key="fp16.initial_scale_power")
+    assert scale_factor(engine, ratio, cosine) == factor

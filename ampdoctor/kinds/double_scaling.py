@@ -120,36 +120,67 @@ def second_scale(o: SecondScale) -> Finding:
         location=o.location))
 
 
+class Outcome(Enum):
+    """What the packages do with an HF Trainer and a DeepSpeed config that disagree on the
+    precision (transformers 5.25, accelerate 1.16, DeepSpeed 0.19.8, measured): the value is
+    the sentence the finding says."""
+
+    #: the config enables the other half precision: accelerate raises building the Trainer
+    REFUSED_BY_ACCELERATE = (
+        "accelerate refuses it when the Trainer is built (\"`--mixed_precision` arg cannot be "
+        "set to ... when ... is set in the DeepSpeed config file\"), so nothing trains")
+    #: a section explicitly on (or off) against the Trainer's ask: transformers raises in train()
+    REFUSED_BY_TRANSFORMERS = (
+        "transformers refuses it when trainer.train() starts (\"Please correct the following "
+        "DeepSpeed config values that mismatch TrainingArguments values\"), so nothing trains")
+    #: the asked precision's section has no `enabled`: it runs, in fp32
+    RUNS_FP32 = (
+        "nobody refuses it: transformers and accelerate fill in only \"auto\" values and absent "
+        "sections, DeepSpeed leaves a section without `enabled` off, and the engine trains in "
+        "fp32 while the Trainer asked for half precision")
+
+
 @dataclass(frozen=True)
 class PrecisionsDisagree:
-    """The static scan: the HF Trainer asks for one precision and hands DeepSpeed a config that
-    enables another (both settings own the one engine's precision)."""
+    """The HF Trainer asks for one precision and hands DeepSpeed a config whose precision
+    section says otherwise (both settings own the one engine's precision)."""
 
     rung: str
-    asked: str                  # the Trainer's ("fp16", "bf16")
+    asked: str                  # the Trainer's ("fp32", "fp16", "bf16")
     asked_at: str               # where, as the scan shows it
-    enabled: str                # the config's
-    enabled_at: str
+    config_state: str           # the config's section and its state ("fp16:on", "bf16:off",
+                                # "bf16:unset": a section without `enabled`)
+    config_key: str             # its key path ("fp16.enabled", "bf16")
+    config_at: str
+    outcome: Outcome
     entry: str
     owners: tuple[dict[str, Any], ...]
     location: Location | None = None
 
 
+def _config_says(state: str) -> str:
+    section, how = state.split(":", 1)
+    return {"on": f"enables {section}", "off": f"switches {section} off (`enabled: false`)",
+            "unset": f"has a {section} section without `enabled`"}.get(how, state)
+
+
 def precisions_disagree(o: PrecisionsDisagree) -> Finding:
-    """`double-scaling` of two precision owners on one engine: an error (transformers refuses
-    the run when it starts)."""
+    """`double-scaling` of two precision owners on one engine: an error (transformers or
+    accelerate refuses the run, or the engine trains in fp32 while half precision was asked)."""
+    section = o.config_state.split(":", 1)[0]
+    asked = "neither fp16 nor bf16 (fp32)" if o.asked == "fp32" else o.asked
     return double_scaling(Observed(o.rung, Severity.ERROR,
-        f"The HF Trainer asks for {o.asked} ({o.asked_at}) and hands "
-        f"DeepSpeed a config that enables {o.enabled} ({o.enabled_at}): "
-        "two settings own the precision of one engine and disagree. "
-        "transformers refuses explicit config values that contradict "
-        "TrainingArguments when it starts.",
+        f"The HF Trainer asks for {asked} ({o.asked_at}) and hands DeepSpeed a config that "
+        f"{_config_says(o.config_state)} ({o.config_at}): two settings own the precision of "
+        f"one engine and disagree; {o.outcome.value}.",
         evidence={"measured": 2, "expected": 1, "scope": "same-path", "entry": o.entry,
-                  "owners": list(o.owners)},
+                  "owners": list(o.owners), "trainer_precision": o.asked,
+                  "config_key": o.config_key, "config_state": o.config_state,
+                  "outcome": o.outcome.name.lower().replace("_", "-")},
         location=o.location,
-        fix=(f'Set the config\'s "{o.enabled}" and "{o.asked}" `enabled` to "auto" so the '
-             "Trainer fills them in from TrainingArguments, or make both ask for the "
-             "same precision.")))
+        fix=(f'Set the config\'s "{section}" `enabled` (and the other half precision\'s) to '
+             '"auto", so the Trainer fills them in from TrainingArguments, or make both ask for '
+             "the same precision.")))
 
 
 class Untold(Enum):

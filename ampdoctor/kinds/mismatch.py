@@ -355,3 +355,49 @@ def rate_off_reference(o: RateOffReference) -> Finding:
                   "expected": 1.0, "step": o.step, "lr_used": o.run_lr,
                   "lr_expected": o.ref_lr},
         location=o.location))
+
+
+@dataclass(frozen=True)
+class EngineScaleOff:
+    """A DeepSpeed engine whose optimizer consumed the reference's gradient times a factor that
+    is the engine's own loss scale (`factor` = 1/S or S, S = `loss_scale`), in a loop whose own
+    code is right: DeepSpeed unscaled a loss it never scaled, or scaled one it never unscaled
+    (its ZeRO-0 fp16 path at 0.19.x: `engine.backward` does not multiply the loss by the
+    scale that `FP16_Optimizer.step` divides by, upstream PR #8393). `config_key`: the config
+    key that sets S, where `location` points."""
+
+    rung: str
+    step: int
+    precision: str
+    ratio: float            # consumed / reference gradient norm
+    cosine: float
+    loss_scale: float       # the engine's loss scale S
+    factor: float           # the known factor the ratio matched (1/S or S)
+    config_key: str
+    tolerance: float
+    comparison: Evidence
+    location: Location | None = None
+
+
+def engine_scale_off(o: EngineScaleOff) -> Finding:
+    """`gradient-mismatch` of a framework update that is not what its config asks for: an
+    error, at the config key that sets the scale, not the loop's loss line."""
+    power = math.log2(o.loss_scale) if o.loss_scale > 0 else float("nan")
+    scale = f"2^{power:g}" if power == int(power) else f"{o.loss_scale:g}"
+    shown = f"1/{o.loss_scale:g}" if o.factor < 1 else f"{o.loss_scale:g}"
+    evidence: Evidence = {**o.comparison, "measured": significant(o.ratio),
+                          "expected": 1.0, "factor": shown, "loss_scale": o.loss_scale,
+                          "config_key": o.config_key, "framework": "DeepSpeed"}
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        f"Step {o.step} of the {o.precision} run: DeepSpeed's engine handed its optimizer "
+        f"{significant(o.ratio):g} x the reference gradient (cosine {o.cosine:.4f}), which is "
+        f"{shown}: the engine's own loss scale ({scale}, from `{o.config_key}`). The loop "
+        "drives the engine as DeepSpeed documents (engine.backward / engine.step); the engine "
+        f"{'unscaled a loss it never scaled' if o.factor < 1 else 'never unscaled its loss'}, "
+        "so every update is off by that factor (DeepSpeed's ZeRO-0 fp16 path does this: its "
+        "FP16_Optimizer.step divides by the scale engine.backward never applied).",
+        evidence=evidence, location=o.location,
+        fix=("A DeepSpeed defect, not the loop's: run fp16 under ZeRO stage 1 or higher (its "
+             "optimizer scales and unscales the same loss), or bf16, or a DeepSpeed release "
+             "with the ZeRO-0 fp16 backward fixed. Setting the scale to 1 "
+             f"(`{o.config_key}`) hides the factor but leaves fp16 unscaled.")))

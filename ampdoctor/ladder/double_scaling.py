@@ -121,7 +121,10 @@ def _summary(findings: list[Finding], report: ScanReport, focus: set[str],
     if errors or warnings:
         worst = max(errors or warnings, key=lambda f: f.evidence.get("measured", 0))
         named = " and ".join(f"{o['kind']} at {_where(o, base)}" for o in worst.evidence["owners"])
-        if worst.evidence.get("scope") == "separate-entry-points":
+        if worst.evidence.get("config_state"):
+            summary = ("an HF Trainer and its DeepSpeed config disagree on the precision: "
+                       + named + runtime_note)
+        elif worst.evidence.get("scope") == "separate-entry-points":
             summary = "loss-scale owners in separate entry points: " + named + runtime_note
         else:
             summary = (f"{worst.evidence['measured']} loss-scale owners on one training path: "

@@ -107,7 +107,7 @@ def _in_dtype(batch: Any, dtype: Any) -> Any:
 
 def deepspeed_loop(spec: Spec, loss: Callable[..., Any]) -> Callable[..., Any]:
     """The loop of the `deepspeed` key (see the module's docstring)."""
-    config, _ = read_config(spec)
+    config, path = read_config(spec)
     try:
         # imported now, so the probe patches its engine in every run (probe/deepspeed.py)
         import deepspeed  # noqa: F401
@@ -133,4 +133,6 @@ def deepspeed_loop(spec: Spec, loss: Callable[..., Any]) -> Callable[..., Any]:
             engine.backward(value)
             engine.step()
 
+    # the config file is on the diagnosed loop's path (the double-scaling rung's focus)
+    train_loop.config_files = [str(path)] if path is not None else []  # type: ignore[attr-defined]
     return train_loop

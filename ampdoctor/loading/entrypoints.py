@@ -11,6 +11,7 @@ names "the loop" names the user's code.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import tempfile
@@ -85,6 +86,8 @@ def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., An
                 {f.name for f in dataclasses.fields(TrainingArguments) if f.init},
                 "transformers' TrainingArguments")
 
+    deepspeed, config_files = _deepspeed_config(spec, extra.get("deepspeed"))
+
     @functools.wraps(factory)
     def train_loop(model: Any, optimizer: Any, micro_batches: Any, run: Any) -> None:
         from torch.utils.data import SequentialSampler
@@ -109,6 +112,8 @@ def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., An
             }
             settings = {k: v for k, v in settings.items() if k in known}
             settings.update(extra)
+            if deepspeed is not None:
+                settings["deepspeed"] = rung_precision(deepspeed, run.precision)
             try:
                 args = TrainingArguments(**settings)
             except (TypeError, ValueError) as exc:
@@ -128,7 +133,57 @@ def hf_trainer_loop(spec: Spec, factory: Callable[..., Any]) -> Callable[..., An
                     lambda *a, **k: SequentialSampler(trainer.train_dataset))
             trainer.train()
 
+    # the config file is on the diagnosed loop's path (the double-scaling rung's focus)
+    train_loop.config_files = config_files  # type: ignore[attr-defined]
     return train_loop
+
+
+def _deepspeed_config(spec: Spec, given: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """`hf_trainer.args.deepspeed`: the DeepSpeed config the Trainer hands its engine (a JSON
+    file, relative to the spec, or the mapping), read once, and its file (in a list); None
+    without one."""
+    if given is None or given is False or given == "":
+        return None, []
+    _import_deepspeed(spec)
+    if isinstance(given, Mapping):
+        return dict(given), []
+    import json
+    path = (spec.spec_dir / str(given)).resolve()
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise _refuse(spec, "hf_trainer.args", f"deepspeed: cannot read {path} as a JSON "
+                      f"DeepSpeed config: {exc}.") from exc
+    if not isinstance(config, dict):
+        raise _refuse(spec, "hf_trainer.args", f"deepspeed: {path} is not a JSON object.")
+    return config, [str(path)]
+
+
+def _import_deepspeed(spec: Spec) -> None:
+    """DeepSpeed imported now, as the `deepspeed` key does: the Trainer imports it only when it
+    builds the engine, and the probe patches the engine (and a group of one without MPI) of a
+    DeepSpeed already imported when each run starts."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as exc:
+        raise SpecError(f"{spec_where(spec, 'hf_trainer.args')}spec key 'hf_trainer.args': "
+                        "deepspeed is set but DeepSpeed is not installed here (pip install "
+                        f"'ampdoctor[deepspeed]'): {exc}.") from exc
+
+
+def rung_precision(config: Mapping[str, Any], precision: str) -> dict[str, Any]:
+    """The config the rung's Trainer hands DeepSpeed: the user's, with `fp16.enabled` and
+    `bf16.enabled` the rung's precision. ampdoctor sets the TrainingArguments' fp16/bf16 per
+    rung; a config that pinned another precision would be refused by transformers (or
+    accelerate) over ampdoctor's own setting, not the user's. The user's own TrainingArguments
+    against the config are the double-scaling rung's (its search of `scan.paths`)."""
+    built = copy.deepcopy(dict(config))
+    for section in ("fp16", "bf16"):
+        kept = built.get(section)
+        built[section] = {**(kept if isinstance(kept, dict) else {}),
+                          "enabled": precision == section}
+    built.pop("bfloat16", None)   # (the old spelling of the bf16 section)
+    return built
 
 
 def _lightning() -> Any:

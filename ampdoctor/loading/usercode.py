@@ -166,6 +166,8 @@ class UserCode:
                 path = None
             if path:
                 files.append(path)
+        # a config file an entry point hands its framework (`hf_trainer.args.deepspeed`)
+        files += list(getattr(self.train_loop, "config_files", ()))
         return files
 
     def call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:

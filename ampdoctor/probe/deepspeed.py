@@ -334,9 +334,26 @@ def _built(engine: Any, probe: recorder.Probe, config: Any) -> None:
                  optimizer=type(inner).__name__ if inner is not None else "",
                  scheduler=type(scheduler).__name__ if scheduler is not None else "",
                  config_file=os.path.abspath(config) if isinstance(config, (str, os.PathLike))
-                 else None)
+                 else None, **_loss_scale(engine, precision))
     probe.record(FrameworkPrecision, site=site, framework="DeepSpeed", asked=precision,
                  ran=precision)
+
+
+def _loss_scale(engine: Any, precision: str) -> dict[str, Any]:
+    """The fp16 engine's starting loss scale and the config key that sets it."""
+    if precision != "fp16":
+        return {}
+    optimizer = engine.optimizer
+    scale: Any = getattr(optimizer, "cur_scale", None)
+    if scale is None:
+        scale = getattr(optimizer, "loss_scale", None)
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        return {}
+    static = float(getattr(engine, "loss_scale", lambda: 0)() or 0)
+    return {"loss_scale": value,
+            "loss_scale_key": "fp16.loss_scale" if static else "fp16.initial_scale_power"}
 
 
 def free_port() -> int:
@@ -359,16 +376,23 @@ def _wrap_init_distributed(original: Callable[..., Any]) -> Callable[..., Any]:
             for key, value in (("RANK", rank), ("LOCAL_RANK", rank),
                                ("WORLD_SIZE", str(torch.distributed.get_world_size()))):
                 os.environ.setdefault(key, value)
-        elif recorder.ACTIVE is not None and "MASTER_PORT" not in os.environ and \
-                os.environ.get("WORLD_SIZE", "1") == "1":
+        elif recorder.ACTIVE is not None:
             # one process, not launched by `deepspeed`/torchrun: without these DeepSpeed looks
             # for MPI (script mode set all but the port before the script ran)
-            defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-            for key, value in defaults.items():
-                os.environ.setdefault(key, value)
+            group_of_one()
         return original(*args, **kwargs)
     return init_distributed
+
+
+def group_of_one() -> None:
+    """What DeepSpeed (and accelerate, which otherwise takes port 29500 for everyone) reads to
+    form a process group of one, with a free port, unless a launcher set a world or a port."""
+    if "MASTER_PORT" in os.environ or os.environ.get("WORLD_SIZE", "1") != "1":
+        return
+    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
 
 
 def install(patcher: Patcher) -> None:

@@ -196,6 +196,11 @@ class EngineBuilt(Event):
     optimizer: str = ""                  # the class the engine's optimizer wraps
     scheduler: str = ""                  # the config's (or the client's) scheduler class, if any
     config_file: str | None = None       # the config's path, when it was given as one
+    #: fp16: the loss scale the engine's optimizer starts with (its `cur_scale`/`loss_scale`),
+    #: and the config key it comes from (`fp16.loss_scale` static, else
+    #: `fp16.initial_scale_power`); 0 and "" without one
+    loss_scale: float = 0.0
+    loss_scale_key: str = ""
     kind: ClassVar[str] = "engine_built"
 
 

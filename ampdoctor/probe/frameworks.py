@@ -64,6 +64,8 @@ def _wrap_accelerator_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         state = getattr(self, "state", None)
+        if "DEEPSPEED" in str(getattr(state, "distributed_type", "")):
+            return   # accelerate hands the precision to DeepSpeed: the engine says what it ran
         asked = str(getattr(state, "mixed_precision", "no"))
         device = getattr(getattr(self, "device", None), "type", "?")
         native = bool(getattr(self, "native_amp", False))
@@ -105,6 +107,10 @@ def _wrap_lightning_init(original: Callable[..., Any], framework: str,
 def _wrap_training_args_post_init(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def __post_init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if recorder.ACTIVE is not None and getattr(self, "deepspeed", None) and \
+                not torch.distributed.is_initialized():
+            # the arguments start accelerate's process group for the DeepSpeed engine here
+            deepspeed.group_of_one()
         original(self, *args, **kwargs)
         probe = recorder.ACTIVE
         if probe is not None:

@@ -34,7 +34,7 @@ from ..kinds.stepping import carried_over as carried_over_finding
 from ..probe.events import ZeroGrad, of_type
 from ..session import Session, Trace
 from . import unaveraged
-from .deepspeed import engine_zero_grad_fix
+from .deepspeed import engine_update_off, engine_zero_grad_fix
 from .frameworks import dividing_party
 from .shapes import (
     SIZE_FACTOR_KINDS,
@@ -114,6 +114,11 @@ def _unexplained(session: Session, rung: str, judgement: Judgement,
                          "tolerance": tol.rtol, **m.as_evidence(), "step": ordinal,
                          "window": judged.window, "accumulation_steps": session.K,
                          "precision": precision}
+    trace = session.traces.get(precision)
+    engine = None if trace is None else engine_update_off(
+        session, trace, rung, ordinal, precision, m.ratio, m.cosine, tol.rtol, numbers)
+    if engine is not None:
+        return engine
     return unexplained(Unexplained(
         rung, ordinal, judged.window, precision, m.rel_err, m.ratio, m.cosine, tol.rtol,
         numbers, shape_tried=False, forced_clip=forced_clip,
@@ -323,6 +328,14 @@ def _loop_sums_unaveraged(case: StepCase) -> Finding | None:
         location=location(case.last_backward_site)))
 
 
+def _engine_scale(case: StepCase) -> Finding | None:
+    """A DeepSpeed fp16 engine whose update is off by its own loss scale (the loop is right)."""
+    m, judged = case.m, case.judged
+    return engine_update_off(case.session, case.trace, case.rung, judged.ordinal,
+                             case.judgement.precision, m.ratio, m.cosine,
+                             case.judgement.tolerance.rtol, case.evidence)
+
+
 def _no_known_shape(case: StepCase) -> Finding:
     """No known shape: say so, with the numbers."""
     m, judged = case.m, case.judged
@@ -335,6 +348,7 @@ def _no_known_shape(case: StepCase) -> Finding:
 #: The known shapes of a mismatch, in the order they are tried: each returns its finding, or
 #: None when the step does not have its shape.
 SHAPES: tuple[Callable[[StepCase], Finding | None], ...] = (
+    _engine_scale,
     _zero_grad_inside,
     _named_shape,
     _carried_over,

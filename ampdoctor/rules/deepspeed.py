@@ -14,7 +14,10 @@ import linecache
 import re
 from dataclasses import dataclass
 
-from ..findings import Location, location
+from .. import thresholds
+from ..evidence import Evidence
+from ..findings import Finding, Location, location
+from ..kinds.mismatch import EngineScaleOff, engine_scale_off
 from ..probe.events import EngineBuilt
 from ..probe.trace import Trace
 from ..scan.configs import text_locator
@@ -112,3 +115,33 @@ def engine_zero_grad_fix(trace: Trace) -> str:
     return ("Remove the loop's engine.zero_grad(): engine.step() clears the gradients itself "
             "after each update, at the engine's accumulation boundary; between micro-batches "
             "the engine must keep them.")
+
+
+def scale_factor(engine: EngineBuilt | None, ratio: float, cosine: float) -> float | None:
+    """The engine's own loss-scale factor (1/S or S) a consumed/reference norm ratio is, for an
+    fp16 engine with a scale S > 1 and a gradient pointing the reference's way; None otherwise
+    (a ratio of 1/S from a healthy engine is impossible: it unscales what it scaled)."""
+    if engine is None or engine.precision != "fp16" or engine.loss_scale <= 1:
+        return None
+    if not cosine > thresholds.SAME_DIRECTION_COSINE or not ratio > 0:
+        return None
+    for factor in (1.0 / engine.loss_scale, engine.loss_scale):
+        if abs(ratio / factor - 1.0) <= thresholds.ENGINE_SCALE_RTOL:
+            return factor
+    return None
+
+
+def engine_update_off(session: Session, trace: Trace, rung: str, step: int, precision: str,
+                      ratio: float, cosine: float, tolerance: float,
+                      comparison: Evidence) -> Finding | None:
+    """A step whose consumed update is the reference's times the DeepSpeed engine's own loss
+    scale: the framework's update is not what its config asks for, named at the config key
+    that sets the scale (`gradient-mismatch`), not at the loop's loss line; None otherwise."""
+    engine = engine_of(trace)
+    factor = scale_factor(engine, ratio, cosine)
+    if engine is None or factor is None:
+        return None
+    key = engine.loss_scale_key or "fp16.initial_scale_power"
+    return engine_scale_off(EngineScaleOff(
+        rung, step, precision, ratio, cosine, engine.loss_scale, factor, key, tolerance,
+        comparison, location=config_key_location(session, engine, key.split(".")[-1])))

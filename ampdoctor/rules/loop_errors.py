@@ -18,6 +18,7 @@ from ..kinds.loop_error import (
 from ..kinds.scaling import UnscaleRefused, unscale_refused
 from ..probe.events import Backward, Event, OptimizerStep, ScalerStep, Unscale, Update
 from ..session import Trace
+from .trainer_precision import finding_from_error
 
 #: torch's own refusal of a second unscale_() (matched on a stable fragment): `unscale-twice`.
 UNSCALE_TWICE_ERROR = "unscale_() has already been called on this optimizer since the last update()"
@@ -46,6 +47,9 @@ def loop_error_finding(trace: Trace, rung: str) -> Finding:
         return unscale_refused(UnscaleRefused(
             rung, trace.precision, text, first=location(first),
             first_is_refused=first is not None and first == site, location=location(site)))
+    disagree = finding_from_error(exc, whole, rung)
+    if disagree is not None:   # transformers/accelerate refused a Trainer and its DeepSpeed config
+        return disagree
     if isinstance(exc, SystemExit):
         return loop_exited(LoopExited(rung, trace.precision, safe_repr(exc.code),
                                       location=location(trace.error_site)))

@@ -93,6 +93,19 @@ def _is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
+def _is_false(value: Any) -> bool:
+    return value is False or (isinstance(value, str) and value.strip().lower() == "false")
+
+
+def _switched_off(section: str, file: str, line: int | None, key_path: str,
+                  unset: bool = False) -> Site:
+    """A DeepSpeed fp16/bf16 section that is off (`enabled: false`, or no `enabled` at all):
+    not shown, only compared with a Trainer that hands this config over."""
+    how = "section without `enabled` (DeepSpeed leaves it off)" if unset else "enabled: false"
+    return Site(f"DeepSpeed {section} (off)", file, line, key_path, f"{section} {how}",
+                "precision", "", precision=f"{section}:{'unset' if unset else 'off'}")
+
+
 def _key(prefix: tuple[str, ...], *keys: str) -> tuple[str, ...]:
     return prefix + keys
 
@@ -103,6 +116,32 @@ def _dotted(path: tuple[str, ...]) -> str:
 
 #: How a DeepSpeed bf16 section left to the launcher ("auto") is described.
 BF16_AUTO = "bf16 auto"
+
+
+def _bf16_sites(data: dict, file: str, locate: Locate, prefix: tuple[str, ...]) -> list[Site]:
+    """The bf16 section of a DeepSpeed config (either spelling): information, and its state."""
+    sites: list[Site] = []
+    for name in ("bf16", "bfloat16"):
+        section = data.get(name, MISSING)
+        if isinstance(section, dict):
+            enabled = section.get("enabled", MISSING)
+            key = _key(prefix, name, "enabled")
+            # (transformers compares and fills in only the `bf16` spelling)
+            state = "" if name != "bf16" else (
+                "bf16:auto" if _is_auto(enabled) else "bf16:on" if _truthy(enabled) else "")
+            if _truthy(enabled) or _is_auto(enabled) or isinstance(enabled, NonLiteral):
+                sites.append(
+                    Site("DeepSpeed bf16", file, locate(key), _dotted(key),
+                         f"{BF16_AUTO if _is_auto(enabled) else 'bf16 on'}: "
+                         "mixed precision without loss scaling",
+                         "info", "", precision=state)
+                )
+            elif name == "bf16" and enabled is MISSING:
+                sites.append(_switched_off("bf16", file, locate(_key(prefix, name)),
+                                           _dotted(_key(prefix, name)), unset=True))
+            elif name == "bf16" and _is_false(enabled):
+                sites.append(_switched_off("bf16", file, locate(key), _dotted(key)))
+    return sites
 
 
 def deepspeed_sites(
@@ -128,7 +167,8 @@ def deepspeed_sites(
         if _truthy(enabled):
             sites.append(
                 Site("DeepSpeed fp16", file, locate(key), _dotted(key),
-                     "DeepSpeed's fp16 loss scaler is on" + extra, "owner", "deepspeed")
+                     "DeepSpeed's fp16 loss scaler is on" + extra, "owner", "deepspeed",
+                     precision="fp16:on")
             )
         elif isinstance(enabled, NonLiteral):
             sites.append(
@@ -141,26 +181,18 @@ def deepspeed_sites(
                 Site("DeepSpeed fp16 (auto)", file, locate(key), _dotted(key),
                      '"auto": the Trainer/accelerate launcher decides; '
                      "an owner only where the same entry point enables fp16" + extra, "possible",
-                     "deepspeed")
+                     "deepspeed", precision="fp16:auto")
             )
         elif enabled is MISSING:
             key = _key(prefix, "fp16")
             sites.append(
                 Site("DeepSpeed fp16 (off)", file, locate(key), _dotted(key),
-                     "fp16 section without `enabled`: DeepSpeed leaves fp16 off", "info", "")
+                     "fp16 section without `enabled`: DeepSpeed leaves fp16 off", "info", "",
+                     precision="fp16:unset")
             )
-    for name in ("bf16", "bfloat16"):
-        section = data.get(name, MISSING)
-        if isinstance(section, dict):
-            enabled = section.get("enabled", MISSING)
-            if _truthy(enabled) or _is_auto(enabled) or isinstance(enabled, NonLiteral):
-                key = _key(prefix, name, "enabled")
-                sites.append(
-                    Site("DeepSpeed bf16", file, locate(key), _dotted(key),
-                         f"{BF16_AUTO if _is_auto(enabled) else 'bf16 on'}: "
-                         "mixed precision without loss scaling",
-                         "info", "")
-                )
+        elif _is_false(enabled):
+            sites.append(_switched_off("fp16", file, locate(key), _dotted(key)))
+    sites += _bf16_sites(data, file, locate, prefix)
     amp = data.get("amp", MISSING)
     if isinstance(amp, dict) and (
         _truthy(amp.get("enabled")) or isinstance(amp.get("enabled"), NonLiteral)
@@ -205,13 +237,19 @@ def analyze_mapping(data: dict, file: str, locate: Locate, scan: FileScan) -> No
             if delegates:
                 detail = "TrainingArguments fp16 handed to DeepSpeed (`deepspeed` is set)"
             sites = Site("Trainer fp16", file, locate(("fp16",)), "fp16", detail, "owner",
-                         "trainer", delegates=delegates)
+                         "trainer", delegates=delegates,
+                         precision="fp16" if _truthy(fp16) else "")
             scan.sites.append(sites)
         if _truthy(data.get("bf16")):
             scan.sites.append(
                 Site("Trainer bf16", file, locate(("bf16",)), "bf16",
-                     "TrainingArguments bf16: mixed precision without loss scaling", "info", "")
+                     "TrainingArguments bf16: mixed precision without loss scaling", "info", "",
+                     delegates=delegates, precision="bf16")
             )
+        flags = [data.get("fp16", False), data.get("bf16", False)]
+        if delegates and all(v is False for v in flags):
+            scan.sites.append(trainer_fp32(file, locate(("deepspeed",)), "deepspeed",
+                                           "TrainingArguments"))
         if isinstance(ds, dict):
             scan.config_types.add("deepspeed")
             scan.sites.extend(deepspeed_sites(ds, file, locate, ("deepspeed",)))
@@ -234,6 +272,14 @@ def analyze_mapping(data: dict, file: str, locate: Locate, scan: FileScan) -> No
     for text in _strings(data):
         if PATH_LIKE.match(text):
             scan.refs.append((text, True))
+
+
+def trainer_fp32(file: str, line: int | None, key_path: str | None, name: str) -> Site:
+    """A Trainer that hands DeepSpeed a config and asks for neither fp16 nor bf16 (literally):
+    not shown, only compared with that config's precision sections."""
+    return Site("Trainer fp32", file, line, key_path,
+                f"{name} without fp16/bf16, handing DeepSpeed a config", "precision",
+                "trainer", delegates=True, precision="fp32")
 
 
 def accelerate_site(value: Any, file: str, line: int | None, key_path: str | None,

@@ -13,6 +13,7 @@ from ampdoctor.scan.configs import (
     accelerate_site,
     deepspeed_sites,
     lightning_site,
+    trainer_fp32,
 )
 from ampdoctor.scan.python_literals import const, source_text
 from ampdoctor.scan.python_state import VisitorState
@@ -135,7 +136,7 @@ class OwnerCalls(VisitorState):
             if value is True:
                 self._add(Site("Trainer fp16", self.path, node.lineno, None,
                                f"{name}(fp16=True): {how}", "owner", "trainer",
-                               delegates=delegates), node)
+                               delegates=delegates, precision="fp16"), node)
             elif value is MISSING:
                 self._add(Site("Trainer fp16", self.path, node.lineno, None,
                                f"{name}(fp16={source_text(fp16, 50)}): "
@@ -145,7 +146,11 @@ class OwnerCalls(VisitorState):
         if bf16 is not None and const(bf16) is True:
             self._add(Site("Trainer bf16", self.path, node.lineno, None,
                            f"{name}(bf16=True): mixed precision without loss scaling", "info", "",
-                           delegates=delegates), node)
+                           delegates=delegates, precision="bf16"), node)
+        literal_off = all(kw.get(k) is None or const(kw[k]) is False for k in ("fp16", "bf16"))
+        if delegates and literal_off and not any(k.arg is None for k in node.keywords):
+            # (no **kwargs that could carry fp16/bf16)
+            self._add(trainer_fp32(self.path, node.lineno, None, name), node)
 
     def _accelerator(self, node: ast.Call, kw: dict[str, ast.expr]) -> None:
         delegates = "deepspeed_plugin" in kw

@@ -82,6 +82,9 @@ def render_text(report: ScanReport, file: IO[str] | None = None, color: bool | N
         console.print(f"\n[bold]Loss-scale owners ({len(report.owners)})[/]")
         for site in report.owners:
             console.print(row(site))
+    elif report.findings:
+        console.print("\nNo loss-scale owner found (the finding below: precision settings that "
+                      "disagree).")
     else:
         console.print("\nNo loss-scale owner found.")
     if report.infos:

@@ -9,7 +9,10 @@ a GradScaler construction, a DeepSpeed `fp16` section, `TrainingArguments(fp16=T
 - `possible`: an owner only under a condition decided elsewhere (DeepSpeed `"enabled": "auto"`);
 - `use`: a `scaler.scale(loss)` whose GradScaler is built somewhere else;
 - `info`: mixed precision without loss scaling (bf16), a disabled GradScaler, an engine whose
-  config is not literal... shown to the user, never counted.
+  config is not literal... shown to the user, never counted;
+- `precision`: a precision setting that scales nothing and is not shown (a DeepSpeed section
+  switched off, a Trainer that asks for fp32 while handing DeepSpeed a config): only compared
+  with the other precision settings of its path (`scan.precision_agreement`).
 
 This module must not import torch.
 """
@@ -51,6 +54,10 @@ class Site:
     branch: tuple = ()  # ((if-id, arm), ...) for mutually exclusive branches in one file
     runtime: bool = False  # the fp16 run actually used this owner
     ref: str = ""  # for uses: the scaler expression, to merge uses of one scaler
+    #: a precision setting as `scan.precision_agreement` compares them: a Trainer's literal ask
+    #: ("fp32", "bf16", "fp16"), a DeepSpeed section's state ("fp16:on", "bf16:off",
+    #: "fp16:unset" for a section without `enabled`, "bf16:auto"); "" for anything else
+    precision: str = ""
     uid: int = -1
 
     def sort_key(self) -> tuple:

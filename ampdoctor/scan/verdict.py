@@ -152,6 +152,7 @@ def _training_paths(sites: list[Site], graph: Graph) -> list[_Path]:
     relevant = {
         s.file for s in sites
         if s.role in ("owner", "possible", "use") or s.framework == "gradscaler"
+        or (s.delegates and s.precision)
     }
     raw_paths = graph.paths(relevant)
     path_sites: list[tuple[str, list[Site]]] = []

@@ -15,10 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import processes
+from ..enums import RungId
 from ..errors import AmpdoctorError, UsageError, UserCodeError
 from ..findings import RungResult
 from ..source import ScriptSource
 from .command import Command
+from .refused import PrecisionsRefused
 from .session import ScriptSession
 
 if TYPE_CHECKING:
@@ -102,7 +104,7 @@ def _diagnose(source: ScriptSource, command: Command, started: float,
     from .. import progress
     from ..ladder import run_ladder
     from ..record_model import RunSeriesModel
-    from ..runner import error_record, fill_record, new_record
+    from ..runner import fill_record, new_record
     from .rungs import RUNGS, weights
 
     record = new_record(source, "unknown")
@@ -127,16 +129,13 @@ def _diagnose(source: ScriptSource, command: Command, started: float,
             record.micro_batch_size = ss.spec.micro_batch_size
             record.found = found(ss)
             results = run_ladder(ss, started_rung, on_done, rungs=RUNGS, weights=weights(ss))
+        except PrecisionsRefused as exc:
+            refused = _refused_results(ss, exc, on_done)
+            if refused is None:
+                return _failed(source, record, ss, exc, started), exc
+            results = refused
         except AmpdoctorError as exc:
-            failed = error_record(source, exc)
-            for key in ("device", "cuda_available", "accumulation_steps", "micro_batch_size",
-                        "found"):
-                if record.given(key):
-                    setattr(failed, key, getattr(record, key))
-            failed.seconds = round(time.perf_counter() - started, 3)
-            if ss.outputs:
-                failed.output = ss.outputs
-            return failed, exc
+            return _failed(source, record, ss, exc, started), exc
     fill_record(record, results)
     if ss.command.reference_args is not None:     # a reference inferred after a first step
         record.reference_args = list(ss.command.reference_args)
@@ -147,6 +146,58 @@ def _diagnose(source: ScriptSource, command: Command, started: float,
     if ss.outputs:
         record.output = ss.outputs
     return record, None
+
+
+def _failed(source: ScriptSource, record: RecordModel, ss: ScriptSession,
+            exc: AmpdoctorError, started: float) -> RecordModel:
+    from ..runner import error_record
+    failed = error_record(source, exc)
+    for key in ("device", "cuda_available", "accumulation_steps", "micro_batch_size", "found"):
+        if record.given(key):
+            setattr(failed, key, getattr(record, key))
+    failed.seconds = round(time.perf_counter() - started, 3)
+    if ss.outputs:
+        failed.output = ss.outputs
+    return failed
+
+
+def _refused_results(ss: ScriptSession, exc: PrecisionsRefused,
+                     on_done: Callable[[RungResult], None] | None) -> list[RungResult] | None:
+    """A script whose Trainer transformers/accelerate refused over its DeepSpeed config's
+    precision: the double-scaling rung's search of the script and its config files names the
+    two settings (as `ampdoctor scan` does); every other rung had no run to judge. None where
+    the search does not find them (the error then says what the refusal means)."""
+    from ..enums import Status
+    from ..ladder import RUNG_IDS
+    from ..ladder.precision_rungs import run_double_scaling
+    from ..rules.trainer_precision import refusal_finding
+    ss.spec.config_files = ss.config_arguments()
+    result = run_double_scaling(ss)
+    if not any(f.evidence.get("config_key") == exc.refusal.config_key for f in result.findings):
+        if exc.location is None:
+            return None
+        # the scan cannot read the Trainer's precision (HfArgumentParser's --bf16): the refusal
+        # itself says it, at the line that raised, with the config key in the config arguments
+        finding = refusal_finding(exc.refusal, RungId.DOUBLE_SCALING, exc.location[0],
+                                  exc.location[1], ss.spec.config_files)
+        result = RungResult(RungId.DOUBLE_SCALING, Status.FAIL, (
+            "an HF Trainer and its DeepSpeed config disagree on the precision: "
+            f"{finding.evidence['outcome']}, read from the refusal (the scan cannot read a "
+            "precision decided at run time)"),
+            findings=[finding], details=result.details)
+    results = []
+    for rung_id in RUNG_IDS:
+        if rung_id == RungId.DOUBLE_SCALING:
+            done = result
+        else:
+            done = RungResult(rung_id, Status.NOT_RUN, (
+                "no run reached an optimizer step: the Trainer and the DeepSpeed config it "
+                f"hands over disagree on the precision (`{exc.refusal.config_key}`, "
+                "see double-scaling)"))
+        results.append(done)
+        if on_done is not None:
+            on_done(done)
+    return results
 
 
 def _environment(device: str) -> dict[str, str]:

@@ -110,8 +110,18 @@ def import_frameworks(script: str, cwd: str) -> None:
     that the server did not preload (it stops at a library that starts a thread, and a run
     started without the server preloads nothing), so that the Accelerator or Trainer the script
     builds is one the probe watches. The script imports them anyway; one that fails to import
-    is left to the script."""
-    for name in SERVED if SERVED is not None else script_imports(script, cwd):
+    is left to the script.
+
+    A script that hands a DeepSpeed config to the HF Trainer or accelerate (`deepspeed=`,
+    `--deepspeed ds.json`) never imports DeepSpeed itself: they import it when the engine is
+    built, after the patches. DeepSpeed is imported up front for such a script too, so its
+    engine is the one the probe watches and a process of one finds its group."""
+    wanted = list(SERVED) if SERVED is not None else script_imports(script, cwd)
+    tops = {n.partition(":")[0].split(".")[0] for n in wanted}
+    if tops & {"transformers", "accelerate"} and "deepspeed" not in tops \
+            and _mentions_deepspeed(script):
+        wanted.append("deepspeed")
+    for name in wanted:
         module, _, attr = name.partition(":")
         if module.split(".")[0] not in FRAMEWORKS:
             continue
@@ -119,6 +129,14 @@ def import_frameworks(script: str, cwd: str) -> None:
             __import__(module, fromlist=[attr] if attr else [])
         except BaseException:  # noqa: BLE001 - the script's own import says why
             continue
+
+
+def _mentions_deepspeed(script: str) -> bool:
+    try:
+        with open(script, encoding="utf-8", errors="replace") as f:
+            return "deepspeed" in f.read().lower()
+    except OSError:
+        return False
 
 
 def _local(top: str, folders: list[str]) -> bool:

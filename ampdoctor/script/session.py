@@ -30,6 +30,7 @@ from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
 from .infer import builds_deepspeed_engine
 from .references import deferred, window_reference
+from .refused import refused as _refused
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
 
@@ -123,6 +124,7 @@ class ScriptSession:
             first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
             self.reference_probe = first
             if first.error is not None:
+                _refused(first)
                 how = (f"exited ({first.ended})" if first.ended.startswith("exit")
                        else "raised")
                 raise UserCodeError(
@@ -140,6 +142,8 @@ class ScriptSession:
                     "holding the whole step's data: set the script's accumulation option to 1")
         outcome = self.run(self.job("fp32", min_samples=self.N * self.reference_rows),
                            "fp32 run")
+        if outcome.error is not None and not outcome.steps:
+            _refused(outcome)
         self._check_reference_model(outcome)
         if outcome.param_shapes:
             self.param_shapes = dict(outcome.param_shapes)
@@ -155,12 +159,23 @@ class ScriptSession:
         self.spec.micro_batch_size = b
         self.spec.accumulation_steps = self.K
         self.spec.config_files = sorted({e.config_file for e in outcome.events
-                                         if isinstance(e, EngineBuilt) and e.config_file})
+                                         if isinstance(e, EngineBuilt) and e.config_file}
+                                        | set(self.config_arguments()))
         trace = replay(outcome, "fp32", self.K, self.finder, None)
         self.traces["fp32"] = trace
         if outcome.steps and outcome.error is None:
             self.prepare_references(trace)   # (and whether the reference reads the same data)
         return trace
+
+    def config_arguments(self) -> list[str]:
+        """The config files among the script's arguments (`--deepspeed ds_config.json` handed
+        to a Trainer, which builds the engine from a mapping): searched with the script."""
+        found = []
+        for arg in self.command.args:
+            path = os.path.join(self.command.cwd, arg.split("=", 1)[-1])
+            if path.endswith((".json", ".yaml", ".yml")) and os.path.isfile(path):
+                found.append(os.path.abspath(path))
+        return found
 
     def _check_reference_model(self, outcome: Outcome) -> None:
         """The reference must train the run's model: the same parameters, of the same shapes
@@ -418,3 +433,4 @@ def _concat(forwards: list[Any]) -> list[list[str]]:
 def _where(error: dict[str, Any]) -> tuple[str, int] | None:
     site = error.get("site")
     return (site.file, site.line) if site is not None else None
+
