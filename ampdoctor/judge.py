@@ -97,6 +97,9 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
             continue
         if judged and judged[-1].bad and not judge_step.finite_state(snapshot.state):
             break   # the run diverged after a bad step: nothing later can be compared
+        past = trace.window_of_event(steps[0])
+        if past is not None and past >= session.N:
+            break   # a script read on past an epoch's short window: no reference of its own
         window = session.window_of(steps[0], ordinal, trace)
         weighted = _weighting_arg(weighting)
         ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False,

@@ -1,0 +1,107 @@
+"""Script mode on loop shapes of popular repositories (recipes/scripts/mae_finetune.py: MAE's
+fine-tuning epoch; recipes/scripts/timm_epoch.py: timm's), healthy and broken, end to end
+through the real CLI: kind, rung, numbers and the script's line.
+
+- MAE sets its rate by hand from a fractional epoch. Set on every micro-batch from that same
+  fraction, each step uses the rate of its window's last micro-batch, less than a step of the
+  schedule later: harmless, as in a spec (it crashed the rung before). Counted in micro-batches
+  over optimizer steps, the warm-up runs K times too fast: scheduler-per-microbatch at the line
+  that assigns the rate.
+- timm divides the epoch's last, partial window by its own count. A run stopped after the
+  partial window reads on into the next epoch's first window: that is no step per micro-batch,
+  the data lines up with the reference's short last batch, and the partial window is compared.
+  Divided by K instead, its update is 1/K of the reference's. A warm-up counted in
+  micro-batches but set once per update parts from the reference after the first step: the
+  schedule's pace, at the line that assigns the rate (not the optimizer's).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPES, marked_line, run_cli
+
+MAE = RECIPES / "scripts" / "mae_finetune.py"
+TIMM = RECIPES / "scripts" / "timm_epoch.py"
+pytestmark = pytest.mark.xdist_group("script_mode")
+
+
+def diagnose(tmp_path: Path, script: Path, *args: str, steps: int = 3):
+    return run_cli("diagnose", script, "--json", "--out", tmp_path / "runs", "--steps",
+                   str(steps), "--", *args)
+
+
+def compared(record: dict) -> int:
+    fp32 = next(r for r in record["rungs"] if r["id"] == "fp32-accum")
+    assert fp32["status"] == "pass", fp32
+    return fp32["details"]["steps_compared"]
+
+
+def the_error(record: dict) -> dict:
+    errors = [f for f in record["findings"] if f["severity"] == "error"]
+    assert len(errors) == 1, record["findings"]
+    return errors[0]
+
+
+@pytest.mark.parametrize("bug", ["none", "lr-every-iter"])
+def test_mae_rate_set_per_window_or_from_the_same_fraction_is_healthy(tmp_path, bug):
+    result = diagnose(tmp_path, MAE, "--amp", "--clip_grad", "1.0", "--bug", bug)
+    assert result.returncode == 0, result.stderr
+    assert result.record["verdict"] == "healthy" and result.record["findings"] == []
+    assert compared(result.record) == 3
+
+
+def test_mae_warmup_counted_in_micro_batches_is_scheduler_per_microbatch(tmp_path):
+    result = diagnose(tmp_path, MAE, "--amp", "--clip_grad", "1.0", "--bug", "warmup-per-iter")
+    assert result.returncode == 1, result.stderr
+    finding = the_error(result.record)
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "scheduler-per-microbatch")
+    assert finding["location"]["line"] == marked_line(MAE, "scheduler-per-microbatch")
+    assert Path(finding["location"]["file"]).resolve() == MAE.resolve()
+    # K = 4 micro-batches of 8 over 512 rows: 64 micro-batches, 16 optimizer steps an epoch;
+    # the rate is blr * 32 / 256 warmed up over one epoch. Step 0 used the rate of micro-batch
+    # 3 read as step 3 (3/16 of the warm-up); the reference's step 0 has 0.
+    lr = 1e-3 * 32 / 256
+    evidence = finding["evidence"]
+    assert evidence["measured"] == 4 and evidence["first_step_off"] == 0
+    assert math.isclose(evidence["lr_used"], lr * 3 / 16, rel_tol=1e-5)
+    assert evidence["lr_expected"] == 0
+
+
+def test_timm_partial_last_window_is_compared_and_healthy(tmp_path):
+    result = diagnose(tmp_path, TIMM, "--amp", "--clip-grad", "1.0", steps=4)
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["verdict"] == "healthy" and record["findings"] == []
+    assert record["accumulation_steps"] == 4 and record["micro_batch_size"] == 8
+    assert compared(record) == 4
+
+
+def test_timm_partial_window_divided_by_k_is_double_average(tmp_path):
+    result = diagnose(tmp_path, TIMM, "--amp", "--clip-grad", "100", "--bug",
+                      "last-window-full-k", steps=4)
+    assert result.returncode == 1, result.stderr
+    finding = the_error(result.record)
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "double-average")
+    assert finding["location"]["line"] == marked_line(TIMM, "double-average")
+    assert finding["evidence"]["step"] == 3          # the partial window, the 4th step
+    assert math.isclose(finding["evidence"]["measured"], 0.25, rel_tol=1e-3)
+
+
+def test_timm_warmup_counted_in_micro_batches_is_named_at_the_assignment(tmp_path):
+    result = diagnose(tmp_path, TIMM, "--amp", "--bug", "updates-per-batch")
+    assert result.returncode == 1, result.stderr
+    finding = the_error(result.record)
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "gradient-mismatch")
+    assert finding["location"]["line"] == marked_line(TIMM, "gradient-mismatch")
+    assert "linear scaling rule" not in finding["message"]
+    # warm-up over 5 updates, rate (n + 1) / 6 of 0.05 after n updates: at step 1 the run has
+    # counted 4 micro-batches as updates, the reference 1
+    evidence = finding["evidence"]
+    assert evidence["step"] == 1
+    assert math.isclose(evidence["lr_used"], 0.05 * 5 / 6, rel_tol=1e-5)
+    assert math.isclose(evidence["lr_expected"], 0.05 * 2 / 6, rel_tol=1e-5)
+    assert math.isclose(evidence["measured"], 2.5, rel_tol=1e-5)
