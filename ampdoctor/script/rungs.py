@@ -19,6 +19,7 @@ import torch
 
 from .. import compare, thresholds
 from ..enums import RungId, Status
+from ..errors import UserCodeError
 from ..findings import Finding, RungResult, conclude, location
 from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
 from ..kinds.clipping import ScaledClip, ScriptScaledClip, script_scaled_clip
@@ -51,6 +52,23 @@ def _no_reference(ss: ScriptSession) -> str:
 
 
 # --- reproducibility ---------------------------------------------------------------------
+def _diverging_baseline(trace: ScriptTrace, group: int) -> None:
+    """UserCodeError (exit 3), as for a spec's reference, when the fp32 run's first optimizer
+    step consumed a gradient that is not finite: the script's own fp32 training diverges (a
+    NaN or inf loss), so no comparison, and no repeat of it, means anything."""
+    for step in (s for s in trace.steps if s.group == group):
+        bad = next((n for n, g in step.grads.items()
+                    if isinstance(g, torch.Tensor) and not compare.all_finite(g)), None)
+        if bad is not None:
+            backward = next(iter(trace.events_of(Backward)), None)
+            site = backward.site if backward is not None else step.site
+            raise UserCodeError(
+                f"the script's fp32 run consumed a gradient that is not finite at its first "
+                f"optimizer step (parameter {bad}): its fp32 training itself diverges (a NaN or "
+                "inf loss), so nothing can be compared. Check the data and the loss in fp32 "
+                "first", location=(site.file, site.line) if site is not None else None)
+
+
 def reproducibility(ss: ScriptSession) -> RungResult:
     """Two fp32 runs of the script from the same weights read the same data and consume the
     same first update; two reference runs at those weights agree."""
@@ -73,6 +91,7 @@ def reproducibility(ss: ScriptSession) -> RungResult:
                                                       if first.outcome.events else None)))
         return conclude(rung, [finding], "")
     group = first.steps[0].group
+    _diverging_baseline(first, group)
     steps_a = [s for s in first.steps if s.group == group]
     steps_b = [s for s in again.steps if s.group == (again.steps[0].group if again.steps
                                                       else -1)]
