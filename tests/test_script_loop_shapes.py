@@ -105,3 +105,73 @@ def test_timm_warmup_counted_in_micro_batches_is_named_at_the_assignment(tmp_pat
     assert math.isclose(evidence["lr_used"], 0.05 * 5 / 6, rel_tol=1e-5)
     assert math.isclose(evidence["lr_expected"], 0.05 * 2 / 6, rel_tol=1e-5)
     assert math.isclose(evidence["measured"], 2.5, rel_tol=1e-5)
+
+
+LIGHTNING = RECIPES / "scripts" / "lightning_bf16.py"
+
+
+def test_lightning_module_calling_a_submodule_is_healthy(tmp_path):
+    """The micro-batch forward is the outermost forward of a module holding the optimizer's
+    parameters (here `self.net`, the LightningModule's own forward never runs), and the
+    reference's gradient is read after the closure Lightning hands `optimizer.step` has run
+    (before: no micro-batch was seen, the run never stopped, step-per-microbatch; then a
+    reference gradient of zero)."""
+    pytest.importorskip("lightning")
+    result = diagnose(tmp_path, LIGHTNING)
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["verdict"] == "healthy" and record["findings"] == []
+    assert record["accumulation_steps"] == 4 and record["micro_batch_size"] == 8
+    assert compared(record) == 3
+    assert record["reference_args"] == ["--accumulate_grad_batches", "1", "--batch_size", "32"]
+
+
+def test_lightning_module_dividing_by_k_again_is_double_average(tmp_path):
+    pytest.importorskip("lightning")
+    result = diagnose(tmp_path, LIGHTNING, "--bug", "divide-by-k")
+    assert result.returncode == 1, result.stderr
+    finding = the_error(result.record)
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "double-average")
+    assert finding["location"]["line"] == marked_line(LIGHTNING, "double-average")
+    assert Path(finding["location"]["file"]).resolve() == LIGHTNING.resolve()
+    assert math.isclose(finding["evidence"]["measured"], 0.25, rel_tol=1e-3)
+    assert "accumulate_grad_batches" in finding["message"]
+
+
+NAN_DATA = RECIPES / "scripts" / "nan_data.py"
+
+
+@pytest.mark.parametrize("bug", ["none", "nan-row"])
+def test_a_script_whose_fp32_training_diverges_is_exit_3_not_unrepeatable(tmp_path, bug):
+    """A NaN in the data makes both fp32 runs NaN: before, `nondeterministic-baseline` (two
+    NaN gradients compare as different) blaming the seeded data line; now exit 3 saying the
+    baseline diverges, at the backward, as a spec's non-finite reference is."""
+    result = diagnose(tmp_path, NAN_DATA, "--amp", "--bug", bug)
+    if bug == "none":
+        assert result.returncode == 0, result.stderr
+        assert result.record["verdict"] == "healthy"
+        return
+    assert result.returncode == 3, result.stderr
+    assert "not finite" in result.stderr and "diverges" in result.stderr
+    assert "Traceback" not in result.stderr
+    record = result.record
+    assert record["verdict"] == "error" and record["findings"] == []
+    where = record["error"]["location"]
+    assert Path(where["file"]).resolve() == NAN_DATA.resolve()
+    assert where["line"] == marked_line(NAN_DATA, "not finite")
+
+
+def test_a_batch_option_without_a_k_option_says_how_to_give_a_derived_k(tmp_path):
+    """YOLOv5 derives K from its batch option (`accumulate = round(nbs / batch_size)`): no K
+    option to set to 1, so the line to try says the batch option alone is the reference's."""
+    from ampdoctor.errors import UsageError
+    from ampdoctor.script.infer import infer_reference
+    script = tmp_path / "train.py"
+    script.write_text("import argparse\np = argparse.ArgumentParser()\n"
+                      "p.add_argument('--batch-size', type=int, default=16)\n"
+                      "opt = p.parse_args()\naccumulate = max(round(64 / opt.batch_size), 1)\n")
+    with pytest.raises(UsageError) as caught:
+        infer_reference(str(script), ["--amp"], cwd=str(tmp_path))
+    message = str(caught.value)
+    assert caught.value.exit_code == 2
+    assert "takes --batch-size alone at K x the micro-batch" in message
