@@ -11,6 +11,7 @@ say what they could not compare.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -217,10 +218,16 @@ def unavailable(ss: ScriptSession, precision: str) -> str | None:
         return "the fp32 run raised (see fp32-accum)"
     if fp32.events_of(EngineBuilt):   # the engine's config sets it (`script.deepspeed`)
         return amp.bf16_supported(ss) if precision == "bf16" else None  # type: ignore[arg-type]
-    autocasts = _autocast_requests(ss)
+    requests = _autocast_requests(ss)
+    # an autocast for another device (`torch.cuda.amp.autocast()` on a machine without CUDA)
+    # changes nothing the model computes here
+    autocasts = [a for a in requests if a.get("device") == ss.device.type]
     if not autocasts:
-        return (f"the script never enters autocast on {ss.device.type}: it trains in fp32 "
-                f"only, so there is no {precision} run to make of it")
+        other = next((a for a in requests if a.get("device")), None)
+        where = (f" (its autocast is for {other['device']}, at {_short(other.get('site'))})"
+                 if other is not None else "")
+        return (f"the script never enters autocast on {ss.device.type}{where}: it trains in "
+                f"fp32 only, so there is no {precision} run to make of it")
     if precision == "fp16" and not _scaler_requests(ss):
         asked = {a["dtype"] for a in autocasts} - {None}
         if "float16" not in asked:
@@ -230,6 +237,10 @@ def unavailable(ss: ScriptSession, precision: str) -> str | None:
     if precision == "bf16":
         return amp.bf16_supported(ss)  # type: ignore[arg-type]
     return None
+
+
+def _short(site: Any) -> str:
+    return f"{os.path.basename(site.file)}:{site.line}" if site is not None else "?"
 
 
 def fp16_unavailable(ss: ScriptSession) -> str | None:
