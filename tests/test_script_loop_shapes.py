@@ -91,12 +91,27 @@ def test_timm_partial_window_divided_by_k_is_double_average(tmp_path):
     assert math.isclose(finding["evidence"]["measured"], 0.25, rel_tol=1e-3)
 
 
+def test_timm_partial_window_left_unstepped_is_zeroed_inside_a_window(tmp_path):
+    """Without the last-batch update the partial window never steps: the next epoch's
+    zero_grad wipes its micro-batch, and step 3 consumed the next epoch's first window where
+    the reference's step 3 holds the 4 last rows. Step 3 must be judged (a run that reads on
+    past its partial window is not cut short there), or the run passes as healthy."""
+    result = diagnose(tmp_path, TIMM, "--amp", "--bug", "no-last-update", steps=4)
+    assert result.returncode == 1, result.stderr
+    finding = the_error(result.record)
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "zero-grad-inside-accumulation")
+    assert finding["location"]["line"] == marked_line(
+        TIMM, "zero-grad-inside-accumulation (with --bug no-last-update")
+    assert "Step 3" in finding["message"]
+
+
 def test_timm_warmup_counted_in_micro_batches_is_named_at_the_assignment(tmp_path):
     result = diagnose(tmp_path, TIMM, "--amp", "--bug", "updates-per-batch")
     assert result.returncode == 1, result.stderr
     finding = the_error(result.record)
     assert (finding["rung"], finding["kind"]) == ("fp32-accum", "gradient-mismatch")
-    assert finding["location"]["line"] == marked_line(TIMM, "gradient-mismatch")
+    assert finding["location"]["line"] == marked_line(
+        TIMM, "gradient-mismatch (with --bug updates-per-batch")
     assert "linear scaling rule" not in finding["message"]
     # warm-up over 5 updates, rate (n + 1) / 6 of 0.05 after n updates: at step 1 the run has
     # counted 4 micro-batches as updates, the reference 1
@@ -175,3 +190,23 @@ def test_a_batch_option_without_a_k_option_says_how_to_give_a_derived_k(tmp_path
     message = str(caught.value)
     assert caught.value.exit_code == 2
     assert "takes --batch-size alone at K x the micro-batch" in message
+
+
+CUDA_API = RECIPES / "scripts" / "cuda_amp_api.py"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU-only case")
+def test_cuda_only_amp_api_on_a_cpu_machine_trains_in_fp32_and_is_said(tmp_path):
+    """`torch.cuda.amp.autocast()` on a machine without CUDA enters no autocast on the CPU the
+    model runs on: nothing to run in bf16 or fp16 (before: half-open-amp, an error, on a script
+    that is the usual fp16 recipe on a GPU)."""
+    result = diagnose(tmp_path, CUDA_API, "--amp")
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["verdict"] == "healthy" and record["findings"] == []
+    assert compared(record) == 3
+    line = next(n for n, text in enumerate(CUDA_API.read_text().splitlines(), 1)
+                if "# the autocast line" in text)
+    skipped = {r["id"]: r["summary"] for r in record["rungs"] if r["status"] == "skip"}
+    for rung in ("bf16-no-scaler", "fp16-scaler"):
+        assert f"its autocast is for cuda, at cuda_amp_api.py:{line}" in skipped[rung]

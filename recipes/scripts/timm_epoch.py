@@ -7,6 +7,10 @@ batch 32) reads 32, 32, 32 and 4 rows, so `--steps 4` compares the partial windo
 
 Run as `python timm_epoch.py --amp --clip-grad 1.0`; `--bug` picks a variant:
 - `last-window-full-k`: the partial window is divided by K too (double-average at step 3);
+- `no-last-update`: the partial window never steps (the `last_batch` condition left out): the
+  zero_grad at the next epoch's top wipes its gradient, and step 3 trains on the next epoch's
+  first window where the reference's step 3 is the partial one (zero-grad-inside-accumulation
+  at that zero_grad, step 3);
 - `updates-per-batch`: `num_updates` counts micro-batches, so the warm-up set once per update
   runs K times too fast (gradient-mismatch of the learning rate from step 1).
 """
@@ -67,10 +71,11 @@ def train_one_epoch(epoch, model, loader, optimizer, loss_fn, args, lr_scheduler
     last_batch_idx = len(loader) - 1
     last_batch_idx_to_accum = len(loader) - last_accum_steps
     model.train()
-    optimizer.zero_grad()
+    optimizer.zero_grad()  # BUG: zero-grad-inside-accumulation (with --bug no-last-update)
     for batch_idx, (input, target) in enumerate(loader):
         last_batch = batch_idx == last_batch_idx
-        need_update = last_batch or (batch_idx + 1) % accum_steps == 0
+        need_update = ((last_batch and args.bug != "no-last-update")
+                       or (batch_idx + 1) % accum_steps == 0)
         if batch_idx >= last_batch_idx_to_accum and args.bug != "last-window-full-k":
             accum_steps = last_accum_steps
 
