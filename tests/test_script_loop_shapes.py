@@ -210,3 +210,26 @@ def test_cuda_only_amp_api_on_a_cpu_machine_trains_in_fp32_and_is_said(tmp_path)
     skipped = {r["id"]: r["summary"] for r in record["rungs"] if r["status"] == "skip"}
     for rung in ("bf16-no-scaler", "fp16-scaler"):
         assert f"its autocast is for cuda, at cuda_amp_api.py:{line}" in skipped[rung]
+
+
+YOLO = RECIPES / "scripts" / "yolo_accumulate.py"
+
+
+@pytest.mark.parametrize("bug", ["none", "loss-over-k"])
+def test_yolo_summed_loss_is_healthy_and_dividing_it_by_k_is_named_so(tmp_path, bug):
+    """YOLOv5's loss x batch size is a sum the reference (batch 64, K = 1) sums too: healthy.
+    Divided by K it is 1/K of the reference's, and the message says what that means for a
+    summed loss (divided where it wants no division), not only for a mean one."""
+    result = run_cli("diagnose", YOLO, "--json", "--out", tmp_path / "runs", "--reference-args",
+                     f"--amp --batch-size 64 --bug {bug}", "--", "--amp", "--bug", bug)
+    if bug == "none":
+        assert result.returncode == 0, result.stderr
+        assert result.record["verdict"] == "healthy" and result.record["findings"] == []
+        assert result.record["accumulation_steps"] == 4
+        return
+    assert result.returncode == 1, result.stderr
+    finding = the_error(result.record)
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "double-average")
+    assert finding["location"]["line"] == marked_line(YOLO, "double-average (with --bug loss")
+    assert math.isclose(finding["evidence"]["ratio"], 0.25, rel_tol=1e-3)
+    assert "is divided by 4 where it wants no division" in finding["message"]
