@@ -83,8 +83,11 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
     judged: list[StepJudgement] = []
     weighting: str | None = None
     previous_seq = -1
+    ended: int | None = None   # the window of the step group before
     for ordinal, group in enumerate(step_groups(trace)):
         steps = [s for s in trace.steps if s.group == group]
+        past, before = trace.window_of_event(steps[0]), ended
+        ended = past
         done = eager.groups.get(group) if eager is not None else None
         if done is not None:   # judged as it happened (`StepJudge`)
             if done.stop:
@@ -97,6 +100,10 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
             continue
         if judged and judged[-1].bad and not judge_step.finite_state(snapshot.state):
             break   # the run diverged after a bad step: nothing later can be compared
+        if past is not None and past >= session.N and before is not None \
+                and before >= session.N - 1:
+            break   # a script read on past its N windows (an epoch's short last window ended
+            #         them): nothing of its own in the reference
         window = session.window_of(steps[0], ordinal, trace)
         weighted = _weighting_arg(weighting)
         ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False,

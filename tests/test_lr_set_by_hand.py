@@ -106,3 +106,16 @@ def test_within_a_step_of_the_schedule_is_not_a_mistake():
     assert _beyond_a_step(3.5, meant, 1)           # beyond the next step's
     assert _beyond_a_step(4.0, meant, 0)           # three steps ahead (K = 4, micro-batches)
     assert not _beyond_a_step(4.0, meant, 3)       # the last step, its own value
+    # the last step has no step after it: the pace from the step before stands in (5.0)
+    assert not _beyond_a_step(4.75, meant, 3)
+    assert _beyond_a_step(5.5, meant, 3)
+
+
+def test_a_warm_up_read_at_a_fractional_step_is_healthy_to_the_last_step(tmp_path):
+    """MAE's shape (the rate set every micro-batch from `it / K`, a warm-up still rising at
+    the last step compared): the last step's rate lies between its own and the next step's,
+    which the K = 1 run does not reach (flagged before)."""
+    result = run_cli("diagnose", CONFIGS / "healthy_lr_fraction_per_microbatch.yaml", "--json",
+                     "--out", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.record["verdict"] == "healthy" and result.record["findings"] == []

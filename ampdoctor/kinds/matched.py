@@ -136,8 +136,18 @@ def wrong_divisor(o: WrongDivisor) -> Finding:
     lead = clipped_lead(CONSUMED, o.clip).format(step=o.step)
     return decider(Observed(o.rung, Severity.ERROR,
         f"{lead}{o.ratio:.4g}x the reference gradient with cosine {o.cosine:.5f}: the loss is "
-        f"divided by {o.K / o.ratio:.4g} instead of K={o.K}.",
+        f"divided by {o.K / o.ratio:.4g} instead of K={o.K}{_summed(o.ratio)}.",
         evidence=o.comparison, location=o.location, forced_clip=o.forced_clip))
+
+
+def _summed(ratio: float) -> str:
+    """What a too-small gradient means for a loss that sums over its samples (YOLOv5's loss x
+    batch size, fairseq's): it is divided where the reference divides by nothing."""
+    if ratio >= 1:
+        return ""
+    return (f" (for a loss that averages over its micro-batch; a loss that sums over its "
+            f"samples, such as YOLOv5's loss x batch size, is divided by {1 / ratio:.4g} where "
+            "it wants no division)")
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,10 @@ def to_device(mb: Any, device: torch.device) -> Any:
 
 def merge_micro_batches(mbs: list[Any]) -> Any | None:
     """One micro-batch holding a whole window's data (for the loop-as-reference at K = 1), or
-    None when the micro-batches cannot be concatenated (different sequence lengths)."""
+    None when the micro-batches cannot be concatenated (different sequence lengths) or there are
+    none to concatenate (a script's session holds no data of its own)."""
+    if not mbs:
+        return None
     first = mbs[0]
     try:
         if isinstance(first, dict):

@@ -19,7 +19,7 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
     for step in trace.steps:
         per_optimizer.setdefault(step.optimizer, []).append(step)
     for slot, steps in sorted(per_optimizer.items()):
-        if len(steps) > session.N:
+        if len(steps) - _epoch_remainders(steps, session.K) > session.N:
             engine = extra_steps(session, trace)
             return steps_per_window(StepsPerWindow(
                 rung, trace.precision, slot, len(steps), session.N, session.K,
@@ -42,3 +42,13 @@ def step_count_finding(session: Session, trace: Trace, rung: str,
             return off_boundary(OffBoundary(rung, slot, session.K, tuple(consumed),
                                             location=location(steps[0].site)))
     return None
+
+
+def _epoch_remainders(steps: list[StepRecord], K: int) -> int:
+    """The steps that ended an epoch's short last window: fewer than K micro-batches since the
+    step before, and a full window of K before the next step (a script stopped after N steps
+    reads on past such a window, so it makes more steps than N windows of K). A step on every
+    micro-batch has no full window after its short ones."""
+    ends = [s.microbatch for s in steps]
+    sizes = [b - a for a, b in zip([-1, *ends], ends, strict=False)]
+    return sum(1 for i in range(len(sizes) - 1) if 0 < sizes[i] < K and sizes[i + 1] == K)

@@ -29,9 +29,9 @@ from ..probe.events import Backward
 from ..session import Session, Trace
 
 
-def _step_lrs(trace: Trace, slot: int) -> list[tuple[int, float]]:
+def _step_lrs(trace: Any, slot: int) -> list[tuple[int, float]]:
     """(seq, lr of parameter group 0) of the first step of each step group of optimizer
-    `slot`, in order."""
+    `slot`, in order, from a Trace's steps or a script run's (`Outcome.steps`)."""
     seen: dict[int, tuple[int, float]] = {}
     for s in trace.steps:
         if s.optimizer == slot and s.lrs and s.group not in seen:
@@ -86,19 +86,48 @@ def lr_set_by_hand_findings(session: Session, trace: Trace, rung: str) -> list[F
         once = session.run_loop("fp32", micro_batches=merged, K=1, capture=False)
         if once.error is not None:
             return []
-        meant = [lr for _, lr in _step_lrs(once, slot)]
-        for n, (_, used) in enumerate(steps[:len(meant)]):
-            if _beyond_a_step(used, meant, n):
-                return [_finding(session, trace, rung, slot, n, used, meant[n], window, most,
-                                 values, site)]
+        finding = _judge(session, trace, rung, slot, steps, inside, once)
+        if finding is not None:
+            return [finding]
     return []
+
+
+def rate_set_per_micro_batch_against(session: Session, trace: Trace, rung: str,
+                                     reference: Any) -> tuple[bool, Finding | None]:
+    """The same judgement for optimizer 0 against a K = 1 run made elsewhere (script mode's
+    reference: the script at K = 1 and batch K x b): (True, the finding or None) when the rate
+    changed between the micro-batches of a window, so this rule and no other judges it (a rate
+    less than a step of the schedule off is harmless); (False, None) when it never did."""
+    if session.K < 2 or not trace.steps:
+        return False, None
+    steps = _step_lrs(trace, 0)
+    inside = _changes_inside_windows(trace, 0, steps)
+    if inside is None:
+        return False, None
+    return True, _judge(session, trace, rung, 0, steps, inside, reference)
+
+
+def _judge(session: Session, trace: Trace, rung: str, slot: int,
+           steps: list[tuple[int, float]], inside: tuple[int, int, list[float], Any],
+           once: Any) -> Finding | None:
+    window, most, values, site = inside
+    meant = [lr for _, lr in _step_lrs(once, slot)]
+    for n, (_, used) in enumerate(steps[:len(meant)]):
+        if _beyond_a_step(used, meant, n):
+            return _finding(session, trace, rung, slot, n, used, meant[n], window, most,
+                            values, site)
+    return None
 
 
 def _beyond_a_step(used: float, meant: list[float], n: int) -> bool:
     """Whether step `n`'s rate lies outside what the schedule gives between the step before
     and the step after it: a rate read from a fractional step (`it / K`) is less than a step
-    off and harmless; one counted in micro-batches is K - 1 steps ahead from the first step."""
+    off and harmless; one counted in micro-batches is K - 1 steps ahead from the first step.
+    The last step compared has no step after it in the K = 1 run: the schedule's pace from
+    the step before stands in for it."""
     near = meant[max(0, n - 1):n + 2]
+    if n + 1 >= len(meant) and n >= 1:
+        near.append(2 * meant[n] - meant[n - 1])
     low, high = min(near), max(near)
     return _differs(used, min(max(used, low), high))
 
@@ -108,14 +137,17 @@ def _finding(session: Session, trace: Trace, rung: str, slot: int, step: int, us
     several = len({s.optimizer for s in trace.steps}) > 1
     return schedule.rate_set_per_micro_batch(schedule.RateSetPerMicroBatch(
         rung, trace.precision, session.K, window, most, tuple(values), step, used, meant,
-        slot if several else None, _assignment(session) or location(site)))
+        slot if several else None, lr_assignment(session) or location(site)))
 
 
-def _assignment(session: Session) -> Location | None:
+def lr_assignment(session: Session) -> Location | None:
     """The line of the training loop's function that assigns a learning rate
     (`group["lr"] = ...`, `param_group.update(lr=...)`); None when it has none (the rate is set
     elsewhere)."""
     loop = getattr(session.code, "train_loop", None)
+    script = getattr(session.code, "script", None)
+    if loop is None and isinstance(script, str):
+        return _assignment_in_file(script)
     try:
         function = inspect.unwrap(loop)   # type: ignore[arg-type]
         code = function.__code__
@@ -133,6 +165,21 @@ def _assignment(session: Session) -> Location | None:
             text = linecache.getline(code.co_filename, at).strip()
             return Location(code.co_filename, at, code.co_name, text or None)
     return None
+
+
+def _assignment_in_file(path: str) -> Location | None:
+    """The first line of a script that assigns a learning rate; None when it has none (the
+    rate is set in a module it imports) or cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    lines = sorted(line for node in ast.walk(tree)
+                   if (line := _assigns_lr(node)) is not None)
+    if not lines:
+        return None
+    return Location(path, lines[0], None, linecache.getline(path, lines[0]).strip() or None)
 
 
 def _assigns_lr(node: ast.AST) -> int | None:

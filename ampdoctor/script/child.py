@@ -181,6 +181,7 @@ class ScriptProbe:
         self.roots: list[torch.nn.Module] = []
         self.model: torch.nn.Module | None = None
         self.hooked: set[int] = set()
+        self.depth = 0                # model forwards under way (the outermost is a micro-batch)
         self.seen_events = 0
         self.windows = 0              # windows ended (scaler.step / direct step of slot 0)
         self.samples = 0
@@ -221,7 +222,7 @@ class ScriptProbe:
             "params": sum(p.numel() for p in params),
             "site": self.finder.from_frame(sys._getframe(1))})
         wanted = {id(p) for p in params} - {id(p) for m in self.roots for p in m.parameters()}
-        candidates = []
+        candidates: list[Any] = []
         for ref, site in self.modules:
             module = ref()
             if module is not None:
@@ -246,14 +247,29 @@ class ScriptProbe:
                       torch.nn.ModuleDict({f"m{i}": m for i, m in enumerate(self.roots)}))
         self.probe.model = self.model
         self.probe.param_names = {id(p): n for n, p in self.model.named_parameters()}
+        # the first model's micro-batch forward: its own, or that of a module holding the same
+        # parameters when the script calls that one instead (a LightningModule whose
+        # training_step calls `self.net(x)`), the outermost one where one calls the other
         first = self.roots[0]
-        if id(first) not in self.hooked:
-            self.hooked.add(id(first))
-            first.register_forward_pre_hook(self.on_forward, with_kwargs=True)
+        same = {id(p) for p in first.parameters()}
+        for module in [first] + [c[2] for c in candidates
+                                 if {id(p) for p in c[2].parameters()} == same]:
+            if id(module) not in self.hooked:
+                self.hooked.add(id(module))
+                module.register_forward_pre_hook(self._outer_forward, with_kwargs=True)
+                module.register_forward_hook(self._forward_done, always_call=True)
         for root in self.roots:
             self.expectation.track(root)
 
     # --- each micro-batch forward ---------------------------------------------------------
+    def _outer_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.on_forward(module, args, kwargs)
+
+    def _forward_done(self, *_: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+
     def _count_windows(self) -> None:
         events = self.probe.events
         for event in events[self.seen_events:]:

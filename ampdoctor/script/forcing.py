@@ -117,8 +117,28 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
                 if original is not None:
                     patcher.setattr(owner, name, _before(original, probe.keep_reference))
         from torch.optim.optimizer import register_optimizer_step_pre_hook
-        patcher.add_handle(register_optimizer_step_pre_hook(
-            lambda opt, a, k: probe.keep_reference()))
+        patcher.add_handle(register_optimizer_step_pre_hook(_keep_at_step(probe)))
+
+
+def _keep_at_step(probe: Any) -> Callable[..., Any]:
+    """An optimizer step pre-hook that keeps the reference's gradient: now, or, for a step
+    handed a closure (Lightning's automatic optimization runs the window's backward inside
+    the step), once the closure has run (a clip inside it has kept it first, unclipped)."""
+    def hook(_optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        closure = kwargs.get("closure", args[0] if args else None)
+        if not callable(closure):
+            probe.keep_reference()
+            return None
+
+        def closure_then_keep() -> Any:
+            result = closure()
+            probe.keep_reference()
+            return result
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_keep}
+        return (closure_then_keep, *args[1:]), kwargs
+    return hook
 
 
 def _threshold(original: Callable[..., Any], max_norm: float) -> Callable[..., Any]:

@@ -216,11 +216,14 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
     if k is None or batch is None:
         missing = " and ".join(w for w, f in (("the gradient accumulation steps (K)", k),
                                                ("the micro-batch size", batch)) if f is None)
+        derived = (f". A script that derives K itself from its batch option (YOLOv5's "
+                   f"`accumulate = round(nbs / batch_size)`) takes {batch.option} alone at "
+                   "K x the micro-batch" if k is None and batch is not None else "")
         raise UsageError(
             f"cannot infer the reference of {script}: no option for {missing} was found among "
             "its argparse options or module-level configuration. Give the reference's "
             "arguments (K = 1, the batch K times the micro-batch), e.g.: "
-            + _to_try(script, args, k, batch, None, None))
+            + _to_try(script, args, k, batch, None, None) + derived)
     configs = _config_files(args, cwd) if k.configurator else []
     longs = _long_options(all_flags)
     values: dict[str, int] = {}

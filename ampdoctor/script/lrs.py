@@ -20,6 +20,7 @@ from ..enums import RungId
 from ..findings import Finding, location
 from ..kinds.mismatch import RateOffReference, rate_off_reference
 from ..probe.events import SchedulerStep
+from ..rules.lr_set_by_hand import lr_assignment, rate_set_per_micro_batch_against
 
 if TYPE_CHECKING:
     from .session import ScriptSession, ScriptTrace
@@ -40,6 +41,12 @@ def lr_mismatch(ss: ScriptSession, trace: ScriptTrace) -> Finding | None:
     ref = ss.window_reference
     if ref is None or trace.error is not None:
         return None
+    # a rate set on every micro-batch is judged as a spec's is: scheduler-per-microbatch when
+    # a step's rate is more than a step of the reference's schedule off, else harmless
+    judged, per_micro_batch = rate_set_per_micro_batch_against(
+        ss, trace, RungId.FP32_ACCUM, ref)  # type: ignore[arg-type]
+    if judged:
+        return per_micro_batch
     mine = [s.lrs for s in trace.steps if s.optimizer == 0]
     theirs = [s.lrs for s in ref.steps if s.optimizer == 0]
     for step, (used, meant) in enumerate(zip(mine, theirs, strict=False)):
@@ -60,10 +67,16 @@ def _finding(ss: ScriptSession, trace: ScriptTrace, step: int, group: int, run_l
     built_at = optimizer.get("site") if optimizer else None
     schedule = [e for e in trace.events if isinstance(e, SchedulerStep)]
     # at step 0 the rate (or a warm-up set from the micro-batch) is the optimizer's; later
-    # rates part when the schedule moves at another pace
-    where = built_at if step == 0 or not schedule else schedule[0].site
+    # rates part when the schedule moves at another pace: a scheduler's, or a rate the script
+    # assigns itself (`group["lr"] = ...` from a counter of micro-batches)
+    if step == 0:
+        where = location(built_at)
+    elif schedule:
+        where = location(schedule[0].site)
+    else:
+        where = lr_assignment(ss) or location(built_at)  # type: ignore[arg-type]
     return rate_off_reference(RateOffReference(
         RungId.FP32_ACCUM, step, group, run_lr, ref_lr,
         reference_args=" ".join(ss.command.reference_args or []), K=ss.K,
-        micro_batch_size=ss.spec.micro_batch_size, scheduled=bool(schedule),
-        location=location(where)))
+        micro_batch_size=ss.spec.micro_batch_size, scheduled=bool(schedule) or step > 0,
+        location=where))

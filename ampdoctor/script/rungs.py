@@ -11,6 +11,7 @@ say what they could not compare.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 
 from .. import compare, thresholds
 from ..enums import RungId, Status
+from ..errors import UserCodeError
 from ..findings import Finding, RungResult, conclude, location
 from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
 from ..kinds.clipping import ScaledClip, ScriptScaledClip, script_scaled_clip
@@ -51,6 +53,23 @@ def _no_reference(ss: ScriptSession) -> str:
 
 
 # --- reproducibility ---------------------------------------------------------------------
+def _diverging_baseline(trace: ScriptTrace, group: int) -> None:
+    """UserCodeError (exit 3), as for a spec's reference, when the fp32 run's first optimizer
+    step consumed a gradient that is not finite: the script's own fp32 training diverges (a
+    NaN or inf loss), so no comparison, and no repeat of it, means anything."""
+    for step in (s for s in trace.steps if s.group == group):
+        bad = next((n for n, g in step.grads.items()
+                    if isinstance(g, torch.Tensor) and not compare.all_finite(g)), None)
+        if bad is not None:
+            backward = next(iter(trace.events_of(Backward)), None)
+            site = backward.site if backward is not None else step.site
+            raise UserCodeError(
+                f"the script's fp32 run consumed a gradient that is not finite at its first "
+                f"optimizer step (parameter {bad}): its fp32 training itself diverges (a NaN or "
+                "inf loss), so nothing can be compared. Check the data and the loss in fp32 "
+                "first", location=(site.file, site.line) if site is not None else None)
+
+
 def reproducibility(ss: ScriptSession) -> RungResult:
     """Two fp32 runs of the script from the same weights read the same data and consume the
     same first update; two reference runs at those weights agree."""
@@ -73,6 +92,7 @@ def reproducibility(ss: ScriptSession) -> RungResult:
                                                       if first.outcome.events else None)))
         return conclude(rung, [finding], "")
     group = first.steps[0].group
+    _diverging_baseline(first, group)
     steps_a = [s for s in first.steps if s.group == group]
     steps_b = [s for s in again.steps if s.group == (again.steps[0].group if again.steps
                                                       else -1)]
@@ -198,10 +218,16 @@ def unavailable(ss: ScriptSession, precision: str) -> str | None:
         return "the fp32 run raised (see fp32-accum)"
     if fp32.events_of(EngineBuilt):   # the engine's config sets it (`script.deepspeed`)
         return amp.bf16_supported(ss) if precision == "bf16" else None  # type: ignore[arg-type]
-    autocasts = _autocast_requests(ss)
+    requests = _autocast_requests(ss)
+    # an autocast for another device (`torch.cuda.amp.autocast()` on a machine without CUDA)
+    # changes nothing the model computes here
+    autocasts = [a for a in requests if a.get("device") == ss.device.type]
     if not autocasts:
-        return (f"the script never enters autocast on {ss.device.type}: it trains in fp32 "
-                f"only, so there is no {precision} run to make of it")
+        other = next((a for a in requests if a.get("device")), None)
+        where = (f" (its autocast is for {other['device']}, at {_short(other.get('site'))})"
+                 if other is not None else "")
+        return (f"the script never enters autocast on {ss.device.type}{where}: it trains in "
+                f"fp32 only, so there is no {precision} run to make of it")
     if precision == "fp16" and not _scaler_requests(ss):
         asked = {a["dtype"] for a in autocasts} - {None}
         if "float16" not in asked:
@@ -211,6 +237,10 @@ def unavailable(ss: ScriptSession, precision: str) -> str | None:
     if precision == "bf16":
         return amp.bf16_supported(ss)  # type: ignore[arg-type]
     return None
+
+
+def _short(site: Any) -> str:
+    return f"{os.path.basename(site.file)}:{site.line}" if site is not None else "?"
 
 
 def fp16_unavailable(ss: ScriptSession) -> str | None:

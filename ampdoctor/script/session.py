@@ -327,12 +327,19 @@ class ScriptSession:
         """Why the reference's windows do not read the run's micro-batches, or None when every
         window does (row by row, every tensor argument of the forwards)."""
         run = trace.outcome.forwards
+        start = 0
         for window in range(self.N):
-            mine = run[window * self.K:(window + 1) * self.K]
             theirs = [f for f in ref.forwards if f.window == window]
+            rows_ref = sum(f.rows for f in theirs)
+            # the run's next forwards up to the reference window's rows: K micro-batches, or
+            # fewer in an epoch's last, partial window
+            end, rows_mine = start, 0
+            while end < len(run) and rows_mine < rows_ref:
+                rows_mine += run[end].rows
+                end += 1
+            mine, start = run[start:end], end
             if not mine or not theirs:
                 break
-            rows_mine, rows_ref = sum(f.rows for f in mine), sum(f.rows for f in theirs)
             same = rows_mine == rows_ref and _concat(mine) == _concat(theirs)
             if not same:
                 return (f"window {window}: the reference read {rows_ref} row(s) in "
