@@ -11,8 +11,6 @@ from .kinds import DECIDERS, Observed, decide, from_dict
 from .kinds.accumulation import (
                                  double_average,
                                  missing_accumulation_average,
-                                 reduction_mismatch,
-                                 weighted_average_mismatch,
 )
 from .kinds.base import FORCED_FP16, skip_severity
 from .kinds.baseline import nondeterministic_baseline
@@ -22,6 +20,7 @@ from .kinds.frequent_skips import frequent_skips
 from .kinds.loop_error import loop_error
 from .kinds.mismatch import gradient_mismatch
 from .kinds.precision import half_open_amp
+from .kinds.reduction import reduction_mismatch, weighted_average_mismatch
 from .kinds.scaling import missing_unscale, unscale_twice, update_per_microbatch
 from .kinds.schedule import (
                                  ScheduleOnSkips,
