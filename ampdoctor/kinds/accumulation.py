@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .. import thresholds
 from ..enums import KindId, Severity
 from ..findings import Finding, Location
-from .base import Kind, Observed, in_framework_terms
+from .base import SCAN_RUNG, AccumulationLoop, Kind, Observed, in_framework_terms
 from .sync import RanksCompared, words_of
 
 MISSING_ACCUMULATION_AVERAGE = Kind(
@@ -261,3 +261,30 @@ def divided_by_world_size(o: DividedByWorldSize) -> Finding:
         "that.",
         evidence={"measured": round(o.ratio, 6), "expected": 1.0, **o.ranks.evidence()},
         location=o.location))
+
+
+# --- the static scan: a loss that reaches backward divided by nothing ------------------------
+
+
+@dataclass(frozen=True)
+class UndividedLoss:
+    """`loss` (as written) reaches the backward `code` at `line` of `loop` divided (or
+    multiplied) by nothing on the way."""
+
+    line: int
+    code: str
+    loss: str
+    loop: AccumulationLoop
+    location: Location | None = None
+
+
+def undivided_loss(o: UndividedLoss) -> Finding:
+    """`missing-accumulation-average` read in the code: a warning (a pattern; what builds the
+    loss may divide where the scan cannot see)."""
+    k = o.loop.k_text
+    return missing_accumulation_average(Observed(SCAN_RUNG, Severity.WARNING,
+        f"`{o.loss}` reaches `backward()` at line {o.line} {o.loop.context()}, and it is divided "
+        f"by nothing on the way: each optimizer step gets the sum of {k} micro-batch gradients, "
+        f"{k} times the mean. Divide it by {k} before backward (or confirm that what builds it "
+        "already does).", evidence=o.loop.evidence(), location=o.location,
+        title="The loss reaches backward() without a division by the accumulation steps"))
