@@ -1,6 +1,7 @@
 """What every kind's unit is made of: its catalogue entry (`Kind`), the rule-table row derived
-from it (`Rule`), and the generic observation (`Observed`) a decider of a kind without a typed
-observation of its own is handed.
+from it (`Rule`), the generic observation (`Observed`) a unit's functions word and hand their
+kind's decider (no module outside `ampdoctor/kinds/` builds one), and the static scan's
+`AccumulationLoop`.
 
 This module must not import torch: the static scan, `report` and `explain` run without it.
 """
