@@ -14,9 +14,10 @@ The layers, lowest first; a module may import from its own layer or a lower one,
 higher one (cycles within a layer are caught by the cycle check):
 
   foundation  pure Python, no torch: errors, safetext, limits, thresholds, the string enums
-              (enums), the typed evidence, the findings types, the kind catalogue and the one
-              decider per kind (deciders), progress, memory, source_snippet, process_state,
-              processes (a run's process tree, ended), and the root package (its `__version__`)
+              (enums), the typed evidence, the findings types, the kinds' units (kinds/: the
+              catalogue, each kind's decider and observations), progress, memory,
+              source_snippet, process_state, processes (a run's process tree, ended), and
+              the root package (its `__version__`)
   static      what runs without torch or the user's loop: the spec, a script's run source
               (source), the record, the static scan, the report (never any layer above: they
               must work without torch)
@@ -54,7 +55,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "ampdoctor.limits",
                     "ampdoctor.thresholds", "ampdoctor.findings", "ampdoctor.findings.*",
                     "ampdoctor.kinds", "ampdoctor.kinds.*", "ampdoctor.enums", "ampdoctor.evidence",
-                    "ampdoctor.deciders", "ampdoctor.kind_text", "ampdoctor.progress",
+                    "ampdoctor.kind_text", "ampdoctor.progress",
                     "ampdoctor.memory",
                     "ampdoctor.source_snippet", "ampdoctor.process_state",
                     "ampdoctor.processes")),

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor import deciders
-from ampdoctor.deciders import Observed
+from ampdoctor.kinds.base import Observed
+from ampdoctor.kinds.sync import sync_on_every_micro_batch
 from conftest import CONFIGS, RECIPES, marked_line, run_cli
 
 
@@ -25,7 +25,7 @@ def _seen() -> Observed:
 ])
 def test_one_decider_decides_the_severity_of_a_sync_on_every_micro_batch(
         sharded, update_right, severity):
-    finding = deciders.sync_on_every_micro_batch(_seen(), sharded=sharded,
+    finding = sync_on_every_micro_batch(_seen(), sharded=sharded,
                                                  update_right=update_right)
     assert (finding.kind, finding.severity) == ("missing-no-sync", severity)
     assert finding.evidence == {"measured": 4.0}

@@ -16,11 +16,19 @@ from types import SimpleNamespace
 
 import pytest
 
-from ampdoctor import deciders, thresholds
-from ampdoctor.deciders import FORCED_FP16, Observed, ScheduleOnSkips
+from ampdoctor import thresholds
 from ampdoctor.enums import KindId, Severity
 from ampdoctor.findings import Location
 from ampdoctor.kinds import CATALOGUE, ERROR_WHEN, FRAMEWORK_FIXES
+from ampdoctor.kinds.accumulation import double_average, missing_accumulation_average
+from ampdoctor.kinds.base import FORCED_FP16, Observed, skip_severity
+from ampdoctor.kinds.schedule import (
+    ScheduleOnSkips,
+    schedule_on_skips,
+    scheduler_per_microbatch,
+)
+from ampdoctor.kinds.stepping import step_per_microbatch, zero_grad_inside_accumulation
+from ampdoctor.kinds.sync import sync_on_every_micro_batch
 from ampdoctor.probe.events import SchedulerStep, make_event
 from ampdoctor.rules.schedule import lr_shift
 
@@ -43,11 +51,11 @@ def _shift(calibration: int = 0, steady: int = 0, after: int = 7, lr_shift: floa
 
 def test_no_own_skip_is_no_finding():
     """The injected skip alone shifts nothing in the user's training."""
-    assert deciders.schedule_on_skips(_shift()) is None
+    assert schedule_on_skips(_shift()) is None
 
 
 def test_skips_that_persist_after_the_scale_settled_are_an_error_with_the_rate():
-    finding = deciders.schedule_on_skips(_shift(steady=3, after=7))
+    finding = schedule_on_skips(_shift(steady=3, after=7))
     assert finding is not None
     assert (finding.kind, finding.severity) == (KindId.SCHEDULER_STEPS_ON_SKIP, Severity.ERROR)
     rate = 3 / 7
@@ -66,19 +74,19 @@ def test_skips_that_persist_after_the_scale_settled_are_an_error_with_the_rate()
     (99, Severity.ERROR), (101, Severity.WARNING)])
 def test_the_steady_rate_boundary(after, severity):
     assert 2 / 99 > thresholds.SCHEDULER_SKIP_RATE > 2 / 101
-    finding = deciders.schedule_on_skips(_shift(steady=2, after=after))
+    finding = schedule_on_skips(_shift(steady=2, after=after))
     assert finding is not None and finding.severity == severity
 
 
 def test_one_skip_after_settling_is_not_yet_a_rate():
     """1 of 2 is 50 %, but one overflow is what a growth_interval costs: fewer than
     MIN_COUNTED_SKIPS, and a shift within tolerance, stays a warning."""
-    finding = deciders.schedule_on_skips(_shift(steady=1, after=2, lr_shift=0.0))
+    finding = schedule_on_skips(_shift(steady=1, after=2, lr_shift=0.0))
     assert finding is not None and finding.severity == Severity.WARNING
 
 
 def test_calibration_skips_are_a_warning_that_names_their_count():
-    finding = deciders.schedule_on_skips(_shift(calibration=2, lr_shift=0.0))
+    finding = schedule_on_skips(_shift(calibration=2, lr_shift=0.0))
     assert finding is not None and finding.severity == Severity.WARNING
     assert "advanced on the 2 skip(s) of the scale's calibration" in finding.message
     assert finding.evidence["calibration_skips"] == 2 and finding.evidence["measured"] == 0.0
@@ -86,7 +94,7 @@ def test_calibration_skips_are_a_warning_that_names_their_count():
 
 def test_calibration_skips_stay_a_warning_before_any_shift_after_them():
     """The calibration's shift is the schedule's start: with no skip after it nothing moved."""
-    finding = deciders.schedule_on_skips(_shift(calibration=5, lr_shift=0.0))
+    finding = schedule_on_skips(_shift(calibration=5, lr_shift=0.0))
     assert finding is not None and finding.severity == Severity.WARNING
     assert "starts 5 step(s) ahead of the real updates" in finding.message
 
@@ -96,7 +104,7 @@ def test_calibration_skips_stay_a_warning_before_any_shift_after_them():
 def test_a_skip_after_calibration_that_moves_an_lr_beyond_tolerance_is_an_error(shift, severity):
     """One skip (no rate yet): the real update's lr moved with it by 5.1 % / 4.9 % against the
     rung's rtol 0.05."""
-    finding = deciders.schedule_on_skips(_shift(calibration=2, steady=1, lr_shift=shift))
+    finding = schedule_on_skips(_shift(calibration=2, steady=1, lr_shift=shift))
     assert finding is not None and finding.severity == severity
     if severity == Severity.ERROR:
         assert "Real update 2 used lr 0.03 where the schedule (after the calibration) gives " \
@@ -108,13 +116,13 @@ def test_a_skip_after_calibration_that_moves_an_lr_beyond_tolerance_is_an_error(
 
 
 def test_every_update_skipped_after_settling_says_so():
-    finding = deciders.schedule_on_skips(_shift(steady=3, after=3))
+    finding = schedule_on_skips(_shift(steady=3, after=3))
     assert finding is not None and "the schedule runs on while no update is made" in \
         finding.message
 
 
 def test_a_run_forced_into_fp16_is_told_what_fp16_would_do_not_failed():
-    finding = deciders.schedule_on_skips(_shift(steady=3, after=7, lr_shift=0.5,
+    finding = schedule_on_skips(_shift(steady=3, after=7, lr_shift=0.5,
                                                 own_scaler=False))
     assert finding is not None and finding.severity == Severity.WARNING
     assert finding.message.endswith(FORCED_FP16)
@@ -122,7 +130,7 @@ def test_a_run_forced_into_fp16_is_told_what_fp16_would_do_not_failed():
 
 
 def test_accelerate_fix_says_prepare_the_scheduler():
-    finding = deciders.schedule_on_skips(_shift(steady=3, framework="accelerate"))
+    finding = schedule_on_skips(_shift(steady=3, framework="accelerate"))
     assert finding is not None and "accelerator.prepare" in finding.fix
     assert finding.evidence["framework"] == "accelerate"
 
@@ -131,7 +139,7 @@ def test_accelerate_fix_says_prepare_the_scheduler():
     (True, True, Severity.ERROR), (True, False, Severity.WARNING),
     (False, True, Severity.WARNING), (False, False, Severity.WARNING)])
 def test_skip_severity(consequence, own, severity):
-    assert deciders.skip_severity(consequence, own_scaler=own) == severity
+    assert skip_severity(consequence, own_scaler=own) == severity
 
 
 # --- the shifted learning rate, measured on a trace ------------------------------------------
@@ -195,11 +203,11 @@ def _observed(framework: str | None = None, fix: str = "") -> Observed:
 
 
 @pytest.mark.parametrize("decider, kind", [
-    (deciders.double_average, "double-average"),
-    (deciders.missing_accumulation_average, "missing-accumulation-average"),
-    (deciders.step_per_microbatch, "step-per-microbatch"),
-    (deciders.zero_grad_inside_accumulation, "zero-grad-inside-accumulation"),
-    (deciders.scheduler_per_microbatch, "scheduler-per-microbatch")])
+    (double_average, "double-average"),
+    (missing_accumulation_average, "missing-accumulation-average"),
+    (step_per_microbatch, "step-per-microbatch"),
+    (zero_grad_inside_accumulation, "zero-grad-inside-accumulation"),
+    (scheduler_per_microbatch, "scheduler-per-microbatch")])
 @pytest.mark.parametrize("framework", ["accelerate", "Lightning", "Fabric"])
 def test_accumulation_fix_is_said_in_the_frameworks_terms(decider, kind, framework):
     finding = decider(_observed(framework))
@@ -233,11 +241,11 @@ def test_the_division_fixes_name_who_divides():
 
 
 def test_without_a_framework_or_with_the_rules_own_fix_the_table_stays_out():
-    assert deciders.double_average(_observed()).fix == CATALOGUE["double-average"].fix
-    assert deciders.double_average(_observed("accelerate", fix="own")).fix == "own"
+    assert double_average(_observed()).fix == CATALOGUE["double-average"].fix
+    assert double_average(_observed("accelerate", fix="own")).fix == "own"
     # a framework the table does not know (DeepSpeed has its own entries since issue 38)
-    assert deciders.double_average(_observed("Megatron")).fix == CATALOGUE["double-average"].fix
-    assert "scale_wrt_gas" in deciders.double_average(_observed("DeepSpeed")).fix
+    assert double_average(_observed("Megatron")).fix == CATALOGUE["double-average"].fix
+    assert "scale_wrt_gas" in double_average(_observed("DeepSpeed")).fix
 
 
 # --- missing-no-sync: FSDP2's documented trade ------------------------------------------------
@@ -247,7 +255,7 @@ def test_without_a_framework_or_with_the_rules_own_fix_the_table_stays_out():
     (False, True, Severity.ERROR), (False, False, Severity.ERROR)])
 def test_sync_on_every_micro_batch(sharded, update_right, severity):
     seen = replace(_observed(), rung="ddp-sync")
-    finding = deciders.sync_on_every_micro_batch(seen, sharded=sharded,
+    finding = sync_on_every_micro_batch(seen, sharded=sharded,
                                                  update_right=update_right)
     assert (finding.kind, finding.severity) == (KindId.MISSING_NO_SYNC, severity)
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ampdoctor.deciders import Observed, loop_error
 from ampdoctor.evidence import Evidence
+from ampdoctor.kinds.base import Observed
+from ampdoctor.kinds.loop_error import loop_error
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 

@@ -844,3 +844,94 @@ def test_the_engines_scale_factor_is_matched_only_to_the_engines_own_scale(
                          loss_scale=scale,
                          loss_scale_key="fp16.initial_scale_power")
     assert scale_factor(engine, ratio, cosine) == factor
+
+
+# --- the static scan's hints (kinds.schedule, kinds.stepping, kinds.accumulation, clipping) ---
+
+MODULO_LOOP = dict(line=20, step_line=24, k="accum_steps", test="(i + 1) % accum_steps == 0",
+                   test_line=23)
+
+
+def _scan_site(line, code):
+    return Location("train.py", line, "train", code)
+
+
+@pytest.mark.parametrize("tested", [True, False])
+def test_a_scheduler_stepped_in_the_accumulation_loop_is_a_warning_naming_k_and_the_step(tested):
+    from ampdoctor.kinds.base import AccumulationLoop
+    from ampdoctor.kinds.schedule import SchedulerInLoop, scheduler_in_loop
+    loop = (AccumulationLoop(**MODULO_LOOP) if tested
+            else AccumulationLoop(line=20, step_line=31))      # K not shown, step after the loop
+    k = "accum_steps" if tested else "K"
+    where = ("only on the iterations `(i + 1) % accum_steps == 0` selects (line 23; the step at "
+             "line 24)" if tested else "after the loop (line 31)")
+    site = _scan_site(22, "sched.step()")
+    finding = scheduler_in_loop(SchedulerInLoop(22, "sched.step()", loop, site))
+    assert (finding.rung, finding.kind, finding.severity) == (
+        "scan", KindId.SCHEDULER_PER_MICROBATCH, Severity.WARNING)
+    assert finding.message == (
+        f"`sched.step()` at line 22 runs on every micro-batch in the accumulation loop at line "
+        f"20, where the optimizer steps {where}: the schedule advances {k} times per optimizer "
+        f"step, so warmup and decay run {k} times too fast.")
+    assert finding.evidence == {"static": True, "loop_line": 20,
+                                "accumulation": "accum_steps" if tested else None}
+    assert finding.location == site
+    assert finding.title == "scheduler.step() on every micro-batch"
+    assert finding.fix == CATALOGUE[KindId.SCHEDULER_PER_MICROBATCH].fix
+
+
+def test_zero_grad_in_the_accumulation_loop_is_a_warning_that_says_what_it_wipes():
+    from ampdoctor.kinds.base import AccumulationLoop
+    from ampdoctor.kinds.stepping import ZeroGradInLoop, zero_grad_in_loop
+    site = _scan_site(21, "opt.zero_grad()")
+    finding = zero_grad_in_loop(ZeroGradInLoop(21, "opt.zero_grad()",
+                                               AccumulationLoop(**MODULO_LOOP), site))
+    assert (finding.kind, finding.severity) == (KindId.ZERO_GRAD_INSIDE_ACCUMULATION,
+                                                Severity.WARNING)
+    assert finding.message.startswith("`opt.zero_grad()` at line 21 runs on every micro-batch "
+                                      "in the accumulation loop at line 20, ")
+    assert finding.message.endswith(": it wipes the gradients the window's earlier "
+                                    "micro-batches accumulated, so the optimizer step sees only "
+                                    "the last one.")
+    assert finding.evidence == {"static": True, "loop_line": 20, "accumulation": "accum_steps"}
+    assert finding.location == site
+    assert finding.title == "zero_grad() on every micro-batch of the accumulation window"
+
+
+def test_a_loss_divided_by_nothing_is_a_warning_that_says_k_times_the_mean():
+    from ampdoctor.kinds.accumulation import UndividedLoss, undivided_loss
+    from ampdoctor.kinds.base import AccumulationLoop
+    loop = AccumulationLoop(line=40, step_line=45, k="4", test="step % 4 == 0", test_line=44)
+    site = _scan_site(43, "scaler.scale(loss).backward()")
+    finding = undivided_loss(UndividedLoss(43, "scaler.scale(loss).backward()", "loss", loop,
+                                           site))
+    assert (finding.kind, finding.severity) == (KindId.MISSING_ACCUMULATION_AVERAGE,
+                                                Severity.WARNING)
+    assert finding.message == (
+        "`loss` reaches `backward()` at line 43 in the accumulation loop at line 40, where the "
+        "optimizer steps only on the iterations `step % 4 == 0` selects (line 44; the step at "
+        "line 45), and it is divided by nothing on the way: each optimizer step gets the sum of "
+        "4 micro-batch gradients, 4 times the mean. Divide it by 4 before backward (or confirm "
+        "that what builds it already does).")
+    assert finding.evidence == {"static": True, "loop_line": 40, "accumulation": "4"}
+    assert finding.location == site
+
+
+def test_a_clip_between_the_scaled_backward_and_the_step_is_a_warning_naming_both_lines():
+    from ampdoctor.kinds.clipping import ClipInCode, clip_in_code
+    code = "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
+    site = _scan_site(52, code)
+    finding = clip_in_code(ClipInCode(52, code, "clip_grad_norm_", "amp_scaler", 50,
+                                      "amp_scaler.step(opt)", 53, site))
+    assert (finding.rung, finding.kind, finding.severity) == (
+        "scan", KindId.CLIP_BEFORE_UNSCALE, Severity.WARNING)
+    assert finding.message == (
+        "`clip_grad_norm_` at line 52 runs after `amp_scaler.scale(...).backward()` (line 50) "
+        "and before `amp_scaler.step(opt)` (line 53) with no `amp_scaler.unscale_(...)` in "
+        "between: in fp16 it clips gradients still multiplied by the loss scale, so the "
+        "threshold means max_norm x scale (or the update is crushed by 1/scale). Call "
+        "`amp_scaler.unscale_(optimizer)` right before it.")
+    assert finding.evidence == {"static": True, "backward_line": 50, "step_line": 53}
+    assert finding.location == site
+    assert finding.title == ("clip_grad_norm_ between scaler.scale(...).backward() and "
+                             "scaler.step() without unscale_")

@@ -43,7 +43,7 @@ def test_the_probe_names_no_kind():
         text = path.read_text(encoding="utf-8")
         froms = [node for node in ast.walk(ast.parse(text)) if isinstance(node, ast.ImportFrom)]
         assert not any(alias.name == "KindId" for node in froms for alias in node.names), path
-        assert not any((node.module or "").split(".")[-1] in ("kinds", "deciders", "findings")
+        assert not any((node.module or "").split(".")[-1] in ("kinds", "findings")
                        for node in froms), path
         assert not bare_kinds(text, path.name) and "double-scaling" not in text, path
 

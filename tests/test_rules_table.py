@@ -161,7 +161,7 @@ def problems(sources: dict[str, str]) -> list[str]:
     for b in built:
         if b.kind is None:
             out.append(f"{b.where()}: builds a finding whose kind is not a literal; call the "
-                       "kind's decider (or deciders.decide) instead")
+                       "kind's decider (or kinds.decide) instead")
         elif b.kind not in RULES:
             out.append(f"{b.where()}: builds a finding of {b.kind!r}, a kind not in the "
                        "contract")

@@ -31,7 +31,8 @@ from typing import Any
 import pytest
 import torch
 
-from ampdoctor import compare, deciders, judge, judge_step, thresholds
+from ampdoctor import compare, judge, judge_step, thresholds
+from ampdoctor.kinds.schedule import ScheduleOnSkips, schedule_on_skips
 from ampdoctor.ladder import ddp_sync, reproducibility
 from ampdoctor.probe.events import (
     Backward,
@@ -357,8 +358,8 @@ def _search(halvings_above_three: float) -> bool:
 
 def _schedule_shift(steps_after_settling: int) -> str:
     """2 skips after the scale settled, the scheduler advancing on both, the lr moved by no
-    more than the rung's tolerance: the severity `deciders.schedule_on_skips` gives."""
-    finding = deciders.schedule_on_skips(deciders.ScheduleOnSkips(
+    more than the rung's tolerance: the severity `kinds.schedule.schedule_on_skips` gives."""
+    finding = schedule_on_skips(ScheduleOnSkips(
         "skips", "LambdaLR", None, calibration_skips=0, steady_skips=2,
         steps_after_settling=steps_after_settling, scheduler_steps=steps_after_settling + 1,
         real_updates=steps_after_settling - 1, lr_shift=0.0, lr_step=None, lr_used=None,

@@ -1,6 +1,7 @@
 """What every kind's unit is made of: its catalogue entry (`Kind`), the rule-table row derived
-from it (`Rule`), and the generic observation (`Observed`) a decider of a kind without a typed
-observation of its own is handed.
+from it (`Rule`), the generic observation (`Observed`) a unit's functions word and hand their
+kind's decider (no module outside `ampdoctor/kinds/` builds one), and the static scan's
+`AccumulationLoop`.
 
 This module must not import torch: the static scan, `report` and `explain` run without it.
 """
@@ -125,3 +126,39 @@ def call_order_verdict(message: str, fragile: str, *, update_matched: bool,
     if update_matched:
         return Severity.WARNING, matched_but(fragile, message)
     return Severity.ERROR, message
+
+
+# --- what `ampdoctor scan` reads in the code (its static hints) --------------------------------
+
+#: The rung a static hint reports under (no rung of the ladder: nothing ran).
+SCAN_RUNG = "scan"
+
+
+@dataclass(frozen=True)
+class AccumulationLoop:
+    """An accumulation loop the static scan read in the code: its line, K as written (`k`, None
+    when the code does not show it) and where the optimizer steps: on the iterations a test
+    selects (`test` as written, at `test_line`) or, with no test, after the loop."""
+
+    line: int
+    step_line: int
+    k: str | None = None
+    test: str | None = None
+    test_line: int | None = None
+
+    @property
+    def k_text(self) -> str:
+        """K as the messages say it."""
+        return self.k if self.k is not None else "K"
+
+    def context(self) -> str:
+        """Which loop, and where its optimizer steps."""
+        if self.test is not None:
+            where = (f"only on the iterations `{self.test}` selects (line {self.test_line}; the "
+                     f"step at line {self.step_line})")
+        else:
+            where = f"after the loop (line {self.step_line})"
+        return f"in the accumulation loop at line {self.line}, where the optimizer steps {where}"
+
+    def evidence(self) -> Evidence:
+        return {"static": True, "loop_line": self.line, "accumulation": self.k}

@@ -18,7 +18,7 @@ from .. import thresholds
 from ..enums import KindId, Severity
 from ..evidence import Evidence, significant
 from ..findings import Finding, Location
-from .base import Kind, Observed, call_order_verdict, in_framework_terms
+from .base import SCAN_RUNG, Kind, Observed, call_order_verdict, in_framework_terms
 
 CLIP_BEFORE_UNSCALE = Kind(
     KindId.CLIP_BEFORE_UNSCALE,
@@ -265,3 +265,36 @@ def script_scaled_clip(o: ScriptScaledClip) -> Finding:
                   "expected": 1.0, "scale": o.scale, "clip_coefficient": significant(seen),
                   "meant_coefficient": significant(meant), "max_grad_norm": o.max_norm},
         location=o.location))
+
+
+# --- the static scan: a clip between the scaled backward and the step, no unscale_ ------------
+
+
+@dataclass(frozen=True)
+class ClipInCode:
+    """torch's `clip` (its name) at `line` (`code`) stands after `scaler`'s scaled backward (at
+    `backward_line`) and before its step (`step` as written, at `step_line`), with no
+    `unscale_` between."""
+
+    line: int
+    code: str
+    clip: str
+    scaler: str
+    backward_line: int
+    step: str
+    step_line: int
+    location: Location | None = None
+
+
+def clip_in_code(o: ClipInCode) -> Finding:
+    """`clip-before-unscale` read in the code: a warning (a pattern)."""
+    return clip_before_unscale(Observed(SCAN_RUNG, Severity.WARNING,
+        f"`{o.clip}` at line {o.line} runs after `{o.scaler}.scale(...).backward()` (line "
+        f"{o.backward_line}) and before `{o.step}` (line {o.step_line}) with no "
+        f"`{o.scaler}.unscale_(...)` in between: in fp16 it clips gradients still multiplied "
+        "by the loss scale, so the threshold means max_norm x scale (or the update is "
+        f"crushed by 1/scale). Call `{o.scaler}.unscale_(optimizer)` right before it.",
+        evidence={"static": True, "backward_line": o.backward_line, "step_line": o.step_line},
+        location=o.location,
+        title=f"{o.clip} between scaler.scale(...).backward() and scaler.step() without "
+              "unscale_"))

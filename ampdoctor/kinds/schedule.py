@@ -16,7 +16,15 @@ from .. import thresholds
 from ..enums import KindId, Severity
 from ..evidence import Evidence
 from ..findings import Finding, Location
-from .base import FORCED_FP16, Kind, Observed, in_framework_terms, skip_severity
+from .base import (
+    FORCED_FP16,
+    SCAN_RUNG,
+    AccumulationLoop,
+    Kind,
+    Observed,
+    in_framework_terms,
+    skip_severity,
+)
 
 SCHEDULER_PER_MICROBATCH = Kind(
     KindId.SCHEDULER_PER_MICROBATCH,
@@ -321,3 +329,27 @@ def rate_set_per_micro_batch(o: RateSetPerMicroBatch) -> Finding:
         fix="Compute the rate from an optimizer-step counter, not a micro-batch one: increment it "
             "after `scaler.step(optimizer)` (or use `it // K` for a micro-batch index `it`), "
             "assign it once per window, and size the warm-up and decay in optimizer steps."))
+
+
+# --- the static scan: a scheduler stepped on every iteration of an accumulation loop ----------
+
+
+@dataclass(frozen=True)
+class SchedulerInLoop:
+    """`code` (a scheduler's `.step()`, at `line`) runs on every iteration of `loop`."""
+
+    line: int
+    code: str
+    loop: AccumulationLoop
+    location: Location | None = None
+
+
+def scheduler_in_loop(o: SchedulerInLoop) -> Finding:
+    """`scheduler-per-microbatch` read in the code: a warning (a pattern; `diagnose` measures
+    what it costs)."""
+    k = o.loop.k_text
+    return scheduler_per_microbatch(Observed(SCAN_RUNG, Severity.WARNING,
+        f"`{o.code}` at line {o.line} runs on every micro-batch {o.loop.context()}: the "
+        f"schedule advances {k} times per optimizer step, so warmup and decay run {k} times too "
+        "fast.", evidence=o.loop.evidence(), location=o.location,
+        title="scheduler.step() on every micro-batch"))

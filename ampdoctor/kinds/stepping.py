@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..enums import KindId, Severity
 from ..evidence import Evidence, significant
 from ..findings import Finding, Location
-from .base import Kind, Observed, in_framework_terms
+from .base import SCAN_RUNG, AccumulationLoop, Kind, Observed, in_framework_terms
 
 STEP_PER_MICROBATCH = Kind(
     KindId.STEP_PER_MICROBATCH,
@@ -339,3 +339,25 @@ def zeroed_in_window(o: ZeroedInWindow) -> Finding:
         evidence={"measured": kept, "expected": o.backwards, "accumulation_steps": o.K,
                   "step": o.step},
         location=o.location))
+
+
+# --- the static scan: zero_grad on every iteration of an accumulation loop --------------------
+
+
+@dataclass(frozen=True)
+class ZeroGradInLoop:
+    """`code` (a `.zero_grad()`, at `line`) runs on every iteration of `loop`."""
+
+    line: int
+    code: str
+    loop: AccumulationLoop
+    location: Location | None = None
+
+
+def zero_grad_in_loop(o: ZeroGradInLoop) -> Finding:
+    """`zero-grad-inside-accumulation` read in the code: a warning (a pattern)."""
+    return zero_grad_inside_accumulation(Observed(SCAN_RUNG, Severity.WARNING,
+        f"`{o.code}` at line {o.line} runs on every micro-batch {o.loop.context()}: it wipes the "
+        "gradients the window's earlier micro-batches accumulated, so the optimizer step sees "
+        "only the last one.", evidence=o.loop.evidence(), location=o.location,
+        title="zero_grad() on every micro-batch of the accumulation window"))

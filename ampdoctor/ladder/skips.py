@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .. import deciders
 from ..enums import RungId, Status
 from ..findings import Finding, RungResult, conclude
 from ..judge_step import tolerance
 from ..kinds.scaling import Backoffs, StepOnInjectedInf, backoffs_in_window, step_on_injected_inf
+from ..kinds.schedule import ScheduleOnSkips, schedule_on_skips
 from ..kinds.skips import (
     SkipPathLeftOpen,
     SkippedAfterInjection,
@@ -152,7 +152,7 @@ def _schedule_on_skips(session: Session, plain: Trace, owner: int | None,
     """The plain fp16 run's own skips that its scheduler advanced on, measured: how many while
     the scale settled (before the first real update) and after, and the largest change of a
     real update's learning rate against the schedule's value for that update, the calibration's
-    constant shift taken as the schedule's start; the decider (`deciders.schedule_on_skips`)
+    constant shift taken as the schedule's start; the unit (`kinds.schedule.schedule_on_skips`)
     judges them."""
     steps = [e for e in plain.events_of(ScalerStep)
              if owner is None or e.optimizer in (None, owner)]
@@ -175,7 +175,7 @@ def _schedule_on_skips(session: Session, plain: Trace, owner: int | None,
     calibration = sum(1 for i in on_skip if i < first_ok)
     shift = lr_shift(plain, events, owner, start_shift=calibration)
     real = [s for s in plain.steps if owner is None or s.optimizer == owner]
-    return deciders.schedule_on_skips(deciders.ScheduleOnSkips(
+    return schedule_on_skips(ScheduleOnSkips(
         RUNG, events[0].scheduler_type, location(events[0].site),
         calibration_skips=calibration,
         steady_skips=sum(1 for i in on_skip if i > first_ok),

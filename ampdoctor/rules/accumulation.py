@@ -16,9 +16,6 @@ from ..evidence import Evidence
 from ..findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..kinds import CATALOGUE
-from ..kinds.accumulation import SummedOverCount, VaryingDivisor
-from ..kinds.accumulation import summed_over_count as summed_over_count_finding
-from ..kinds.accumulation import varying_divisor as varying_divisor_finding
 from ..kinds.matched import (
     ClipBit,
     HypothesisMatched,
@@ -29,6 +26,9 @@ from ..kinds.matched import (
 )
 from ..kinds.matched import wrong_divisor as wrong_divisor_finding
 from ..kinds.mismatch import Unexplained, unexplained
+from ..kinds.reduction import SummedOverCount, VaryingDivisor
+from ..kinds.reduction import summed_over_count as summed_over_count_finding
+from ..kinds.reduction import varying_divisor as varying_divisor_finding
 from ..kinds.stepping import CarriedOver, ZeroedInside, zeroed_inside
 from ..kinds.stepping import carried_over as carried_over_finding
 from ..probe.events import ZeroGrad, of_type

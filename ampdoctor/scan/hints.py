@@ -30,23 +30,31 @@ This module must not import torch.
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ampdoctor import deciders
-from ampdoctor.deciders import Observed
-from ampdoctor.enums import Severity
-from ampdoctor.evidence import Evidence
+from ampdoctor.enums import KindId
 from ampdoctor.findings import Finding, Location
+from ampdoctor.kinds.accumulation import UndividedLoss, undivided_loss
+from ampdoctor.kinds.base import AccumulationLoop
+from ampdoctor.kinds.clipping import ClipInCode, clip_in_code
+from ampdoctor.kinds.schedule import SchedulerInLoop, scheduler_in_loop
+from ampdoctor.kinds.stepping import ZeroGradInLoop, zero_grad_in_loop
 from ampdoctor.scan import hints_flow as flow
 from ampdoctor.scan.hints_flow import Assigns, Receivers
 
-from ..enums import KindId
+#: What a hint saw: the typed observation of its kind's unit, which words and decides it.
+Seen = SchedulerInLoop | ZeroGradInLoop | UndividedLoss | ClipInCode
 
-#: The rung a static hint reports under (it is no rung of the ladder: nothing ran).
-HINT_RUNG = "scan"
-HINT_KINDS = (KindId.CLIP_BEFORE_UNSCALE, KindId.SCHEDULER_PER_MICROBATCH,
-              KindId.MISSING_ACCUMULATION_AVERAGE, KindId.ZERO_GRAD_INSIDE_ACCUMULATION)
+#: observation type -> its kind and its unit's function
+_UNITS: dict[type, tuple[KindId, Callable[[Any], Finding]]] = {
+    ClipInCode: (KindId.CLIP_BEFORE_UNSCALE, clip_in_code),
+    SchedulerInLoop: (KindId.SCHEDULER_PER_MICROBATCH, scheduler_in_loop),
+    UndividedLoss: (KindId.MISSING_ACCUMULATION_AVERAGE, undivided_loss),
+    ZeroGradInLoop: (KindId.ZERO_GRAD_INSIDE_ACCUMULATION, zero_grad_in_loop),
+}
+HINT_KINDS = tuple(kind for kind, _ in _UNITS.values())
 CLIP_FUNCTIONS = frozenset({"clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_"})
 _NORMALISING_CALLS = frozenset({"div", "div_", "divide", "true_divide", "mul", "mul_",
                                 "multiply"})
@@ -54,23 +62,41 @@ _NORMALISING_CALLS = frozenset({"div", "div_", "divide", "true_divide", "mul", "
 
 @dataclass(frozen=True)
 class Hint:
-    """One static hint in one file (the finding is built from it by `scan.hint_findings`)."""
+    """One static hint in one file: what it saw and the function it stands in (the finding is
+    built from it by `hint_findings`, through its kind's unit)."""
 
-    kind: str
-    line: int
-    title: str
-    message: str
-    evidence: Evidence = field(default_factory=lambda: Evidence())
+    seen: Seen
     function: str | None = None
-    code: str | None = None
+
+    @property
+    def kind(self) -> KindId:
+        return _UNITS[type(self.seen)][0]
+
+    @property
+    def line(self) -> int:
+        return self.seen.line
+
+    def finding(self, path: str) -> Finding:
+        """The finding of the hint in the file at `path`, decided by its kind's unit."""
+        seen = replace(self.seen, location=Location(path, self.seen.line, self.function,
+                                                    self.seen.code))
+        return _UNITS[type(seen)][1](seen)
 
 
 @dataclass
 class _Window:
     loop: ast.For | ast.AsyncFor | ast.While
     divisor: ast.expr | None
-    where: str                     # where the step stands, for the messages
+    step: ast.Call                 # the optimizer step (the first after the loop, without a test)
+    test: ast.expr | None          # the test that selects the stepping iterations
     every: list[ast.Call]
+
+    def seen(self) -> AccumulationLoop:
+        k = ast.unparse(self.divisor) if self.divisor is not None else None
+        if self.test is None:
+            return AccumulationLoop(self.loop.lineno, self.step.lineno, k)
+        return AccumulationLoop(self.loop.lineno, self.step.lineno, k, ast.unparse(self.test),
+                                self.test.lineno)
 
 
 def find_hints(tree: ast.Module, aliases: dict[str, str] | None = None) -> list[Hint]:
@@ -91,10 +117,7 @@ def find_hints(tree: ast.Module, aliases: dict[str, str] | None = None) -> list[
 
 
 def _named(hint: Hint, function: str | None) -> Hint:
-    if function is None:
-        return hint
-    return Hint(hint.kind, hint.line, hint.title, hint.message, hint.evidence, function,
-                hint.code)
+    return hint if function is None else replace(hint, function=function)
 
 
 # -- accumulation loops -----------------------------------------------------------------------
@@ -133,8 +156,7 @@ def _windows(unit: ast.AST, assigns: Assigns, receivers: Receivers) -> list[_Win
         end = getattr(loop, "end_lineno", None) or loop.lineno
         later = [c for c in steps_after if c.lineno > end]
         if later:
-            out.append(_Window(loop, _range_bound(loop), f"after the loop (line {later[0].lineno})",
-                               every))
+            out.append(_Window(loop, _range_bound(loop), later[0], None, every))
     return out
 
 
@@ -145,9 +167,7 @@ def _modulo_window(loop: ast.For | ast.AsyncFor | ast.While,
         for test in guards:
             divisor = flow.mod_divisor(test, assigns)
             if divisor is not None:
-                where = (f"only on the iterations `{ast.unparse(test)}` selects (line "
-                         f"{test.lineno}; the step at line {call.lineno})")
-                return _Window(loop, divisor, where, every)
+                return _Window(loop, divisor, call, test, every)
     return None
 
 
@@ -167,46 +187,25 @@ def _range_bound(loop: ast.AST) -> ast.expr | None:
 
 def _window_hints(window: _Window, assigns: Assigns, opaque: set[str], receivers: Receivers,
                   functions: dict[str, ast.AST]) -> list[Hint]:
-    loop_line = window.loop.lineno
-    k_text = ast.unparse(window.divisor) if window.divisor is not None else "K"
-    context = (f"in the accumulation loop at line {loop_line}, where the optimizer steps "
-               f"{window.where}")
-    evidence: Evidence = {"static": True, "loop_line": loop_line,
-                                "accumulation": k_text if window.divisor is not None else None}
+    loop = window.seen()
     hints = []
     for call in window.every:
         receiver = flow.method(call, "step")
         if (receiver is not None and receivers.is_scheduler(receiver)
                 and not receivers.constant(receiver)):
-            hints.append(Hint(
-                KindId.SCHEDULER_PER_MICROBATCH, call.lineno,
-                "scheduler.step() on every micro-batch",
-                f"`{ast.unparse(call)}` at line {call.lineno} runs on every micro-batch {context}"
-                f": the schedule advances {k_text} times per optimizer step, so warmup and decay "
-                f"run {k_text} times too fast.", evidence.copy(), code=ast.unparse(call)))
+            hints.append(Hint(SchedulerInLoop(call.lineno, ast.unparse(call), loop)))
         elif receivers.zero_grad(call):
-            hints.append(Hint(
-                KindId.ZERO_GRAD_INSIDE_ACCUMULATION, call.lineno,
-                "zero_grad() on every micro-batch of the accumulation window",
-                f"`{ast.unparse(call)}` at line {call.lineno} runs on every micro-batch {context}"
-                ": it wipes the gradients the window's earlier micro-batches accumulated, so the "
-                "optimizer step sees only the last one.", evidence.copy(), code=ast.unparse(call)))
+            hints.append(Hint(ZeroGradInLoop(call.lineno, ast.unparse(call), loop)))
     if window.divisor is None:
         return hints
     k_names = {n.id for n in ast.walk(window.divisor) if isinstance(n, ast.Name)}
-    k_names.add(k_text)
+    k_names.add(loop.k_text)
     for call in window.every:
         loss = _backward_loss(call)
         if loss is None or _normalised(loss, assigns, opaque, functions, k_names, set()):
             continue
-        hints.append(Hint(
-            KindId.MISSING_ACCUMULATION_AVERAGE, call.lineno,
-            "The loss reaches backward() without a division by the accumulation steps",
-            f"`{ast.unparse(loss)}` reaches `backward()` at line {call.lineno} {context}, and it "
-            f"is divided by nothing on the way: each optimizer step gets the sum of {k_text} "
-            f"micro-batch gradients, {k_text} times the mean. Divide it by {k_text} before "
-            "backward (or confirm that what builds it already does).",
-            evidence.copy(), code=ast.unparse(call)))
+        hints.append(Hint(UndividedLoss(call.lineno, ast.unparse(call), ast.unparse(loss),
+                                        loop)))
     return hints
 
 
@@ -345,17 +344,8 @@ def _clip_hints(unit: ast.AST, receivers: Receivers, aliases: dict[str, str]) ->
                      and not _exclusive(arms[id(c)], arms[id(clip)])), None)
         if step is None or _exclusive(arms[id(backward)], arms[id(clip)]):
             continue
-        name = flow.last_name(clip.func)
-        hints.append(Hint(
-            KindId.CLIP_BEFORE_UNSCALE, clip.lineno,
-            f"{name} between scaler.scale(...).backward() and scaler.step() without unscale_",
-            f"`{name}` at line {clip.lineno} runs after `{scaler}.scale(...).backward()` (line "
-            f"{backward.lineno}) and before `{ast.unparse(step)}` (line {step.lineno}) with no "
-            f"`{scaler}.unscale_(...)` in between: in fp16 it clips gradients still multiplied "
-            "by the loss scale, so the threshold means max_norm x scale (or the update is "
-            f"crushed by 1/scale). Call `{scaler}.unscale_(optimizer)` right before it.",
-            {"static": True, "backward_line": backward.lineno, "step_line": step.lineno},
-            code=ast.unparse(clip)))
+        hints.append(Hint(ClipInCode(clip.lineno, ast.unparse(clip), flow.last_name(clip.func),
+                                     scaler, backward.lineno, ast.unparse(step), step.lineno)))
     return hints
 
 
@@ -372,12 +362,5 @@ def _on(call: ast.Call, name: str, scaler: str) -> bool:
 
 def hint_findings(scans: Any) -> list[Finding]:
     """The `warning` findings of the hints of the scanned files (`{path: FileScan}`), by file
-    and line; each built by its kind's decider."""
-    out = []
-    for path in sorted(scans):
-        for hint in scans[path].hints:
-            out.append(deciders.decide(hint.kind, Observed(
-                HINT_RUNG, Severity.WARNING, hint.message, evidence=hint.evidence.copy(),
-                location=Location(path, hint.line, hint.function, hint.code),
-                title=hint.title)))
-    return out
+    and line; each decided and worded by its kind's unit."""
+    return [hint.finding(path) for path in sorted(scans) for hint in scans[path].hints]

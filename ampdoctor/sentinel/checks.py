@@ -1,5 +1,5 @@
 """The sentinel's cheap, exact checks (`ampdoctor.watch`): counts of calls per window, the
-scaler's skips, judged as the ladder judges them, through the kinds' deciders."""
+scaler's skips, judged as the ladder judges them, through the kinds' units."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from .. import deciders, thresholds
+from .. import thresholds
 from ..findings import Finding, location
 from ..kinds.frequent_skips import SteadySkips, steady_skips
-from ..kinds.schedule import StepsPerUpdate, steps_per_update
+from ..kinds.schedule import ScheduleOnSkips, StepsPerUpdate, schedule_on_skips, steps_per_update
 from ..kinds.stepping import (
     OneBackwardPerStep,
     ZeroedInWindow,
@@ -110,7 +110,7 @@ class CountChecks(WatchState):
 
     def _judge_skips(self) -> None:
         """A scaler that keeps skipping after it settled, and a scheduler that advanced on
-        the skips (by consequence: `deciders.schedule_on_skips`)."""
+        the skips (by consequence: `kinds.schedule.schedule_on_skips`)."""
         first_real = self.first_update_window or 0
         steady = [s for s in self.skips if s > first_real]
         after = self.windows - first_real - 1
@@ -126,7 +126,7 @@ class CountChecks(WatchState):
             return
         on_calibration = sum(1 for s in self.scheduler_on_skip if s < first_real)
         on_steady = sum(1 for s in self.scheduler_on_skip if s > first_real)
-        finding = deciders.schedule_on_skips(deciders.ScheduleOnSkips(
+        finding = schedule_on_skips(ScheduleOnSkips(
             rung=RUNG, scheduler_type=type(self.scheduler).__name__,
             location=location(self.scheduler_site),
             calibration_skips=on_calibration, steady_skips=on_steady,
