@@ -44,7 +44,7 @@ from ampdoctor.probe.events import (
     Update,
 )
 from ampdoctor.reference import clips
-from ampdoctor.rules import accumulation, scale_state, schedule, shapes, skip_rate
+from ampdoctor.rules import accumulation, deepspeed, scale_state, schedule, shapes, skip_rate
 from ampdoctor.scan.python_ast import scan_python
 from ampdoctor.scan.python_literals import power_of_two
 from ampdoctor.scan.sites import FileScan
@@ -400,6 +400,12 @@ _NAMED_SCALE = "def f(model, x):\n    loss_scale = {}\n    loss = model(x)\n" \
                "    (loss * loss_scale).backward()\n"
 
 
+def _engine_scale(ratio: float) -> float | None:
+    """The factor an fp16 DeepSpeed engine with a loss scale of 2^15 is found to be off by."""
+    engine = SimpleNamespace(precision="fp16", loss_scale=32768.0)
+    return deepspeed.scale_factor(engine, ratio, 1.0)  # type: ignore[arg-type]
+
+
 RUNGS = [
     Case("repeat: 0.95 REPEAT_RTOL off repeats", lambda: _repeats(_t(1 + 0.95e-5), _t(1.0)), True),
     Case("repeat: 1.05 REPEAT_RTOL off does not", lambda: _repeats(_t(1 + 1.05e-5), _t(1.0)),
@@ -438,6 +444,12 @@ RUNGS = [
          lambda: _ddp(1.0, difference=0.95e-4, tolerance=None), "pass"),
     Case("ddp: ranks 1.05e-4 apart", lambda: _ddp(1.0, difference=1.05e-4, tolerance=None),
          "gradient-mismatch"),
+    Case("deepspeed: 1/S x 1.0475 is the engine's own scale (ENGINE_SCALE_RTOL)",
+         lambda: _engine_scale(1.0475 / 32768.0), 1 / 32768.0),
+    Case("deepspeed: 1/S x 1.0525 is not", lambda: _engine_scale(1.0525 / 32768.0), None),
+    Case("deepspeed: S x 0.9525 is the engine's own scale", lambda: _engine_scale(0.9525 * 32768.0),
+         32768.0),
+    Case("deepspeed: S x 0.9475 is not", lambda: _engine_scale(0.9475 * 32768.0), None),
     Case("scan: a literal 8 is a loss scale (MIN_LITERAL_SCALE_LOG2)", lambda: power_of_two(8.0),
          True),
     Case("scan: a literal 4 is not", lambda: power_of_two(4.0), False),
