@@ -16,14 +16,15 @@ __all__ = ["diagnose", "assert_healthy", "load", "Spec", "Record", "Unhealthy", 
 
 if TYPE_CHECKING:
     from .api import Record, Unhealthy, assert_healthy, diagnose, load
-    from .errors import SpecError, UserCodeError
+    from .core.errors import SpecError, UserCodeError
     from .sentinel import Watch, WatchError, watch
     from .sentinel.accel import watch_accelerate
     from .sentinel.hf import WatchCallback
     from .spec import Spec
 
 _LAZY = {"diagnose": "api", "assert_healthy": "api", "load": "api", "Record": "api",
-         "Unhealthy": "api", "Spec": "spec", "SpecError": "errors", "UserCodeError": "errors",
+         "Unhealthy": "api", "Spec": "spec", "SpecError": "core.errors",
+         "UserCodeError": "core.errors",
          "watch": "sentinel", "Watch": "sentinel", "WatchError": "sentinel",
          # the framework callbacks: transformers is imported only when WatchCallback is asked
          "watch_accelerate": "sentinel.accel", "WatchCallback": "sentinel.hf"}

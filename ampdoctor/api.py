@@ -21,19 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from .core.errors import (
     AmpdoctorError,
     AmpdoctorInterrupt,
     InputError,
     SpecError,
     UserCodeError,
 )
-from .record_model import RecordModel, Verdict
-from .safetext import exc_text, safe_repr
+from .core.safetext import exc_text, safe_repr
+from .record.model import RecordModel, Verdict
 from .spec import Spec, load_spec
 
 if TYPE_CHECKING:
-    from .findings import RungResult
+    from .core.findings import RungResult
 
 #: What `diagnose` accepts as a spec: a `Spec` (built in code or loaded), or a YAML path.
 SpecLike = Spec | str | os.PathLike
@@ -93,7 +93,7 @@ def diagnose(spec: SpecLike, *, out: str | os.PathLike | None = None, save: bool
         from .spec import to_wire
         to_wire(resolved)   # the rank processes must be able to import the spec's code
     exception: AmpdoctorError | None = None
-    from .processes import owned
+    from .core.processes import owned
     try:
         with owned():     # what the loop starts ends with the diagnose
             record = run_diagnose(resolved, on_start=on_start, on_done=on_done,

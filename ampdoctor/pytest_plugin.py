@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from .record_model import RecordModel
+    from .record.model import RecordModel
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -86,7 +86,7 @@ class AmpdoctorFixture:
         optimizer steps, `device`. Fails the test, with the diagnosis (kind, rung, numbers,
         file:line, fix) as its message, unless the verdict is healthy and none of `kinds`
         (the bugs it guards) is found, at any severity. The record, when it passes."""
-        from .export_test import run_guard
+        from .runner.export_test import run_guard
         if spec is not None:
             spec = self.spec_path(spec)
         record, why = run_guard(spec=spec, script=script, args=args,

@@ -73,8 +73,8 @@ sys.path.insert(0, str(HERE))
 from bench_triage import NAMED, prepared_spec  # noqa: E402
 
 import ampdoctor  # noqa: E402
-from ampdoctor import judge_live  # noqa: E402
 from ampdoctor import session as session_mod  # noqa: E402
+from ampdoctor.judge import live as judge_live  # noqa: E402
 from ampdoctor.reference import gradients as ref_mod  # noqa: E402
 
 SAMPLES.append({"phase": "import ampdoctor", **vm(), "t": time.perf_counter() - _T0})

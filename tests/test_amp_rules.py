@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ampdoctor import compare
 from ampdoctor.ladder.amp import _backend_cannot
+from ampdoctor.maths import compare
 
 
 def _metrics(ratio, cosine):

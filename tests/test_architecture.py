@@ -13,30 +13,30 @@ lazily in `__getattr__`) is imported by no module of the package (the version is
 The layers, lowest first; a module may import from its own layer or a lower one, never from a
 higher one (cycles within a layer are caught by the cycle check):
 
-  foundation  pure Python, no torch: errors, safetext, limits, thresholds, the string enums
-              (enums), the typed evidence, the findings types, the kinds' units (kinds/: the
-              catalogue, each kind's decider and observations), progress, memory,
-              source_snippet, process_state, processes (a run's process tree, ended), and
-              the root package (its `__version__`)
-  static      what runs without torch or the user's loop: the spec, a script's run source
-              (source), the record, the static scan, the report (never any layer above: they
-              must work without torch)
-  maths       tensor maths without a run: compare, rng
+  foundation  pure Python, no torch: core/ (errors, safetext, limits, thresholds, the string
+              enums, the typed evidence, the findings types, progress, memory, source_snippet,
+              process_state, processes: a run's process tree, ended), kinds/ (the kinds'
+              units: the catalogue, each kind's decider and observations), and the root
+              package (its `__version__`, in `_version`)
+  static      what runs without torch or the user's loop: spec/ (the spec, and a script's run
+              source), record/, init/ (`ampdoctor init`), scan/ (the static scan), report/
+              (never any layer above: they must work without torch)
+  maths       maths/: tensor maths without a run: compare, shards, rng
   observe     probe/: the patched torch functions, the typed events, the Trace of one run
   user code   loading/: the user's code, model, optimizers and data; examples/: the loops
               `ampdoctor demo` ships (user code, never imported by ampdoctor)
   reference   reference/: the fp32 teacher-forced gradients and the clipping the loop meant
-  session     session: the runs of one diagnose (the loop under the probe, its references)
-  judge       the judge: consumed gradient against the reference -> numbers and verdicts
+  session     session/: the runs of one diagnose (the loop under the probe, its references)
+  judge       judge/: consumed gradient against the reference -> numbers and verdicts
   explain     rules/: why a step is off (kind, numbers, file:line)
   ladder      ladder/ (one module per rung, the driver of the extra passes a rule asks for)
               and ddp/ (the ddp-sync rung's processes, each a small rung driver)
-  drivers     runner, api: one diagnose end to end; script/: one diagnose of a script;
-              export_test: a diagnosis re-run as a test (the CLI in a process of its own);
-              sentinel/: `ampdoctor.watch`, the checks inside a real training run
-              (script mode: its runs in child processes, its rungs, its record)
-  entry       cli/ (one module per command), supervise (+ its records), worker, pytest_plugin,
-              __main__
+  drivers     runner/ (one diagnose end to end; export_test: a diagnosis re-run as a test, the
+              CLI in a process of its own) and api (the Python API, at the root); script/: one
+              diagnose of a script (script mode: its runs in child processes, its rungs, its
+              record); sentinel/: `ampdoctor.watch`, the checks inside a real training run
+  entry       cli/ (one module per command), supervise/ (the CLI's watchdog, its records, and
+              worker: the child process it runs), pytest_plugin, __main__
 """
 
 from __future__ import annotations
@@ -51,33 +51,21 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 #: Layer name -> the modules in it (a name ending in ".*" covers a package and its modules).
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("ampdoctor", "ampdoctor._version", "ampdoctor.errors", "ampdoctor.safetext",
-                    "ampdoctor.limits",
-                    "ampdoctor.thresholds", "ampdoctor.findings", "ampdoctor.findings.*",
-                    "ampdoctor.kinds", "ampdoctor.kinds.*", "ampdoctor.enums", "ampdoctor.evidence",
-                    "ampdoctor.kind_text", "ampdoctor.progress",
-                    "ampdoctor.memory",
-                    "ampdoctor.source_snippet", "ampdoctor.process_state",
-                    "ampdoctor.processes")),
-    ("static", ("ampdoctor.spec", "ampdoctor.spec_sections", "ampdoctor.spec_yaml",
-                "ampdoctor.record",
-                "ampdoctor.record_model", "ampdoctor.source", "ampdoctor.init_spec",
-                "ampdoctor.init_script",
-                "ampdoctor.init_loss",
-                "ampdoctor.scan.*",
-                "ampdoctor.report.*")),
-    ("maths", ("ampdoctor.compare", "ampdoctor.rng", "ampdoctor.shards")),
+    ("foundation", ("ampdoctor", "ampdoctor._version", "ampdoctor.core", "ampdoctor.core.*",
+                    "ampdoctor.kinds", "ampdoctor.kinds.*", "ampdoctor.kind_text")),
+    ("static", ("ampdoctor.spec", "ampdoctor.spec.*", "ampdoctor.record", "ampdoctor.record.*",
+                "ampdoctor.init", "ampdoctor.init.*", "ampdoctor.scan.*", "ampdoctor.report.*")),
+    ("maths", ("ampdoctor.maths", "ampdoctor.maths.*")),
     ("observe", ("ampdoctor.probe.*",)),
     ("user code", ("ampdoctor.loading.*", "ampdoctor.examples.*")),
     ("reference", ("ampdoctor.reference.*",)),
-    ("session", ("ampdoctor.session", "ampdoctor.dtype_errors")),
-    ("judge", ("ampdoctor.judge", "ampdoctor.judge_step", "ampdoctor.judge_live")),
+    ("session", ("ampdoctor.session", "ampdoctor.session.*")),
+    ("judge", ("ampdoctor.judge", "ampdoctor.judge.*")),
     ("explain", ("ampdoctor.rules.*",)),
     ("ladder", ("ampdoctor.ladder.*", "ampdoctor.ddp.*")),
-    ("drivers", ("ampdoctor.runner", "ampdoctor.api", "ampdoctor.script.*",
-                 "ampdoctor.export_test", "ampdoctor.sentinel", "ampdoctor.sentinel.*")),
-    ("entry", ("ampdoctor.cli.*", "ampdoctor.supervise", "ampdoctor.supervise_records",
-               "ampdoctor.worker",
+    ("drivers", ("ampdoctor.runner", "ampdoctor.runner.*", "ampdoctor.api", "ampdoctor.script.*",
+                 "ampdoctor.sentinel", "ampdoctor.sentinel.*")),
+    ("entry", ("ampdoctor.cli.*", "ampdoctor.supervise", "ampdoctor.supervise.*",
                "ampdoctor.pytest_plugin", "ampdoctor.__main__")),
 ]
 

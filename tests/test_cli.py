@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ampdoctor import __version__
-from ampdoctor.findings import RUNG_IDS
+from ampdoctor.core.findings import RUNG_IDS
 from ampdoctor.kinds import CATALOGUE
 from conftest import CONFIGS, RECIPES, marked_line, run_cli, run_cli_process
 

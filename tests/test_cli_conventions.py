@@ -141,7 +141,7 @@ def test_progress_in_a_log_is_one_line_per_rung_with_its_place_and_time_left(tmp
 
 def test_the_live_line_names_the_step_and_the_time_left():
     from ampdoctor.cli.progress_line import describe
-    from ampdoctor.progress import eta_s
+    from ampdoctor.core.progress import eta_s
     event = {"rung": "bf16-no-scaler", "precision": "bf16", "step": 2, "steps": 3,
              "rung_index": 3, "rungs": 7, "eta_s": 40.2, "elapsed_s": 12.0}
     assert describe(event) == "rung 3/7 bf16-no-scaler · bf16 step 2/3 · ~40 s left"
@@ -153,7 +153,7 @@ def test_the_live_line_names_the_step_and_the_time_left():
 
 
 def test_the_estimate_weighs_the_rungs_still_to_run_by_their_cost():
-    from ampdoctor import progress
+    from ampdoctor.core import progress
     seen = []
     with progress.listening(seen.append):
         progress.plan(["reproducibility", "fp32-accum", "skips"],

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from ampdoctor import compare
+from ampdoctor.maths import compare
 
 TOL = compare.DEFAULT_TOLERANCES["fp32"]
 

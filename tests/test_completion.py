@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ampdoctor.findings import RUNG_IDS
+from ampdoctor.core.findings import RUNG_IDS
 from ampdoctor.kinds import CATALOGUE
 
 ROOT = Path(__file__).resolve().parents[1]

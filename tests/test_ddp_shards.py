@@ -28,7 +28,7 @@ def _pieces_worker(rank: int, world_size: int, port: int, mesh_shape, out: str) 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from ampdoctor import compare, shards
+    from ampdoctor.maths import compare, shards
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

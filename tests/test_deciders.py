@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ampdoctor import thresholds
-from ampdoctor.enums import KindId, Severity
-from ampdoctor.findings import Location
+from ampdoctor.core import thresholds
+from ampdoctor.core.enums import KindId, Severity
+from ampdoctor.core.findings import Location
 from ampdoctor.kinds import CATALOGUE, ERROR_WHEN, FRAMEWORK_FIXES
 from ampdoctor.kinds.accumulation import double_average, missing_accumulation_average
 from ampdoctor.kinds.base import FORCED_FP16, Observed, skip_severity

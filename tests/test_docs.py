@@ -15,9 +15,9 @@ from typer.testing import CliRunner
 
 from ampdoctor import spec as spec_module
 from ampdoctor.cli import app
-from ampdoctor.findings import RUNG_IDS
+from ampdoctor.core.findings import RUNG_IDS
 from ampdoctor.kinds import CATALOGUE, RULES
-from ampdoctor.record_model import RecordModel, validate
+from ampdoctor.record.model import RecordModel, validate
 from ampdoctor.spec import Spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,7 +151,7 @@ def test_every_nested_spec_key_is_documented(parent, key):
 
 
 def test_tolerance_precisions_and_defaults_are_documented():
-    from ampdoctor.compare import DEFAULT_TOLERANCES
+    from ampdoctor.maths.compare import DEFAULT_TOLERANCES
     for page in ("spec.md", "rungs.md"):
         text = _read(page)
         for precision, tol in DEFAULT_TOLERANCES.items():
@@ -224,13 +224,13 @@ def test_every_rung_is_documented_in_ladder_order():
     text = _read("rungs.md")
     headings = re.findall(r"^## `([a-z0-9-]+)`\s*$", text, re.MULTILINE)
     assert headings == list(RUNG_IDS)
-    from ampdoctor.findings import RUNG_STATUSES
+    from ampdoctor.core.findings import RUNG_STATUSES
     for status in RUNG_STATUSES:
         assert f"| `{status}` |" in text, status
 
 
 def test_rungs_page_states_the_thresholds():
-    from ampdoctor import thresholds
+    from ampdoctor.core import thresholds
     text = _read("rungs.md")
     assert f"{thresholds.SKIP_RATE_THRESHOLD:.0%}".replace("%", " %") in text
     assert f"above {thresholds.SCHEDULER_SKIP_RATE:.0%}".replace("%", " %") in text
@@ -265,7 +265,7 @@ def test_every_record_key_is_documented():
     text = _read("record.md")
     for key in RecordModel.model_fields:
         assert f"`{key}`" in text, key
-    from ampdoctor.record_model import FindingModel, LocationModel, RungModel
+    from ampdoctor.record.model import FindingModel, LocationModel, RungModel
     for model in (FindingModel, LocationModel, RungModel):
         for key in model.model_fields:
             assert f"`{key}`" in text, (model.__name__, key)

@@ -1,4 +1,4 @@
-"""The string enums of the record (`ampdoctor.enums`): they list exactly the kinds, rung ids,
+"""The string enums of the record (`ampdoctor.core.enums`): they list exactly the kinds, rung ids,
 statuses and severities the user-facing docs state (kinds and rungs in the docs' order), and a
 member reads, compares, hashes, formats and serialises exactly as its plain string."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.enums import KindId, RungId, Severity, Status, StrEnum
-from ampdoctor.findings import (
+from ampdoctor.core.enums import KindId, RungId, Severity, Status, StrEnum
+from ampdoctor.core.findings import (
     RUNG_IDS,
     RUNG_STATUSES,
     Finding,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ampdoctor.evidence import Evidence
+from ampdoctor.core.evidence import Evidence
 from ampdoctor.kinds.base import Observed
 from ampdoctor.kinds.loop_error import loop_error
 

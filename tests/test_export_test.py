@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor import export_test
+from ampdoctor.runner import export_test
 from conftest import CONFIGS, RECIPES, run_cli_process
 
 

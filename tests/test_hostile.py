@@ -174,7 +174,7 @@ def test_diagnose_and_scan_leave_the_users_tree_byte_for_byte(tmp_path):
 def test_a_failed_import_leaves_sys_path_and_modules_as_they_were(tmp_path):
     import sys
 
-    from ampdoctor.errors import AmpdoctorError
+    from ampdoctor.core.errors import AmpdoctorError
     from ampdoctor.loading import UserCode
     from ampdoctor.probe.callsite import CallSiteFinder
     from ampdoctor.spec import load_spec
@@ -565,7 +565,7 @@ def test_user_mistakes_are_named_where_they_are(tmp_path, extra, code, fragments
 def test_the_default_dtype_is_restored_after_a_loop_changed_it(tmp_path):
     import torch
 
-    from ampdoctor.errors import UserCodeError
+    from ampdoctor.core.errors import UserCodeError
     from ampdoctor.runner import run_diagnose
     from ampdoctor.spec import load_spec
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rich.console import Console
 
 from ampdoctor import record as records
-from ampdoctor.errors import SpecError, UsageError, UserCodeError
+from ampdoctor.core.errors import SpecError, UsageError, UserCodeError
 from ampdoctor.report.html import render_html
 from ampdoctor.report.terminal import render
 from ampdoctor.spec import load_spec

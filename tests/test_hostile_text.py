@@ -18,11 +18,9 @@ from urllib.parse import unquote, urlsplit
 import pytest
 from rich.console import Console
 
-from ampdoctor import safetext
-from ampdoctor.errors import ERROR_LIMIT, UserCodeError, format_traceback
-from ampdoctor.report.html import render_html
-from ampdoctor.report.terminal import render
-from ampdoctor.safetext import (
+from ampdoctor.core import safetext
+from ampdoctor.core.errors import ERROR_LIMIT, UserCodeError, format_traceback
+from ampdoctor.core.safetext import (
     MESSAGE_LIMIT,
     TRACEBACK_LIMIT,
     cut,
@@ -31,6 +29,8 @@ from ampdoctor.safetext import (
     safe_repr,
     safe_str,
 )
+from ampdoctor.report.html import render_html
+from ampdoctor.report.terminal import render
 from conftest import run_cli
 from test_hostile import _hostile_record
 

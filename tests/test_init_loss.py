@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from ampdoctor.init_loss import propose
+from ampdoctor.init.loss import propose
 from conftest import run_cli
 
 TRAIN_PY = '''\

@@ -198,7 +198,8 @@ def test_an_error_in_the_early_judge_never_reaches_the_loop(monkeypatch, where):
     """Whatever fails in ampdoctor's own work inside the optimizer's pre-hook (the reference,
     the comparison, deciding what to keep), the step falls back to copies judged after the run:
     the same verdict, never a loop error blamed on the user's code."""
-    from ampdoctor import judge_live, judge_step
+    from ampdoctor.judge import live as judge_live
+    from ampdoctor.judge import step as judge_step
 
     spec = ROOT / "sample_configs" / "broken_no_zero_grad.yaml"
     expected, _ = _diagnose(monkeypatch, spec, False)

@@ -36,9 +36,9 @@ def test_keep_going_runs_every_rung_after_the_first_failure(tmp_path: Path):
 
 def test_a_later_loop_error_does_not_change_the_first_failures_verdict():
     from ampdoctor import record as records
-    from ampdoctor.findings import Finding, RungResult
+    from ampdoctor.core.findings import Finding, RungResult
     from ampdoctor.ladder import after_failure
-    from ampdoctor.record_model import RecordModel
+    from ampdoctor.record.model import RecordModel
     from ampdoctor.runner import fill_record
 
     first = RungResult("fp32-accum", "fail", "missing-accumulation-average: ...", [

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from ampdoctor.enums import KindId, RungId, Severity
-from ampdoctor.findings import Location
+from ampdoctor.core.enums import KindId, RungId, Severity
+from ampdoctor.core.findings import Location
 from ampdoctor.kinds import CATALOGUE
 from ampdoctor.kinds.baseline import NotRepeatable, Runs, not_repeatable
 
@@ -476,7 +476,7 @@ def test_a_schedule_stepped_per_micro_batch_is_an_error_with_its_speed():
 
 @pytest.mark.parametrize("cosine, hint", [(0.99999, True), (0.5, False)])
 def test_no_known_shape_says_whether_the_direction_holds(cosine, hint):
-    from ampdoctor import thresholds
+    from ampdoctor.core import thresholds
     from ampdoctor.kinds.mismatch import Unexplained, unexplained
     finding = unexplained(Unexplained(RungId.FP32_ACCUM, 1, 1, "fp32", 0.37, 1.37, cosine, 1e-5,
                                       {"step": 1}))
@@ -520,7 +520,7 @@ def test_a_call_order_no_reference_measured_is_a_warning_that_says_so():
 def test_a_scripts_scaled_clip_fails_once_it_shrinks_the_update(norm, severity):
     """Scale 1024, threshold 1: a scaled norm of 4096 (true 4) is clipped by 1/4096 where true
     space clips by 1/4 (a shrink of 1/1024); a scaled norm of 0.5 is not clipped either way."""
-    from ampdoctor import thresholds
+    from ampdoctor.core import thresholds
     from ampdoctor.kinds.clipping import ScriptScaledClip, script_scaled_clip
     seen, meant = min(1.0, 1.0 / norm), min(1.0, 1.0 / (norm / 1024.0))
     assert (seen / meant < thresholds.CLIP_BITES_BELOW) is (severity is Severity.ERROR)
@@ -553,7 +553,7 @@ def test_a_norm_read_at_an_infinite_threshold_is_a_warning_and_explains_no_misma
     clips nothing: a warning about the logged value, never the cause of a mismatch."""
     from dataclasses import replace
 
-    from ampdoctor.findings import Finding
+    from ampdoctor.core.findings import Finding
     from ampdoctor.kinds.clipping import ScaledClip, scaled_clip
     from ampdoctor.rules.scale_state import explain_with_calls
 

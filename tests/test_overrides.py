@@ -8,7 +8,7 @@ import re
 import pytest
 
 from ampdoctor import api
-from ampdoctor.errors import SpecError
+from ampdoctor.core.errors import SpecError
 from conftest import CONFIGS, run_cli
 
 SPEC = CONFIGS / "healthy_sgd.yaml"

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ampdoctor import compare
 from ampdoctor.judge import JudgedGradients
+from ampdoctor.maths import compare
 from ampdoctor.probe import spill
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,7 +183,7 @@ def test_freed_heap_pages_go_back_to_the_system():
     import ctypes.util
     import sys
 
-    from ampdoctor import memory
+    from ampdoctor.core import memory
 
     block = torch.ones(8 * 2**20 // 4)   # 8 MiB, freed below
     del block

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 import torch
 
-from ampdoctor.errors import UserCodeError
+from ampdoctor.core.errors import UserCodeError
 from ampdoctor.probe import patches, recorder, wrappers
 from ampdoctor.runner import run_diagnose
 from ampdoctor.spec import load_spec

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ampdoctor
-from ampdoctor.errors import UsageError
+from ampdoctor.core.errors import UsageError
 
 USER = '''
 import os

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor import processes
+from ampdoctor.core import processes
 from conftest import CONFIGS, RECIPES, ROOT, ampdoctor_command, run_cli_process
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
@@ -227,7 +227,7 @@ def test_the_guardian_ends_the_run_when_its_owner_is_sigkilled():
     owner = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import os, subprocess, sys, time
         sys.path.insert(0, {str(ROOT)!r})
-        from ampdoctor import processes
+        from ampdoctor.core import processes
         token = processes.new_token()
         guardian = processes.Guardian(token)
         env = processes.with_token(dict(os.environ), token)

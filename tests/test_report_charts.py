@@ -169,7 +169,8 @@ def test_the_terminal_prints_an_errors_source_literally() -> None:
 
 
 def test_the_noise_band_is_the_one_the_judge_accepts() -> None:
-    from ampdoctor import compare, thresholds
+    from ampdoctor.core import thresholds
+    from ampdoctor.maths import compare
 
     def noise(ratio: float) -> bool:
         m = compare.Metrics(rel_err=0.5, ratio=ratio, cosine=0.99, norm_user=ratio,

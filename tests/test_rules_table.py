@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.findings import Finding, KindId
+from ampdoctor.core.findings import Finding, KindId
 from ampdoctor.kinds import CATALOGUE, RULES, Observed
 
 ROOT = Path(__file__).resolve().parents[1]

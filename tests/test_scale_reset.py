@@ -5,7 +5,7 @@ as the probe records them."""
 
 from __future__ import annotations
 
-from ampdoctor.enums import Severity
+from ampdoctor.core.enums import Severity
 from ampdoctor.probe.callsite import Site
 from ampdoctor.probe.events import Event, Scale, ScalerInit, ScalerStep, Update
 from ampdoctor.rules import skip_rate

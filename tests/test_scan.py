@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.findings import RungResult
+from ampdoctor.core.findings import RungResult
 from ampdoctor.kinds import CATALOGUE
 from ampdoctor.ladder.double_scaling import evaluate
 from ampdoctor.scan import ScanPathError, scan_paths

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.errors import UsageError
+from ampdoctor.core.errors import UsageError
 from ampdoctor.script.infer import infer_reference
 from conftest import RECIPES, marked_line, run_cli
 

@@ -179,7 +179,7 @@ def test_a_script_whose_fp32_training_diverges_is_exit_3_not_unrepeatable(tmp_pa
 def test_a_batch_option_without_a_k_option_says_how_to_give_a_derived_k(tmp_path):
     """YOLOv5 derives K from its batch option (`accumulate = round(nbs / batch_size)`): no K
     option to set to 1, so the line to try says the batch option alone is the reference's."""
-    from ampdoctor.errors import UsageError
+    from ampdoctor.core.errors import UsageError
     from ampdoctor.script.infer import infer_reference
     script = tmp_path / "train.py"
     script.write_text("import argparse\np = argparse.ArgumentParser()\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.errors import SpecError
+from ampdoctor.core.errors import SpecError
 from ampdoctor.spec import load_spec
 from conftest import CONFIGS, RECIPES, run_cli
 
@@ -146,7 +146,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_precisions_always_hold_fp32_and_no_repeats(tmp_path):
-    from ampdoctor.errors import SpecError
+    from ampdoctor.core.errors import SpecError
     from ampdoctor.spec import load_spec
 
     base = (CONFIGS / "healthy_sgd.yaml").read_text().replace("../recipes", str(RECIPES))

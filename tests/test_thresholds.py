@@ -1,4 +1,5 @@
-"""Every threshold in `ampdoctor.thresholds` is pinned: moving any one of them changes a verdict.
+"""Every threshold in `ampdoctor.core.thresholds` is pinned: moving any one of them changes a
+verdict.
 
 `CASES` feeds the functions that decide (the judge's comparison, the rules' shape tests, the
 rungs' classifications, the static scan's) numbers just inside and just outside each threshold,
@@ -31,9 +32,12 @@ from typing import Any
 import pytest
 import torch
 
-from ampdoctor import compare, judge, judge_step, thresholds
+from ampdoctor import judge
+from ampdoctor.core import thresholds
+from ampdoctor.judge import step as judge_step
 from ampdoctor.kinds.schedule import ScheduleOnSkips, schedule_on_skips
 from ampdoctor.ladder import ddp_sync, reproducibility
+from ampdoctor.maths import compare
 from ampdoctor.probe.events import (
     Backward,
     Clip,
@@ -535,7 +539,7 @@ def test_the_noise_cosine_is_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_thresholds_are_read_from_the_module_when_deciding() -> None:
     """No module binds a threshold to a name of its own at import (`from .thresholds import X`,
     or a module constant copied from one): a moved threshold would not reach it."""
-    root = Path(thresholds.__file__).parent
+    root = Path(thresholds.__file__).parents[1]
     offenders = []
     for path in sorted(root.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -546,7 +550,7 @@ def test_thresholds_are_read_from_the_module_when_deciding() -> None:
 
 def test_every_threshold_is_used() -> None:
     """Each number is read somewhere as `thresholds.NAME` (an unused one decides nothing)."""
-    root = Path(thresholds.__file__).parent
+    root = Path(thresholds.__file__).parents[1]
     text = "\n".join(p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.py"))
                      if p.name != "thresholds.py")
     unused = [n for n in _constants() if f"thresholds.{n}" not in text]

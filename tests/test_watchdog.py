@@ -1,6 +1,7 @@
 """The run cannot hang the command or outlive its report, and stdout belongs to ampdoctor.
 
-A CLI diagnose runs the user's loop in a child process watched by the command (supervise.py):
+A CLI diagnose runs the user's loop in a child process watched by the command
+(supervise/__init__.py):
 a loop that ignores SIGALRM, swallows the stop with a bare `except:`, hangs while its module is
 imported, starts a thread that never ends, kills its own process, or writes to fd 1 / closes
 `sys.stdout` still gives a record, the right exit code, and a command that ends. Each case runs

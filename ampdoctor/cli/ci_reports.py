@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import UsageError
-from ..safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
+from ..core.errors import UsageError
+from ..core.safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
 
 if TYPE_CHECKING:
-    from ..record_model import FindingModel, RecordModel
+    from ..record.model import FindingModel, RecordModel
 
 #: A rung status -> what it is in JUnit (`warn` is `failure` only under --strict).
 _SKIPPED = ("skip", "not-run")

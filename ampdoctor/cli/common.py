@@ -7,8 +7,8 @@ import sys
 
 from rich.console import Console
 
-from ..errors import AmpdoctorError, LaunchError, SpecError, format_traceback
-from ..safetext import MESSAGE_LIMIT, TRACEBACK_LIMIT, exc_text, inert
+from ..core.errors import AmpdoctorError, LaunchError, SpecError, format_traceback
+from ..core.safetext import MESSAGE_LIMIT, TRACEBACK_LIMIT, exc_text, inert
 
 INTERNAL_ERROR = 4
 

@@ -15,7 +15,7 @@ def complete_kind(incomplete: str) -> list[tuple[str, str]]:
 def complete_rungs(incomplete: str) -> list[str]:
     """`--rungs a,b,...`: the rung ids for the item being typed (after the last comma), each
     offered with the items before it; an id already listed is not offered again."""
-    from ..findings import RUNG_IDS
+    from ..core.findings import RUNG_IDS
     head, _, last = incomplete.rpartition(",")
     given = set(head.split(",")) if head else set()
     prefix = f"{head}," if head else ""

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import typer
 
-from ..enums import KindId
-from ..errors import UsageError
+from ..core.enums import KindId
+from ..core.errors import UsageError
 from .common import fail, stderr_console
 
 EXAMPLES_DIR = Path(__file__).resolve().parents[1] / "examples"

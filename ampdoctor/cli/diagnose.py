@@ -19,16 +19,16 @@ from typing import TYPE_CHECKING, Any
 import typer
 from rich.console import Console
 
-from ..errors import AmpdoctorInterrupt, LaunchError, SpecError, UsageError, UserCodeError
-from ..processes import owned
-from ..safetext import inert
+from ..core.errors import AmpdoctorInterrupt, LaunchError, SpecError, UsageError, UserCodeError
+from ..core.processes import owned
+from ..core.safetext import inert
 from .ci_reports import CiOptions
 from .common import INTERNAL_ERROR, fail, internal, stderr_console, stdout_console
 from .completion import complete_rungs
 from .progress_line import ProgressLine
 
 if TYPE_CHECKING:
-    from ..record_model import RecordModel, RungModel
+    from ..record.model import RecordModel, RungModel
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -115,7 +115,7 @@ def run_diagnose(spec_path: Path, json_out: bool, debug: bool, out: Path | None,
                  verbose: bool = False) -> int:
     """Load the spec (with the command line's overrides) and diagnose it; the exit code."""
     from ..api import load
-    from ..source import FLAGS  # the flag of each override: messages name it, not the line
+    from ..spec.source import FLAGS  # the flag of each override: messages name it, not the line
     try:
         spec = load(spec_path, origins={k: FLAGS[k] for k in overrides or {} if k in FLAGS},
                     **(overrides or {}))
@@ -258,8 +258,8 @@ def _show_tracebacks(record: RecordModel, err: Console) -> None:
 def _run_in_process(spec: Any, progress: ProgressLine, done: list[RungModel],
                     started: list[str]) -> tuple[RecordModel | None, Any]:
     """The diagnose in this process (AMPDOCTOR_IN_PROCESS, or a torchrun rank 0)."""
-    from ..record_model import RungModel
-    from ..source import ScriptSource
+    from ..record.model import RungModel
+    from ..spec.source import ScriptSource
 
     def on_done(result: Any) -> None:
         done.append(RungModel.of(result))
@@ -331,7 +331,7 @@ def _run_isolated(spec: Any, progress: ProgressLine, done: list[RungModel],
             progress(event)
         elif kind == "done" and event.get("rung"):
             # (pydantic's models are imported once the worker runs: here, not before it starts)
-            from ..record_model import RungModel
+            from ..record.model import RungModel
             done.append(RungModel.model_validate(event["rung"]))
         elif kind == "rung":
             started.append(str(event.get("id")))
@@ -351,9 +351,9 @@ def _run_isolated(spec: Any, progress: ProgressLine, done: list[RungModel],
 
 def wire(spec: Any) -> str:
     """The run source as the worker rebuilds it: a spec's keys, or a script's command."""
-    from ..source import ScriptSource
+    from ..spec.source import ScriptSource
     if isinstance(spec, ScriptSource):
-        from ..source import to_wire as script_wire
+        from ..spec.source import to_wire as script_wire
         return script_wire(spec)
     from ..spec import to_wire
     return str(to_wire(spec))

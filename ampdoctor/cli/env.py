@@ -20,7 +20,7 @@ from typing import Any
 import typer
 
 from .._version import __version__
-from ..safetext import exc_text, inert
+from ..core.safetext import exc_text, inert
 
 _LABEL = 19
 

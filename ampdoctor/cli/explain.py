@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .common import fail
 from .completion import complete_kind
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from ..errors import AmpdoctorError
-from ..safetext import inert
+from ..core.errors import AmpdoctorError
+from ..core.safetext import inert
 from .common import fail, stderr_console
 
 
@@ -32,8 +32,8 @@ def export_test(
     written, 2 for a missing or invalid record, a record with nothing to re-run, or a file
     that exists (without --force).
     """
-    from .. import export_test as export
     from .. import record as records
+    from ..runner import export_test as export
     try:
         path = record if record is not None else records.latest_complete(out)[0]
         data = records.load(path)

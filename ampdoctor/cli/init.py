@@ -6,8 +6,8 @@ from pathlib import Path
 
 import typer
 
-from ..errors import UsageError
-from ..safetext import inert
+from ..core.errors import UsageError
+from ..core.safetext import inert
 from .common import fail, stderr_console
 
 
@@ -19,14 +19,14 @@ def init(
                                 help="The spec to write (never overwritten)."),
 ) -> None:
     """Write a commented starter spec, filled in from PY_FILE when given."""
-    from ..init_spec import write_starter
+    from ..init.spec import write_starter
     try:
         target, found = write_starter(output, py_file)
     except UsageError as exc:
         raise typer.Exit(fail(exc, False)) from exc
     err = stderr_console()
     if py_file is not None and found is not None and found.train_loop is None:
-        from ..init_script import script_command
+        from ..init.script import script_command
         proposal = script_command(py_file, str(py_file))
         if proposal is not None:   # an inline loop: script mode needs no spec at all
             command, how = proposal
@@ -35,7 +35,7 @@ def init(
             print(command)
     err.print(inert(f"wrote {target}"), markup=False, highlight=False)
     if found is not None and found.loss_proposal is not None:
-        from ..init_spec import WITHOUT_LOSS
+        from ..init.spec import WITHOUT_LOSS
         err.print(inert(f"proposed `loss` ({found.loss_proposal.source}): add this function to "
                         f"{py_file}, then uncomment `loss:` in {target} ({WITHOUT_LOSS})."),
                   markup=False, highlight=False, soft_wrap=True)

@@ -1,4 +1,4 @@
-"""The diagnose's progress on stderr, fed by the events of `ampdoctor.progress`:
+"""The diagnose's progress on stderr, fed by the events of `ampdoctor.core.progress`:
 `rung 3/7 bf16-no-scaler · step 2/3 · ~40 s left`."""
 
 from __future__ import annotations

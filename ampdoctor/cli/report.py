@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 import typer
 
 from .._version import __version__
-from ..errors import AmpdoctorError, UsageError
-from ..safetext import FIELD_LIMIT, inert
+from ..core.errors import AmpdoctorError, UsageError
+from ..core.safetext import FIELD_LIMIT, inert
 from .common import fail, stderr_console, stdout_console
 
 if TYPE_CHECKING:
-    from ..record_model import RecordModel
+    from ..record.model import RecordModel
 
 
 def report(

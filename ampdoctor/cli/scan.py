@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .common import fail
 
 

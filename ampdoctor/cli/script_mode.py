@@ -10,8 +10,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
-from ..source import ScriptSource
+from ..core.errors import UsageError
+from ..spec.source import ScriptSource
 
 
 def script_source_of(script: Path, args: list[str], reference_args: str | None,
@@ -22,7 +22,7 @@ def script_source_of(script: Path, args: list[str], reference_args: str | None,
     `--no-reference`; one that cannot be inferred is exit 2 with the command line to try.
     `overrides`: the spec keys the command line set (`optimizer_steps`, `rungs`,
     `precisions`, `device`, `keep_going`, `capture_output`)."""
-    from ..source import script_source
+    from ..spec.source import script_source
     if not script.is_file():
         raise UsageError(f"{script}: no such script (a .py path selects script mode: "
                          "`ampdoctor diagnose train.py -- ARGS`)")

@@ -30,9 +30,9 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-from .. import processes as run_processes
-from ..errors import LaunchError
-from ..safetext import exc_text, inert
+from ..core import processes as run_processes
+from ..core.errors import LaunchError
+from ..core.safetext import exc_text, inert
 
 #: How often supervisors look at their ranks and at the others' results.
 POLL_S = 0.2

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ..enums import RungId
-from ..safetext import exc_text
+from ..core.enums import RungId
+from ..core.safetext import exc_text
 
 if TYPE_CHECKING:
     from ..judge import Judgement, StepJudgement
@@ -265,8 +265,8 @@ def _pieces_apart(vectors: list[torch.Tensor], replicas: Any) -> tuple[list[floa
     under FSDP, where every piece has one holder. And the bytes the comparison held."""
     import torch.distributed as dist
 
-    from ..compare import sum_of_squares
-    from ..shards import all_sum
+    from ..maths.compare import sum_of_squares
+    from ..maths.shards import all_sum
 
     out: list[float] = []
     held = 0
@@ -288,7 +288,7 @@ def _pieces_apart(vectors: list[torch.Tensor], replicas: Any) -> tuple[list[floa
 def _whole(grads: Mapping[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
     """A step's gradients whole: each rank's pieces put together (a collective, the same
     step on every rank); a gradient that is not a piece as it is."""
-    from ..shards import place_of, whole
+    from ..maths.shards import place_of, whole
 
     out: dict[str, torch.Tensor | None] = {}
     for name, g in grads.items():

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..findings import Finding, Location
+from ..core.findings import Finding, Location
 from . import (
     accumulation,
     baseline,

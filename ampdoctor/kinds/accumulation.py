@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .. import thresholds
-from ..enums import KindId, Severity
-from ..findings import Finding, Location
+from ..core import thresholds
+from ..core.enums import KindId, Severity
+from ..core.findings import Finding, Location
 from .base import SCAN_RUNG, AccumulationLoop, Kind, Observed, in_framework_terms
 from .sync import RanksCompared, words_of
 

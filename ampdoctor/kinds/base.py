@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..enums import KindId, Severity
-from ..evidence import Evidence
-from ..findings import Location
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence
+from ..core.findings import Location
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..enums import KindId, Severity, StrEnum
-from ..evidence import Evidence, significant
-from ..findings import Finding, Location
+from ..core.enums import KindId, Severity, StrEnum
+from ..core.evidence import Evidence, significant
+from ..core.findings import Finding, Location
 from .base import Kind, Observed
 
 NONDETERMINISTIC_BASELINE = Kind(

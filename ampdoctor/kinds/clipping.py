@@ -14,10 +14,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .. import thresholds
-from ..enums import KindId, Severity
-from ..evidence import Evidence, significant
-from ..findings import Finding, Location
+from ..core import thresholds
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence, significant
+from ..core.findings import Finding, Location
 from .base import SCAN_RUNG, Kind, Observed, call_order_verdict, in_framework_terms
 
 CLIP_BEFORE_UNSCALE = Kind(

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
 
-from ..enums import KindId, Severity
-from ..evidence import significant
-from ..findings import Finding, Location
+from ..core.enums import KindId, Severity
+from ..core.evidence import significant
+from ..core.findings import Finding, Location
 from .base import Kind, Observed
 
 DOUBLE_SCALING = Kind(

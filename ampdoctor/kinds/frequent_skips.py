@@ -14,10 +14,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .. import thresholds
-from ..enums import KindId, Severity
-from ..evidence import Evidence, significant
-from ..findings import Finding, Location
+from ..core import thresholds
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence, significant
+from ..core.findings import Finding, Location
 from .base import FORCED_FP16, Kind, Observed, skip_severity
 
 FREQUENT_SKIPS = Kind(

@@ -14,9 +14,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ..enums import KindId, Severity
-from ..evidence import Evidence
-from ..findings import Finding, Location
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence
+from ..core.findings import Finding, Location
 from .base import Kind, Observed
 
 LOOP_ERROR = Kind(

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..enums import KindId, Severity
-from ..evidence import Evidence
-from ..findings import Finding, Location
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence
+from ..core.findings import Finding, Location
 from . import CATALOGUE, DECIDERS
 from .accumulation import (
     UNAVERAGED_FIX,

@@ -13,10 +13,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .. import thresholds
-from ..enums import KindId, Severity
-from ..evidence import Evidence, significant
-from ..findings import Finding, Location
+from ..core import thresholds
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence, significant
+from ..core.findings import Finding, Location
 from .base import Kind, Observed
 from .sync import RanksCompared, words_of
 

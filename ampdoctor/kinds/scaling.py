@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from ..enums import KindId, Severity
-from ..evidence import Evidence, significant
-from ..findings import Finding, Location
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence, significant
+from ..core.findings import Finding, Location
 from .base import FORCED_FP16, Kind, Observed, call_order_verdict, skip_severity
 
 MISSING_UNSCALE = Kind(

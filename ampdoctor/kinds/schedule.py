@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .. import thresholds
-from ..enums import KindId, Severity
-from ..evidence import Evidence
-from ..findings import Finding, Location
+from ..core import thresholds
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence
+from ..core.findings import Finding, Location
 from .base import (
     FORCED_FP16,
     SCAN_RUNG,

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..enums import KindId
-from ..findings import Finding, Location
+from ..core.enums import KindId
+from ..core.findings import Finding, Location
 from .base import FORCED_FP16, Kind, Observed, skip_severity
 
 NO_ZERO_GRAD_AFTER_SKIP = Kind(

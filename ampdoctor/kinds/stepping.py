@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..enums import KindId, Severity
-from ..evidence import Evidence, significant
-from ..findings import Finding, Location
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence, significant
+from ..core.findings import Finding, Location
 from .base import SCAN_RUNG, AccumulationLoop, Kind, Observed, in_framework_terms
 
 STEP_PER_MICROBATCH = Kind(

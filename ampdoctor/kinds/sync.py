@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..enums import KindId, Severity
-from ..evidence import Evidence
-from ..findings import Finding, Location
+from ..core.enums import KindId, Severity
+from ..core.evidence import Evidence
+from ..core.findings import Finding, Location
 from .base import Kind, Observed
 
 #: How each wrapper names its gradient sync and the switch that turns it off.

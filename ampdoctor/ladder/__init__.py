@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .. import progress
-from ..enums import RungId, Status
-from ..findings import RUNG_IDS, RungResult
+from ..core import progress
+from ..core.enums import RungId, Status
+from ..core.findings import RUNG_IDS, RungResult
 from .deadline import RungTimeout, deadline, timeout_result
 
 

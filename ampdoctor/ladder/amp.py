@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from .. import thresholds
-from ..enums import RungId, Status
-from ..findings import Finding, RungResult, conclude
+from ..core import thresholds
+from ..core.enums import RungId, Status
+from ..core.findings import Finding, RungResult, conclude
+from ..core.safetext import exc_text, safe_str
 from ..judge import tolerance
 from ..kinds.precision import (
     AutocastDtype,
@@ -55,7 +56,6 @@ from ..rules.scale_state import (
     step_ratio,
     violation_observations,
 )
-from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
 from .analysis import (
     compare_trace,

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..findings import Finding, location
+from ..core.findings import Finding, location
 from ..judge import Judgement, judge
 from ..probe.events import Snapshot
 from ..rules import (

@@ -13,8 +13,8 @@ from __future__ import annotations
 import inspect
 import re
 
-from ..errors import exc_text
-from ..findings import Finding, Location, location
+from ..core.errors import exc_text
+from ..core.findings import Finding, Location, location
 from ..kinds.precision import WeightsCast, weights_cast
 from ..probe.events import EngineBuilt
 from ..session import Session, Trace

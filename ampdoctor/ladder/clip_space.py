@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from .. import compare, thresholds
-from ..enums import RungId, Status
-from ..findings import RungResult, conclude
+from ..core import thresholds
+from ..core.enums import RungId, Status
+from ..core.findings import RungResult, conclude
+from ..maths import compare
 from ..probe.events import Clip, Scale, Unscale, Update
 from ..session import Session, Trace, flat
 from .analysis import compare_trace, loop_error_finding

@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .. import thresholds
+from ..core import thresholds
+from ..core.enums import RungId, Status
+from ..core.errors import LaunchError
+from ..core.findings import Finding, Location, RungResult, conclude, location
 from ..ddp import launch
-from ..enums import RungId, Status
-from ..errors import LaunchError
-from ..findings import Finding, Location, RungResult, conclude, location
 from ..kinds import from_dict
 from ..kinds.accumulation import DividedByWorldSize, divided_by_world_size
 from ..kinds.loop_error import RankRaised, RanksHung, rank_raised, ranks_hung

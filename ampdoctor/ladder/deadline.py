@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-from ..enums import RungId, Status
-from ..errors import AmpdoctorInterrupt
-from ..findings import RungResult, location
+from ..core.enums import RungId, Status
+from ..core.errors import AmpdoctorInterrupt
+from ..core.findings import RungResult, location
 from ..kinds.loop_error import RungTimedOut, rung_timed_out
 from ..probe import recorder
 

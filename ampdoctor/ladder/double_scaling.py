@@ -12,14 +12,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ampdoctor.enums import RungId
-from ampdoctor.findings import RungResult, status_from_findings
+from ampdoctor.core.enums import RungId
+from ampdoctor.core.findings import RungResult, status_from_findings
 from ampdoctor.kinds.double_scaling import Untold
 from ampdoctor.scan import describe, scan_paths
 from ampdoctor.scan.verdict import same_path_finding
 
 if TYPE_CHECKING:
-    from ampdoctor.findings import Finding
+    from ampdoctor.core.findings import Finding
     from ampdoctor.rules.scaler_ownership import Ownership
     from ampdoctor.scan.sites import ScanReport
 

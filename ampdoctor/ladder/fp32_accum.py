@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import cast
 
-from ..enums import KindId, RungId, Status
-from ..findings import Finding, RungResult, conclude
+from ..core.enums import KindId, RungId, Status
+from ..core.findings import Finding, RungResult, conclude
 from ..judge import Judgement
 from ..kinds.loop_error import IgnoresMicroBatches, ignores_micro_batches
 from ..kinds.mismatch import TooFewSteps, too_few_steps

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..findings import RungResult
+from ..core.findings import RungResult
 from ..probe.events import ScalerInit
 
 if TYPE_CHECKING:

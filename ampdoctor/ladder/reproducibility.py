@@ -8,10 +8,11 @@ optimizer step: the repeat run is stopped there (the whole first run is fp32-acc
 
 from __future__ import annotations
 
-from .. import compare, thresholds
-from ..enums import RungId, Status
-from ..findings import Finding, RungResult, status_from_findings
+from ..core import thresholds
+from ..core.enums import RungId, Status
+from ..core.findings import Finding, RungResult, status_from_findings
 from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
+from ..maths import compare
 from ..probe.callsite import Site
 from ..probe.events import StepRecord
 from ..session import Session, WeightsCast

@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .. import compare, thresholds
+from ..core import thresholds
 from ..judge import Judgement
-from ..judge_step import StepJudgement
+from ..judge.step import StepJudgement
+from ..maths import compare
 from ..probe.events import ScalerStep, Unscale, Update
 from ..session import Session, Trace
 

@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..enums import RungId, Status
-from ..findings import Finding, RungResult, conclude
-from ..judge_step import tolerance
+from ..core.enums import RungId, Status
+from ..core.findings import Finding, RungResult, conclude
+from ..core.safetext import exc_text, safe_str
+from ..judge.step import tolerance
 from ..kinds.scaling import Backoffs, StepOnInjectedInf, backoffs_in_window, step_on_injected_inf
 from ..kinds.schedule import ScheduleOnSkips, schedule_on_skips
 from ..kinds.skips import (
@@ -37,7 +38,6 @@ from ..probe.inject import OverflowInjector
 from ..rules.frameworks import framework_of
 from ..rules.schedule import lr_shift
 from ..rules.skip_rate import frequent_skips, scale_reset
-from ..safetext import exc_text, safe_str
 from ..session import Session, Trace
 from .analysis import (
     last_unscale_pair,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SpecError, UserCodeError
+from ..core.errors import SpecError, UserCodeError
 from ..spec import Spec
 from .naming import factory_name, spec_where, unusable
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import SpecError
+from ..core.errors import SpecError
 from ..spec import Spec
 from .naming import spec_where
 

@@ -18,8 +18,8 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .. import processes
-from ..errors import InputError, SpecError
+from ..core import processes
+from ..core.errors import InputError, SpecError
 from ..spec import Spec
 from .naming import spec_where, unusable
 

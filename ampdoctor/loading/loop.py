@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SpecError
+from ..core.errors import SpecError
 from ..spec import Spec
 from .frameworks import reset_framework_state
 from .naming import spec_where
@@ -56,10 +56,10 @@ def run_train_loop(code: UserCode, model: Any, optimizer: Any, feed: Any, settin
     when iterated, so iterate it to the end. True when it was a generator."""
     import inspect
 
-    from .. import progress
+    from ..core import progress
+    from ..core.process_state import LOOP_SCOPE, ProcessState
     from ..probe import frameworks
     from ..probe.patches import Patcher
-    from ..process_state import LOOP_SCOPE, ProcessState
     progress.run_started(settings.precision, settings.optimizer_steps)
     limit = sys.getrecursionlimit()
     # what the loop leaves behind (autocast entered, grad mode off, a chdir) must not reach

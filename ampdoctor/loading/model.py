@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from .. import rng
-from ..errors import SpecError, UserCodeError
+from ..core.errors import SpecError, UserCodeError
+from ..maths import rng
 from ..spec import OptimizerMapping
 from .naming import defined_at, factory_name, spec_where, unusable
 from .usercode import UserCode

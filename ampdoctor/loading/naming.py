@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Any
 
-from ..errors import AmpdoctorError, InputError
+from ..core.errors import AmpdoctorError, InputError
 from ..spec import Spec, spec_line
 
 

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import AmpdoctorInterrupt, SpecError, UserCodeError
+from ..core.errors import AmpdoctorInterrupt, SpecError, UserCodeError
+from ..core.safetext import MESSAGE_LIMIT, cut
 from ..probe.callsite import CallSiteFinder
-from ..safetext import MESSAGE_LIMIT, cut
 from ..spec import Spec
 from .naming import spec_where
 

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import rng
+from ..maths import rng
 
 
 class FetchListener(Protocol):

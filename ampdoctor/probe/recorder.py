@@ -19,9 +19,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from .. import progress, shards
-from ..compare import all_finite, dense, same_tensors
-from ..errors import EnoughSteps
+from ..core import progress
+from ..core.errors import EnoughSteps
+from ..maths import shards
+from ..maths.compare import all_finite, dense, same_tensors
 from . import spill
 from .callsite import CallSiteFinder, Site
 from .events import (

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.amp import GradScaler
 
-from ..safetext import MESSAGE_LIMIT, cut, safe_str
+from ..core.safetext import MESSAGE_LIMIT, cut, safe_str
 from . import recorder
 from .events import GetScale, Scale, ScalerInit, ScalerStep, Unscale, Update
 from .patches import Patcher

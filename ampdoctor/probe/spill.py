@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .. import processes
+from ..core import processes
 
 #: A copy at least this large (bytes) is spilled; smaller ones stay in memory.
 SPILL_BYTES = 32 * 2**20

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..enums import StrEnum
+from ..core.enums import StrEnum
 from .events import Backward, Clip, Event, OptimizerStep, Scale, ScalerStep, Unscale, Update
 
 READY, UNSCALED, STEPPED = "READY", "UNSCALED", "STEPPED"

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import UserCodeError, exc_text
+from ..core.errors import UserCodeError, exc_text
 from . import recorder
 from .callsite import CallSiteFinder, Site
 from .events import Backward, E, MicroBatchFetched, Snapshot, of_type

@@ -8,7 +8,7 @@ from types import FrameType
 
 import torch
 
-from ..compare import dense
+from ..maths.compare import dense
 from . import recorder
 from .recorder import Probe
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compare, thresholds
+from ..core import thresholds
+from ..maths import compare
 from ..probe.callsite import Site
 from ..probe.events import Backward, Clip, Event, Unscale, Update
 

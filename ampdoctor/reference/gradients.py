@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from .. import compare, rng
-from ..errors import UserCodeError, exc_text
+from ..core.errors import UserCodeError, exc_text
 from ..loading import build_model, merge_micro_batches, micro_batch_counts, micro_batch_size_of
+from ..maths import compare, rng
 from ..probe import recorder, spill
 from ..probe.trace import Trace, WeightsCast
 

@@ -20,14 +20,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .. import thresholds
+from ..core import thresholds
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
     from matplotlib.typing import RcKeyType
 
-    from ..record_model import RunSeriesModel
+    from ..record.model import RunSeriesModel
 
 #: one style for every chart
 BLUE, RED, GREY, GREEN = "#2563eb", "#b91c1c", "#6b7280", "#15803d"
@@ -262,7 +262,7 @@ def values_table(chart: Chart) -> tuple[list[int], list[tuple[str, list[str]]]]:
 
 def as_run(run: RunSeriesModel | Mapping[str, Any]) -> RunSeriesModel:
     """A run's series as the model (a record's JSON data for one is validated)."""
-    from ..record_model import RunSeriesModel
+    from ..record.model import RunSeriesModel
     return run if isinstance(run, RunSeriesModel) else RunSeriesModel.model_validate(run)
 
 

@@ -12,9 +12,9 @@ from typing import Any
 from jinja2 import Environment, PackageLoader
 from markupsafe import Markup
 
+from ..core.safetext import FIELD_LIMIT, TRACEBACK_LIMIT, inert
 from ..record import as_record, atomic_write_text
-from ..record_model import RecordModel, RunSeriesModel
-from ..safetext import FIELD_LIMIT, TRACEBACK_LIMIT, inert
+from ..record.model import RecordModel, RunSeriesModel
 
 #: The statuses, severities and verdicts the stylesheet knows.
 CSS_CLASSES = {"pass", "fail", "warn", "skip", "not-run", "error", "warning", "healthy", "failed",

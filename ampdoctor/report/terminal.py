@@ -18,10 +18,10 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ..safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
+from ..core.safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
 
 if TYPE_CHECKING:
-    from ..record_model import FindingModel, LocationModel, RecordModel, SourceModel
+    from ..record.model import FindingModel, LocationModel, RecordModel, SourceModel
 
 
 def _one(value: Any, limit: int = FIELD_LIMIT) -> str:

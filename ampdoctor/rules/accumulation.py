@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .. import compare, thresholds
-from ..enums import KindId
-from ..evidence import Evidence
-from ..findings import Finding, location
+from ..core import thresholds
+from ..core.enums import KindId
+from ..core.evidence import Evidence
+from ..core.findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..kinds import CATALOGUE
 from ..kinds.matched import (
@@ -31,6 +31,7 @@ from ..kinds.reduction import summed_over_count as summed_over_count_finding
 from ..kinds.reduction import varying_divisor as varying_divisor_finding
 from ..kinds.stepping import CarriedOver, ZeroedInside, zeroed_inside
 from ..kinds.stepping import carried_over as carried_over_finding
+from ..maths import compare
 from ..probe.events import ZeroGrad, of_type
 from ..session import Session, Trace
 from . import unaveraged

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from ..findings import Finding, location
+from ..core.findings import Finding, location
 from ..kinds.mismatch import ClipAfterStep
 from ..kinds.mismatch import clip_after_step as clip_after_step_finding
 from ..probe.events import Backward, Clip, OptimizerStep

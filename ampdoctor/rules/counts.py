@@ -3,7 +3,7 @@ accumulation condition (steps off the window boundaries)."""
 
 from __future__ import annotations
 
-from ..findings import Finding, location
+from ..core.findings import Finding, location
 from ..kinds.mismatch import OffBoundary, off_boundary
 from ..kinds.stepping import EngineContext, StepsPerWindow, steps_per_window
 from ..probe.events import StepRecord

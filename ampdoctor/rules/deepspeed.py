@@ -14,9 +14,9 @@ import linecache
 import re
 from dataclasses import dataclass
 
-from .. import thresholds
-from ..evidence import Evidence
-from ..findings import Finding, Location, location
+from ..core import thresholds
+from ..core.evidence import Evidence
+from ..core.findings import Finding, Location, location
 from ..kinds.mismatch import EngineScaleOff, engine_scale_off
 from ..probe.events import EngineBuilt
 from ..probe.trace import Trace

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ..evidence import Evidence
+from ..core.evidence import Evidence
 from ..probe.events import FrameworkPrecision
 from ..probe.trace import Trace
 

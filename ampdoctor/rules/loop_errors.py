@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from ..errors import exc_text, format_traceback, safe_repr, safe_str
-from ..findings import Finding, Location, location
+from ..core.errors import exc_text, format_traceback, safe_repr, safe_str
+from ..core.findings import Finding, Location, location
 from ..kinds.loop_error import (
     LoopExited,
     LoopRaised,

@@ -21,8 +21,8 @@ import linecache
 import textwrap
 from typing import Any
 
-from .. import thresholds
-from ..findings import Finding, Location, location
+from ..core import thresholds
+from ..core.findings import Finding, Location, location
 from ..kinds import schedule
 from ..loading.data import merge_micro_batches
 from ..probe.events import Backward

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import torch
 
-from .. import compare, thresholds
-from ..enums import KindId
-from ..findings import Finding, location
+from ..core import thresholds
+from ..core.enums import KindId
+from ..core.findings import Finding, location
 from ..judge import Judgement, judged_live
-from ..judge_live import JudgedGroup
+from ..judge.live import JudgedGroup
 from ..kinds.clipping import ScaledClip, scaled_clip
 from ..kinds.double_scaling import ScaledTwice, SecondScale, scaled_twice, second_scale
 from ..kinds.scaling import (
@@ -26,6 +26,7 @@ from ..kinds.scaling import (
     step_on_scaled,
     update_without_step,
 )
+from ..maths import compare
 from ..probe.callsite import Site
 from ..probe.events import Backward, Clip, Event, Scale, ScalerStep, Unscale, Update
 from ..probe.statemachine import Illegal, StepStateMachine

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .. import thresholds
-from ..findings import Finding, location
+from ..core import thresholds
+from ..core.findings import Finding, location
 from ..judge import step_groups
 from ..kinds.schedule import ScheduleTooFast, schedule_too_fast
 from ..probe.events import Backward, Forward, OptimizerStep, ScalerStep, SchedulerStep

@@ -10,13 +10,14 @@ from typing import Any, cast
 
 import torch
 
-from .. import compare, thresholds
-from ..enums import KindId
-from ..findings import Finding, location
+from ..core import thresholds
+from ..core.enums import KindId
+from ..core.findings import Finding, location
 from ..judge import Judgement, StepJudgement
 from ..kinds.clipping import ClipInScaledSpace
 from ..kinds.clipping import clip_in_scaled_space as clip_in_scaled_space_finding
 from ..loading import micro_batch_counts, micro_batch_size_of
+from ..maths import compare
 from ..probe.events import Snapshot, StepRecord
 from ..reference import ClipCall, reference_norm
 from ..session import Session, Trace, flat

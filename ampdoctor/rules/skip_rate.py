@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .. import thresholds
-from ..findings import Finding, location
+from ..core import thresholds
+from ..core.findings import Finding, location
 from ..kinds.frequent_skips import ScaleReset, SkipTrajectory, skip_trajectory
 from ..kinds.frequent_skips import scale_reset as scale_reset_finding
 from ..probe.events import Scale, ScalerInit, ScalerStep, Unscale, Update

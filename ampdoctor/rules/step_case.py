@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from .. import compare, thresholds
-from ..enums import KindId
-from ..evidence import Evidence
+from ..core import thresholds
+from ..core.enums import KindId
+from ..core.evidence import Evidence
 from ..judge import Judgement, StepJudgement
+from ..maths import compare
 from ..probe.events import Backward, Clip, Event, Scale, Snapshot, ZeroGrad, of_type
 from ..reference.gradients import WindowReference
 from ..session import Session, Trace, flat

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..findings import Finding, Location
+from ..core.findings import Finding, Location
 from ..kinds.double_scaling import Outcome, PrecisionsDisagree, precisions_disagree
 from ..scan.configs import text_locator
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import compare
-from ..evidence import Evidence
+from ..core.evidence import Evidence
 from ..kinds.accumulation import Unaveraged
+from ..maths import compare
 from ..probe.events import Snapshot
 from ..session import Session, flat
 from .shapes import Resplit

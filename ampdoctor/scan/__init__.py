@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ampdoctor.safetext import FIELD_LIMIT, exc_text, safe_str
+from ampdoctor.core.safetext import FIELD_LIMIT, exc_text, safe_str
 from ampdoctor.scan.configs import scan_config, scan_shell
 from ampdoctor.scan.graph import Graph
 from ampdoctor.scan.hints import hint_findings

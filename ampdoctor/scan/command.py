@@ -27,7 +27,7 @@ def _say(text: str) -> None:
 
 
 def _summary_line(report: ScanReport) -> str:
-    from ampdoctor.safetext import inert
+    from ampdoctor.core.safetext import inert
     from ampdoctor.scan.sites import display_path
 
     parts = [f"{len(report.owners)} loss-scale owner(s)"]
@@ -50,7 +50,7 @@ def run_scan(
     strict: bool = False,
 ) -> int:
     """Scan `paths`, print the report (text, JSON or SARIF), return the exit code."""
-    from ampdoctor.safetext import FIELD_LIMIT, exc_text, inert, safe_str
+    from ampdoctor.core.safetext import FIELD_LIMIT, exc_text, inert, safe_str
     from ampdoctor.scan import ScanPathError, scan_paths
     from ampdoctor.scan.render import render_text, to_json, to_sarif
 

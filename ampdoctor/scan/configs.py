@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from ampdoctor import limits
+from ampdoctor.core import limits
 from ampdoctor.scan.sites import FileScan, Site
 
 _YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)

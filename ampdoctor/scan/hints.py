@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ampdoctor.enums import KindId
-from ampdoctor.findings import Finding, Location
+from ampdoctor.core.enums import KindId
+from ampdoctor.core.findings import Finding, Location
 from ampdoctor.kinds.accumulation import UndividedLoss, undivided_loss
 from ampdoctor.kinds.base import AccumulationLoop
 from ampdoctor.kinds.clipping import ClipInCode, clip_in_code

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ampdoctor.enums import RungId
-from ampdoctor.findings import Finding, Location
+from ampdoctor.core.enums import RungId
+from ampdoctor.core.findings import Finding, Location
 from ampdoctor.kinds.double_scaling import Outcome, PrecisionsDisagree, precisions_disagree
 from ampdoctor.scan.sites import Site
 

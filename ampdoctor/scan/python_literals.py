@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from typing import Any
 
-from ampdoctor import thresholds
+from ampdoctor.core import thresholds
 from ampdoctor.scan.configs import MISSING
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import re
 
-from ampdoctor import thresholds
+from ampdoctor.core import thresholds
 from ampdoctor.scan.python_literals import number, power_of_two, source_text
 from ampdoctor.scan.python_state import VisitorState
 from ampdoctor.scan.sites import Site

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import IO, Any
 from urllib.parse import quote_from_bytes
 
-from ampdoctor.enums import KindId
+from ampdoctor.core.enums import KindId
+from ampdoctor.core.safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
 from ampdoctor.kinds import CATALOGUE
-from ampdoctor.safetext import FIELD_LIMIT, MESSAGE_LIMIT, inert
 from ampdoctor.scan.sites import ScanReport, Site, display_path
 
 #: JSON fields that hold a path (kept exact, JSON-escaped); every other string is made inert.

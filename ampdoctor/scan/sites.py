@@ -23,7 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampdoctor.findings import Finding, status_from_findings
+from ampdoctor.core.findings import Finding, status_from_findings
 
 #: Frameworks whose settings on one training path are one state machine however many places
 #: mention them (a Trainer configured in code and in an args file is still one Trainer).

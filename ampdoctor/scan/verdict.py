@@ -28,8 +28,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from ampdoctor.enums import RungId
-from ampdoctor.findings import Finding, Location
+from ampdoctor.core.enums import RungId
+from ampdoctor.core.findings import Finding, Location
 from ampdoctor.kinds.double_scaling import (
     OwnersApart,
     OwnersOnOnePath,

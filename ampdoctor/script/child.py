@@ -36,14 +36,14 @@ from typing import Any
 
 import torch
 
-from .. import processes
-from ..errors import format_traceback
+from ..core import processes
+from ..core.errors import format_traceback
+from ..core.safetext import exc_text, safe_str
 from ..probe import frameworks, patches, recorder, spill, wrappers
 from ..probe.callsite import CallSiteFinder, Site
 from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecord
 from ..probe.observer import ProbeSettings
 from ..probe.trace import WeightCast, weight_cast
-from ..safetext import exc_text, safe_str
 from . import deepspeed, expectation, files, forcing, prefork
 
 

@@ -14,17 +14,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import processes
-from ..enums import RungId
-from ..errors import AmpdoctorError, UsageError, UserCodeError
-from ..findings import RungResult
-from ..source import ScriptSource
+from ..core import processes
+from ..core.enums import RungId
+from ..core.errors import AmpdoctorError, UsageError, UserCodeError
+from ..core.findings import RungResult
+from ..spec.source import ScriptSource
 from .command import Command
 from .refused import PrecisionsRefused
 from .session import ScriptSession
 
 if TYPE_CHECKING:
-    from ..record_model import RecordModel
+    from ..record.model import RecordModel
 
 
 def _count(n: int) -> str:
@@ -101,9 +101,9 @@ def _diagnose(source: ScriptSource, command: Command, started: float,
               on_done: Callable[[RungResult], None] | None,
               on_progress: Callable[[dict[str, Any]], None] | None,
               ) -> tuple[RecordModel, AmpdoctorError | None]:
-    from .. import progress
+    from ..core import progress
     from ..ladder import run_ladder
-    from ..record_model import RunSeriesModel
+    from ..record.model import RunSeriesModel
     from ..runner import fill_record, new_record
     from .rungs import RUNGS, weights
 
@@ -167,7 +167,7 @@ def _refused_results(ss: ScriptSession, exc: PrecisionsRefused,
     precision: the double-scaling rung's search of the script and its config files names the
     two settings (as `ampdoctor scan` does); every other rung had no run to judge. None where
     the search does not find them (the error then says what the refusal means)."""
-    from ..enums import Status
+    from ..core.enums import Status
     from ..ladder import RUNG_IDS
     from ..ladder.precision_rungs import run_double_scaling
     from ..rules.trainer_precision import refusal_finding

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import init_script
-from ..errors import UsageError
-from ..init_script import BATCH_FLAGS, K_FLAGS, TOTAL_FLAGS, Flag
+from ..core.errors import UsageError
+from ..init import script as init_script
+from ..init.script import BATCH_FLAGS, K_FLAGS, TOTAL_FLAGS, Flag
 
 
 @dataclass(frozen=True)

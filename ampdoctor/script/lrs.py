@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from ..enums import RungId
-from ..findings import Finding, location
+from ..core.enums import RungId
+from ..core.findings import Finding, location
 from ..kinds.mismatch import RateOffReference, rate_off_reference
 from ..probe.events import SchedulerStep
 from ..rules.lr_set_by_hand import lr_assignment, rate_set_per_micro_batch_against

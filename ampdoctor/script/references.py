@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..errors import UsageError, UserCodeError
+from ..core.errors import UsageError, UserCodeError
 from ..probe.events import EngineBuilt
 from ..reference import WindowReference, per_microbatch_full
 from .infer import DEEPSPEED_BATCH, deepspeed_options, with_batch

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UserCodeError
+from ..core.errors import UserCodeError
 from ..rules.trainer_precision import Refusal, refusal
 
 

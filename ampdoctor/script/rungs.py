@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from .. import compare, thresholds
-from ..enums import RungId, Status
-from ..errors import UserCodeError
-from ..findings import Finding, RungResult, conclude, location
+from ..core import thresholds
+from ..core.enums import RungId, Status
+from ..core.errors import UserCodeError
+from ..core.findings import Finding, RungResult, conclude, location
 from ..kinds.baseline import NotRepeatable, Runs, not_repeatable
 from ..kinds.clipping import ScaledClip, ScriptScaledClip, script_scaled_clip
 from ..kinds.scaling import SecondUnscale, StepOnScaled
@@ -30,6 +30,7 @@ from ..ladder import amp, clip_space, fp32_accum, precision_rungs, skips
 from ..ladder.analysis import loop_error_finding, scheduler_findings
 from ..ladder.casts import weight_cast_finding
 from ..ladder.reproducibility import repeat_tolerance
+from ..maths import compare
 from ..probe.events import Backward, Clip, EngineBuilt, Scale, ZeroGrad
 from ..rules.scale_state import call_order_finding, runtime_double_scaling, violation_observations
 from .lrs import lr_mismatch

@@ -11,7 +11,7 @@ import tempfile
 import weakref
 from typing import Any
 
-from .. import processes
+from ..core import processes
 
 #: how the note on the script's files starts (one note, replaced as runs add to it)
 NOTE = "the script's file writes went to a scratch folder,"

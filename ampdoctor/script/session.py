@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError, UserCodeError
+from ..core.errors import UsageError, UserCodeError
 from ..probe.callsite import CallSiteFinder
 from ..probe.events import Backward, Clip, EngineBuilt
 from ..probe.trace import Trace
@@ -86,7 +86,7 @@ class ScriptSession:
                    reference=reference, **extra)
 
     def run(self, job: Job, what: str) -> Outcome:
-        from .. import progress
+        from ..core import progress
         progress.run_started(what, None)
         if job.scratch is None:
             job.scratch = self.scratch.folder()

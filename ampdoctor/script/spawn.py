@@ -20,8 +20,8 @@ import time
 import types
 from typing import Any
 
-from .. import processes
-from ..errors import UserCodeError
+from ..core import processes
+from ..core.errors import UserCodeError
 from . import prefork
 
 _CONTEXT: Any = None

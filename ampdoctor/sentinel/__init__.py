@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..enums import KindId
-from ..findings import Finding, Location, Severity, location
+from ..core.enums import KindId
+from ..core.findings import Finding, Location, Severity, location
 from ..kinds.clipping import WatchedScaledClip, watched_scaled_clip
 from ..probe.callsite import CallSiteFinder, Site
 from .checks import COUNT_WINDOWS, RUNG, CountChecks, LossFn, Window, built_at
@@ -39,7 +39,7 @@ from .patching import Patching, direct_site
 from .replay import device_of, precision_now
 
 if TYPE_CHECKING:
-    from ..record_model import RecordModel
+    from ..record.model import RecordModel
 
 #: optimizer steps between two expensive checks, by default
 DEFAULT_EVERY = 500
@@ -375,7 +375,7 @@ class Watch(CountChecks, DistributedReplay, Patching):
         warnings.warn(text, stacklevel=5)
 
     def _make_record(self) -> RecordModel:
-        from ..record_model import FindingModel, RungModel
+        from ..record.model import FindingModel, RungModel
         from ..runner import blank_record, environment
         errors = [f for f in self.findings if f.severity == Severity.ERROR]
         record = blank_record(spec=None, source={}, name=self.name, device=device_of(self.params),

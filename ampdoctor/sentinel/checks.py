@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .. import thresholds
-from ..findings import Finding, location
+from ..core import thresholds
+from ..core.findings import Finding, location
 from ..kinds.frequent_skips import SteadySkips, steady_skips
 from ..kinds.schedule import ScheduleOnSkips, StepsPerUpdate, schedule_on_skips, steps_per_update
 from ..kinds.stepping import (

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..findings import Finding, Severity
+from ..core.findings import Finding, Severity
 from .checks import Window
 from .replay import ReplayCheck, Replayed
 
 if TYPE_CHECKING:
-    from ..record_model import RecordModel
+    from ..record.model import RecordModel
 
 
 def replica_group(model: torch.nn.Module) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..findings import Finding
+from ..core.findings import Finding
 from . import Watch, WatchError
 from .checks import Window
 from .patching import direct_site

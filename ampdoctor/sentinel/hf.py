@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
-from ..findings import Finding
+from ..core.findings import Finding
 from ..probe.callsite import CallSiteFinder, Site, _torch_dir
 from . import DEFAULT_EVERY, Watch
 from .checks import LossFn

@@ -35,7 +35,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.overrides import TorchFunctionMode
 
-from ..findings import Finding, Severity
+from ..core.findings import Finding, Severity
 from ..probe.callsite import CallSiteFinder, Site
 from . import DEFAULT_EVERY, Watch
 

@@ -13,11 +13,12 @@ from typing import Any
 
 import torch
 
-from .. import compare, thresholds
-from ..enums import KindId
-from ..evidence import Evidence
-from ..findings import location
+from ..core import thresholds
+from ..core.enums import KindId
+from ..core.evidence import Evidence
+from ..core.findings import location
 from ..kinds.matched import ReplayedWeighting, ReplayedWindow, replayed_weighting, replayed_window
+from ..maths import compare
 from .checks import RUNG, WatchState, Window
 
 

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import shards, thresholds
-from .enums import KindId
-from .evidence import Evidence, significant
+from ..core import thresholds
+from ..core.enums import KindId
+from ..core.evidence import Evidence, significant
+from . import shards
 
 #: Gradients (or weights) by parameter name; read only here.
 Grads = Mapping[str, "torch.Tensor | None"]

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import processes
-from .errors import (
+from ..core import processes
+from ..core.errors import (
     AmpdoctorError,
     InputError,
     LaunchError,
@@ -43,10 +43,10 @@ from .errors import (
     UsageError,
     UserCodeError,
 )
-from .supervise_records import died_record, hung_record
+from .records import died_record, hung_record
 
 if TYPE_CHECKING:   # (pydantic's import waits until the worker has started)
-    from .record_model import RecordModel, RungModel
+    from ..record.model import RecordModel, RungModel
 
 #: Extra seconds past `timeout_s` before a phase that did not end is killed: the child's own
 #: stop (at `timeout_s`) needs time to unwind the loop and write its finding. At most this,
@@ -100,9 +100,10 @@ def _child_command() -> list[str]:
     """`python -c` with ampdoctor's own folder first on sys.path, never the current directory
     (a user's `torch.py` or `ampdoctor/` in it must not shadow the real ones; the console
     script does not put the working directory on sys.path either)."""
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     return [sys.executable, "-c",
-            f"import sys; sys.path[0] = {root!r}; from ampdoctor.worker import main; main()"]
+            f"import sys; sys.path[0] = {root!r}; "
+            "from ampdoctor.supervise.worker import main; main()"]
 
 
 class Watch:
@@ -243,13 +244,13 @@ class Watch:
                 self.phase_started = now
         elif kind == "done":
             if event.get("rung"):
-                from .record_model import RungModel
+                from ..record.model import RungModel
                 self.outcome.done.append(RungModel.model_validate(event["rung"]))
             self.phase, self.phase_started = "finishing", now
         elif kind == "result":
             self.result_seen = True
             wired = event.get("record")
-            from .record_model import RecordModel
+            from ..record.model import RecordModel
             self.outcome.record = (RecordModel.model_validate(wired) if wired is not None
                                    else None)
             if event.get("error"):

@@ -31,12 +31,12 @@ from pydantic import (
     model_validator,
 )
 
-from .errors import UsageError
-from .safetext import MESSAGE_LIMIT, inert
+from ..core.errors import UsageError
+from ..core.safetext import MESSAGE_LIMIT, inert
 
 if TYPE_CHECKING:
-    from .errors import AmpdoctorError
-    from .findings import Finding, RungResult
+    from ..core.errors import AmpdoctorError
+    from ..core.findings import Finding, RungResult
 
 Scalar = str | int | float | bool | None
 Verdict = Literal["healthy", "failed", "inconclusive", "error"]
@@ -136,7 +136,7 @@ class FindingModel(_Ordered):
 
 def attach_source(item: FindingModel | ErrorModel) -> None:
     """Give a finding or an error with a location its `source` snippet."""
-    from .source_snippet import snippet
+    from ..core.source_snippet import snippet
     if item.location is None or item.source is not None:
         return
     found = snippet(item.location.file, item.location.line)

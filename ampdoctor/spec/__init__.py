@@ -1,6 +1,6 @@
 """The spec (CONTRACT §1): a pydantic model of every key, and YAML loading with line numbers.
 Its sections and value checks (the optimizer mapping, the frameworks' settings, ddp, scan)
-are in `spec_sections.py`.
+are in `spec/sections.py`.
 
 pydantic does the type checking and defaults; this module turns its errors into one paragraph
 per problem that names the key and the YAML line, and suggests the nearest key for a typo.
@@ -25,8 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from .errors import SpecError
-from .spec_sections import (
+from ..core.errors import SpecError
+from .sections import (
     CODE_KEYS,
     DDPSettings,
     DeepSpeedSettings,
@@ -39,13 +39,13 @@ from .spec_sections import (
     _Strict,
     code_ref,
 )
-from .spec_sections import (
+from .sections import (
     TORCH_OPTIMIZERS as TORCH_OPTIMIZERS,  # re-exported: the spec's public names
 )
-from .spec_sections import (
+from .sections import (
     CodeRef as CodeRef,
 )
-from .spec_yaml import read_spec_yaml, top_level_lines
+from .yaml_file import read_spec_yaml, top_level_lines
 
 DEVICE_RE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -56,7 +56,7 @@ def check_rung_ids(value: list[str] | None) -> list[str] | None:
     """Rung ids in ladder order; ValueError naming an unknown one (and the closest id)."""
     if value is None:
         return None
-    from .findings import RUNG_IDS
+    from ..core.findings import RUNG_IDS
     for rung in value:
         if rung not in RUNG_IDS:
             close = difflib.get_close_matches(rung, RUNG_IDS, n=1)

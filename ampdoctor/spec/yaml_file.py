@@ -9,8 +9,8 @@ from typing import Any
 
 import yaml
 
-from . import limits
-from .errors import SpecError
+from ..core import limits
+from ..core.errors import SpecError
 
 #: A spec is a few hundred bytes; this bounds what a file can make ampdoctor read.
 MAX_SPEC_BYTES = 1024 * 1024

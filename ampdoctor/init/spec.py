@@ -9,8 +9,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import init_loss, init_script
-from .errors import UsageError
+from ..core.errors import UsageError
+from . import loss as init_loss
+from . import script as init_script
 
 LOOP_PARAMS = ("model", "optimizer", "micro_batches", "run")
 K_NAMES = ("accumulation_steps", "gradient_accumulation_steps", "grad_accum_steps",

@@ -1,6 +1,6 @@
 """Errors as types: each carries a human message and maps to one exit code (CONTRACT §5).
 
-Text from the user's code enters a record through here, bounded (see `ampdoctor.safetext`): an
+Text from the user's code enters a record through here, bounded (see `ampdoctor.core.safetext`): an
 exception message quoted in a message is cut to `MESSAGE_LIMIT` characters (`exc_text`), a whole
 error message to `ERROR_LIMIT`, a traceback to `TRACEBACK_LIMIT`, each with a note of how much
 was cut; and an exception whose `__str__` raises cannot break ampdoctor (`safe_str`). What is

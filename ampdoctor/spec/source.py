@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator
 
-from .errors import UsageError
+from ..core.errors import UsageError
 
 #: The longest one run of the script may take (seconds), unless AMPDOCTOR_SCRIPT_TIMEOUT_S says.
 DEFAULT_TIMEOUT_S = 600.0
@@ -83,19 +83,19 @@ class ScriptSource(BaseModel):
     @field_validator("rungs")
     @classmethod
     def _rung_ids(cls, value: list[str] | None) -> list[str] | None:
-        from .spec import check_rung_ids
+        from . import check_rung_ids
         return check_rung_ids(value)
 
     @field_validator("precisions")
     @classmethod
     def _precisions(cls, value: list[str]) -> list[str]:
-        from .spec import check_precisions
+        from . import check_precisions
         return check_precisions(value)
 
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        from .spec import check_device
+        from . import check_device
         return check_device(value)
 
     # --- what the driver reads of a source (as of a Spec) ----------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from .record_model import ErrorModel, FindingModel, RecordModel
+    from ..record.model import ErrorModel, FindingModel, RecordModel
 
 
 class Watch(Protocol):
@@ -58,7 +58,7 @@ def _is_users(file: str, roots: list[Path]) -> bool:
     parts = Path(path).parts
     if "site-packages" in parts or "dist-packages" in parts:
         return False
-    package = str(Path(__file__).resolve().parent)
+    package = str(Path(__file__).resolve().parents[1])
     if path.startswith(package + os.sep):
         return False
     return any(path.startswith(str(root) + os.sep) for root in roots)
@@ -88,7 +88,7 @@ def _roots(spec: Any) -> list[Path]:
 
 def _base_record(watch: Watch) -> RecordModel:
     """The record of the run so far: the rungs the child reported done."""
-    from .runner import new_record
+    from ..runner import new_record
     record = new_record(watch.spec, str(getattr(watch.spec, "device", "unknown")))
     record.rungs = list(watch.outcome.done)
     return record
@@ -97,8 +97,8 @@ def _base_record(watch: Watch) -> RecordModel:
 def _close_ladder(record: RecordModel, rung: str, summary: str,
                   finding: FindingModel) -> None:
     """The stopped rung as a failure, the rungs after it not run."""
-    from .findings import RUNG_IDS
-    from .record_model import RungModel
+    from ..core.findings import RUNG_IDS
+    from ..record.model import RungModel
     record.rungs.append(RungModel(id=rung, status="fail",
                                   seconds=finding.evidence.get("measured", 0.0),
                                   summary=summary))
@@ -114,7 +114,7 @@ def _close_ladder(record: RecordModel, rung: str, summary: str,
 
 def _user_code_error(message: str, location: tuple[str, int] | None = None) -> ErrorModel:
     """The record's `error` of a child that hung or died outside a rung (exit 3)."""
-    from .record_model import ErrorModel, LocationModel
+    from ..record.model import ErrorModel, LocationModel
     error = ErrorModel(type="UserCodeError", message=message, exit_code=3)
     if location:
         error.location = LocationModel(file=location[0], line=location[1])
@@ -140,9 +140,9 @@ def hung_record(watch: Watch, elapsed: float, stacks: str) -> RecordModel:
         record.error = _user_code_error(message, location)
         record.verdict = "error"
         return record
-    from .findings import Location
-    from .kinds.loop_error import ProcessKilled, process_killed
-    from .record_model import FindingModel
+    from ..core.findings import Location
+    from ..kinds.loop_error import ProcessKilled, process_killed
+    from ..record.model import FindingModel
     finding = FindingModel.of(process_killed(ProcessKilled(
         watch.phase, key, timeout, elapsed, location=Location(*location) if location else None,
         function=site[2] if site else None, progressed=bool(progress),
@@ -156,8 +156,8 @@ def hung_record(watch: Watch, elapsed: float, stacks: str) -> RecordModel:
 def died_record(watch: Watch) -> RecordModel:
     """The record of a child that ended without sending one (killed by a signal, a crash in
     native code, an exit the loop forced)."""
-    from .kinds.loop_error import ProcessDied, process_died
-    from .record_model import FindingModel
+    from ..kinds.loop_error import ProcessDied, process_died
+    from ..record.model import FindingModel
     record = _base_record(watch)
     code = watch.proc.returncode
     died = ProcessDied(watch.phase, code, signal.Signals(-code).name

@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import UsageError
-from .record import as_record
+from ..core.errors import UsageError
+from ..record import as_record
 
 if TYPE_CHECKING:
-    from .record_model import RecordModel
+    from ..record.model import RecordModel
 
 #: the steps a guard re-runs (the ladder needs a few windows; more only costs CI time)
 DEFAULT_STEPS = 3

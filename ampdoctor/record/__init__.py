@@ -17,8 +17,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
-from .record_model import RecordModel, validate
+from ..core.errors import UsageError
+from .model import RecordModel, validate
 
 DEFAULT_DIR = Path(".ampdoctor") / "runs"
 #: The shape of the records this version writes (`record_version`).

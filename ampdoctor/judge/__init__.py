@@ -15,14 +15,16 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compare, judge_step, thresholds
-from .judge_live import JudgedGradients, JudgedGroup, StepJudge, outside_the_loop
-from .judge_step import StepJudgement, known_thresholds, tolerance
-from .loading import micro_batch_counts
-from .probe import spill
-from .reference import WindowReference
-from .reference.gradients import SESSION_WEIGHTING
-from .session import Session, Trace, flat
+from ..core import thresholds
+from ..loading import micro_batch_counts
+from ..maths import compare
+from ..probe import spill
+from ..reference import WindowReference
+from ..reference.gradients import SESSION_WEIGHTING
+from ..session import Session, Trace, flat
+from . import step as judge_step
+from .live import JudgedGradients, JudgedGroup, StepJudge, outside_the_loop
+from .step import StepJudgement, known_thresholds, tolerance
 
 __all__ = ["Judgement", "StepJudgement", "StepJudge", "JudgedGroup", "JudgedGradients",
            "judge", "judged_live", "step_groups", "tolerance", "known_thresholds",

@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 
-from . import compare, memory, rng
-from .dtype_errors import data_dtype_culprit
-from .errors import AmpdoctorInterrupt, EnoughSteps, UserCodeError, exc_text
-from .loading import (
+from ..core import memory
+from ..core.errors import AmpdoctorInterrupt, EnoughSteps, UserCodeError, exc_text
+from ..loading import (
     AUTOCAST_DTYPES,
     RunSettings,
     UserCode,
@@ -26,14 +25,16 @@ from .loading import (
     to_device,
     unusable,
 )
-from .loading.entrypoints import EntryPointRefused
-from .probe import recorder, spill
-from .probe.callsite import CallSiteFinder, Site
-from .probe.events import ScalerInit, ScalerStep, Update
-from .probe.observer import ProbeSettings, StepObserver
-from .probe.trace import Trace, WeightCast, WeightsCast, watching_casts, weight_cast
-from .reference import ReferenceBuilder
-from .spec import Spec
+from ..loading.entrypoints import EntryPointRefused
+from ..maths import compare, rng
+from ..probe import recorder, spill
+from ..probe.callsite import CallSiteFinder, Site
+from ..probe.events import ScalerInit, ScalerStep, Update
+from ..probe.observer import ProbeSettings, StepObserver
+from ..probe.trace import Trace, WeightCast, WeightsCast, watching_casts, weight_cast
+from ..reference import ReferenceBuilder
+from ..spec import Spec
+from .dtype_errors import data_dtype_culprit
 
 #: Judge each step of the runs the rungs judge as it happens (`judge.StepJudge`); False: copy
 #: every step's gradients and weights and judge after the run (the tests compare the two).

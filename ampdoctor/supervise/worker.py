@@ -1,4 +1,4 @@
-"""The child process a CLI diagnose runs in (`supervise.py` is the parent).
+"""The child process a CLI diagnose runs in (`supervise/__init__.py` is the parent).
 
 The user's loop runs here, never in the process that owns the terminal: whatever it does to
 process-wide state (threads it never joins, signal handlers, `sys.stdout` closed, `os.chdir`,
@@ -28,10 +28,10 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, TextIO
 
-from . import processes
+from ..core import processes
 
 if TYPE_CHECKING:
-    from .findings import RungResult
+    from ..core.findings import RungResult
 
 #: The real `os._exit`, taken before any user code could replace it.
 _EXIT = os._exit
@@ -45,7 +45,7 @@ class Channel:
         self.lock = threading.Lock()
 
     def send(self, event: str, **fields: Any) -> None:
-        from .record_model import finite
+        from ..record.model import finite
         line = json.dumps({"event": event, **finite(fields)}, default=str, allow_nan=False,
                           separators=(",", ":"))
         with self.lock:
@@ -65,8 +65,8 @@ def _die_with_parent() -> None:
 
 
 def _error_fields(exc: BaseException) -> dict[str, Any]:
-    from .errors import format_traceback
-    from .safetext import exc_text
+    from ..core.errors import format_traceback
+    from ..core.safetext import exc_text
     fields: dict[str, Any] = {"type": type(exc).__name__,
                               "message": getattr(exc, "message", None) or exc_text(exc),
                               "exit_code": getattr(exc, "exit_code", 4)}
@@ -97,13 +97,13 @@ def main() -> None:
         # before "hello": the parent's bound on loading the user's code starts there
         import torch  # noqa: F401
 
-        from . import api, ladder, runner, session  # noqa: F401
+        from .. import api, ladder, runner, session  # noqa: F401
         channel.send("hello", pid=os.getpid(), main_thread=threading.main_thread().ident)
         _run(job, channel)
     except BaseException as exc:  # noqa: BLE001 - everything is reported to the parent
         import traceback
 
-        from .safetext import exc_text
+        from ..core.safetext import exc_text
         code = 4
         # a send that fails: the parent sees a run that ended without a result
         with contextlib.suppress(Exception):
@@ -134,18 +134,18 @@ def _warm_script_runs(job: dict[str, Any]) -> None:
         return
     script = wire.get("script_source") if isinstance(wire, dict) else None
     if isinstance(script, dict) and isinstance(script.get("script"), str):
-        from .script import spawn
+        from ..script import spawn
         spawn.warm(script["script"], str(script.get("cwd") or os.getcwd()))
 
 
 def _run(job: dict[str, Any], channel: Channel) -> None:
     """One diagnose of the job's run source (a spec, or a script: `source.ScriptSource`), its
     events and its record sent on the channel."""
-    from .api import diagnose
-    from .errors import AmpdoctorError
-    from .source import from_wire as source_from_wire
-    from .source import is_script_wire
-    from .spec import from_wire
+    from ..api import diagnose
+    from ..core.errors import AmpdoctorError
+    from ..spec import from_wire
+    from ..spec.source import from_wire as source_from_wire
+    from ..spec.source import is_script_wire
 
     def done(result: RungResult) -> None:
         channel.send("done", rung=result.to_dict())
@@ -157,8 +157,8 @@ def _run(job: dict[str, Any], channel: Channel) -> None:
         channel.send("progress", **event)
 
     if is_script_wire(job["spec"]):
-        from .record import exit_code
-        from .script.diagnose import run_script
+        from ..record import exit_code
+        from ..script.diagnose import run_script
         record, exception = run_script(source_from_wire(job["spec"]), started, done, progress)
         record.exit_code = exit_code(record)
         channel.send("result", record=record.dump(),

@@ -1,7 +1,7 @@
 """The spec's sections and value checks: the `module:function` references of the user's code,
 the torch.optim name of an `optimizer` mapping (with its "did you mean"), and the nested
 settings (`tolerances`, `scan`, `ddp`, `hf_trainer`, `lightning`, `deepspeed`) with the
-framework settings ampdoctor sets per rung itself. `spec.py` builds the spec from them. No
+framework settings ampdoctor sets per rung itself. `spec/__init__.py` builds the spec from them. No
 torch here (a name missing from TORCH_OPTIMIZERS alone looks in torch.optim).
 """
 

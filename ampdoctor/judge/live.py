@@ -13,13 +13,15 @@ from typing import Any, NoReturn
 
 import torch
 
-from . import compare, judge_step, memory
-from .errors import AmpdoctorInterrupt
-from .judge_step import StepJudgement, known_thresholds
-from .probe import recorder, spill
-from .probe.events import Clip, StepRecord
-from .probe.observer import StepKeep
-from .session import Session, Trace
+from ..core import memory
+from ..core.errors import AmpdoctorInterrupt
+from ..maths import compare
+from ..probe import recorder, spill
+from ..probe.events import Clip, StepRecord
+from ..probe.observer import StepKeep
+from ..session import Session, Trace
+from . import step as judge_step
+from .step import StepJudgement, known_thresholds
 
 
 @dataclass

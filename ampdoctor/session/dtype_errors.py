@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .errors import exc_text
+from ..core.errors import exc_text
 
 #: torch's names for a dtype in its error messages: `Long`, `torch.int64`, `torch.LongTensor`.
 _SCALAR_NAMES = {

@@ -10,24 +10,24 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from ._version import __version__
-from .enums import KindId
-from .errors import (
+from .._version import __version__
+from ..core.enums import KindId
+from ..core.errors import (
     AmpdoctorError,
     InputError,
     UsageError,
     UserCodeError,
     format_traceback,
 )
-from .findings import RungResult
-from .source import ScriptSource
-from .spec import Spec
+from ..core.findings import RungResult
+from ..spec import Spec
+from ..spec.source import ScriptSource
 
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .loading import UserCode
-    from .record_model import RecordModel
+    from ..loading import UserCode
+    from ..record.model import RecordModel
 
 
 @contextlib.contextmanager
@@ -97,14 +97,14 @@ def _run_diagnose(spec: Spec, on_start: Callable[[str], None] | None,
                   on_progress: Callable[[dict[str, Any]], None] | None) -> RecordModel:
     import torch
 
-    from . import progress
-    from .ladder import run_ladder
-    from .loading import UserCode, check_finite, cut_micro_batches, resolve_device
-    from .probe import patches, recorder, wrappers
-    from .probe.callsite import CallSiteFinder
-    from .process_state import ProcessState
-    from .record_model import RunSeriesModel
-    from .session import Session
+    from ..core import progress
+    from ..core.process_state import ProcessState
+    from ..ladder import run_ladder
+    from ..loading import UserCode, check_finite, cut_micro_batches, resolve_device
+    from ..probe import patches, recorder, wrappers
+    from ..probe.callsite import CallSiteFinder
+    from ..record.model import RunSeriesModel
+    from ..session import Session
 
     before = ProcessState.take()
     started = time.perf_counter()
@@ -142,7 +142,7 @@ def _run_diagnose(spec: Spec, on_start: Callable[[str], None] | None,
 
 
 def _left_behind_notes(code: UserCode) -> set[str]:
-    from .process_state import DESCRIBED
+    from ..core.process_state import DESCRIBED
     return {f"your loop left {DESCRIBED.get(name, name)} changed when it returned; ampdoctor "
             "restored it after each run, so no later run or reference inherited it"
             for name in code.left_behind}
@@ -232,7 +232,7 @@ def blank_record(*, spec: str | None, source: dict[str, Any], name: str, device:
                  micro_batch_size: int | None, environment: dict[str, Any]) -> RecordModel:
     """The record before any rung ran (verdict "error" until it is filled), for a spec or,
     with `source` (script, args, reference_args) after `spec`, a script."""
-    from .record_model import RecordModel, SeriesModel
+    from ..record.model import RecordModel, SeriesModel
     return RecordModel(
         record_version=1,
         ampdoctor_version=__version__,
@@ -259,7 +259,7 @@ def fill_record(record: RecordModel, results: list[RungResult]) -> None:
     """The rungs and findings into the record, and the verdict. Under keep_going the rungs
     after the first failure are in it, each marked `after_failure` (and their findings too);
     the verdict, `failed_rung` and so the exit code are the first failure's alone."""
-    from .record_model import FindingModel, RungModel, attach_source
+    from ..record.model import FindingModel, RungModel, attach_source
     record.rungs = []
     record.findings = []
     series: list[dict[str, Any]] = []
@@ -322,7 +322,7 @@ COMPARING_RUNGS = ("fp32-accum", "bf16-no-scaler", "fp16-scaler", "clip-space", 
 def error_record(spec: Spec | ScriptSource | None, exc: AmpdoctorError,
                  device: str = "unknown") -> RecordModel:
     """A record for a run that could not start (bad spec is not recorded; user code is)."""
-    from .record_model import ErrorModel, LocationModel, RecordModel, attach_source
+    from ..record.model import ErrorModel, LocationModel, RecordModel, attach_source
     if device == "unknown" and spec is not None:
         device = spec.device
     record = new_record(spec, device) if spec is not None else RecordModel(

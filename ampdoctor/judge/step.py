@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compare, thresholds
-from .probe.events import Clip, Event, ScalerStep, StepRecord
-from .reference import ClipCall, clip_calls, clip_ops, reference_norm
-from .session import Session, Trace
+from ..core import thresholds
+from ..maths import compare
+from ..probe.events import Clip, Event, ScalerStep, StepRecord
+from ..reference import ClipCall, clip_calls, clip_ops, reference_norm
+from ..session import Session, Trace
 
 
 @dataclass(frozen=True)
