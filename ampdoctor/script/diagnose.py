@@ -19,6 +19,7 @@ from ..core.enums import RungId
 from ..core.errors import AmpdoctorError, UsageError, UserCodeError
 from ..core.findings import RungResult
 from ..spec.source import ScriptSource
+from . import spawn
 from .command import Command
 from .refused import PrecisionsRefused
 from .session import ScriptSession
@@ -93,7 +94,10 @@ def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = No
                           cwd=source.cwd, env=_environment(source.device),
                           output_dir=output_dir if source.capture_output else None,
                           defer_batch=source.reference_batch_option)
-        return _diagnose(source, command, started, on_start, on_done, on_progress)
+        try:
+            return _diagnose(source, command, started, on_start, on_done, on_progress)
+        finally:
+            spawn.finish_runs()     # the last run's processes, before its folders go
 
 
 def _diagnose(source: ScriptSource, command: Command, started: float,

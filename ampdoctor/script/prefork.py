@@ -50,6 +50,9 @@ SERVED: list[str] | None = None
 #: `(module name, attribute)` of safetensors' functions (`native`)
 SERVER_MODULES: frozenset[str] = frozenset()
 SAFETENSORS_NAMES: list[tuple[str, str]] = []
+#: id of each callable a preloaded module holds -> (module name, name) of each holder (in the
+#: server, once its imports are done; `rebind` reads it in each run)
+_HELD: dict[int, list[tuple[str, str]]] = {}
 
 #: the import list the running server was started with (in the process that starts runs)
 _SERVING: tuple[str, ...] | None = None
@@ -217,6 +220,12 @@ def _snapshot() -> None:
     global SERVER_MODULES
     SAFETENSORS_NAMES.extend(_bound_names(list(sys.modules.items())))
     SERVER_MODULES = frozenset(sys.modules)
+    for modname in PRELOADED:     # what `rebind` looks up instead of reading every module
+        module = sys.modules.get(modname)
+        if isinstance(module, types.ModuleType):
+            for key, value in vars(module).items():
+                if callable(value):
+                    _HELD.setdefault(id(value), []).append((modname, key))
 
 
 def safetensors_holders() -> list[tuple[str, str]]:
@@ -227,8 +236,29 @@ def safetensors_holders() -> list[tuple[str, str]]:
     if not SERVER_MODULES:
         return _bound_names(list(sys.modules.items()))
     names = [(m, a) for m, a in SAFETENSORS_NAMES if m in sys.modules]
-    return names + _bound_names([(m, sys.modules[m]) for m in list(sys.modules)
-                                 if m not in SERVER_MODULES])
+    return names + _bound_names([(m, sys.modules[m]) for m in _loaded_since()])
+
+
+#: how many of the server's modules in a row end the look back through sys.modules
+_RUN_OF_OLD = 64
+
+
+def _loaded_since() -> list[str]:
+    """The modules a run loaded since the server's imports: the last ones of sys.modules (it
+    keeps the order modules were added in), read from the end until a run of the server's own.
+    Reading every module name would write to every one's reference count: in a forked run each
+    write copies a page (~3 ms a run)."""
+    found: list[str] = []
+    old = 0
+    for name in reversed(sys.modules):
+        if name in SERVER_MODULES:
+            old += 1
+            if old >= _RUN_OF_OLD:
+                break
+            continue
+        old = 0
+        found.append(name)
+    return [name for name in found if name in sys.modules]
 
 
 def _bound_names(modules: list[tuple[str, Any]]) -> list[tuple[str, str]]:
@@ -271,6 +301,14 @@ def rebind(patched: list[tuple[Any, str, Any]]) -> None:
         if callable(old) and new is not None and new is not old:
             swap[id(old)] = new
     if not swap:
+        return
+    if _HELD:      # the server noted who holds what (reading every module costs each run)
+        for old_id, new in swap.items():
+            for modname, key in _HELD.get(old_id, ()):
+                module = sys.modules.get(modname)
+                if module is not None and id(vars(module).get(key)) == old_id:
+                    with contextlib.suppress(Exception):
+                        setattr(module, key, new)
         return
     for modname in PRELOADED:
         module = sys.modules.get(modname)

@@ -88,6 +88,8 @@ def _child_main(job: Any, conn: Any, log_path: str | None = None) -> None:
             payload = dumps(("ok", outcome))
         except Exception as exc:  # noqa: BLE001 - an event the script made unpicklable
             payload = pickle.dumps(("internal", f"could not send the run back: {exc!r}"))
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()       # the run's output is whole in its log once it reports
         conn.send_bytes(payload)
     except BaseException as exc:  # noqa: BLE001 - ampdoctor's own failure in the child
         import traceback
@@ -141,6 +143,28 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
 
 
+#: runs that reported back and are leaving (a process with torch loaded takes ~10 ms to exit),
+#: with whether they reported: ended at the next run's start or the diagnose's end, while the
+#: worker reads the outcome
+_ENDING: list[tuple[Any, bool]] = []
+
+
+def finish_runs() -> None:
+    """Every run that reported back has exited, and what it started has ended."""
+    while _ENDING:
+        process, reported = _ENDING.pop(0)
+        if process.is_alive():
+            process.join(5 if reported else 0)    # one that did not report is stopped now
+        if process.is_alive():
+            process.kill()
+        process.join()
+        # what the run started (DataLoader workers, daemonic children, `subprocess` helpers)
+        # is in its group, even once orphaned; one that left it is the worker's to end. The
+        # fork server reaped the child: the group's id may be a stranger's by now, so only
+        # what carries this worker's run token is the run's
+        processes.end(groups=(process.pid,), carrying=processes.own_token())
+
+
 class ChildFailed(Exception):
     """ampdoctor's own code failed in the child (not the script): a bug to report."""
 
@@ -149,6 +173,7 @@ def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None
     """Run `job` (a `child.Job`) in a child process; its `child.Outcome`. UserCodeError (exit 3)
     when it does not finish within `timeout_s` or the process died without a word (os._exit,
     a crash in native code). `log_path`: where the script's output goes (else stderr)."""
+    finish_runs()
     warm(job.script, job.cwd)         # the script's libraries imported once
     ctx = _context()
     receiver, sender = ctx.Pipe(duplex=False)
@@ -176,16 +201,9 @@ def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None
                 break
     finally:
         receiver.close()
-        if process.is_alive():
-            process.join(5 if payload is not None else 0)
-        if process.is_alive():
-            process.kill()
-        process.join()
-        # what the run started (DataLoader workers, daemonic children, `subprocess` helpers)
-        # is in its group, even once orphaned; one that left it is the worker's to end. The
-        # fork server reaped the child: the group's id may be a stranger's by now, so only
-        # what carries this worker's run token is the run's
-        processes.end(groups=(process.pid,), carrying=processes.own_token())
+        _ENDING.append((process, payload is not None))
+        if payload is None:
+            finish_runs()
     if payload is None:
         code = process.exitcode
         how = (f"was killed by signal {-code}" if code is not None and code < 0
