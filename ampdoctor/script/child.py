@@ -122,6 +122,8 @@ class Outcome:
     #: backward n (1-based, the run's order) -> the optimizer slots whose parameters it gave
     #: gradients (a GAN's two losses train two models)
     backward_slots: dict[int, set[int]] = field(default_factory=dict)
+    #: "file:line" of each torch.compile call, left eager (`forcing`)
+    compiled: list[str] = field(default_factory=list)
 
     def micro_batches(self) -> int:
         """The micro-batches of the run's first window: its backwards before the first

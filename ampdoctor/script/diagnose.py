@@ -245,6 +245,11 @@ def _notes(ss: ScriptSession, source: ScriptSource) -> set[str]:
         notes.add("dropout was off in every run (" + ", ".join(dropout[:3]) + "): a reference "
                   "over the whole window cannot draw the micro-batches' masks")
     fp32 = ss.traces.get("fp32")
+    compiled = sorted({os.path.basename(c) for c in fp32.outcome.compiled}) if fp32 else []
+    if compiled:
+        notes.add("torch.compile (" + ", ".join(compiled[:3]) + ") ran eager in every run: an "
+                  "accumulation or precision mistake changes the updates the same way, and "
+                  "each run would compile anew (minutes on a CPU)")
     draws = fp32.outcome.expected_draws if fp32 is not None else []
     if draws:
         notes.add("random draws in the model's forward took their expected values in every run "

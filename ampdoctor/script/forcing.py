@@ -1,6 +1,6 @@
 """The switches a child run puts over the probe's own patches (`child`): every autocast the
 script builds forced to the run's precision, every GradScaler forced off or on, the modules and
-optimizers it builds seen (to find the model), and, for
+optimizers it builds seen (to find the model), `torch.compile` eager, and, for
 clip-space, every norm clip at a given threshold; for a reference, the gradient kept before any
 clip or step touches it."""
 
@@ -39,6 +39,7 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
     """The switches of module docstring, patched over the probe's own wrappers."""
     from torch.amp import autocast_mode, grad_scaler
 
+    _eager(probe, patcher)
     job = probe.job
     dtype = FORCED_DTYPE[job.precision]
     autocast_init = autocast_mode.autocast.__init__
@@ -159,3 +160,23 @@ def _before(original: Callable[..., Any], call: Callable[[], object]) -> Callabl
         call()
         return original(*args, **kwargs)
     return wrapper
+
+
+def _eager(probe: ScriptProbe, patcher: patches.Patcher) -> None:
+    """`torch.compile` (and `Module.compile`) leave the model eager in a run: the updates an
+    accumulation or precision mistake changes are the same, and each of a diagnose's ~10 runs is
+    a new process that would compile anew (minutes on a CPU). Where it was called is noted
+    (`Outcome.compiled`) for the record."""
+    import torch._dynamo
+
+    real = torch.compile
+
+    @functools.wraps(real)
+    def compile(*args: Any, **kwargs: Any) -> Any:
+        site = probe.finder.from_frame(sys._getframe(1))
+        if site is not None:
+            probe.out.compiled.append(f"{site.file}:{site.line}")
+        return real(*args, **kwargs)
+
+    patcher.setattr(torch, "compile", compile)
+    patcher.setattr(torch._dynamo.config, "disable", True)
