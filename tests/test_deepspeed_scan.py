@@ -130,3 +130,20 @@ def test_alternative_configs_one_of_which_agrees_are_not_a_disagreement(tmp_path
     (tmp_path / "ds_bf16.json").unlink()
     [finding] = run_cli("scan", str(tmp_path), "--json").record["findings"]
     assert finding["evidence"]["outcome"] == "refused-by-accelerate"
+
+
+def test_a_precision_decided_at_run_time_is_not_judged(tmp_path):
+    """`fp16=args.fp16` beside a config that pins bf16: trained without --fp16 the two agree
+    (the Trainer fills nothing, the engine runs bf16); the scan cannot know the value and says
+    nothing of the pair (a literal fp16=True there is accelerate's refusal)."""
+    (tmp_path / "ds_bf16.json").write_text(json.dumps({"bf16": {"enabled": True}}))
+    train = tmp_path / "train.py"
+    train.write_text("from transformers import TrainingArguments\n"
+                     "def main(args):\n"
+                     "    return TrainingArguments('out', fp16=args.fp16, "
+                     "deepspeed='ds_bf16.json')\n")
+    assert run_cli("scan", str(tmp_path), "--json").record["findings"] == []
+    train.write_text(train.read_text().replace("fp16=args.fp16", "fp16=True"))
+    [finding] = run_cli("scan", str(tmp_path), "--json").record["findings"]
+    assert finding["kind"] == "double-scaling"
+    assert finding["evidence"]["outcome"] == "refused-by-accelerate"

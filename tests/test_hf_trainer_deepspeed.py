@@ -100,6 +100,22 @@ def _spec(tmp_path, name: str):
     return result, record, {r["id"]: r for r in record["rungs"]}
 
 
+def test_a_loop_following_the_run_over_a_config_pinning_bf16_is_healthy(tmp_path):
+    """The loop's Trainer asks for run.precision and its config pins bf16: the user's bf16
+    training agrees with the config. The rungs ampdoctor forces into fp32 and fp16 are refused
+    by transformers/accelerate over the pinned config: skipped with the key to set to "auto",
+    never the user's double-scaling; bf16 is compared."""
+    result, record, rungs = _spec(tmp_path, "healthy_trainer_loop_deepspeed_bf16_pinned")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [f for f in record["findings"] if f["severity"] == "error"] == []
+    assert rungs["fp32-accum"]["status"] == "skip"
+    assert "`bf16.enabled`" in rungs["fp32-accum"]["summary"]
+    assert rungs["bf16-no-scaler"]["status"] == "pass"
+    assert rungs["bf16-no-scaler"]["details"]["steps_compared"] == 3
+    assert rungs["fp16-scaler"]["status"] == "skip"
+    assert record["verdict"] == "healthy"
+
+
 def test_hf_trainer_key_with_a_config_pinning_bf16_is_healthy_at_every_rung(tmp_path):
     """Without the rung's precision in the config, transformers would refuse the fp32 rung
     (`bf16.enabled` true against ampdoctor's own bf16=False)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from ampdoctor.kinds.double_scaling import Outcome
-from ampdoctor.rules.trainer_precision import refusal
+from ampdoctor.rules.trainer_precision import forced_refusal, refusal
 
 TRANSFORMERS = ("Please correct the following DeepSpeed config values that mismatch "
                 "TrainingArguments values:\n{lines}\nThe easiest method is to set these "
@@ -48,3 +48,29 @@ def test_each_refusal_names_the_trainers_precision_and_the_config_key(text, outc
 ])
 def test_other_errors_are_not_a_precision_disagreement(text):
     assert refusal(text) is None
+
+
+PINNED_BF16_AT_FP32 = TRANSFORMERS.format(lines="- ds bf16.enabled=True vs hf "
+                                                "bf16|bf16_full_eval=False")
+PINNED_BF16_AT_FP16 = ACCELERATE.format(asked="fp16", section="bf16")
+BF16_OFF = TRANSFORMERS.format(lines="- ds bf16.enabled=False vs hf bf16|bf16_full_eval=True")
+
+
+@pytest.mark.parametrize(("text", "rung", "own", "skipped"), [
+    # the loop follows the rung's precision; the config pins the user's own bf16: the rung's
+    # forcing caused the refusal (a skip, with the key to set to "auto")
+    (PINNED_BF16_AT_FP32, "fp32", ["fp32", "bf16"], True),
+    (PINNED_BF16_AT_FP16, "fp16", ["fp32", "bf16", "fp16"], True),
+    # bf16 is not a precision the user trains in: their fp32 Trainer and config disagree
+    (PINNED_BF16_AT_FP32, "fp32", ["fp32"], False),
+    # the Trainer asks for fp32 at the bf16 rung: it ignores run.precision, the user's own clash
+    (PINNED_BF16_AT_FP32, "bf16", ["fp32", "bf16"], False),
+    # a config that switches the asked precision off is never ampdoctor's doing
+    (BF16_OFF, "bf16", ["fp32", "bf16"], False),
+    ("RuntimeError: something else", "fp32", ["fp32", "bf16"], False),
+])
+def test_a_refusal_only_the_rungs_forced_precision_caused_is_a_skip(text, rung, own, skipped):
+    reason = forced_refusal(RuntimeError(text), text, rung, own)
+    assert (reason is not None) == skipped
+    if skipped:
+        assert reason is not None and "`bf16.enabled`" in reason and '"auto"' in reason

@@ -56,6 +56,7 @@ from ..rules.scale_state import (
     step_ratio,
     violation_observations,
 )
+from ..rules.trainer_precision import forced_refusal
 from ..session import Session, Trace
 from .analysis import (
     compare_trace,
@@ -205,6 +206,10 @@ def _cannot_run_here(session: Session, trace: Trace, rung: RungId,
     backend without the kernel; None otherwise (the loop's own error is judged)."""
     if trace.error is None:
         return None
+    pinned = forced_refusal(trace.error, safe_str(trace.error), trace.precision,
+                            session.spec.precisions)
+    if pinned is not None:
+        return RungResult(rung, Status.SKIP, pinned, details=details)
     changed = framework_change(trace)
     if changed is not None and changed[1]["precision_ran"] is None:
         details["framework_precision"] = changed[1]

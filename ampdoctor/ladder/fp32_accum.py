@@ -8,12 +8,14 @@ from typing import cast
 
 from ..core.enums import KindId, RungId, Status
 from ..core.findings import Finding, RungResult, conclude
+from ..core.safetext import safe_str
 from ..judge import Judgement
 from ..kinds.loop_error import IgnoresMicroBatches, ignores_micro_batches
 from ..kinds.mismatch import TooFewSteps, too_few_steps
 from ..kinds.precision import AutocastInFp32, autocast_in_fp32
 from ..probe.events import AutocastEntered, Backward
 from ..rules.lr_set_by_hand import lr_set_by_hand_findings
+from ..rules.trainer_precision import forced_refusal
 from ..session import Session, Trace
 from .analysis import (
     compare_trace,
@@ -51,6 +53,10 @@ def run(session: Session) -> RungResult:
         return RungResult(RUNG, Status.FAIL, f"the fp32 loop casts the model's weights to "
                           f"{cast.evidence['measured']} ({cast.kind})", [cast])
     if trace.error is not None:
+        pinned = forced_refusal(trace.error, safe_str(trace.error), "fp32",
+                                session.spec.precisions)
+        if pinned is not None:
+            return RungResult(RUNG, Status.SKIP, pinned)
         finding = loop_error_finding(trace, RUNG)
         return RungResult(RUNG, Status.FAIL, f"the fp32 loop raised ({finding.kind})", [finding])
     findings = (scheduler_findings(session, trace, RUNG)

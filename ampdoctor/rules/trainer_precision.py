@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,23 @@ def refusal(text: str) -> Refusal | None:
         if not on and hf_value.lower() == "true":
             return Refusal(Outcome.REFUSED_BY_TRANSFORMERS, section, section, "off")
     return None
+
+
+def forced_refusal(error: BaseException | None, text: str, precision: str,
+                   own: Collection[str]) -> str | None:
+    """Why a rung cannot run, when transformers or accelerate refused its Trainer only because
+    the rung forced a precision the DeepSpeed config pins another one for: the Trainer asked for
+    the rung's own precision (the loop follows `run.precision`), the config enables a precision
+    the user trains in (`own`, the spec's precisions) that is not the rung's. None otherwise: a
+    Trainer that asks for another precision than the rung's, or a config that switches the asked
+    one off, disagree in the user's own training (the double-scaling finding)."""
+    met = refusal(text) if error is not None else None
+    if (met is None or met.state != "on" or met.asked != precision
+            or met.section == precision or met.section not in own):
+        return None
+    return (f"the DeepSpeed config pins {met.section} (`{met.config_key}`: true) and the loop's "
+            f"Trainer follows the run's precision: the {precision} run was refused "
+            f"({met.outcome.value}). Set `{met.config_key}` to \"auto\" to have every rung run")
 
 
 def _arguments(exc: BaseException) -> Any:

@@ -17,8 +17,9 @@ engine. What the packages do when they disagree (transformers 5.25, accelerate 1
 
 One error per disagreeing Trainer and config on a training path, at the Trainer's line, with
 the config key beside it; where several configs stand on the path (alternatives a command line
-chooses among) and one of them agrees, none. Only literal settings are compared (a Trainer
-whose precision is decided at run time only against a config that enables bf16).
+chooses among) and one of them agrees, none. Only literal settings are compared: a Trainer whose
+precision is decided at run time (`fp16=args.fp16`) may agree with its config, and is not judged
+here (`ampdoctor diagnose` runs it and reads what the packages refuse).
 """
 
 from __future__ import annotations
@@ -47,13 +48,15 @@ def disagreement(asked: str, states: dict[str, tuple[str, Site]]) -> tuple[Outco
     for an fp16 decided at run time) and a config whose sections are in `states` (section ->
     (state, its site)); None where they agree."""
     other = {"bf16": "fp16", "fp16": "bf16"}
-    if asked in other or asked == "":
-        mine = asked or "fp16"
+    if asked == "":
+        # `fp16=args.fp16`, `fp16=run.precision == "fp16"`: one of its values may well agree
+        # with the config (as with alternative configs on one path, below): no verdict
+        return None
+    if asked in other:
+        mine = asked
         state = states.get(other[mine])
         if state is not None and state[0] == "on":
             return Outcome.REFUSED_BY_ACCELERATE, state[1]
-        if not asked:
-            return None
         state = states.get(mine)
         if state is not None and state[0] == "off":
             return Outcome.REFUSED_BY_TRANSFORMERS, state[1]
