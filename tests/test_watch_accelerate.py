@@ -108,3 +108,30 @@ def test_the_framework_names_are_lazy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["[]"]
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                          reason="accelerate builds its GradScaler only on a GPU: fp16 on a CPU "
+                                 "has no loss scale to clip under or to skip with")
+
+
+@CUDA
+def test_fp16_on_a_gpu_a_healthy_loop_is_silent():
+    _, watch = _run("none", "fp16", device="cuda")
+    assert watch.record["verdict"] == "healthy" and watch.findings == []
+
+
+@CUDA
+def test_fp16_on_a_gpu_a_clip_past_accelerate_clips_scaled_gradients():
+    _, watch = _run("clip-before-unscale", "fp16", device="cuda")
+    found = {f.kind: f for f in watch.findings}
+    assert "clip-before-unscale" in found, found
+    assert found["clip-before-unscale"].location.line == marked_line(LOOP, "clip-before-unscale")
+
+
+@CUDA
+def test_fp16_on_a_gpu_a_scale_that_keeps_overflowing_is_frequent_skips():
+    _, watch = _run("frequent-skips", "fp16", device="cuda", steps=24)
+    found = {f.kind: f for f in watch.findings}
+    assert "frequent-skips" in found, found
+    assert found["frequent-skips"].severity == "error"

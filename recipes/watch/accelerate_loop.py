@@ -5,7 +5,9 @@
 accelerate's docs write them (the prepared objects act on the window's last one only). `bug`
 plants a mistake on the line marked `# BUG: <kind>` (tests/test_watch_accelerate.py reads it):
 dividing by K under `accelerator.backward`, `loss.backward()` past accelerate (no division),
-`model.zero_grad()` on every micro-batch, a scheduler not prepared (stepped per micro-batch).
+`model.zero_grad()` on every micro-batch, a scheduler not prepared (stepped per micro-batch);
+in fp16 on a GPU (accelerate builds its GradScaler only there) a clip past accelerate on the
+scaled gradients, a scaler whose scale doubles after every finite step.
 """
 
 import contextlib
@@ -13,6 +15,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
+from accelerate.utils import GradScalerKwargs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -25,10 +28,14 @@ def loss_fn(model, batch):            # one micro-batch's loss, before accelerat
 
 
 def train(bug="none", precision="fp32", steps=8, K=4, b=8, watched=True, every=3,
-          on_error="warn", out=None):
+          on_error="warn", out=None, device="cpu"):
     torch.manual_seed(0)
-    accelerator = Accelerator(gradient_accumulation_steps=K, cpu=True,
-                              mixed_precision={"fp32": "no"}.get(precision, precision))
+    mixed = {"fp32": "no"}.get(precision, precision)
+    if bug == "frequent-skips":       # a scale that doubles after every finite step
+        accelerator = Accelerator(gradient_accumulation_steps=K, cpu=device == "cpu", mixed_precision=mixed, kwargs_handlers=[GradScalerKwargs(init_scale=2.0**16, growth_interval=1)])  # BUG: frequent-skips
+    else:
+        accelerator = Accelerator(gradient_accumulation_steps=K, cpu=device == "cpu",
+                                  mixed_precision=mixed)
     model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.ReLU(), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
@@ -55,7 +62,10 @@ def train(bug="none", precision="fp32", steps=8, K=4, b=8, watched=True, every=3
                     loss.backward()  # BUG: missing-accumulation-average
                 else:
                     accelerator.backward(loss)
-                if accelerator.sync_gradients:
+                if accelerator.sync_gradients and bug == "clip-before-unscale":
+                    # past accelerate: the fp16 gradients are still scaled here
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # BUG: clip-before-unscale
+                elif accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 scheduler.step()  # BUG: scheduler-per-microbatch
