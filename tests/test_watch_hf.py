@@ -226,3 +226,17 @@ class _Collect(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the Trainer scales the loss in fp16 only on a GPU (no GradScaler on "
+                           "a CPU): nothing to clip under")
+@pytest.mark.parametrize("bug", ["none", "clip-before-unscale"])
+def test_fp16_on_a_gpu_a_clip_in_training_step_clips_scaled_gradients(bug):
+    _, callback = _run(bug, "fp16", steps=4, device="cuda")
+    found = {f.kind: f for f in callback.findings}
+    if bug == "none":
+        assert callback.record["verdict"] == "healthy" and found == {}
+    else:
+        assert "clip-before-unscale" in found, found
+        assert found[bug].location.line == marked_line(LOOP, bug)

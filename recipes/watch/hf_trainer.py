@@ -14,6 +14,9 @@ marked `# BUG: <kind>` (tests/test_watch_hf.py reads them):
 - `missing-accumulation-average`: the same model taking `**kwargs` but ignoring
   `num_items_in_batch`: the Trainer then leaves the division to the loss, and nobody divides.
 
+- `clip-before-unscale` (fp16 on a GPU): a `training_step` override that clips after the
+  backward, on the still scaled gradients.
+
 `bug="z-loss"` is a healthy twin whose loss is no plain cross-entropy (`ZLossLM`).
 """
 
@@ -47,6 +50,16 @@ class SchedulerPerMicroBatchTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.lr_scheduler.step()  # BUG: scheduler-per-microbatch
+        return loss
+
+
+class ClipInStepTrainer(Trainer):
+    """Clips in its own training_step, after the backward: in fp16 on a GPU the gradients are
+    still scaled there (the Trainer unscales them in its own clip, before the step)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # BUG: clip-before-unscale
         return loss
 
 
@@ -120,17 +133,20 @@ def build_model(bug="none"):
 
 
 def train(bug="none", precision="fp32", steps=4, K=4, b=2, watched=True, every=2,
-          on_error="warn", out=None, ragged=True, max_grad_norm=1.0, save_steps=None):
+          on_error="warn", out=None, ragged=True, max_grad_norm=1.0, save_steps=None,
+          device="cpu"):
     model = build_model(bug)
     callback = WatchCallback(every=every, on_error=on_error, out=out) if watched else None
     trainer_class = {"double-average": DoubleAverageTrainer,
                      "zero-grad-inside-accumulation": ZeroGradTrainer,
-                     "scheduler-per-microbatch": SchedulerPerMicroBatchTrainer}.get(bug, Trainer)
+                     "scheduler-per-microbatch": SchedulerPerMicroBatchTrainer,
+                     "clip-before-unscale": ClipInStepTrainer}.get(bug, Trainer)
     with tempfile.TemporaryDirectory() as output_dir, contextlib.ExitStack():
         args = TrainingArguments(
             output_dir=output_dir, per_device_train_batch_size=b, gradient_accumulation_steps=K,
-            max_steps=steps, bf16=precision == "bf16", learning_rate=1e-3,
-            max_grad_norm=max_grad_norm, train_sampling_strategy="sequential", use_cpu=True,
+            max_steps=steps, bf16=precision == "bf16", fp16=precision == "fp16",
+            learning_rate=1e-3, max_grad_norm=max_grad_norm,
+            train_sampling_strategy="sequential", use_cpu=device == "cpu",
             report_to="none", save_strategy="steps" if save_steps else "no",
             save_steps=save_steps or 500, logging_strategy="no", disable_tqdm=True, seed=0)
         trainer = trainer_class(model=model, args=args,
