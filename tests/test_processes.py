@@ -101,12 +101,20 @@ def _spec(tmp_path: Path, timeout_s: float | None = None) -> Path:
     return spec
 
 
+def _interruptible() -> None:
+    """SIGINT as a terminal gives it: a test run started in the background of a shell without
+    job control inherits it ignored (Python then installs no KeyboardInterrupt), and the CLI
+    would never see the Ctrl-C these tests send."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(args: list[str], env: dict[str, str], ready: Path) -> subprocess.Popen[str]:
     """The CLI in a process group of its own (as a CI runner starts it), once the run's
     helpers are up: its `ready` file written (a spec's loop), or its `sleep` helper running (a
     script's run writes its files into its scratch folder, so its ready file is not there)."""
     proc = subprocess.Popen(ampdoctor_command() + args, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=_interruptible)
     deadline = time.monotonic() + 240
     mark = env["LEAK_MARK"]
     while not ready.exists() and not any(command.startswith("sleep 300")
