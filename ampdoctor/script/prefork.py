@@ -292,33 +292,18 @@ def plain_start_method() -> None:
 
 def rebind(patched: list[tuple[Any, str, Any]]) -> None:
     """In a run, once the probe's patches are in: every module the server preloaded that holds
-    one of the patched functions under a name of its own gets the patched one instead."""
-    if not PRELOADED:
+    one of the patched functions under a name of its own gets the patched one instead (the
+    holders the server noted once its imports were done, `_HELD`)."""
+    if not _HELD:
         return
-    swap: dict[int, Any] = {}
     for target, name, old in patched:
         new = getattr(target, name, None)
-        if callable(old) and new is not None and new is not old:
-            swap[id(old)] = new
-    if not swap:
-        return
-    if _HELD:      # the server noted who holds what (reading every module costs each run)
-        for old_id, new in swap.items():
-            for modname, key in _HELD.get(old_id, ()):
-                module = sys.modules.get(modname)
-                if module is not None and id(vars(module).get(key)) == old_id:
-                    with contextlib.suppress(Exception):
-                        setattr(module, key, new)
-        return
-    for modname in PRELOADED:
-        module = sys.modules.get(modname)
-        if not isinstance(module, types.ModuleType):
+        if not callable(old) or new is None or new is old:
             continue
-        for key, value in list(vars(module).items()):
-            new = swap.get(id(value))
-            if new is not None:
+        for modname, key in _HELD.get(id(old), ()):
+            module = sys.modules.get(modname)
+            if getattr(module, "__dict__", {}).get(key) is old:
                 with contextlib.suppress(Exception):
                     setattr(module, key, new)
-
 
 _preload()
