@@ -124,6 +124,8 @@ class Outcome:
     backward_slots: dict[int, set[int]] = field(default_factory=dict)
     #: "file:line" of each torch.compile call, left eager (`forcing`)
     compiled: list[str] = field(default_factory=list)
+    #: "file:line" of each `init_process_group` that formed a group of one (`forcing`)
+    group_of_one: list[str] = field(default_factory=list)
 
     def micro_batches(self) -> int:
         """The micro-batches of the run's first window: its backwards before the first

@@ -410,15 +410,17 @@ class ScriptSession:
 
 
 def _one_process(command: Command, script: str) -> None:
-    """A DeepSpeed script under a launcher of several ranks: not run (UsageError, exit 2)."""
+    """A script under a launcher of several ranks (torchrun, deepspeed): not run (UsageError,
+    exit 2). Each rank would start its own diagnose whose runs wait for ranks that never come."""
     world = command.env.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) > 1 and builds_deepspeed_engine(script):
+    if world.isdigit() and int(world) > 1:
+        engine = builds_deepspeed_engine(script)
         raise UsageError(
-            f"{os.path.basename(script)} builds a DeepSpeed engine and this process is one of "
-            f"WORLD_SIZE={world} ranks: script mode runs a DeepSpeed script in one process "
-            "(it sets RANK=0 WORLD_SIZE=1 itself). Run `ampdoctor diagnose SCRIPT -- ARGS` "
-            "without the launcher, or diagnose two ranks with a spec "
-            "(`ddp: {world_size: 2, wrapper: deepspeed}`, docs/frameworks.md)")
+            f"this process is one of WORLD_SIZE={world} ranks (a launcher started it): script "
+            f"mode runs {os.path.basename(script)} in one process (a process group the script "
+            "forms is a group of one, RANK=0 WORLD_SIZE=1). Run `ampdoctor diagnose SCRIPT -- "
+            "ARGS` without the launcher, or diagnose two ranks with a spec (`ddp: {world_size: "
+            + ("2, wrapper: deepspeed}`, docs/frameworks.md)" if engine else "2}`, docs/spec.md)"))
 
 
 def _per_window(injector: Any) -> int:
