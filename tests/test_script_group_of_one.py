@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RECIPES, marked_line, run_cli
+from conftest import RECIPES, assert_undivided_loss, run_cli
 
 SCRIPT = RECIPES / "scripts" / "ddp_torchrun.py"
 pytestmark = pytest.mark.xdist_group("script_mode")
@@ -54,11 +54,7 @@ def test_healthy_without_a_launcher_each_run_forms_a_group_of_one(tmp_path):
 
 def test_loss_not_divided_is_named_at_its_backward(tmp_path):
     result = diagnose(tmp_path, "--bug", "no-divide")
-    assert result.returncode == 1, result.stderr
-    (finding,) = result.record["findings"]
-    assert (finding["kind"], finding["rung"]) == ("missing-accumulation-average", "fp32-accum")
-    assert finding["evidence"]["ratio"] == pytest.approx(4.0, rel=1e-3)
-    assert finding["location"]["line"] == marked_line(SCRIPT, "missing-accumulation-average")
+    assert_undivided_loss(result, SCRIPT)
 
 
 def test_under_a_launcher_of_two_ranks_it_is_refused(tmp_path):

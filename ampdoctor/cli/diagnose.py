@@ -98,7 +98,13 @@ def diagnose(
                                    "micro-batch, K read from a first fp32 step (inferred: "
                                    f"{source.reference_how})", markup=False, highlight=False,
                                    soft_wrap=True)
-        raise typer.Exit(diagnose_here(source, json_out, debug, out, ci=ci, verbose=verbose))
+        try:
+            code = diagnose_here(source, json_out, debug, out, ci=ci, verbose=verbose)
+        finally:
+            if source.reference_origin == "inferred":
+                from ..script.infer_config import remove_copies
+                remove_copies()
+        raise typer.Exit(code)
     if script_args or reference_args is not None or no_reference:
         raise typer.Exit(fail(UsageError("arguments after the spec, --reference-args and "
                                          "--no-reference are for script mode (`ampdoctor "
