@@ -407,8 +407,13 @@ def run(job: Job) -> Outcome:
 
 
 def _error(exc: BaseException, finder: CallSiteFinder) -> dict[str, Any]:
+    site = finder.from_traceback(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        # the file that does not compile, not the import that read it
+        from ..probe.callsite import Site
+        site = Site(os.path.realpath(exc.filename), exc.lineno, "<module>")
     return {"type": type(exc).__name__, "message": safe_str(exc), "text": exc_text(exc),
-            "traceback": format_traceback(exc), "site": finder.from_traceback(exc.__traceback__),
+            "traceback": format_traceback(exc), "site": site,
             "frames": finder.user_sites(exc.__traceback__)}
 
 

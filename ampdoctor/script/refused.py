@@ -32,3 +32,32 @@ def refused(outcome: Any) -> None:
         f"the script stopped before its first optimizer step: {met.meaning()} "
         f"({text.splitlines()[0][:200] if text else ''})", met,
         location=(site.file, site.line) if site is not None else None)
+
+
+def failed_first(ss: Any, first: Any, cmd_args: list[str]) -> None:
+    """The reference's first run (`first`, of the `ScriptSession` `ss`) stopped before its first
+    step: whose fault, raised as a UserCodeError. The script run with the user's own arguments
+    says it (one more run, only here): when it stops too, the script is what fails, whatever the
+    arguments; when it runs, the reference's arguments are."""
+    def how(outcome: Any) -> str:
+        return f"exited ({outcome.ended})" if outcome.ended.startswith("exit") else "raised"
+
+    own = ss.run(ss.job("fp32", steps=1), "fp32 run")
+    if own.error is not None and not own.steps:
+        refused(own)
+        given = f" ({' '.join(ss.command.args)})" if ss.command.args else ""
+        raise UserCodeError(f"the script run with your arguments{given} {how(own)} before its "
+                            f"first optimizer step: {own.error.get('text')}",
+                            location=where(own.error))
+    raise UserCodeError(
+        f"the script run with the reference's arguments ({' '.join(cmd_args)}) {how(first)} "
+        f"before its first optimizer step: {first.error.get('text')}. With your own arguments "
+        "it reaches its first step: the reference's arguments are what fails (K = 1 and the "
+        "batch K times the micro-batch must be a command line the script runs)",
+        location=where(first.error))
+
+
+def where(error: dict[str, Any]) -> tuple[str, int] | None:
+    """(file, line) of a run's error (`child._error`), None when it has no site."""
+    site = error.get("site")
+    return (site.file, site.line) if site is not None else None

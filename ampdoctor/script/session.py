@@ -30,6 +30,7 @@ from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
 from .infer import builds_deepspeed_engine
 from .references import deferred, window_reference
+from .refused import failed_first, where
 from .refused import refused as _refused
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
@@ -125,12 +126,7 @@ class ScriptSession:
             self.reference_probe = first
             if first.error is not None:
                 _refused(first)
-                how = (f"exited ({first.ended})" if first.ended.startswith("exit")
-                       else "raised")
-                raise UserCodeError(
-                    f"the script run with the reference's arguments ({' '.join(cmd_args)}) "
-                    f"{how} before its first optimizer step: {first.error.get('text')}",
-                    location=_where(first.error))
+                failed_first(self, first, cmd_args)
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
             accumulated = first.micro_batches()
@@ -313,7 +309,7 @@ class ScriptSession:
         if ref.error is not None:
             raise UserCodeError(
                 "the script run with --reference-args (the fp32 reference) raised: "
-                f"{ref.error.get('text')}", location=_where(ref.error))
+                f"{ref.error.get('text')}", location=where(ref.error))
         if trace.precision == "fp32":
             self.window_reference = ref
             self.unaligned = self.unaligned or self._misaligned(trace, ref)
@@ -363,7 +359,7 @@ class ScriptSession:
             if ref.error is not None:
                 raise UserCodeError("the script run with --reference-args did not reach "
                                     f"window {window}: {ref.error.get('text')}",
-                                    location=_where(ref.error))
+                                    location=where(ref.error))
             if len(ref.ref_grads) <= window:
                 reached = len(ref.ref_grads)
                 raise UsageError(
@@ -437,9 +433,3 @@ def _concat(forwards: list[Any]) -> list[list[str]]:
     """The row digests of consecutive forwards, tensor argument by tensor argument."""
     width = min(len(f.digests) for f in forwards)
     return [[d for f in forwards for d in f.digests[i]] for i in range(width)]
-
-
-def _where(error: dict[str, Any]) -> tuple[str, int] | None:
-    site = error.get("site")
-    return (site.file, site.line) if site is not None else None
-
