@@ -208,7 +208,7 @@ class RecordModel(_Ordered):
 
     FILLED = ("record_version", "ampdoctor_version", "name", "spec", "device", "verdict",
               "inconclusive", "script", "args", "reference_args", "reference_args_origin",
-              "cwd", "output", "exit_code", "failed_rung", "keep_going", "accumulation_steps",
+              "reference_args_inferred", "cwd", "output", "exit_code", "failed_rung", "keep_going", "accumulation_steps",
               "rungs", "findings", "notes", "series", "runs", "error")
     record_version: int = 1
     ampdoctor_version: str = ""
@@ -223,6 +223,10 @@ class RecordModel(_Ordered):
     args: list[str] | None = None
     reference_args: list[str] | None = None
     reference_args_origin: Literal["given", "inferred"] | None = None
+    #: script mode: true when the reference's args were inferred from the script, false when
+    #: given (`--reference-args`), null without a reference (CONTRACT's
+    #: `reference_args_inferred`; `reference_args_origin` says the same in a word)
+    reference_args_inferred: bool | None = None
     #: script mode: the working directory the script ran in
     cwd: str | None = None
     #: the training code's own output, captured (each script run's, or the loop's runs')
