@@ -208,8 +208,9 @@ class RecordModel(_Ordered):
 
     FILLED = ("record_version", "ampdoctor_version", "name", "spec", "device", "verdict",
               "inconclusive", "script", "args", "reference_args", "reference_args_origin",
-              "reference_args_inferred", "cwd", "output", "exit_code", "failed_rung", "keep_going", "accumulation_steps",
-              "rungs", "findings", "notes", "series", "runs", "error")
+              "reference_args_inferred", "cwd", "output", "exit_code", "failed_rung",
+              "keep_going", "accumulation_steps", "rungs", "findings", "notes", "series",
+              "runs", "error")
     record_version: int = 1
     ampdoctor_version: str = ""
     name: str = "run"
