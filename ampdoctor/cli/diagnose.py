@@ -90,7 +90,11 @@ def diagnose(
         except UsageError as exc:
             raise typer.Exit(fail(exc, debug)) from None
         if source.reference_origin == "inferred" and source.reference_args is not None:
-            stderr_console().print(f"reference: {shlex.join(source.reference_args)} (inferred: "
+            shown = shlex.join(source.reference_args) or "your arguments"
+            if source.reference_rewrites:
+                shown += " with " + " ".join(f"{name}={value}" for _, name, _, _, value
+                                             in source.reference_rewrites) + " in the script"
+            stderr_console().print(f"reference: {shown} (inferred: "
                                    f"{source.reference_how})", markup=False, highlight=False,
                                    soft_wrap=True)
         elif source.reference_batch_option is not None:

@@ -208,9 +208,9 @@ class RecordModel(_Ordered):
 
     FILLED = ("record_version", "ampdoctor_version", "name", "spec", "device", "verdict",
               "inconclusive", "script", "args", "reference_args", "reference_args_origin",
-              "reference_args_inferred", "cwd", "output", "exit_code", "failed_rung",
-              "keep_going", "accumulation_steps", "rungs", "findings", "notes", "series",
-              "runs", "error")
+              "reference_args_inferred", "reference_literals", "cwd", "output", "exit_code",
+              "failed_rung", "keep_going", "accumulation_steps", "rungs", "findings", "notes",
+              "series", "runs", "error")
     record_version: int = 1
     ampdoctor_version: str = ""
     name: str = "run"
@@ -228,6 +228,9 @@ class RecordModel(_Ordered):
     #: given (`--reference-args`), null without a reference (CONTRACT's
     #: `reference_args_inferred`; `reference_args_origin` says the same in a word)
     reference_args_inferred: bool | None = None
+    #: script mode: the literals of the script the reference's runs changed, where K and the
+    #: micro-batch are written in it rather than options: [{"name", "line", "value"}]
+    reference_literals: list[dict[str, Any]] | None = None
     #: script mode: the working directory the script ran in
     cwd: str | None = None
     #: the training code's own output, captured (each script run's, or the loop's runs')

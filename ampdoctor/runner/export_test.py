@@ -155,9 +155,10 @@ def render(record: RecordModel | Mapping[str, Any], record_path: Path | None, ta
         call.append(f"args={_lit(list(record.args or []))},")
         reference = record.reference_args
         origin = record.reference_args_origin or "given"
-        if reference is not None and origin == "inferred" and any(
-                processes.REFERENCE_COPY_PREFIX in arg for arg in reference):
-            call.append("# reference_args: inferred again (a copy of its config, K = 1)")
+        if reference is not None and origin == "inferred" and (
+                any(processes.REFERENCE_COPY_PREFIX in arg for arg in reference)
+                or list(reference) == list(record.args or [])):
+            call.append("# reference_args: inferred again (its config or literals at K = 1)")
         elif reference is not None:
             call.append(f"reference_args={_lit(list(reference))},  # {origin} in the diagnose")
         cwd = record.cwd

@@ -93,7 +93,8 @@ def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = No
                           else None, steps=source.optimizer_steps, timeout_s=source.timeout_s,
                           cwd=source.cwd, env=_environment(source.device),
                           output_dir=output_dir if source.capture_output else None,
-                          defer_batch=source.reference_batch_option)
+                          defer_batch=source.reference_batch_option,
+                          reference_rewrites=source.reference_rewrites)
         try:
             return _diagnose(source, command, started, on_start, on_done, on_progress)
         finally:

@@ -45,6 +45,9 @@ class Inferred:
     #: the script derives K from a total batch (`k_option`): `args` are the run's own, and the
     #: batch option is set to K x b once the first fp32 step shows K (`references.deferred`)
     deferred: bool = False
+    #: literals of the script changed in the reference's runs: (role "K" or "batch", name, line,
+    #: column, new value) (`constants`: K and the micro-batch written in the script)
+    rewrites: list[tuple[str, str, int, int, int]] = field(default_factory=list)
 
     def to_record(self) -> dict[str, Any]:
         """The record's description of the reference (`reference_inferred`)."""
@@ -214,7 +217,8 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
                         K=0, micro_batch=0, k_option=total.option, batch_option=batch.option,
                         deferred=True)
     if k is None or batch is None:
-        from_config = _from_configs(script, args, cwd, k, batch, all_flags)
+        from_config = (_from_configs(script, args, cwd, k, batch, all_flags)
+                       or _from_literals(script, args, tree, k, batch, all_flags))
         if from_config is not None:
             return from_config
         missing = " and ".join(w for w, f in (("the gradient accumulation steps (K)", k),
@@ -324,6 +328,69 @@ def _from_configs(script: str, args: list[str], cwd: str, k: Flag | None, batch:
     return Inferred(args=ref, text=f"{shlex.join(ref)} (inferred)", how=how, K=K,
                     micro_batch=b, k_option=names["K"], batch_option=names["batch"],
                     sources=sources)
+
+
+def _from_literals(script: str, args: list[str], tree: ast.Module, k: Flag | None,
+                   batch: Flag | None, all_flags: list[Flag]) -> Inferred | None:
+    """K and/or the micro-batch written in the script as literals (`constants`): the reference
+    runs the script with them changed; None when it writes neither that the options lack;
+    UsageError when one is written in several places."""
+    from .constants import Literal, literals, pick
+    found = literals(tree)
+    k_at = pick(found, K_FLAGS) if k is None else None
+    b_at = pick(found, BATCH_FLAGS) if batch is None else None
+    name = os.path.basename(script)
+    for what, at in (("K (the gradient accumulation steps)", k_at),
+                     ("the micro-batch size", b_at)):
+        if isinstance(at, list):
+            places = "; ".join(f"{a.name} = {a.value} at line {a.line}" for a in at)
+            raise UsageError(f"cannot infer the reference of {script}: {what} is written in "
+                             f"several places of the script ({places}): which one the run uses "
+                             "is not known. Make it one option or one constant, or give "
+                             "--reference-args")
+    if (k is None and k_at is None) or (batch is None and b_at is None):
+        return None
+    longs = _long_options(all_flags)
+    values: dict[str, int] = {}
+    shown: dict[str, str] = {}
+    sources = {"K": "script", "batch": "script"}
+    for role, flag, at in (("K", k, k_at), ("batch", batch, b_at)):
+        if flag is not None:
+            try:
+                values[role], source, _ = _read(flag, args, longs, [])
+                sources[role] = source
+            except ValueError as exc:
+                raise UsageError(f"cannot infer the reference of {script}: {exc}; give "
+                                 "--reference-args") from None
+            shown[role] = f"{flag.option} {values[role]} ({source})"
+        else:
+            assert isinstance(at, Literal)
+            if at.value < 1:
+                raise UsageError(f"cannot infer the reference of {script}: {at.name} = "
+                                 f"{at.value} at {name}:{at.line} is not a positive count")
+            values[role] = at.value
+            shown[role] = f"{at.name} = {at.value} ({name}:{at.line})"
+    K, b = values["K"], values["batch"]
+    ref: list[str] = list(args)
+    rewrites: list[tuple[str, str, int, int, int]] = []
+    parts: list[str] = []
+    for role, flag, at, value in (("K", k, k_at, 1), ("batch", batch, b_at, K * b)):
+        if flag is not None:
+            ref = _set(ref, flag, _occurrences(flag, args, longs), value)
+        else:
+            assert isinstance(at, Literal)
+            rewrites.append((role, at.name, at.line, at.col, value))
+        parts.append(f"{shown[role]} -> {value}")
+    literal = [a.name for a in (k_at, b_at) if isinstance(a, Literal)]
+    how = (", ".join(parts) + f"; the reference's runs set {' and '.join(literal)} in "
+           "the script's code as it runs (your file is not changed)")
+    text = (shlex.join(ref) + " " if ref else "") + " ".join(
+        f"{a.name}={v}" for a, v in ((k_at, 1), (b_at, K * b)) if isinstance(a, Literal))
+    return Inferred(args=ref, text=f"{text} (inferred)", how=how, K=K, micro_batch=b,
+                    k_option=k.option if k is not None else str(getattr(k_at, "name", "")),
+                    batch_option=(batch.option if batch is not None
+                                  else str(getattr(b_at, "name", ""))),
+                    sources=sources, rewrites=rewrites)
 
 
 def _pick(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:

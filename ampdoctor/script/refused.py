@@ -1,12 +1,16 @@
-"""A script's first run stopped by transformers or accelerate refusing its HF Trainer over the
+"""A run's error as the outcome carries it (`run_error`, `where`), and whose it is: a
+script's first run stopped by transformers or accelerate refusing its HF Trainer over the
 DeepSpeed config's precision (`rules.trainer_precision`): not the user's bare error, the
 double-scaling rung's (`diagnose` names the two settings, as `ampdoctor scan` does)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
-from ..core.errors import UserCodeError
+from ..core.errors import UserCodeError, format_traceback
+from ..core.safetext import exc_text, safe_str
+from ..probe.callsite import CallSiteFinder, Site
 from ..rules.trainer_precision import Refusal, refusal
 
 
@@ -58,6 +62,18 @@ def failed_first(ss: Any, first: Any, cmd_args: list[str]) -> None:
 
 
 def where(error: dict[str, Any]) -> tuple[str, int] | None:
-    """(file, line) of a run's error (`child._error`), None when it has no site."""
+    """(file, line) of a run's error (`run_error`), None when it has no site."""
     site = error.get("site")
     return (site.file, site.line) if site is not None else None
+
+
+def run_error(exc: BaseException, finder: CallSiteFinder) -> dict[str, Any]:
+    """What a run's error is, for the outcome: its type, text, traceback, the user's line
+    (`where` reads it) and the user's frames."""
+    site = finder.from_traceback(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        # the file that does not compile, not the import that read it
+        site = Site(os.path.realpath(exc.filename), exc.lineno, "<module>")
+    return {"type": type(exc).__name__, "message": safe_str(exc), "text": exc_text(exc),
+            "traceback": format_traceback(exc), "site": site,
+            "frames": finder.user_sites(exc.__traceback__)}

@@ -82,6 +82,8 @@ class ScriptSession:
         assert args is not None
         if reference and self.deepspeed_reference is not None:
             extra.setdefault("deepspeed", dict(self.deepspeed_reference))
+        if reference and cmd.reference_rewrites:
+            extra.setdefault("rewrites", list(cmd.reference_rewrites))
         return Job(script=self.script, args=list(args), precision=precision,
                    steps=extra.pop("steps", self.N), cwd=cmd.cwd, env=dict(cmd.env),
                    reference=reference, **extra)
