@@ -100,3 +100,12 @@ def test_export_test_infers_such_a_reference_again():
                    "verdict": "failed", "findings": [], "rungs": []}, None,
                   Path("/p/tests/test_train.py"))
     assert "reference_args=" not in text and "inferred again" in text
+
+
+def test_init_proposes_the_script_mode_command_with_the_reference_inferred(tmp_path):
+    result = run_cli("init", CONSTANTS, "-o", tmp_path / "triage.yaml")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"ampdoctor diagnose {CONSTANTS} --"
+    line = _line(CONSTANTS, "ACCUM_STEPS = 4")
+    assert f"ACCUM_STEPS = 4 (hardcoded_constants.py:{line}) -> 1" in \
+        " ".join(result.stderr.split())
