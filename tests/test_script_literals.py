@@ -109,3 +109,24 @@ def test_init_proposes_the_script_mode_command_with_the_reference_inferred(tmp_p
     line = _line(CONSTANTS, "ACCUM_STEPS = 4")
     assert f"ACCUM_STEPS = 4 (hardcoded_constants.py:{line}) -> 1" in \
         " ".join(result.stderr.split())
+
+
+HF = SCRIPTS / "hf_trainer_hardcoded.py"
+
+
+def test_an_hf_trainer_whose_training_arguments_are_written_in_the_script(tmp_path):
+    """TrainingArguments(per_device_train_batch_size=4, gradient_accumulation_steps=4, ...):
+    the call's keywords are the literals (K = b = 4 too: the tie a script cannot re-split)."""
+    pytest.importorskip("transformers")
+    healthy = diagnose(tmp_path, HF)
+    assert healthy.returncode == 0, healthy.stderr
+    assert [(i["name"], i["value"]) for i in healthy.record["reference_literals"]] == [
+        ("gradient_accumulation_steps", 1), ("per_device_train_batch_size", 16)]
+    statuses = {r["id"]: r["status"] for r in healthy.record["rungs"]}
+    assert statuses["fp32-accum"] == statuses["bf16-no-scaler"] == "pass"
+    broken = diagnose(tmp_path, HF, "mean-loss")
+    assert broken.returncode == 1, broken.stderr
+    (finding,) = broken.record["findings"]
+    assert (finding["kind"], finding["rung"]) == ("missing-accumulation-average", "fp32-accum")
+    assert finding["location"]["line"] == marked_line(SCRIPTS / "hf_trainer_lm.py",
+                                                      "missing-accumulation-average")

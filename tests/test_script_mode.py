@@ -224,6 +224,18 @@ def test_a_first_run_that_fails_says_whether_the_script_or_the_reference_is_at_f
     assert error["location"]["line"] == 11
 
 
+def test_k_equal_to_the_micro_batch_and_no_average_is_named_not_a_crash(tmp_path):
+    """K = b = 4: "not divided by K" and "summed over the micro-batch" give the same 4x; a
+    spec re-splits the window to tell them apart, a script cannot (its first match stays).
+    Was an internal error (exit 4) in script mode."""
+    result = diagnose(tmp_path, AMP, ["--amp", "--accum-steps", "4", "--batch-size", "4",
+                                      "--bug", "no-average"])
+    assert result.returncode == 1, result.stderr
+    (finding,) = result.record["findings"]
+    assert (finding["kind"], finding["rung"]) == ("missing-accumulation-average", "fp32-accum")
+    assert finding["evidence"]["ratio"] == pytest.approx(4.0, rel=1e-3)
+
+
 def test_init_proposes_the_script_mode_command_and_it_runs(tmp_path):
     result = run_cli("init", LOADER, "-o", tmp_path / "triage.yaml")
     assert result.returncode == 0, result.stderr

@@ -1,9 +1,12 @@
 """The reference of a script whose K and micro-batch are literals written in it, not options
 (`ACCUM_STEPS = 4` and `BATCH_SIZE = 8` at its top, `batch_size = 8` inside `main()`, a config
 dict `{"batch_size": 8, "grad_accum": 4}` or `dict(batch_size=8, ...)`, a config class's
-attribute): no command line runs it with K = 1. Its reference runs are the script with those two
-literals changed (K to 1, the micro-batch to K x b), compiled from the file's own text in the
-child (`compiled`): the same file, the same line numbers, the user's file untouched.
+attribute, a call's keywords: `TrainingArguments(per_device_train_batch_size=8,
+gradient_accumulation_steps=4)`, `Accelerator(gradient_accumulation_steps=4)` with
+`DataLoader(ds, batch_size=8)`): no command line runs it with K = 1. Its reference runs are
+the script with those two literals changed (K to 1, the micro-batch to K x b), compiled from
+the file's own text in the child (`compiled`): the same file, the same line numbers, the
+user's file untouched.
 
 A name counts when it is one of the option names that hold K or the micro-batch
 (`init.script.K_FLAGS` / `BATCH_FLAGS`, case and dashes aside) and is set to a whole-number
@@ -65,8 +68,9 @@ def literals(tree: ast.Module) -> list[Literal]:
             for key, item in zip(node.keys, node.values, strict=True):
                 if isinstance(key, ast.Constant) and isinstance(key.value, str):
                     add(key.value, item)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
-                and node.func.id in ("dict", "SimpleNamespace", "Namespace"):
+        elif isinstance(node, ast.Call):
+            # dict(batch_size=8), TrainingArguments(gradient_accumulation_steps=4, ...),
+            # Accelerator(gradient_accumulation_steps=4), DataLoader(ds, batch_size=8)
             for keyword in node.keywords:
                 if keyword.arg:
                     add(keyword.arg, keyword.value)
