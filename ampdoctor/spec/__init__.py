@@ -263,7 +263,7 @@ def _describe_location(loc: tuple[Any, ...], lines: dict[str, int]) -> tuple[str
              if p not in {"str", "OptimizerMapping",
                           "function-after[_optimizer(), union[str,OptimizerMapping]]"}
              and not p.startswith("function-")]
-    key = ".".join(parts) if parts else "(spec)"
+    key = ".".join(parts)  # "" for a rule over several keys: its message names them
     line = None
     for n in range(len(parts), 0, -1):
         line = lines.get(".".join(parts[:n]))
@@ -280,7 +280,7 @@ def _shown_value(value: Any) -> str:
 
 def _paragraph(path: Path, key: str, line: int | None, what: str) -> str:
     where = f"{path}:{line}" if line else str(path)
-    return f"{where}: spec key '{key}': {what}"
+    return f"{where}: spec key '{key}': {what}" if key else f"{where}: {what}"
 
 
 #: Top-level keys beyond this are not worth a "did you mean" each.
