@@ -38,6 +38,7 @@ from .sections import (
     _check_callable,
     _Strict,
     code_ref,
+    fold_optimizer_errors,
 )
 from .sections import (
     TORCH_OPTIMIZERS as TORCH_OPTIMIZERS,  # re-exported: the spec's public names
@@ -300,9 +301,7 @@ def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int],
     known.remove("spec_path")
     # Unknown keys first: a typo'd key is usually also the "missing" one.
     errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    if any(e["type"] == "unknown_optimizer" for e in errors):
-        # the mapping was meant: that it is not also a 'module:function' string is noise
-        errors = [e for e in errors if tuple(e["loc"][:2]) != ("optimizer", "str")]
+    errors = fold_optimizer_errors(errors)
     for err in errors:
         key, line = _describe_location(err["loc"], lines)
         kind = err["type"]
