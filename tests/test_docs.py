@@ -285,6 +285,23 @@ def test_exit_codes_cover_every_command():
         assert code in text, code
 
 
+def test_readme_exit_codes_hold_every_outcome_of_the_contract():
+    # the README's table left out inconclusive (exit 2) and the signals; its API example
+    # promised verdicts "healthy" | "failed" | "error" and exit codes 0, 1 or 3
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("### 3. Exit codes")[1].split("\n\n")[1]
+    for code in ("| 0 |", "| 1 |", "| 2 |", "| 3 |", "| 4 |", "| 128 + N |", "inconclusive"):
+        assert code in table, code
+    assert '"healthy" | "failed" | "inconclusive" | "error"' in readme
+    assert "0, 1, 2 or 3" in readme
+
+
+def test_exit_code_example_handles_a_bad_spec_that_wrote_no_record():
+    # a bad spec prints no record on stdout: `jq` on the empty file printed nothing at all
+    script = _blocks(_read("exit-codes.md"), "bash")[0]
+    assert "[ -s run.json ]" in script
+
+
 # --- links and leaks -----------------------------------------------------------------------
 
 def _relative_links() -> list[tuple[Path, str]]:

@@ -432,7 +432,24 @@ def test_loop_error_exits_3_with_record_and_line(records_dir):
     recipe = RECIPES / "broken_loop_error.py"
     assert finding["location"]["line"] == marked_line(recipe, "loop-error")
     assert "RuntimeError" in finding["evidence"]["error"]
+    # every finding has evidence.measured and evidence.expected (docs/kinds.md): here the
+    # exception, against none
+    assert finding["evidence"]["measured"] == finding["evidence"]["error"]
+    assert "expected" in finding["evidence"] and finding["evidence"]["expected"] is None
     assert len(list(records_dir.glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("build", ["loop_raised", "loop_exited", "rank_raised"])
+def test_every_loop_error_carries_measured_and_expected(build):
+    # a loop that raised, exited or raised on a rank had no evidence.measured/expected: a
+    # reader of findings[].evidence["measured"] hit a KeyError on exactly those
+    from ampdoctor.kinds import loop_error as unit
+    observed = {"loop_raised": lambda: unit.LoopRaised("fp32-accum", "fp32", "ValueError: x"),
+                "loop_exited": lambda: unit.LoopExited("fp32-accum", "fp32", "1"),
+                "rank_raised": lambda: unit.RankRaised("ddp-sync", 1, 2, "ValueError: x")}
+    finding = getattr(unit, build)(observed[build]())
+    assert finding.evidence["measured"] == finding.evidence["error"]
+    assert finding.evidence["expected"] is None
 
 
 def test_loop_ignoring_micro_batches_is_a_loop_error(records_dir):

@@ -152,6 +152,13 @@ def test_the_rungs_are_those_that_ran_and_the_kinds_those_that_failed():
     assert export_test.guarded_kinds(_record(findings=record["findings"])) == []
 
 
+def test_a_script_rung_left_out_by_precisions_is_not_run_again():
+    # a script's skip names --precisions (a script has no spec): still left out, not re-run
+    record = _record(script="/p/train.py", spec=None)
+    record["rungs"][2]["summary"] = "bf16 is not in --precisions (fp32): ..."
+    assert export_test.rung_ids(record) == ["reproducibility", "fp32-accum", "skips"]
+
+
 @pytest.mark.parametrize(("verdict", "findings", "why"), [
     ("healthy", [], None),
     ("healthy", [{"kind": "frequent-skips", "severity": "warning"}], None),

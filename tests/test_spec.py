@@ -215,3 +215,34 @@ def test_an_unknown_optimizer_name_suggests_one(tmp_path, name, hint):
            in info.value.message
     assert hint in info.value.message
     assert "'module:function'" in info.value.message
+
+
+@pytest.mark.parametrize("text, words", [
+    (GOOD.replace("model: common:make_mlp\n", ""), "spec key 'model' is missing"),
+    (GOOD.replace("train_loop: healthy_sgd:train_loop\n", ""),
+     "spec key 'train_loop' is missing: give exactly one of"),
+    (GOOD + "lightning: {module: m:M}\n", "give exactly one of"),
+    (GOOD.replace("train_loop: healthy_sgd:train_loop\n", "deepspeed: {config: {}}\n"),
+     "spec key 'loss' is missing"),
+])
+def test_a_rule_over_several_keys_names_its_key_once(tmp_path, text, words):
+    # was "spec.yaml: spec key '(spec)': spec key 'model' is missing": a placeholder for a key
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: {words}"), message
+    assert "(spec)" not in message
+
+
+@pytest.mark.parametrize("value", ["[SGD, AdamW]", "5"])
+def test_an_optimizer_of_neither_form_is_one_sentence_naming_both(tmp_path, value):
+    # was two sentences, one per pydantic branch: "Input should be a valid string" and "...a
+    # valid dictionary or instance of OptimizerMapping"
+    path = write(tmp_path, GOOD + f"optimizer: {value}\n")
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    message = str(caught.value)
+    assert message.count("spec key 'optimizer'") == 1, message
+    assert f"{path}:6: spec key 'optimizer': give a 'module:function'" in message
+    assert "{name: SGD, lr: 0.05}" in message and "OptimizerMapping" not in message

@@ -100,7 +100,8 @@ def loop_exited(o: LoopExited) -> Finding:
         f"The loop called {text} in the {o.precision} run: it must return "
         "to its caller (ampdoctor runs it several times in one process), so its "
         "run could not be judged.",
-        evidence={"error": text, "precision": o.precision}, location=o.location))
+        evidence={"error": text, "measured": text, "expected": None,
+                  "precision": o.precision}, location=o.location))
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,9 @@ class LoopRaised:
 
 def loop_raised(o: LoopRaised) -> Finding:
     """`loop-error` for a loop that raised: nothing after it can be judged (exit 3)."""
-    evidence: Evidence = {"error": o.error, "precision": o.precision}
+    # measured: the exception (`LOOP_ERROR.measured`); expected: none, the loop returns
+    evidence: Evidence = {"error": o.error, "measured": o.error, "expected": None,
+                          "precision": o.precision}
     text = o.error
     if o.clip_given_none is not None:
         # the loop clips at run.max_grad_norm, which is None: say why, not only that it is
@@ -217,7 +220,8 @@ def rank_raised(o: RankRaised) -> Finding:
     return loop_error(Observed(o.rung, Severity.ERROR,
         f"The loop raised on rank {o.rank} of {o.world_size} in the DDP run: "
         f"{o.error}. Every other rank was stopped.",
-        evidence={"error": o.error, "rank": o.rank, "world_size": o.world_size},
+        evidence={"error": o.error, "measured": o.error, "expected": None, "rank": o.rank,
+                  "world_size": o.world_size},
         location=o.location))
 
 

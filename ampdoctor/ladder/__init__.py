@@ -60,7 +60,9 @@ def _skipped(session: Any, rung_id: RungId) -> RungResult | None:
         return RungResult(rung_id, Status.SKIP, f"not among the rungs asked for "
                           f"({', '.join(chosen)})")
     if wanted is not None and wanted not in session.spec.precisions:
-        return RungResult(rung_id, Status.SKIP, f"{wanted} is not in the spec's precisions "
+        # a script has no spec: its precisions come from --precisions
+        given = "--precisions" if getattr(session.spec, "script", None) else "the spec's precisions"
+        return RungResult(rung_id, Status.SKIP, f"{wanted} is not in {given} "
                           f"({', '.join(session.spec.precisions)}): this training does "
                           f"not use it")
     return None

@@ -50,7 +50,8 @@ def guarded_kinds(record: RecordModel | Mapping[str, Any]) -> list[str]:
 
 
 #: a rung skipped for one of these was left out by the diagnose's options or the spec itself
-_LEFT_OUT = ("not among the rungs asked for", "is not in the spec's precisions")
+_LEFT_OUT = ("not among the rungs asked for", "is not in the spec's precisions",
+             "is not in --precisions")
 
 
 def rung_ids(record: RecordModel | Mapping[str, Any]) -> list[str]:

@@ -38,6 +38,7 @@ from .sections import (
     _check_callable,
     _Strict,
     code_ref,
+    fold_optimizer_errors,
 )
 from .sections import (
     TORCH_OPTIMIZERS as TORCH_OPTIMIZERS,  # re-exported: the spec's public names
@@ -263,7 +264,7 @@ def _describe_location(loc: tuple[Any, ...], lines: dict[str, int]) -> tuple[str
              if p not in {"str", "OptimizerMapping",
                           "function-after[_optimizer(), union[str,OptimizerMapping]]"}
              and not p.startswith("function-")]
-    key = ".".join(parts) if parts else "(spec)"
+    key = ".".join(parts)  # "" for a rule over several keys: its message names them
     line = None
     for n in range(len(parts), 0, -1):
         line = lines.get(".".join(parts[:n]))
@@ -280,7 +281,7 @@ def _shown_value(value: Any) -> str:
 
 def _paragraph(path: Path, key: str, line: int | None, what: str) -> str:
     where = f"{path}:{line}" if line else str(path)
-    return f"{where}: spec key '{key}': {what}"
+    return f"{where}: spec key '{key}': {what}" if key else f"{where}: {what}"
 
 
 #: Top-level keys beyond this are not worth a "did you mean" each.
@@ -300,9 +301,7 @@ def validation_messages(exc: ValidationError, path: Path, lines: dict[str, int],
     known.remove("spec_path")
     # Unknown keys first: a typo'd key is usually also the "missing" one.
     errors = sorted(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
-    if any(e["type"] == "unknown_optimizer" for e in errors):
-        # the mapping was meant: that it is not also a 'module:function' string is noise
-        errors = [e for e in errors if tuple(e["loc"][:2]) != ("optimizer", "str")]
+    errors = fold_optimizer_errors(errors)
     for err in errors:
         key, line = _describe_location(err["loc"], lines)
         kind = err["type"]

@@ -111,6 +111,26 @@ class OptimizerMapping(BaseModel):
         return _check_optimizer_name(value)
 
 
+def fold_optimizer_errors(errors: list[Any]) -> list[Any]:
+    """The `optimizer` union's branch errors as one problem: a misspelt class name alone when
+    the mapping was meant; for a value that is neither form (a list, a number) one sentence
+    naming both forms, not two about pydantic's branches ('a valid dictionary or instance of
+    OptimizerMapping')."""
+    if any(e["type"] == "unknown_optimizer" for e in errors):
+        # the mapping was meant: that it is not also a 'module:function' string is noise
+        return [e for e in errors if tuple(e["loc"][:2]) != ("optimizer", "str")]
+    branches = [e for e in errors if len(e["loc"]) == 2 and e["loc"][0] == "optimizer"
+                and e["type"] in ("string_type", "model_type")]
+    if len(branches) < 2:
+        return errors
+    folded = {"type": "optimizer_form", "loc": ("optimizer",), "input": branches[0]["input"],
+              "msg": "give a 'module:function' that returns the optimizer(s), or a mapping "
+                     "naming a torch.optim class and its arguments ({name: SGD, lr: 0.05})"}
+    at = errors.index(branches[0])   # after the unknown keys, which come first
+    rest = [e for e in errors if e not in branches]
+    return rest[:at] + [folded] + rest[at:]
+
+
 #: TrainingArguments / lightning.Trainer settings ampdoctor sets per rung from the spec's own
 #: keys: `args` / `trainer` may not set them (the spec key that does is named instead).
 HF_RESERVED = {"gradient_accumulation_steps": "accumulation_steps",
