@@ -82,6 +82,19 @@ def test_an_option_for_one_and_a_literal_for_the_other(tmp_path):
     assert inferred.rewrites == [("K", "GRAD_ACCUM", 5, 13, 1)]
 
 
+def test_arithmetic_of_literals_is_rewritten_whole(tmp_path):
+    """nanoGPT writes `gradient_accumulation_steps = 5 * 8`: the whole expression is K."""
+    script = tmp_path / "train.py"
+    script.write_text("batch_size = 4\ngradient_accumulation_steps = 2 * 2\n"
+                      "print(batch_size, gradient_accumulation_steps)\n")
+    inferred = infer_reference(str(script), [], cwd=str(tmp_path))
+    assert (inferred.K, inferred.micro_batch) == (4, 4)
+    from ampdoctor.script.constants import compiled
+    namespace: dict = {}
+    exec(compiled(script.read_text(), str(script), inferred.rewrites), namespace)
+    assert (namespace["gradient_accumulation_steps"], namespace["batch_size"]) == (1, 16)
+
+
 def test_a_name_written_twice_is_refused_naming_both_lines(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("ACCUM_STEPS = 4\nbatch_size = 8\n\n\ndef evaluate():\n"

@@ -63,13 +63,13 @@ _ARITHMETIC = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
                ast.Mult: lambda a, b: a * b, ast.FloorDiv: lambda a, b: a // b if b else None}
 
 
-def _constant(node: ast.AST | None) -> Any:
+def constant_value(node: ast.AST | None) -> Any:
     """A literal number or string, or arithmetic of literal numbers (nanoGPT's `5 * 8`)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float, str)) \
             and not isinstance(node.value, bool):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _ARITHMETIC:
-        left, right = _constant(node.left), _constant(node.right)
+        left, right = constant_value(node.left), constant_value(node.right)
         if isinstance(left, (int, float)) and isinstance(right, (int, float)):
             return _ARITHMETIC[type(node.op)](left, right)
     return None
@@ -91,7 +91,7 @@ def _argv_option(node: ast.AST) -> tuple[str, Any] | None:
     if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Constant)
             and isinstance(test.left.value, str) and test.left.value.startswith("-")
             and "argv" in ast.unparse(test.comparators[0])):
-        default = _constant(node.orelse)
+        default = constant_value(node.orelse)
         if default is not None:
             return test.left.value, default
     return None
@@ -141,7 +141,7 @@ def _dataclass_fields(tree: ast.Module, source: str) -> list[Flag]:
                 value = item.value
                 if isinstance(value, ast.Call) and ast.unparse(value.func).endswith("field"):
                     value = next((k.value for k in value.keywords if k.arg == "default"), None)
-                default = _constant(value)
+                default = constant_value(value)
                 if isinstance(default, int):
                     name = item.target.id
                     found.append(Flag("--" + name.replace("_", dash), name.lower(), default,
@@ -188,7 +188,7 @@ def _function_options(tree: ast.Module, undefaulted: bool) -> list[Flag]:
                            and isinstance(a.value, str) and a.value.startswith("-")]
                 value = next((k.value for k in value.keywords if k.arg == "default"),
                              value.args[0] if value.args else None)
-            default = _constant(value)
+            default = constant_value(value)
             if isinstance(default, int) or (undefaulted and default is None):
                 name = param.arg
                 spelled = _spellings(name, entry[node.name])
@@ -210,7 +210,7 @@ def flags(tree: ast.Module, undefaulted: bool = False) -> list[Flag]:
                 or _is_click_option(node.func, clicks)):
             options = [a.value for a in node.args if isinstance(a, ast.Constant)
                        and isinstance(a.value, str) and a.value.startswith("-")]
-            default = next((_constant(k.value) for k in node.keywords if k.arg == "default"),
+            default = next((constant_value(k.value) for k in node.keywords if k.arg == "default"),
                            None)
             dest = next((k.value.value for k in node.keywords if k.arg == "dest"
                          and isinstance(k.value, ast.Constant)
@@ -237,7 +237,7 @@ def configuration(tree: ast.Module) -> list[Flag]:
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
                 isinstance(node.targets[0], ast.Name):
-            value = _constant(node.value)
+            value = constant_value(node.value)
             if value is not None:
                 name = node.targets[0].id
                 found.append(Flag(f"--{name}", name.lower(), value, True))
@@ -308,7 +308,7 @@ def optimizer(tree: ast.Module, all_flags: list[Flag]) -> dict[str, Any] | None:
             continue
         found: dict[str, Any] = {"name": node.func.attr}
         lr = next((k.value for k in node.keywords if k.arg == "lr"), None)
-        value = _constant(lr)
+        value = constant_value(lr)
         if value is None and lr is not None:
             named = getattr(lr, "attr", None) or getattr(lr, "id", None)
             value = by_name.get(_normal(named)) if named else None

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..init.script import BATCH_FLAGS, K_FLAGS
+from ..init.script import BATCH_FLAGS, K_FLAGS, constant_value
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,9 @@ def _normal(name: str) -> str:
 
 
 def _int(node: ast.AST | None) -> int | None:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return node.value
-    return None
+    """A whole-number literal, or arithmetic of them (nanoGPT's `5 * 8`)."""
+    value = constant_value(node)
+    return value if type(value) is int else None
 
 
 def literals(tree: ast.Module) -> list[Literal]:
@@ -97,12 +97,17 @@ def compiled(source: str, filename: str, rewrites: list[tuple[str, str, int, int
     seen: set[tuple[int, int]] = set()
 
     class Rewrite(ast.NodeTransformer):
-        def visit_Constant(self, node: ast.Constant) -> ast.AST:
+        """The literal (or its arithmetic: a BinOp starts where its left operand does, and is
+        visited first) at each wanted place."""
+
+        def _at(self, node: ast.expr) -> ast.AST:
             key = (node.lineno, node.col_offset)
-            if key in wanted and type(node.value) is int:
+            if key in wanted and _int(node) is not None:
                 seen.add(key)
                 return ast.copy_location(ast.Constant(wanted[key]), node)
-            return node
+            return self.generic_visit(node)
+
+        visit_Constant = visit_BinOp = _at
 
     tree = Rewrite().visit(tree)
     missing = set(wanted) - seen
