@@ -230,6 +230,15 @@ class ZeroedInside:
     fix: str = ""                       # a DeepSpeed engine's own terms, when one drove it
     forced_clip: float | None = None
     location: Location | None = None
+    #: (window, its micro-batches): an epoch's last, short window no step consumed, which the
+    #: step was judged against; the zero_grad cleared all of it (`contributing` is 0)
+    unstepped: tuple[int, int] | None = None
+
+
+UNSTEPPED_FIX = (
+    "Step on the epoch's last micro-batch too, so its short window gets its update before the "
+    "next epoch's zero_grad: `if (i + 1) % K == 0 or i + 1 == len(loader):` (dividing its loss "
+    "by K as in every window, or by the window's own count of micro-batches).")
 
 
 def zeroed_inside(o: ZeroedInside) -> Finding:
@@ -246,6 +255,18 @@ def zeroed_inside(o: ZeroedInside) -> Finding:
     evidence: Evidence = {**o.comparison, "measured": o.contributing,
                           "expected": o.microbatches, "contributing_microbatches": o.contributing,
                           "norm_ratio": significant(o.ratio)}
+    if o.unstepped is not None:
+        window, size = o.unstepped
+        evidence.update({"measured": 0, "expected": size, "contributing_microbatches": 0,
+                         "window": window, "window_microbatches": size})
+        return zero_grad_inside_accumulation(Observed(o.rung, Severity.ERROR,
+            f"Window {window}, an epoch's last, short window of {size} micro-batch(es) (K="
+            f"{o.microbatches}), never reached an optimizer step: zero_grad cleared its "
+            f"gradient, so none of its {size} micro-batch(es) trained the model, and step "
+            f"{o.step} consumed the micro-batches after it (gradient norm ratio {o.ratio:.4g} "
+            f"to window {window}'s reference, cosine {o.cosine:.4f}).",
+            evidence=evidence, location=o.location, fix=o.fix or UNSTEPPED_FIX,
+            forced_clip=o.forced_clip))
     return zero_grad_inside_accumulation(Observed(o.rung, Severity.ERROR,
         f"Step {o.step}: zero_grad ran inside the accumulation window, "
         f"so only {o.contributing} of {o.microbatches} micro-batches reached the optimizer step "

@@ -136,11 +136,17 @@ def _zero_grad_inside(case: StepCase) -> Finding | None:
             KindId.ZERO_GRAD_INSIDE_ACCUMULATION, KindId.DOUBLE_AVERAGE,
             KindId.WEIGHTED_AVERAGE_MISMATCH)):
         return None
+    window = case.judged.window
+    own = case.trace.window_of_event(case.judged.step)
+    size = case.trace.window_size(window)
+    unstepped = ((window, size) if own is not None and own > window and size is not None
+                 and size < K else None)
     return zeroed_inside(ZeroedInside(
-        case.rung, K - (case.contributing_from or 0), K, case.judged.ordinal,
-        case.measured_ratio, m.cosine, clipped=case.clip_norm is not None,
+        case.rung, 0 if unstepped else K - (case.contributing_from or 0), K,
+        case.judged.ordinal, case.measured_ratio, m.cosine, clipped=case.clip_norm is not None,
         comparison=case.evidence, fix=engine_zero_grad_fix(case.trace),
-        forced_clip=case.forced_clip, location=location(case.inside_zero[-1].site)))
+        forced_clip=case.forced_clip, location=location(case.inside_zero[-1].site),
+        unstepped=unstepped))
 
 
 def _settle_size_factor_tie(case: StepCase) -> None:
