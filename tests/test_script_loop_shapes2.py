@@ -100,3 +100,77 @@ def test_a_unique_prefix_still_runs_and_a_refused_one_is_exit_2(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "unrecognized arguments: --bat" in result.stderr
     assert "allow_abbrev=False" in result.stderr
+
+
+GLUE = RECIPES / "scripts" / "glue_no_trainer.py"
+
+
+@pytest.mark.parametrize("steps", [3, 5])
+def test_accelerate_no_trainer_loop_with_a_short_epoch_end_is_healthy(tmp_path, steps):
+    """run_glue_no_trainer's loop: accelerate syncs at the dataloader's end and divides the
+    short window (3 of K = 4 batches) by K. Before: reduction-mismatch at step 2, an error on
+    the loop accelerate's documentation writes."""
+    result = diagnose(tmp_path, GLUE, steps=steps)
+    assert result.returncode == 0, result.stderr
+    record = result.record
+    assert record["verdict"] == "healthy" and record["findings"] == []
+    assert compared(record) == steps
+    assert any("step 2 is an epoch's last, short window of 3 of K=4" in n
+               for n in record["notes"])
+
+
+def test_accelerate_scheduler_left_unprepared_is_scheduler_per_microbatch(tmp_path):
+    result = diagnose(tmp_path, GLUE, "--bug", "sched-unprepared")
+    assert result.returncode == 1, result.stderr
+    finding = next(f for f in result.record["findings"] if f["severity"] == "error")
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "scheduler-per-microbatch")
+    assert finding["location"]["line"] == marked_line(GLUE, "scheduler-per-microbatch")
+    assert finding["evidence"]["measured"] == 4
+
+
+def test_a_clip_on_every_micro_batch_is_named_at_the_clip(tmp_path):
+    """`accelerator.clip_grad_norm_` outside the `sync_gradients` gate clips each partial sum:
+    no known shape, but the finding stands at the clip and says it clipped before the last
+    backward (before: at optimizer.step, with nothing said)."""
+    result = diagnose(tmp_path, GLUE, "--bug", "clip-every-mb", "--max_grad_norm", "0.05")
+    assert result.returncode == 1, result.stderr
+    finding = next(f for f in result.record["findings"] if f["severity"] == "error")
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "gradient-mismatch")
+    assert finding["location"]["line"] == marked_line(GLUE, "gradient-mismatch")
+    assert finding["evidence"]["early_clips"] == 3 and finding["evidence"]["step"] == 0
+    assert "clipped 3 time(s) before its last backward" in finding["message"]
+
+
+ONECYCLE = RECIPES / "scripts" / "onecycle_window.py"
+
+
+@pytest.mark.parametrize("steps", [3, 6])
+def test_onecycle_per_window_healthy_per_micro_batch_named_even_when_it_raises(tmp_path, steps):
+    healthy = diagnose(tmp_path, ONECYCLE, "--amp", steps=steps)
+    assert healthy.returncode == 0, healthy.stderr
+    assert healthy.record["verdict"] == "healthy" and healthy.record["findings"] == []
+    # per micro-batch: 16 total steps, the 17th scheduler step (in the 5th window) raises;
+    # with --steps 3 the run stops before it
+    result = diagnose(tmp_path, ONECYCLE, "--amp", "--bug", "sched-per-mb", steps=steps)
+    assert result.returncode == 1, result.stderr
+    record = result.record
+    assert record["verdict"] == "failed"
+    [finding] = record["findings"]
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "scheduler-per-microbatch")
+    assert finding["location"]["line"] == marked_line(ONECYCLE, "scheduler-per-microbatch")
+    assert finding["evidence"]["measured"] == 4
+    assert finding["evidence"]["optimizer_steps"] == (3 if steps == 3 else 4)
+
+
+def test_arguments_the_scripts_parser_refuses_are_the_users(tmp_path):
+    """An option the script does not have, after `--` (here ampdoctor's own --out put on the
+    wrong side): exit 2 with argparse's message, not exit 3 blaming the reference."""
+    result = run_cli("diagnose", AMBIGUOUS, "--", "--out", str(tmp_path / "runs"))
+    assert result.returncode == 2, result.stderr
+    assert "unrecognized arguments: --out" in result.stderr
+    assert "the script's arguments (--out" in result.stderr
+    assert "Fix the arguments after `--`" in result.stderr
+    bad_ref = run_cli("diagnose", AMBIGUOUS, "--out", tmp_path / "runs", "--reference-args",
+                      "--batch-size 32 --accum-steps 1 --nope", "--")
+    assert bad_ref.returncode == 2, bad_ref.stderr
+    assert "the reference's arguments (--batch-size 32 --accum-steps 1 --nope)" in bad_ref.stderr

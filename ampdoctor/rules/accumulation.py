@@ -32,7 +32,7 @@ from ..kinds.reduction import varying_divisor as varying_divisor_finding
 from ..kinds.stepping import CarriedOver, ZeroedInside, zeroed_inside
 from ..kinds.stepping import carried_over as carried_over_finding
 from ..maths import compare
-from ..probe.events import ZeroGrad, of_type
+from ..probe.events import Clip, ZeroGrad, of_type
 from ..session import Session, Trace
 from . import unaveraged
 from .deepspeed import engine_update_off, engine_zero_grad_fix
@@ -344,12 +344,20 @@ def _engine_scale(case: StepCase) -> Finding | None:
 
 
 def _no_known_shape(case: StepCase) -> Finding:
-    """No known shape: say so, with the numbers."""
+    """No known shape: say so, with the numbers (and a clip that bit before the window's last
+    backward, at its line: it clipped a partial sum)."""
     m, judged = case.m, case.judged
+    last = case.backwards[-1].seq if case.backwards else -1
+    early = [c for c in of_type(case.window_events, Clip) if c.seq < last
+             and c.total_norm is not None and c.max_norm is not None
+             and c.total_norm > c.max_norm]
+    site = early[0].site if early else judged.step.site
+    if early:
+        case.evidence["early_clips"] = len(early)
     return unexplained(Unexplained(
         case.rung, judged.ordinal, judged.window, case.judgement.precision, m.rel_err,
         case.measured_ratio, m.cosine, case.judgement.tolerance.rtol, case.evidence,
-        forced_clip=case.forced_clip, location=location(judged.step.site)))
+        forced_clip=case.forced_clip, location=location(site), early_clips=len(early)))
 
 
 #: The known shapes of a mismatch, in the order they are tried: each returns its finding, or

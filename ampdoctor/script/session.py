@@ -30,6 +30,7 @@ from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
 from .infer import builds_deepspeed_engine
 from .references import deferred, window_reference
+from .refused import arguments_refused
 from .refused import refused as _refused
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
@@ -127,6 +128,8 @@ class ScriptSession:
             self.reference_probe = first
             if first.error is not None:
                 _refused(first)
+                arguments_refused(first, self.outputs[-1]["text"] if self.outputs else "",
+                                  self.command.args, cmd_args)
                 how = (f"exited ({first.ended})" if first.ended.startswith("exit")
                        else "raised")
                 raise UserCodeError(
