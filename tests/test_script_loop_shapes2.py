@@ -174,3 +174,30 @@ def test_arguments_the_scripts_parser_refuses_are_the_users(tmp_path):
                       "--batch-size 32 --accum-steps 1 --nope", "--")
     assert bad_ref.returncode == 2, bad_ref.stderr
     assert "the reference's arguments (--batch-size 32 --accum-steps 1 --nope)" in bad_ref.stderr
+
+
+CLM = RECIPES / "scripts" / "clm_no_trainer.py"
+
+
+@pytest.mark.parametrize("bug", ["none", "loss-over-k"])
+def test_clm_no_trainer_loop_short_end_healthy_and_its_extra_division_named(tmp_path, bug):
+    """run_clm_no_trainer's loop on a tiny GPT-2: 15 batches, windows 4, 4, 4, 3; the last
+    divided by K by accelerate (before: reduction-mismatch at step 3). Divided by K again in
+    the loop: double-average at the backward, in accelerate's terms."""
+    result = diagnose(tmp_path, CLM, "--bug", bug, steps=4)
+    if bug == "none":
+        assert result.returncode == 0, result.stderr
+        assert result.record["verdict"] == "healthy" and result.record["findings"] == []
+        assert compared(result.record) == 4
+        assert any("step 3 is an epoch's last, short window of 3 of K=4" in n
+                   for n in result.record["notes"])
+        return
+    assert result.returncode == 1, result.stderr
+    errors = [f for f in result.record["findings"] if f["severity"] == "error"]
+    assert len(errors) == 1, result.record["findings"]
+    finding = errors[0]
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "double-average")
+    assert finding["location"]["line"] == marked_line(CLM, "double-average")
+    assert finding["evidence"]["step"] == 0
+    assert abs(finding["evidence"]["measured"] - 0.25) < 1e-3
+    assert "accelerator.backward" in finding["message"]
