@@ -63,3 +63,33 @@ def test_the_clip_twin_is_healthy(diagnosed):
     result = diagnosed("healthy_clip_active")
     assert result.returncode == 0, result.stderr
     assert result.record["findings"] == []
+
+
+def test_watch_accelerate_short_last_window_is_the_convention_not_a_mismatch():
+    """The documented accelerate loop over data that end in a short window (3 of K = 4
+    micro-batches): accelerate divides it by K, its update is 3/4 of its mean. Before: the
+    watch warned gradient-mismatch 0.75x at that step, an error on a healthy run."""
+    pytest.importorskip("accelerate")
+    import sys
+    import warnings
+
+    from accelerate.state import AcceleratorState, GradientState
+    sys.path.insert(0, str(RECIPES / "watch"))
+    from accelerate_loop import train
+
+    def run(bug: str):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return train(bug, "fp32", steps=3, K=4, every=1, tail=3)[1]
+
+    watch = run("none")
+    assert watch.record["verdict"] == "healthy" and watch.findings == []
+    assert watch.updates == 4
+    short = [c for c in watch.checked if c.get("short_window")]
+    assert [(c["step"], c["short_window"], c["ratio"]) for c in short] == [(3, 3, 0.75)]
+    assert any("a short window of 3 of K=4" in n for n in watch.record["notes"])
+    # a division of its own is still named at the first full window
+    broken = run("double-average")
+    assert [f.kind for f in broken.findings] == ["double-average"]
