@@ -201,3 +201,28 @@ def test_clm_no_trainer_loop_short_end_healthy_and_its_extra_division_named(tmp_
     assert finding["evidence"]["step"] == 0
     assert abs(finding["evidence"]["measured"] - 0.25) < 1e-3
     assert "accelerator.backward" in finding["message"]
+
+
+CARRY = RECIPES / "scripts" / "epoch_carry.py"
+
+
+def test_a_short_window_carried_into_the_next_epoch_is_named(tmp_path):
+    """Stepping on `(i + 1) % K == 0` alone, zero_grad only after a step: the epoch's last 3
+    micro-batches ride into the next epoch's first step (7 micro-batches / K). Before:
+    gradient-mismatch 'matching no known mistake'; now said, checked against the two
+    windows' references summed at 1/K each. With the last-batch step: healthy."""
+    fixed = diagnose(tmp_path, CARRY, "--fix", steps=4)
+    assert fixed.returncode == 0, fixed.stderr
+    assert fixed.record["verdict"] == "healthy" and fixed.record["findings"] == []
+    result = diagnose(tmp_path, CARRY, steps=4)
+    assert result.returncode == 1, result.stderr
+    errors = [f for f in result.record["findings"] if f["severity"] == "error"]
+    assert len(errors) == 1, result.record["findings"]
+    finding = errors[0]
+    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "gradient-mismatch")
+    assert finding["location"]["line"] == marked_line(CARRY, "gradient-mismatch")
+    evidence = finding["evidence"]
+    assert (evidence["step"], evidence["window"]) == (2, 2)
+    assert (evidence["window_microbatches"], evidence["contributing_microbatches"]) == (3, 7)
+    assert "Window 2, an epoch's last, short window of 3 micro-batch(es) (K=4)" in \
+        finding["message"]

@@ -17,6 +17,7 @@ from ..core.enums import KindId, Severity
 from ..core.evidence import Evidence, significant
 from ..core.findings import Finding, Location
 from .base import SCAN_RUNG, AccumulationLoop, Kind, Observed, in_framework_terms
+from .mismatch import gradient_mismatch
 
 STEP_PER_MICROBATCH = Kind(
     KindId.STEP_PER_MICROBATCH,
@@ -382,3 +383,41 @@ def zero_grad_in_loop(o: ZeroGradInLoop) -> Finding:
         "gradients the window's earlier micro-batches accumulated, so the optimizer step sees "
         "only the last one.", evidence=o.loop.evidence(), location=o.location,
         title="zero_grad() on every micro-batch of the accumulation window"))
+
+
+# --- an epoch's last, short window that no step consumed ----------------------------------
+
+
+@dataclass(frozen=True)
+class CarriedShortWindow:
+    """A step whose gradient is the micro-batches of an epoch's last, short window that no step
+    consumed and no zero_grad cleared, plus those of the window after it, each at 1/K: the
+    short window `window` of `size` micro-batches, `consumed` in all, the comparison with the
+    short window's own reference."""
+
+    rung: str
+    step: int
+    window: int
+    size: int
+    consumed: int
+    K: int
+    ratio: float
+    cosine: float
+    comparison: Evidence
+    forced_clip: float | None = None
+    location: Location | None = None
+
+
+def carried_short_window(o: CarriedShortWindow) -> Finding:
+    """`gradient-mismatch`: a short window's gradient carried into the next window's step (an
+    error: its window's update never happens and the next one holds more than K micro-batches)."""
+    evidence: Evidence = {**o.comparison, "window_microbatches": o.size,
+                          "contributing_microbatches": o.consumed}
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        f"Window {o.window}, an epoch's last, short window of {o.size} micro-batch(es) (K="
+        f"{o.K}), never reached an optimizer step, and nothing cleared its gradient: step "
+        f"{o.step} consumed it together with the next window's, {o.consumed} micro-batches "
+        f"each divided by K (it matches the two windows' references summed that way; norm "
+        f"ratio {o.ratio:.4g}, cosine {o.cosine:.4f} to window {o.window}'s).",
+        evidence=evidence, location=o.location, fix=UNSTEPPED_FIX,
+        forced_clip=o.forced_clip))

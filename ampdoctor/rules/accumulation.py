@@ -29,11 +29,17 @@ from ..kinds.mismatch import Unexplained, unexplained
 from ..kinds.reduction import SummedOverCount, VaryingDivisor
 from ..kinds.reduction import summed_over_count as summed_over_count_finding
 from ..kinds.reduction import varying_divisor as varying_divisor_finding
-from ..kinds.stepping import CarriedOver, ZeroedInside, zeroed_inside
+from ..kinds.stepping import (
+    CarriedOver,
+    CarriedShortWindow,
+    ZeroedInside,
+    carried_short_window,
+    zeroed_inside,
+)
 from ..kinds.stepping import carried_over as carried_over_finding
 from ..maths import compare
 from ..probe.events import Clip, ZeroGrad, of_type
-from ..session import Session, Trace
+from ..session import Session, Trace, flat
 from . import unaveraged
 from .deepspeed import engine_update_off, engine_zero_grad_fix
 from .frameworks import dividing_party
@@ -279,6 +285,30 @@ def _carried_over(case: StepCase) -> Finding | None:
         forced_clip=case.forced_clip, location=location(site)))
 
 
+def _short_window_carried(case: StepCase) -> Finding | None:
+    """An epoch's last, short window that no step consumed and no zero_grad cleared (the step
+    gated by `(i + 1) % K == 0` alone): its gradient rides into the next window's step, whose
+    gradient is then both windows' micro-batches at 1/K each."""
+    trace, judged, K = case.trace, case.judged, case.K
+    window, own = judged.window, trace.window_of_event(judged.step)
+    size = trace.window_size(window)
+    if own is None or own <= window or size is None or size >= K or case.inside_zero:
+        return None
+    expected = case.full * (size / K)
+    consumed = size
+    for later in range(window + 1, own + 1):
+        n = trace.window_size(later) or K
+        ref = case.session.reference(later, case.snapshot.state, case.snapshot.training)
+        expected = expected + flat(case.session, ref.full, case.names) * (n / K)
+        consumed += n
+    if not compare.metrics(case.user_u, expected, compare.Tolerance(case.cand_tol, 0.0)).ok:
+        return None
+    return carried_short_window(CarriedShortWindow(
+        case.rung, judged.ordinal, window, size, consumed, K, case.measured_ratio,
+        case.m.cosine, case.evidence, forced_clip=case.forced_clip,
+        location=location(judged.step.site)))
+
+
 def _summed_over_a_count(case: StepCase) -> Finding | None:
     """Right direction, a size equal to a count every micro-batch shares: a sum reduction."""
     m, measured_ratio = case.m, case.measured_ratio
@@ -367,6 +397,7 @@ SHAPES: tuple[Callable[[StepCase], Finding | None], ...] = (
     _zero_grad_inside,
     _named_shape,
     _carried_over,
+    _short_window_carried,
     _summed_over_a_count,
     _varying_divisor,
     _wrong_divisor,
