@@ -15,7 +15,7 @@ import torch
 from ..loading import AUTOCAST_DTYPES, RunSettings
 from ..probe import recorder
 from ..probe.callsite import CallSiteFinder
-from ..probe.events import Backward, ScalerInit, StepRecord
+from ..probe.events import Backward, ScalerInit, ScalerStep, StepRecord
 from ..probe.trace import Trace
 from .child import Outcome
 
@@ -94,7 +94,12 @@ class ScriptTrace(Trace):
         if before is None or window is None or window <= before + 1:
             return None
         size = self.window_size(before + 1)
-        return before + 1 if size is not None and size < self.accumulation_steps else None
+        if size is None or size >= self.accumulation_steps:
+            return None
+        # a scaler.step there that skipped the optimizer (an overflow) is no unstepped window
+        if any(self.window_of_event(e) == before + 1 for e in self.events_of(ScalerStep)):
+            return None
+        return before + 1
 
     def parameter_names(self) -> dict[int, str]:
         return dict(self.outcome.param_names)
