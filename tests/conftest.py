@@ -145,6 +145,16 @@ def run_cli(*args: str, cwd: Path | None = None, env: dict | None = None,
     return CliResult(result.exit_code, result.stdout, stderr)
 
 
+def assert_undivided_loss(result: CliResult, script: Path) -> None:
+    """The record of `result` fails at fp32-accum with one finding: the loss not divided by K
+    (K = 4: the update 4x the reference's), at the script's `# BUG:` line."""
+    assert result.returncode == 1, result.stderr
+    (finding,) = result.record["findings"]
+    assert (finding["kind"], finding["rung"]) == ("missing-accumulation-average", "fp32-accum")
+    assert finding["evidence"]["ratio"] == pytest.approx(4.0, rel=1e-3)
+    assert finding["location"]["line"] == marked_line(script, "missing-accumulation-average")
+
+
 def marked_line(path: Path, kind: str) -> int:
     """The line of `path` that carries `# BUG: <kind>`."""
     for number, line in enumerate(path.read_text().splitlines(), start=1):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from ampdoctor.runner import export_test
-from conftest import CONFIGS, RECIPES, run_cli_process
+from conftest import CONFIGS, RECIPES, marked_line, run_cli_process
 
 
 def _pytest(test_file: Path) -> subprocess.CompletedProcess[str]:
@@ -106,6 +106,24 @@ def test_a_script_record_round_trips(tmp_path):
     assert 'args=["--accum-steps", "4", "--batch-size", "8", "--bug", "no-average"]' in text
     assert 'reference_args=["--accum-steps", "1", "--batch-size", "32"],  # given' in text
     assert 'cwd=HERE / ".."' in text
+
+
+def test_a_script_record_whose_reference_read_a_config_copy_round_trips(tmp_path):
+    """The reference inferred as a copy of the script's YAML config (gone once the diagnose
+    ended): the exported test infers it again instead of naming the copy."""
+    project = tmp_path / "project"
+    (project / "tests").mkdir(parents=True)
+    (project / "configs").mkdir()
+    script = project / "train.py"
+    shutil.copy(RECIPES / "scripts" / "yaml_config.py", script)
+    shutil.copy(RECIPES / "scripts" / "configs" / "finetune.yaml", project / "configs")
+    test_file = _round_trip(
+        project, ["train.py", "--", "--config", "configs/finetune.yaml", "--bug", "no-divide"],
+        script, 'if args.bug != "no-divide":', "if True:", "missing-accumulation-average",
+        marked_line(script, "missing-accumulation-average"))
+    text = test_file.read_text()
+    assert "reference_args=" not in text and "inferred again" in text
+    assert 'args=["--config", "configs/finetune.yaml", "--bug", "no-divide"]' in text
 
 
 # ------------------------------------------------------------------------------ the parts

@@ -231,6 +231,7 @@ def _reference_args(tmp: Path) -> None:
     assert used.returncode == 0, used.stderr
     assert used.record["reference_args"] == AMP_REF.split()
     assert used.record["reference_args_origin"] == "given"
+    assert used.record["reference_args_inferred"] is False
 
 
 def _script_args(tmp: Path) -> None:
@@ -251,6 +252,7 @@ def _no_reference(tmp: Path) -> None:
     inferred = script_run(tmp, "--json", *fast(), reference=None)
     assert inferred.returncode == 0, inferred.stderr
     assert inferred.record["reference_args_origin"] == "inferred"
+    assert inferred.record["reference_args_inferred"] is True      # the contract's name
 
 
 CHECKS: dict[str, dict[str, Callable[[Path], None]]] = {

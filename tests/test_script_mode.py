@@ -191,6 +191,54 @@ def test_a_script_that_fails_before_stepping_is_exit_3_at_its_line(tmp_path):
     assert "the script's arguments (--no-such-flag)" in bad_arg.stderr
 
 
+def test_a_first_run_that_fails_says_whether_the_script_or_the_reference_is_at_fault(tmp_path):
+    """The reference's first run stopped: the script run with the user's own arguments says
+    whose fault it is (a script that does not compile, or a batch the data cannot hold)."""
+    broken = tmp_path / "broken.py"
+    broken.write_text("import torch\n\ndef step(:\n    pass\n")
+    result = diagnose(tmp_path, broken, ["--lr", "1"], "--lr 1")
+    assert result.returncode == 3
+    error = result.record["error"]
+    assert error["message"].startswith("the script run with your arguments (--lr 1) raised")
+    assert "SyntaxError" in error["message"] and "reference" not in error["message"]
+    assert (Path(error["location"]["file"]).name, error["location"]["line"]) == ("broken.py", 3)
+    small = tmp_path / "small.py"
+    small.write_text("import argparse\nimport torch\n"
+                     "p = argparse.ArgumentParser()\n"
+                     "p.add_argument('--accum-steps', type=int, default=4)\n"
+                     "p.add_argument('--batch-size', type=int, default=8)\n"
+                     "a = p.parse_args()\n"
+                     "data = torch.randn(40, 4)\n"
+                     "model = torch.nn.Linear(4, 1)\n"
+                     "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                     "if a.batch_size > 16:\n"
+                     "    raise ValueError('40 rows: no batch above 16')\n"
+                     "for i in range(0, 40, a.batch_size):\n"
+                     "    (model(data[i:i + a.batch_size]).sum() / a.accum_steps).backward()\n"
+                     "    if (i // a.batch_size + 1) % a.accum_steps == 0:\n"
+                     "        opt.step()\n"
+                     "        opt.zero_grad()\n")
+    result = diagnose(tmp_path, small, [])
+    assert result.returncode == 3
+    error = result.record["error"]
+    assert "the script run with the reference's arguments (--accum-steps 1 --batch-size 32)" \
+        in error["message"] and "no batch above 16" in error["message"]
+    assert "With your own arguments it reaches its first step" in error["message"]
+    assert error["location"]["line"] == 11
+
+
+def test_k_equal_to_the_micro_batch_and_no_average_is_named_not_a_crash(tmp_path):
+    """K = b = 4: "not divided by K" and "summed over the micro-batch" give the same 4x; a
+    spec re-splits the window to tell them apart, a script cannot (its first match stays).
+    Was an internal error (exit 4) in script mode."""
+    result = diagnose(tmp_path, AMP, ["--amp", "--accum-steps", "4", "--batch-size", "4",
+                                      "--bug", "no-average"])
+    assert result.returncode == 1, result.stderr
+    (finding,) = result.record["findings"]
+    assert (finding["kind"], finding["rung"]) == ("missing-accumulation-average", "fp32-accum")
+    assert finding["evidence"]["ratio"] == pytest.approx(4.0, rel=1e-3)
+
+
 def test_init_proposes_the_script_mode_command_and_it_runs(tmp_path):
     result = run_cli("init", LOADER, "-o", tmp_path / "triage.yaml")
     assert result.returncode == 0, result.stderr

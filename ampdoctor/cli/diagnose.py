@@ -90,7 +90,11 @@ def diagnose(
         except UsageError as exc:
             raise typer.Exit(fail(exc, debug)) from None
         if source.reference_origin == "inferred" and source.reference_args is not None:
-            stderr_console().print(f"reference: {shlex.join(source.reference_args)} (inferred: "
+            shown = shlex.join(source.reference_args) or "your arguments"
+            if source.reference_rewrites:
+                shown += " with " + " ".join(f"{name}={value}" for _, name, _, _, value
+                                             in source.reference_rewrites) + " in the script"
+            stderr_console().print(f"reference: {shown} (inferred: "
                                    f"{source.reference_how})", markup=False, highlight=False,
                                    soft_wrap=True)
         elif source.reference_batch_option is not None:
@@ -98,7 +102,13 @@ def diagnose(
                                    "micro-batch, K read from a first fp32 step (inferred: "
                                    f"{source.reference_how})", markup=False, highlight=False,
                                    soft_wrap=True)
-        raise typer.Exit(diagnose_here(source, json_out, debug, out, ci=ci, verbose=verbose))
+        try:
+            code = diagnose_here(source, json_out, debug, out, ci=ci, verbose=verbose)
+        finally:
+            if source.reference_origin == "inferred":
+                from ..script.infer_config import remove_copies
+                remove_copies()
+        raise typer.Exit(code)
     if script_args or reference_args is not None or no_reference:
         raise typer.Exit(fail(UsageError("arguments after the spec, --reference-args and "
                                          "--no-reference are for script mode (`ampdoctor "

@@ -28,6 +28,16 @@ def init(
     if py_file is not None and found is not None and found.train_loop is None:
         from ..init.script import script_command
         proposal = script_command(py_file, str(py_file))
+        if proposal is not None and "--reference-args" not in proposal[0]:
+            # no option with a default: the reference a diagnose infers without ARGS (K and
+            # the micro-batch written in the script as literals, `script.constants`)
+            from ..script.infer import infer_reference
+            try:
+                inferred = infer_reference(str(py_file), [])
+                proposal = (f"{proposal[0].removesuffix(' -- ARGS')} --",
+                            f"the reference inferred: {inferred.how}")
+            except UsageError:
+                pass
         if proposal is not None:   # an inline loop: script mode needs no spec at all
             command, how = proposal
             err.print(inert(f"{py_file} trains inline (no train_loop function): diagnose it as "

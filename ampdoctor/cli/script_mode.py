@@ -50,6 +50,8 @@ def script_source_of(script: Path, args: list[str], reference_args: str | None,
                              "--no-reference runs only the checks that need none (the "
                              "verdict is then at best inconclusive)", cause=exc) from exc
         reference, origin, how = inferred.args, "inferred", inferred.how
+        if inferred.rewrites:
+            overrides = {**overrides, "reference_rewrites": list(inferred.rewrites)}
         if inferred.deferred:
             reference = None
             overrides = {**overrides, "reference_batch_option": inferred.batch_option}

@@ -50,6 +50,9 @@ TOKEN_ENV = "AMPDOCTOR_RUN_TOKEN"
 #: The environment variable naming the run's temporary folder (set for the worker by the CLI).
 #: Not TMPDIR: the script's own temporary files and multiprocessing's sockets keep theirs.
 TEMP_ENV = "AMPDOCTOR_TEMP"
+#: the prefix of the folder that holds a config copied for an inferred reference
+#: (`script.infer_config`); a record's reference arguments naming it were inferred from a copy
+REFERENCE_COPY_PREFIX = "ampdoctor-reference-"
 #: How long `end` keeps killing what it finds (a process that forks while it is killed).
 END_WAIT_S = 3.0
 #: How long the caller waits for its guardian to leave once done with it.

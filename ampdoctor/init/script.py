@@ -105,13 +105,109 @@ def _hf_training_arguments(source: str) -> list[Flag]:
             Flag("--per_device_train_batch_size", "per_device_train_batch_size", 8, False)]
 
 
+def _imported_names(tree: ast.Module, module: str, name: str) -> set[str]:
+    """The names `from module import name [as x]` binds."""
+    return {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+            and n.module == module for a in n.names if a.name == name}
+
+
+def _is_click_option(func: ast.AST, names: set[str]) -> bool:
+    """`click.option(...)` / `option(...)` imported from click: options as argparse writes
+    them (`"-b", "--batch-size", default=8`)."""
+    return ((isinstance(func, ast.Attribute) and func.attr == "option"
+             and isinstance(func.value, ast.Name) and func.value.id == "click")
+            or (isinstance(func, ast.Name) and func.id in names))
+
+
+#: libraries that turn a dataclass's fields into options, and how they spell them
+_DATACLASS_PARSERS = (("tyro", "-"), ("HfArgumentParser", "_"), ("TrlParser", "_"),
+                      ("simple_parsing", "_"), ("jsonargparse", "_"))
+
+
+def _dataclass_fields(tree: ast.Module, source: str) -> list[Flag]:
+    """The int fields of the script's dataclasses, where a library that makes options of them
+    is used (`--batch_size` for HfArgumentParser, `--batch-size` for tyro), with their
+    defaults (`batch_size: int = 8`, `field(default=8)`)."""
+    dash = next((d for library, d in _DATACLASS_PARSERS if library in source), None)
+    if dash is None:
+        return []
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.ClassDef) and any(
+                "dataclass" in ast.unparse(d) for d in node.decorator_list)):
+            continue
+        for item in node.body:
+            if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                value = item.value
+                if isinstance(value, ast.Call) and ast.unparse(value.func).endswith("field"):
+                    value = next((k.value for k in value.keywords if k.arg == "default"), None)
+                default = _constant(value)
+                if isinstance(default, int):
+                    name = item.target.id
+                    found.append(Flag("--" + name.replace("_", dash), name.lower(), default,
+                                      False, _spellings(name, dash)))
+    return found
+
+
+def _spellings(name: str, dash: str) -> tuple[str, ...]:
+    """The option strings a library reads for a field or parameter `name`: `--batch-size`
+    alone where it writes dashes (typer, tyro), else `--batch_size` and, as HfArgumentParser
+    and fire also read it, `--batch-size`."""
+    hyphen = "--" + name.replace("_", "-")
+    if dash == "-":
+        return (hyphen,)
+    return ("--" + name,) + ((hyphen,) if hyphen != "--" + name else ())
+
+
+def _function_options(tree: ast.Module, undefaulted: bool) -> list[Flag]:
+    """The parameters of a function a CLI library calls with options made of them:
+    `fire.Fire(main)` (`--batch_size`), `typer.run(main)` or `@app.command()` (`--batch-size`,
+    or the names given to `typer.Option`), their defaults literal or `typer.Option(8)`."""
+    entry: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Name):
+            called = ast.unparse(node.func)
+            if called in ("fire.Fire", "Fire"):
+                entry[node.args[0].id] = "_"
+            elif called == "typer.run":
+                entry[node.args[0].id] = "-"
+        elif isinstance(node, ast.FunctionDef) and any(
+                ast.unparse(d).endswith(".command()") for d in node.decorator_list):
+            entry.setdefault(node.name, "-")
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.FunctionDef) and node.name in entry):
+            continue
+        params = node.args.args + node.args.kwonlyargs
+        values = ([None] * (len(node.args.args) - len(node.args.defaults))
+                  + list(node.args.defaults) + list(node.args.kw_defaults))
+        for param, value in zip(params, values, strict=True):
+            options: list[str] = []
+            if isinstance(value, ast.Call) and ast.unparse(value.func).endswith("Option"):
+                options = [a.value for a in value.args if isinstance(a, ast.Constant)
+                           and isinstance(a.value, str) and a.value.startswith("-")]
+                value = next((k.value for k in value.keywords if k.arg == "default"),
+                             value.args[0] if value.args else None)
+            default = _constant(value)
+            if isinstance(default, int) or (undefaulted and default is None):
+                name = param.arg
+                spelled = _spellings(name, entry[node.name])
+                option = ([o for o in options if o.startswith("--")] or list(spelled))[0]
+                found.append(Flag(option, name.lower(), default, False,
+                                  tuple(options) or spelled))
+    return found
+
+
 def flags(tree: ast.Module, undefaulted: bool = False) -> list[Flag]:
     """The script's argparse options with a literal default (`undefaulted`: those without one
     too, default None), `"--x" in sys.argv` options, else (a module-level configuration
     overridden from sys.argv through `globals()`) its module-level literal settings."""
     found: list[Flag] = []
+    clicks = _imported_names(tree, "click", "option")
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+        if isinstance(node, ast.Call) and (
+                getattr(node.func, "attr", None) == "add_argument"
+                or _is_click_option(node.func, clicks)):
             options = [a.value for a in node.args if isinstance(a, ast.Constant)
                        and isinstance(a.value, str) and a.value.startswith("-")]
             default = next((_constant(k.value) for k in node.keywords if k.arg == "default"),
@@ -125,7 +221,9 @@ def flags(tree: ast.Module, undefaulted: bool = False) -> list[Flag]:
                                   _normal(dest) if dest else None))
         elif isinstance(node, ast.Assign) and (argv := _argv_option(node.value)) is not None:
             found.append(Flag(argv[0], _normal(argv[0]), argv[1], False))
-    found += _hf_training_arguments(ast.unparse(tree))
+    source = ast.unparse(tree)
+    found += _hf_training_arguments(source)
+    found += _dataclass_fields(tree, source) + _function_options(tree, undefaulted)
     if found:
         return found
     if _configurator(tree):

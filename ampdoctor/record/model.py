@@ -208,8 +208,9 @@ class RecordModel(_Ordered):
 
     FILLED = ("record_version", "ampdoctor_version", "name", "spec", "device", "verdict",
               "inconclusive", "script", "args", "reference_args", "reference_args_origin",
-              "cwd", "output", "exit_code", "failed_rung", "keep_going", "accumulation_steps",
-              "rungs", "findings", "notes", "series", "runs", "error")
+              "reference_args_inferred", "reference_literals", "cwd", "output", "exit_code",
+              "failed_rung", "keep_going", "accumulation_steps", "rungs", "findings", "notes",
+              "series", "runs", "error")
     record_version: int = 1
     ampdoctor_version: str = ""
     name: str = "run"
@@ -223,6 +224,13 @@ class RecordModel(_Ordered):
     args: list[str] | None = None
     reference_args: list[str] | None = None
     reference_args_origin: Literal["given", "inferred"] | None = None
+    #: script mode: true when the reference's args were inferred from the script, false when
+    #: given (`--reference-args`), null without a reference (CONTRACT's
+    #: `reference_args_inferred`; `reference_args_origin` says the same in a word)
+    reference_args_inferred: bool | None = None
+    #: script mode: the literals of the script the reference's runs changed, where K and the
+    #: micro-batch are written in it rather than options: [{"name", "line", "value"}]
+    reference_literals: list[dict[str, Any]] | None = None
     #: script mode: the working directory the script ran in
     cwd: str | None = None
     #: the training code's own output, captured (each script run's, or the loop's runs')

@@ -140,7 +140,13 @@ def what_ran(record: RecordModel) -> str:
     reference = record.reference_args
     if reference is not None:
         origin = record.reference_args_origin or "given"
-        line += f" · reference: {_one(' '.join(map(str, reference)))} ({_one(origin)})"
+        shown = " ".join(map(str, reference))
+        literals = record.reference_literals or []
+        if literals:
+            shown = (shown + " with " if shown else "") + " ".join(
+                f"{item.get('name')}={item.get('value')}" for item in literals
+                if isinstance(item, dict)) + " in the script"
+        line += f" · reference: {_one(shown)} ({_one(origin)})"
     else:
         line += " · no reference"
     return line

@@ -124,6 +124,8 @@ def disambiguate(session: Session, window: int, snapshot: Snapshot, names: list[
     factor follows K' (no average) or stays at the micro-batch size (sum reduction)."""
     K2 = max(1, session.K // 2)
     part = session.window(window)[:K2]
+    if not part:        # a script's window cannot be handed back to it in parts
+        return None, {}
     b = micro_batch_size_of(part[0])
     if b == K2:
         return None, {}

@@ -216,7 +216,14 @@ def new_record(spec: Spec | ScriptSource, device: str) -> RecordModel:
             source={"script": spec.script, "args": list(spec.args),
                     "reference_args": (list(spec.reference_args)
                                        if spec.reference_args is not None else None),
-                    "reference_args_origin": spec.reference_origin, "cwd": spec.cwd},
+                    "reference_args_origin": spec.reference_origin,
+                    "reference_args_inferred": (None if spec.reference_origin is None
+                                                else spec.reference_origin == "inferred"),
+                    "reference_literals": (
+                        [{"name": name, "line": line, "value": value}
+                         for _, name, line, _, value in spec.reference_rewrites]
+                        if spec.reference_rewrites else None),
+                    "cwd": spec.cwd},
             name=spec.display_name, device=device, accumulation_steps=None,
             optimizer_steps=spec.optimizer_steps, micro_batch_size=None,
             environment=environment(None))

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core import processes
 from ..core.errors import UsageError
 from ..record import as_record
 
@@ -153,8 +154,12 @@ def render(record: RecordModel | Mapping[str, Any], record_path: Path | None, ta
         call.append(f"script=HERE / {_lit(_relative(str(script), base))},")
         call.append(f"args={_lit(list(record.args or []))},")
         reference = record.reference_args
-        if reference is not None:
-            origin = record.reference_args_origin or "given"
+        origin = record.reference_args_origin or "given"
+        if reference is not None and origin == "inferred" and (
+                any(processes.REFERENCE_COPY_PREFIX in arg for arg in reference)
+                or list(reference) == list(record.args or [])):
+            call.append("# reference_args: inferred again (its config or literals at K = 1)")
+        elif reference is not None:
             call.append(f"reference_args={_lit(list(reference))},  # {origin} in the diagnose")
         cwd = record.cwd
         if cwd:

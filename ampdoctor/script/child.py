@@ -37,14 +37,13 @@ from typing import Any
 import torch
 
 from ..core import processes
-from ..core.errors import format_traceback
-from ..core.safetext import exc_text, safe_str
 from ..probe import frameworks, patches, recorder, spill, wrappers
 from ..probe.callsite import CallSiteFinder, Site
 from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecord
 from ..probe.observer import ProbeSettings
 from ..probe.trace import WeightCast, weight_cast
-from . import deepspeed, expectation, files, forcing, prefork
+from . import constants, deepspeed, expectation, files, forcing, prefork
+from .refused import run_error
 
 
 @dataclass
@@ -72,6 +71,9 @@ class Job:
     scratch: str | None = None
     #: a reference's DeepSpeed config keys (K = 1, the batch K x b: `script.deepspeed`)
     deepspeed: dict[str, Any] | None = None
+    #: literals of the script changed in this run: (role, name, line, column, value)
+    #: (`script.constants`: a reference whose K and micro-batch are written in the script)
+    rewrites: list[tuple[str, str, int, int, int]] | None = None
 
 
 @dataclass
@@ -124,6 +126,8 @@ class Outcome:
     backward_slots: dict[int, set[int]] = field(default_factory=dict)
     #: "file:line" of each torch.compile call, left eager (`forcing`)
     compiled: list[str] = field(default_factory=list)
+    #: "file:line" of each `init_process_group` that formed a group of one (`forcing`)
+    group_of_one: list[str] = field(default_factory=list)
 
     def micro_batches(self) -> int:
         """The micro-batches of the run's first window: its backwards before the first
@@ -382,7 +386,10 @@ def run(job: Job) -> Outcome:
             probe.probe.before_backward = injector
         recorder.activate(probe.probe)
         try:
-            runpy.run_path(script, run_name="__main__")
+            if job.rewrites:    # the reference of literals written in the script
+                constants.run_as_main(script, job.rewrites)
+            else:
+                runpy.run_path(script, run_name="__main__")
         except StopScript as exc:
             out.ended = "stopped"
             # The stopped script's frames stay alive until this process exits (os._exit, no
@@ -392,22 +399,16 @@ def run(job: Job) -> Outcome:
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 out.ended = f"exit {exc.code!r}"
-                out.error = _error(exc, finder)
+                out.error = run_error(exc, finder)
         except BaseException as exc:  # noqa: BLE001 - the script's failure, recorded
             out.ended = "raised"
-            out.error = _error(exc, finder)
+            out.error = run_error(exc, finder)
         finally:
             recorder.activate(None)
         if job.inject is not None:
             out.injected = {"fired": injector.fired, "param": injector.param_name}
         out.files = overlay.report(job.cwd)
     return _finish(probe)
-
-
-def _error(exc: BaseException, finder: CallSiteFinder) -> dict[str, Any]:
-    return {"type": type(exc).__name__, "message": safe_str(exc), "text": exc_text(exc),
-            "traceback": format_traceback(exc), "site": finder.from_traceback(exc.__traceback__),
-            "frames": finder.user_sites(exc.__traceback__)}
 
 
 def _finish(probe: ScriptProbe) -> Outcome:

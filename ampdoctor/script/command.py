@@ -24,6 +24,8 @@ class Command:
     output_dir: str | None = None
     #: no reference args yet: the args with this batch option at K x b (`references.deferred`)
     defer_batch: str | None = None
+    #: literals the reference's runs change in the script (`ScriptSource.reference_rewrites`)
+    reference_rewrites: list[tuple[str, str, int, int, int]] | None = None
 
 
 @dataclass

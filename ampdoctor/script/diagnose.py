@@ -93,7 +93,8 @@ def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = No
                           else None, steps=source.optimizer_steps, timeout_s=source.timeout_s,
                           cwd=source.cwd, env=_environment(source.device),
                           output_dir=output_dir if source.capture_output else None,
-                          defer_batch=source.reference_batch_option)
+                          defer_batch=source.reference_batch_option,
+                          reference_rewrites=source.reference_rewrites)
         try:
             return _diagnose(source, command, started, on_start, on_done, on_progress)
         finally:
@@ -250,6 +251,12 @@ def _notes(ss: ScriptSession, source: ScriptSource) -> set[str]:
         notes.add("torch.compile (" + ", ".join(compiled[:3]) + ") ran eager in every run: an "
                   "accumulation or precision mistake changes the updates the same way, and "
                   "each run would compile anew (minutes on a CPU)")
+    grouped = sorted({os.path.basename(c) for c in fp32.outcome.group_of_one}) if fp32 else []
+    if grouped:
+        notes.add("torch.distributed.init_process_group (" + ", ".join(grouped[:3]) + ") found "
+                  "no launcher's RANK/WORLD_SIZE: every run formed a process group of one "
+                  "(RANK=0, WORLD_SIZE=1, a free MASTER_PORT), as `torchrun --nproc_per_node 1` "
+                  "would; the ddp-sync rung needs two ranks (a spec with `ddp`)")
     draws = fp32.outcome.expected_draws if fp32 is not None else []
     if draws:
         notes.add("random draws in the model's forward took their expected values in every run "

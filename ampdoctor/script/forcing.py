@@ -1,8 +1,9 @@
 """The switches a child run puts over the probe's own patches (`child`): every autocast the
 script builds forced to the run's precision, every GradScaler forced off or on, the modules and
-optimizers it builds seen (to find the model), `torch.compile` eager, and, for
-clip-space, every norm clip at a given threshold; for a reference, the gradient kept before any
-clip or step touches it."""
+optimizers it builds seen (to find the model), `torch.compile` eager, a process group formed
+from a launcher's environment that is not there formed as a group of one, and, for clip-space,
+every norm clip at a given threshold; for a reference, the gradient kept before any clip or step
+touches it."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ def install(probe: ScriptProbe, patcher: patches.Patcher) -> None:
     from torch.amp import autocast_mode, grad_scaler
 
     _eager(probe, patcher)
+    _group_of_one(probe, patcher)
     job = probe.job
     dtype = FORCED_DTYPE[job.precision]
     autocast_init = autocast_mode.autocast.__init__
@@ -180,3 +182,42 @@ def _eager(probe: ScriptProbe, patcher: patches.Patcher) -> None:
 
     patcher.setattr(torch, "compile", compile)
     patcher.setattr(torch._dynamo.config, "disable", True)
+
+
+#: what `torch.distributed`'s env:// rendezvous reads, as `torchrun --nproc_per_node 1` sets it
+GROUP_OF_ONE = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1"}
+
+
+def _group_of_one(probe: ScriptProbe, patcher: patches.Patcher) -> None:
+    """A script written for a launcher (`dist.init_process_group("gloo")`, the rendezvous read
+    from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) run without one: each run forms a group of
+    one on a free port, as `torchrun --nproc_per_node 1` would, instead of failing on the
+    missing variables (script mode runs the script in one process). Only where the call would
+    read them: an `init_method` or a `store` of the script's own, or a launcher's RANK, are left
+    as they are. The call's line is noted (`Outcome.group_of_one`) for the record."""
+    import os
+
+    import torch.distributed as dist
+
+    real = getattr(dist, "init_process_group", None)
+    if real is None:
+        return
+
+    @functools.wraps(real)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        method = kwargs.get("init_method", args[1] if len(args) > 1 else None)
+        size = kwargs.get("world_size", args[3] if len(args) > 3 else -1)
+        if (method in (None, "env://") and kwargs.get("store") is None
+                and len(args) <= 5 and size in (-1, 1)
+                and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ):
+            from ..probe.deepspeed import free_port
+            for key, value in GROUP_OF_ONE.items():
+                os.environ.setdefault(key, value)
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+            site = probe.finder.from_frame(sys._getframe(1))
+            probe.out.group_of_one.append(f"{site.file}:{site.line}" if site is not None
+                                          else "torch.distributed.init_process_group")
+        return real(*args, **kwargs)
+
+    patcher.setattr(dist, "init_process_group", init_process_group)

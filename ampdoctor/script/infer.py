@@ -45,6 +45,9 @@ class Inferred:
     #: the script derives K from a total batch (`k_option`): `args` are the run's own, and the
     #: batch option is set to K x b once the first fp32 step shows K (`references.deferred`)
     deferred: bool = False
+    #: literals of the script changed in the reference's runs: (role "K" or "batch", name, line,
+    #: column, new value) (`constants`: K and the micro-batch written in the script)
+    rewrites: list[tuple[str, str, int, int, int]] = field(default_factory=list)
 
     def to_record(self) -> dict[str, Any]:
         """The record's description of the reference (`reference_inferred`)."""
@@ -254,6 +257,10 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
                         K=0, micro_batch=0, k_option=total.option, batch_option=batch.option,
                         deferred=True)
     if k is None or batch is None:
+        from_config = (_from_configs(script, args, cwd, k, batch, all_flags)
+                       or _from_literals(script, args, tree, k, batch, all_flags))
+        if from_config is not None:
+            return from_config
         missing = " and ".join(w for w, f in (("the gradient accumulation steps (K)", k),
                                                ("the micro-batch size", batch)) if f is None)
         derived = (f". A script that derives K itself from its batch option (YOLOv5's "
@@ -261,9 +268,9 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
                    "K x the micro-batch" if k is None and batch is not None else "")
         raise UsageError(
             f"cannot infer the reference of {script}: no option for {missing} was found among "
-            "its argparse options or module-level configuration. Give the reference's "
-            "arguments (K = 1, the batch K times the micro-batch), e.g.: "
-            + _to_try(script, args, k, batch, None, None) + derived)
+            "its argparse options, module-level configuration or the YAML/JSON config files "
+            "among its arguments. Give the reference's arguments (K = 1, the batch K times the "
+            "micro-batch), e.g.: " + _to_try(script, args, k, batch, None, None) + derived)
     configs = _config_files(args, cwd) if k.configurator else []
     longs = _long_options(all_flags)
     values: dict[str, int] = {}
@@ -271,20 +278,7 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
     givens: dict[str, _Given] = {}
     try:
         for role, flag in (("K", k), ("batch", batch)):
-            given = _occurrences(flag, args, longs)
-            givens[role] = given
-            text: Any = flag.default
-            sources[role] = "default"
-            for name, settings in configs:
-                for setting in settings:
-                    if setting.name in flag.names:
-                        text, sources[role] = setting.default, f"config {name}"
-            if given.value is not None:
-                text, sources[role] = given.value, "args"
-            if text is None:
-                raise ValueError(f"{flag.option} has no default and is not in the script's "
-                                 "arguments")
-            values[role] = _number(text, flag.option)
+            values[role], sources[role], givens[role] = _read(flag, args, longs, configs)
     except ValueError as exc:
         raise UsageError(
             f"cannot infer the reference of {script}: {exc}. Give the reference's arguments "
@@ -297,6 +291,146 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
     return Inferred(args=ref, text=f"{shlex.join(ref)} (inferred)", how=how, K=K,
                     micro_batch=b, k_option=k.option, batch_option=batch.option,
                     sources=sources)
+
+
+def _read(flag: Flag, args: list[str], longs: list[str],
+          configs: list[tuple[str, list[Flag]]]) -> tuple[int, str, _Given]:
+    """The value `flag` has in this command line, where it came from ("args", "default",
+    "config FILE"), and where ARGS set it; ValueError when it has none or not a count."""
+    given = _occurrences(flag, args, longs)
+    text: Any = flag.default
+    source = "default"
+    for name, settings in configs:
+        for setting in settings:
+            if setting.name in flag.names:
+                text, source = setting.default, f"config {name}"
+    if given.value is not None:
+        text, source = given.value, "args"
+    if text is None:
+        raise ValueError(f"{flag.option} has no default and is not in the script's arguments")
+    return _number(text, flag.option), source, given
+
+
+def _from_configs(script: str, args: list[str], cwd: str, k: Flag | None, batch: Flag | None,
+                  all_flags: list[Flag]) -> Inferred | None:
+    """K and/or the micro-batch read from a YAML/JSON config file among ARGS, the reference
+    pointed at a copy with K = 1 and K x b (`infer_config`); None when the config files do
+    not hold what the options lack; UsageError when a key is ambiguous or not a count."""
+    from .infer_config import ConfigSetting, config_files, find, reference_copy
+    files = config_files(args, cwd)
+    if not files:
+        return None
+    k_at = find(files, K_FLAGS) if k is None else None
+    near = k_at if isinstance(k_at, ConfigSetting) else None
+    b_at = find(files, BATCH_FLAGS, near) if batch is None else None
+    for what, at in (("K (the gradient accumulation steps)", k_at),
+                     ("the micro-batch size", b_at)):
+        if isinstance(at, list):
+            raise UsageError(f"cannot infer the reference of {script}: {what} is set in several "
+                             f"places of its config ({'; '.join(at)}). Give the reference's "
+                             "arguments: a copy of the config with K = 1 and the batch K times "
+                             f"the micro-batch, e.g. ampdoctor diagnose {script} "
+                             "--reference-args '... REFERENCE-CONFIG ...' -- "
+                             + (shlex.join(args) if args else "ARGS"))
+    if (k is None and k_at is None) or (batch is None and b_at is None):
+        return None
+    longs = _long_options(all_flags)
+    ref, parts, sources = list(args), [], {}
+    values: dict[str, int] = {}
+    changes: list[tuple[ConfigSetting, int]] = []
+    names: dict[str, str] = {}
+    for role, flag, at in (("K", k, k_at), ("batch", batch, b_at)):
+        if flag is not None:
+            try:
+                values[role], sources[role], given = _read(flag, args, longs, [])
+            except ValueError as exc:
+                raise UsageError(f"cannot infer the reference of {script}: {exc}; give "
+                                 "--reference-args") from None
+            names[role] = flag.option
+        else:
+            assert isinstance(at, ConfigSetting)
+            if at.value < 1:
+                raise UsageError(f"cannot infer the reference of {script}: {at.shown} in "
+                                 f"{at.text} is {at.value}, not a positive whole number")
+            values[role], sources[role] = at.value, f"config {at.text}"
+            names[role] = at.shown
+    K, b = values["K"], values["batch"]
+    for role, flag, at, value in (("K", k, k_at, 1), ("batch", batch, b_at, K * b)):
+        if flag is not None:
+            ref = _set(ref, flag, _occurrences(flag, args, longs), value)
+        else:
+            assert isinstance(at, ConfigSetting)
+            changes.append((at, value))
+        parts.append(f"{names[role]} {values[role]} ({sources[role]}) -> {value}")
+    ref = reference_copy(ref, files, changes)
+    copied = sorted({a.text for a, _ in changes})
+    how = ", ".join(parts) + f"; the reference reads a copy of {', '.join(copied)}"
+    return Inferred(args=ref, text=f"{shlex.join(ref)} (inferred)", how=how, K=K,
+                    micro_batch=b, k_option=names["K"], batch_option=names["batch"],
+                    sources=sources)
+
+
+def _from_literals(script: str, args: list[str], tree: ast.Module, k: Flag | None,
+                   batch: Flag | None, all_flags: list[Flag]) -> Inferred | None:
+    """K and/or the micro-batch written in the script as literals (`constants`): the reference
+    runs the script with them changed; None when it writes neither that the options lack;
+    UsageError when one is written in several places."""
+    from .constants import Literal, literals, pick
+    found = literals(tree)
+    k_at = pick(found, K_FLAGS) if k is None else None
+    b_at = pick(found, BATCH_FLAGS) if batch is None else None
+    name = os.path.basename(script)
+    for what, at in (("K (the gradient accumulation steps)", k_at),
+                     ("the micro-batch size", b_at)):
+        if isinstance(at, list):
+            places = "; ".join(f"{a.name} = {a.value} at line {a.line}" for a in at)
+            raise UsageError(f"cannot infer the reference of {script}: {what} is written in "
+                             f"several places of the script ({places}): which one the run uses "
+                             "is not known. Make it one option or one constant, or give "
+                             "--reference-args")
+    if (k is None and k_at is None) or (batch is None and b_at is None):
+        return None
+    longs = _long_options(all_flags)
+    values: dict[str, int] = {}
+    shown: dict[str, str] = {}
+    sources = {"K": "script", "batch": "script"}
+    for role, flag, at in (("K", k, k_at), ("batch", batch, b_at)):
+        if flag is not None:
+            try:
+                values[role], source, _ = _read(flag, args, longs, [])
+                sources[role] = source
+            except ValueError as exc:
+                raise UsageError(f"cannot infer the reference of {script}: {exc}; give "
+                                 "--reference-args") from None
+            shown[role] = f"{flag.option} {values[role]} ({source})"
+        else:
+            assert isinstance(at, Literal)
+            if at.value < 1:
+                raise UsageError(f"cannot infer the reference of {script}: {at.name} = "
+                                 f"{at.value} at {name}:{at.line} is not a positive count")
+            values[role] = at.value
+            shown[role] = f"{at.name} = {at.value} ({name}:{at.line})"
+    K, b = values["K"], values["batch"]
+    ref: list[str] = list(args)
+    rewrites: list[tuple[str, str, int, int, int]] = []
+    parts: list[str] = []
+    for role, flag, at, value in (("K", k, k_at, 1), ("batch", batch, b_at, K * b)):
+        if flag is not None:
+            ref = _set(ref, flag, _occurrences(flag, args, longs), value)
+        else:
+            assert isinstance(at, Literal)
+            rewrites.append((role, at.name, at.line, at.col, value))
+        parts.append(f"{shown[role]} -> {value}")
+    literal = [a.name for a in (k_at, b_at) if isinstance(a, Literal)]
+    how = (", ".join(parts) + f"; the reference's runs set {' and '.join(literal)} in "
+           "the script's code as it runs (your file is not changed)")
+    text = (shlex.join(ref) + " " if ref else "") + " ".join(
+        f"{a.name}={v}" for a, v in ((k_at, 1), (b_at, K * b)) if isinstance(a, Literal))
+    return Inferred(args=ref, text=f"{text} (inferred)", how=how, K=K, micro_batch=b,
+                    k_option=k.option if k is not None else str(getattr(k_at, "name", "")),
+                    batch_option=(batch.option if batch is not None
+                                  else str(getattr(b_at, "name", ""))),
+                    sources=sources, rewrites=rewrites)
 
 
 def _pick(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:

@@ -202,15 +202,22 @@ def per_microbatch(ss: ScriptSession, window: int, state: Mapping[str, torch.Ten
         return None
     deepspeed = ss.deepspeed_reference
     engines = fp32.events_of(EngineBuilt)
-    args = (deepspeed_args(ss, engines[0].config_file if engines else None, {ss.K}, b, b)
-            if deepspeed is not None
-            else with_batch(ss.script, list(reference_args), b, ss.command.cwd))
+    rewrites = list(ss.command.reference_rewrites or [])
+    if any(role == "batch" for role, *_ in rewrites):       # the batch a literal of the script
+        args: list[str] | None = list(reference_args)
+        rewrites = [(r, name, line, col, b if r == "batch" else v)
+                    for r, name, line, col, v in rewrites]
+    else:
+        args = (deepspeed_args(ss, engines[0].config_file if engines else None, {ss.K}, b, b)
+                if deepspeed is not None
+                else with_batch(ss.script, list(reference_args), b, ss.command.cwd))
     if args is None:
         return None
     K = ss.K
     first, last = window * K, (window + 1) * K
     job = ss.job("fp32", reference=True, steps=last, teacher=[state] * last)
     job.args = args
+    job.rewrites = rewrites or None
     if deepspeed is not None:
         job.deepspeed = {**deepspeed, DEEPSPEED_BATCH: b}
     ref = ss.run(job, "per-micro-batch reference run")

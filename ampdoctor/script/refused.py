@@ -1,14 +1,18 @@
-"""A script's first run stopped by transformers or accelerate refusing its HF Trainer over the
+"""A run's error as the outcome carries it (`run_error`, `where`), and whose it is: a
+script's first run stopped by transformers or accelerate refusing its HF Trainer over the
 DeepSpeed config's precision (`rules.trainer_precision`): not the user's bare error, the
 double-scaling rung's (`diagnose` names the two settings, as `ampdoctor scan` does). Or by its
 own argparse parser refusing the arguments: a usage error naming whose they are."""
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
-from ..core.errors import UsageError, UserCodeError
+from ..core.errors import UsageError, UserCodeError, format_traceback
+from ..core.safetext import exc_text, safe_str
+from ..probe.callsite import CallSiteFinder, Site
 from ..rules.trainer_precision import Refusal, refusal
 
 #: argparse's last line before it exits 2: "PROG: error: MESSAGE"
@@ -61,3 +65,44 @@ def arguments_refused(outcome: Any, output: str, args: list[str], reference: lis
         f"the reference's arguments ({' '.join(reference)}) were refused by the script's "
         f"argument parser ({prog}: error: {message}): give or fix --reference-args (your ARGS "
         "with K = 1 and the batch K times the micro-batch)")
+
+
+def failed_first(ss: Any, first: Any, cmd_args: list[str]) -> None:
+    """The reference's first run (`first`, of the `ScriptSession` `ss`) stopped before its first
+    step: whose fault, raised as a UserCodeError. The script run with the user's own arguments
+    says it (one more run, only here): when it stops too, the script is what fails, whatever the
+    arguments; when it runs, the reference's arguments are."""
+    def how(outcome: Any) -> str:
+        return f"exited ({outcome.ended})" if outcome.ended.startswith("exit") else "raised"
+
+    own = ss.run(ss.job("fp32", steps=1), "fp32 run")
+    if own.error is not None and not own.steps:
+        refused(own)
+        given = f" ({' '.join(ss.command.args)})" if ss.command.args else ""
+        raise UserCodeError(f"the script run with your arguments{given} {how(own)} before its "
+                            f"first optimizer step: {own.error.get('text')}",
+                            location=where(own.error))
+    raise UserCodeError(
+        f"the script run with the reference's arguments ({' '.join(cmd_args)}) {how(first)} "
+        f"before its first optimizer step: {first.error.get('text')}. With your own arguments "
+        "it reaches its first step: the reference's arguments are what fails (K = 1 and the "
+        "batch K times the micro-batch must be a command line the script runs)",
+        location=where(first.error))
+
+
+def where(error: dict[str, Any]) -> tuple[str, int] | None:
+    """(file, line) of a run's error (`run_error`), None when it has no site."""
+    site = error.get("site")
+    return (site.file, site.line) if site is not None else None
+
+
+def run_error(exc: BaseException, finder: CallSiteFinder) -> dict[str, Any]:
+    """What a run's error is, for the outcome: its type, text, traceback, the user's line
+    (`where` reads it) and the user's frames."""
+    site = finder.from_traceback(exc.__traceback__)
+    if isinstance(exc, SyntaxError) and exc.filename and exc.lineno:
+        # the file that does not compile, not the import that read it
+        site = Site(os.path.realpath(exc.filename), exc.lineno, "<module>")
+    return {"type": type(exc).__name__, "message": safe_str(exc), "text": exc_text(exc),
+            "traceback": format_traceback(exc), "site": site,
+            "frames": finder.user_sites(exc.__traceback__)}

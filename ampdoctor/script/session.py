@@ -30,7 +30,7 @@ from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
 from .infer import builds_deepspeed_engine
 from .references import deferred, window_reference
-from .refused import arguments_refused
+from .refused import arguments_refused, failed_first, where
 from .refused import refused as _refused
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
@@ -84,6 +84,8 @@ class ScriptSession:
         assert args is not None
         if reference and self.deepspeed_reference is not None:
             extra.setdefault("deepspeed", dict(self.deepspeed_reference))
+        if reference and cmd.reference_rewrites:
+            extra.setdefault("rewrites", list(cmd.reference_rewrites))
         return Job(script=self.script, args=list(args), precision=precision,
                    steps=extra.pop("steps", self.N), cwd=cmd.cwd, env=dict(cmd.env),
                    reference=reference, **extra)
@@ -130,12 +132,7 @@ class ScriptSession:
                 _refused(first)
                 arguments_refused(first, self.outputs[-1]["text"] if self.outputs else "",
                                   self.command.args, cmd_args)
-                how = (f"exited ({first.ended})" if first.ended.startswith("exit")
-                       else "raised")
-                raise UserCodeError(
-                    f"the script run with the reference's arguments ({' '.join(cmd_args)}) "
-                    f"{how} before its first optimizer step: {first.error.get('text')}",
-                    location=_where(first.error))
+                failed_first(self, first, cmd_args)
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
             accumulated = first.micro_batches()
@@ -339,7 +336,7 @@ class ScriptSession:
         if ref.error is not None:
             raise UserCodeError(
                 "the script run with --reference-args (the fp32 reference) raised: "
-                f"{ref.error.get('text')}", location=_where(ref.error))
+                f"{ref.error.get('text')}", location=where(ref.error))
         return ref
 
     def reference(self, window: int, state: Mapping[str, torch.Tensor] | None = None,
@@ -358,7 +355,7 @@ class ScriptSession:
             if ref.error is not None:
                 raise UserCodeError("the script run with --reference-args did not reach "
                                     f"window {window}: {ref.error.get('text')}",
-                                    location=_where(ref.error))
+                                    location=where(ref.error))
             if len(ref.ref_grads) <= window:
                 reached = len(ref.ref_grads)
                 raise UsageError(
@@ -405,15 +402,17 @@ class ScriptSession:
 
 
 def _one_process(command: Command, script: str) -> None:
-    """A DeepSpeed script under a launcher of several ranks: not run (UsageError, exit 2)."""
+    """A script under a launcher of several ranks (torchrun, deepspeed): not run (UsageError,
+    exit 2). Each rank would start its own diagnose whose runs wait for ranks that never come."""
     world = command.env.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) > 1 and builds_deepspeed_engine(script):
+    if world.isdigit() and int(world) > 1:
+        engine = builds_deepspeed_engine(script)
         raise UsageError(
-            f"{os.path.basename(script)} builds a DeepSpeed engine and this process is one of "
-            f"WORLD_SIZE={world} ranks: script mode runs a DeepSpeed script in one process "
-            "(it sets RANK=0 WORLD_SIZE=1 itself). Run `ampdoctor diagnose SCRIPT -- ARGS` "
-            "without the launcher, or diagnose two ranks with a spec "
-            "(`ddp: {world_size: 2, wrapper: deepspeed}`, docs/frameworks.md)")
+            f"this process is one of WORLD_SIZE={world} ranks (a launcher started it): script "
+            f"mode runs {os.path.basename(script)} in one process (a process group the script "
+            "forms is a group of one, RANK=0 WORLD_SIZE=1). Run `ampdoctor diagnose SCRIPT -- "
+            "ARGS` without the launcher, or diagnose two ranks with a spec (`ddp: {world_size: "
+            + ("2, wrapper: deepspeed}`, docs/frameworks.md)" if engine else "2}`, docs/spec.md)"))
 
 
 def _per_window(injector: Any) -> int:
@@ -424,9 +423,3 @@ def _per_window(injector: Any) -> int:
 
 def _same_first_input(a: Outcome, b: Outcome) -> bool:
     return bool(a.forwards and b.forwards and a.forwards[0].digests == b.forwards[0].digests)
-
-
-def _where(error: dict[str, Any]) -> tuple[str, int] | None:
-    site = error.get("site")
-    return (site.file, site.line) if site is not None else None
-

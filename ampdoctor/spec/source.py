@@ -68,6 +68,9 @@ class ScriptSource(BaseModel):
     #: the reference is the run's args with this batch option set to K x b, once the first fp32
     #: step shows K (a script that derives K from a total batch)
     reference_batch_option: str | None = None
+    #: literals of the script the reference's runs change: (role "K"/"batch", name, line, column,
+    #: value) (K and the micro-batch written in the script, `script.constants`)
+    reference_rewrites: list[tuple[str, str, int, int, int]] | None = None
     optimizer_steps: StrictInt = Field(default=3, ge=1, le=1_000_000)
     timeout_s: float = Field(default=DEFAULT_TIMEOUT_S, gt=0)
     device: str = "auto"
