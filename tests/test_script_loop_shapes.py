@@ -10,7 +10,8 @@ through the real CLI: kind, rung, numbers and the script's line.
 - timm divides the epoch's last, partial window by its own count. A run stopped after the
   partial window reads on into the next epoch's first window: that is no step per micro-batch,
   the data lines up with the reference's short last batch, and the partial window is compared.
-  Divided by K instead, its update is 1/K of the reference's. A warm-up counted in
+  Divided by K instead (the usual convention), its update is n/K of its window's mean: healthy,
+  with a note (tests/test_script_loop_shapes2.py). A warm-up counted in
   micro-batches but set once per update parts from the reference after the first step: the
   schedule's pace, at the line that assigns the rate (not the optimizer's).
 """
@@ -80,17 +81,6 @@ def test_timm_partial_last_window_is_compared_and_healthy(tmp_path):
     assert compared(record) == 4
 
 
-def test_timm_partial_window_divided_by_k_is_double_average(tmp_path):
-    result = diagnose(tmp_path, TIMM, "--amp", "--clip-grad", "100", "--bug",
-                      "last-window-full-k", steps=4)
-    assert result.returncode == 1, result.stderr
-    finding = the_error(result.record)
-    assert (finding["rung"], finding["kind"]) == ("fp32-accum", "double-average")
-    assert finding["location"]["line"] == marked_line(TIMM, "double-average")
-    assert finding["evidence"]["step"] == 3          # the partial window, the 4th step
-    assert math.isclose(finding["evidence"]["measured"], 0.25, rel_tol=1e-3)
-
-
 def test_timm_partial_window_left_unstepped_is_zeroed_inside_a_window(tmp_path):
     """Without the last-batch update the partial window never steps: the next epoch's
     zero_grad wipes its micro-batch, and step 3 consumed the next epoch's first window where
@@ -102,7 +92,9 @@ def test_timm_partial_window_left_unstepped_is_zeroed_inside_a_window(tmp_path):
     assert (finding["rung"], finding["kind"]) == ("fp32-accum", "zero-grad-inside-accumulation")
     assert finding["location"]["line"] == marked_line(
         TIMM, "zero-grad-inside-accumulation (with --bug no-last-update")
-    assert "Step 3" in finding["message"]
+    assert "Window 3, an epoch's last, short window of 1 micro-batch" in finding["message"]
+    assert finding["evidence"]["step"] == 3
+    assert (finding["evidence"]["measured"], finding["evidence"]["expected"]) == (0, 1)
 
 
 def test_timm_warmup_counted_in_micro_batches_is_named_at_the_assignment(tmp_path):

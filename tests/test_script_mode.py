@@ -184,8 +184,11 @@ def test_a_script_that_fails_before_stepping_is_exit_3_at_its_line(tmp_path):
     assert result.returncode == 3
     assert result.record["error"]["location"]["line"] == 4
     assert "no data found" in result.record["error"]["message"]
+    # an option the script's parser refuses is the user's usage (exit 2, argparse's words)
     bad_arg = diagnose(tmp_path, AMP, ["--no-such-flag"])
-    assert bad_arg.returncode == 3 and "exited" in bad_arg.record["error"]["message"]
+    assert bad_arg.returncode == 2, bad_arg.stderr
+    assert "unrecognized arguments: --no-such-flag" in bad_arg.stderr
+    assert "the script's arguments (--no-such-flag)" in bad_arg.stderr
 
 
 def test_a_first_run_that_fails_says_whether_the_script_or_the_reference_is_at_fault(tmp_path):

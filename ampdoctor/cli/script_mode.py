@@ -28,6 +28,8 @@ def script_source_of(script: Path, args: list[str], reference_args: str | None,
                          "`ampdoctor diagnose train.py -- ARGS`)")
     if no_reference and reference_args is not None:
         raise UsageError("--no-reference and --reference-args: give one of them")
+    from ..script.argv import check_args
+    check_args(str(script), list(args))
     how = None
     if reference_args is not None:
         try:

@@ -73,6 +73,8 @@ Evidence = TypedDict("Evidence", {
     "accumulation_steps": int,
     "micro_batch_size": int,
     "contributing_microbatches": int,
+    "early_clips": int,
+    "window_microbatches": int,
     "parameters_not_cleared": int,
     # clipping
     "clip_total_norm": float,

@@ -39,6 +39,9 @@ class Judgement:
     #: micro-batches of different shapes and no `loss`: the count the loop weighs them by, found
     #: while judging (`weighting_of`); the rung driver gives it to the session
     weighting: str | None = None
+    #: (step, n) of each short window (an epoch's last, n < K micro-batches) whose update is
+    #: n/K of its window's mean: the loss divided by K there too (`short_window_over_k`)
+    short_over_k: tuple[tuple[int, int], ...] = ()
 
     @property
     def first_bad(self) -> StepJudgement | None:
@@ -84,6 +87,7 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
                            f"{precision}")
     judged: list[StepJudgement] = []
     weighting: str | None = None
+    over_k: list[tuple[int, int]] = []
     previous_seq = -1
     ended: int | None = None   # the window of the step group before
     for ordinal, group in enumerate(step_groups(trace)):
@@ -102,11 +106,18 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
             continue
         if judged and judged[-1].bad and not judge_step.finite_state(snapshot.state):
             break   # the run diverged after a bad step: nothing later can be compared
-        if past is not None and past >= session.N and before is not None \
-                and before >= session.N - 1:
-            break   # a script read on past its N windows (an epoch's short last window ended
-            #         them): nothing of its own in the reference
-        window = session.window_of(steps[0], ordinal, trace)
+        # an epoch's short last window that no step consumed (a script's, whose windows the
+        # reference told): this step is judged against it, the update the reference made there
+        unstepped = trace.unstepped_window(before, past)
+
+        if unstepped is not None and unstepped < session.N:
+            window = unstepped
+        else:
+            if past is not None and past >= session.N and before is not None \
+                    and (before >= session.N - 1 or getattr(trace, "bounds", None)):
+                break   # a script read on past its N windows (an epoch's short last window
+                #         ended them): nothing of its own in the reference
+            window = session.window_of(steps[0], ordinal, trace)
         weighted = _weighting_arg(weighting)
         ref = session.reference(window, snapshot.state, snapshot.training, per_mb=False,
                                 weighting=weighted)
@@ -128,10 +139,33 @@ def judge(session: Session, trace: Trace, precision: str) -> Judgement:
                                             per_mb=False, weighting=weighting)
                     verdict = judge_step.judge_one_step(ctx, ordinal, window, step, ref.full,
                                                         events)
+            if verdict.bad:
+                verdict, n = short_window_over_k(ctx, verdict, ref.full, session.K)
+                if n:
+                    over_k.append((ordinal, n))
             judged.append(verdict)
         previous_seq = max(s.seq for s in steps)
     spill.forget_cache()   # the last step's copy read back from disk is not needed any more
-    return Judgement(precision, ctx.tol, tuple(judged), weighting)
+    return Judgement(precision, ctx.tol, tuple(judged), weighting, tuple(over_k))
+
+
+def short_window_over_k(ctx: judge_step.StepContext, verdict: StepJudgement,
+                        reference: dict[str, torch.Tensor | None], K: int
+                        ) -> tuple[StepJudgement, int]:
+    """A step that consumed n < K micro-batches (an epoch's last, short window) and whose update
+    is n/K of its window's mean -- the loss divided by K there as in every window, the
+    convention of most loops and of accelerate's `backward` -- matches: each micro-batch weighs
+    1/K, as in every full window (dividing by n instead, timm's way, matches the plain
+    reference). Returns the verdict against the n/K reference and n when it matches, else the
+    verdict as it was and 0. A full window 1/K off is never this (n = K)."""
+    step = verdict.step
+    n = len(step.consumed)
+    if not 0 < n < K:
+        return verdict, 0
+    scaled = {k: None if v is None else v * (n / K) for k, v in reference.items()}
+    events = list(verdict.events)
+    again = judge_step.judge_one_step(ctx, verdict.ordinal, verdict.window, step, scaled, events)
+    return (again, n) if not again.bad else (verdict, 0)
 
 
 def _weighting_arg(found: str | None) -> str | None:

@@ -143,6 +143,9 @@ class Unexplained:
     shape_tried: bool = True
     forced_clip: float | None = None
     location: Location | None = None
+    #: clips that bit between the window's backwards (on a partial sum of its micro-batches),
+    #: the location then being the first of them
+    early_clips: int = 0
 
 
 def unexplained(o: Unexplained) -> Finding:
@@ -156,6 +159,11 @@ def unexplained(o: Unexplained) -> Finding:
     hint = ""
     if o.cosine > thresholds.SAME_DIRECTION_COSINE:   # only the size is off
         hint = f" The direction is right (cosine {o.cosine:.5f}); only the size differs."
+    if o.early_clips:
+        hint += (f" The window's gradient was clipped {o.early_clips} time(s) before its last "
+                 "backward, on a partial sum of its micro-batches: clip once, after the last "
+                 "backward and before the step (gated by `accelerator.sync_gradients` or "
+                 "`(i + 1) % K == 0`).")
     return gradient_mismatch(Observed(o.rung, Severity.ERROR,
         f"Step {o.step} (window {o.window}) of the "
         f"{o.precision} run: the gradient the optimizer consumed differs "

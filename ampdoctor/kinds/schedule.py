@@ -242,12 +242,15 @@ class ScheduleTooFast:
     cause: str = ""
     framework: str | None = None
     location: Location | None = None
+    #: the loop raised before its run ended (OneCycleLR past total_steps): the scheduler steps
+    #: after its last optimizer step are a cut interval, so the pace is `max_between`
+    raised: bool = False
 
 
 def schedule_too_fast(o: ScheduleTooFast) -> Finding:
     """`scheduler-per-microbatch`: a step used another learning rate than the schedule's for
     it (an error)."""
-    per_step = o.scheduler_steps / o.optimizer_steps
+    per_step = o.max_between if o.raised else o.scheduler_steps / o.optimizer_steps
     evidence: Evidence = {"measured": round(per_step, 6), "expected": 1.0,
                           "scheduler_steps": o.scheduler_steps,
                           "optimizer_steps": o.optimizer_steps,
@@ -260,7 +263,9 @@ def schedule_too_fast(o: ScheduleTooFast) -> Finding:
         f"{o.optimizer_steps} optimizer steps in the {o.precision} run, up to {o.max_between} "
         f"times between two optimizer steps: optimizer step {o.step} used lr {o.lr_used:.6g} "
         f"where the schedule gives {o.lr_meant:.6g} for that step; the schedule runs "
-        f"{per_step:.3g}x too fast." + o.cause,
+        f"{per_step:.3g}x too fast."
+        + (" It then raised: the schedule ran out before the training did." if o.raised else "")
+        + o.cause,
         evidence=evidence, location=o.location))
 
 

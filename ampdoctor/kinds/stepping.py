@@ -17,6 +17,7 @@ from ..core.enums import KindId, Severity
 from ..core.evidence import Evidence, significant
 from ..core.findings import Finding, Location
 from .base import SCAN_RUNG, AccumulationLoop, Kind, Observed, in_framework_terms
+from .mismatch import gradient_mismatch
 
 STEP_PER_MICROBATCH = Kind(
     KindId.STEP_PER_MICROBATCH,
@@ -230,6 +231,15 @@ class ZeroedInside:
     fix: str = ""                       # a DeepSpeed engine's own terms, when one drove it
     forced_clip: float | None = None
     location: Location | None = None
+    #: (window, its micro-batches): an epoch's last, short window no step consumed, which the
+    #: step was judged against; the zero_grad cleared all of it (`contributing` is 0)
+    unstepped: tuple[int, int] | None = None
+
+
+UNSTEPPED_FIX = (
+    "Step on the epoch's last micro-batch too, so its short window gets its update before the "
+    "next epoch's zero_grad: `if (i + 1) % K == 0 or i + 1 == len(loader):` (dividing its loss "
+    "by K as in every window, or by the window's own count of micro-batches).")
 
 
 def zeroed_inside(o: ZeroedInside) -> Finding:
@@ -246,6 +256,18 @@ def zeroed_inside(o: ZeroedInside) -> Finding:
     evidence: Evidence = {**o.comparison, "measured": o.contributing,
                           "expected": o.microbatches, "contributing_microbatches": o.contributing,
                           "norm_ratio": significant(o.ratio)}
+    if o.unstepped is not None:
+        window, size = o.unstepped
+        evidence.update({"measured": 0, "expected": size, "contributing_microbatches": 0,
+                         "window": window, "window_microbatches": size})
+        return zero_grad_inside_accumulation(Observed(o.rung, Severity.ERROR,
+            f"Window {window}, an epoch's last, short window of {size} micro-batch(es) (K="
+            f"{o.microbatches}), never reached an optimizer step: zero_grad cleared its "
+            f"gradient, so none of its {size} micro-batch(es) trained the model, and step "
+            f"{o.step} consumed the micro-batches after it (gradient norm ratio {o.ratio:.4g} "
+            f"to window {window}'s reference, cosine {o.cosine:.4f}).",
+            evidence=evidence, location=o.location, fix=o.fix or UNSTEPPED_FIX,
+            forced_clip=o.forced_clip))
     return zero_grad_inside_accumulation(Observed(o.rung, Severity.ERROR,
         f"Step {o.step}: zero_grad ran inside the accumulation window, "
         f"so only {o.contributing} of {o.microbatches} micro-batches reached the optimizer step "
@@ -361,3 +383,41 @@ def zero_grad_in_loop(o: ZeroGradInLoop) -> Finding:
         "gradients the window's earlier micro-batches accumulated, so the optimizer step sees "
         "only the last one.", evidence=o.loop.evidence(), location=o.location,
         title="zero_grad() on every micro-batch of the accumulation window"))
+
+
+# --- an epoch's last, short window that no step consumed ----------------------------------
+
+
+@dataclass(frozen=True)
+class CarriedShortWindow:
+    """A step whose gradient is the micro-batches of an epoch's last, short window that no step
+    consumed and no zero_grad cleared, plus those of the window after it, each at 1/K: the
+    short window `window` of `size` micro-batches, `consumed` in all, the comparison with the
+    short window's own reference."""
+
+    rung: str
+    step: int
+    window: int
+    size: int
+    consumed: int
+    K: int
+    ratio: float
+    cosine: float
+    comparison: Evidence
+    forced_clip: float | None = None
+    location: Location | None = None
+
+
+def carried_short_window(o: CarriedShortWindow) -> Finding:
+    """`gradient-mismatch`: a short window's gradient carried into the next window's step (an
+    error: its window's update never happens and the next one holds more than K micro-batches)."""
+    evidence: Evidence = {**o.comparison, "window_microbatches": o.size,
+                          "contributing_microbatches": o.consumed}
+    return gradient_mismatch(Observed(o.rung, Severity.ERROR,
+        f"Window {o.window}, an epoch's last, short window of {o.size} micro-batch(es) (K="
+        f"{o.K}), never reached an optimizer step, and nothing cleared its gradient: step "
+        f"{o.step} consumed it together with the next window's, {o.consumed} micro-batches "
+        f"each divided by K (it matches the two windows' references summed that way; norm "
+        f"ratio {o.ratio:.4g}, cosine {o.cosine:.4f} to window {o.window}'s).",
+        evidence=evidence, location=o.location, fix=UNSTEPPED_FIX,
+        forced_clip=o.forced_clip))

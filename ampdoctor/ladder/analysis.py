@@ -62,6 +62,13 @@ def compare_trace(session: Session, trace: Trace, rung: str, precision: str,
     if judgement.weighting is not None:   # every reference from now on is weighted so
         session.adopt_weighting(judgement.weighting)
     series.keep(session, series.run_series(rung, trace, judgement))
+    for step, n in judgement.short_over_k[:1]:
+        session.notes.add(
+            f"step {step} is an epoch's last, short window of {n} of K={session.K} "
+            f"micro-batches, its loss divided by K as in the full windows: its update is {n}/"
+            f"{session.K} of that window's mean gradient (each micro-batch weighs 1/K, the "
+            "usual `loss / K` convention and accelerate's); divide by the window's own count "
+            "of micro-batches for its full mean")
     bad = judgement.first_bad
     if bad is None:   # every update matched: a clip after its step never touched the update
         late = clip_after_step(trace, rung, judgement.tolerance.rtol,

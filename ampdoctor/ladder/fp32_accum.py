@@ -13,7 +13,7 @@ from ..judge import Judgement
 from ..kinds.loop_error import IgnoresMicroBatches, ignores_micro_batches
 from ..kinds.mismatch import TooFewSteps, too_few_steps
 from ..kinds.precision import AutocastInFp32, autocast_in_fp32
-from ..probe.events import AutocastEntered, Backward
+from ..probe.events import AutocastEntered, Backward, SchedulerStep
 from ..rules.lr_set_by_hand import lr_set_by_hand_findings
 from ..rules.trainer_precision import forced_refusal
 from ..session import Session, Trace
@@ -57,6 +57,10 @@ def run(session: Session) -> RungResult:
                                 session.spec.precisions)
         if pinned is not None:
             return RungResult(RUNG, Status.SKIP, pinned)
+        fast = _raised_by_a_fast_schedule(session, trace)
+        if fast is not None:
+            return RungResult(RUNG, Status.FAIL, "the fp32 loop raised in an LR scheduler's "
+                              f"step, which ran ahead of the optimizer ({fast.kind})", [fast])
         finding = loop_error_finding(trace, RUNG)
         return RungResult(RUNG, Status.FAIL, f"the fp32 loop raised ({finding.kind})", [finding])
     findings = (scheduler_findings(session, trace, RUNG)
@@ -101,6 +105,22 @@ def run(session: Session) -> RungResult:
     return conclude(RUNG, findings, f"{len(comparisons)} optimizer steps match the fp32 "
                     f"reference (max relative error {worst:.2g})",
                     {"max_relative_error": worst, "steps_compared": len(comparisons)})
+
+
+def _raised_by_a_fast_schedule(session: Session, trace: Trace) -> Finding | None:
+    """The loop raised inside an LR scheduler's step (OneCycleLR refuses to step past
+    `total_steps`) and the steps before it show that scheduler stepping more than once per
+    optimizer step with a learning rate off the schedule: the raise is that mistake's
+    consequence, so the finding is `scheduler-per-microbatch` at that line, not a bare
+    `loop-error`. None otherwise."""
+    site = trace.error_site
+    at = [e for e in trace.events_of(SchedulerStep) if site is not None and e.site is not None
+          and (e.site.file, e.site.line) == (site.file, site.line)]
+    if not at or not trace.steps:
+        return None
+    fast = [f for f in scheduler_findings(session, trace, RUNG)
+            if f.kind == KindId.SCHEDULER_PER_MICROBATCH and f.severity == "error"]
+    return fast[0] if fast else None
 
 
 def _autocast_in_fp32(session: Session, trace: Trace, judgement: Judgement

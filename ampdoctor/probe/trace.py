@@ -210,6 +210,17 @@ class Trace:
             return max(event.backwards - 1, 0)
         return None
 
+    def window_size(self, window: int) -> int | None:
+        """The micro-batches of `window` where they may differ from K (a script's), else None."""
+        return None
+
+    def unstepped_window(self, before: int | None, window: int | None) -> int | None:
+        """The first window between a step of window `before` and one of `window` that no step
+        consumed and that holds fewer than K micro-batches (an epoch's last, short window the
+        loop never stepped), where the trace knows its windows' sizes; None otherwise (a loop
+        fed exactly N windows of K has none: a window without a step is a skipped one)."""
+        return None
+
 
 class WeightsCast(UserCodeError):
     """An fp32 run that ampdoctor needed as its reference cast the model's weights to reduced

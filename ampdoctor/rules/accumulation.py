@@ -29,11 +29,17 @@ from ..kinds.mismatch import Unexplained, unexplained
 from ..kinds.reduction import SummedOverCount, VaryingDivisor
 from ..kinds.reduction import summed_over_count as summed_over_count_finding
 from ..kinds.reduction import varying_divisor as varying_divisor_finding
-from ..kinds.stepping import CarriedOver, ZeroedInside, zeroed_inside
+from ..kinds.stepping import (
+    CarriedOver,
+    CarriedShortWindow,
+    ZeroedInside,
+    carried_short_window,
+    zeroed_inside,
+)
 from ..kinds.stepping import carried_over as carried_over_finding
 from ..maths import compare
-from ..probe.events import ZeroGrad, of_type
-from ..session import Session, Trace
+from ..probe.events import Clip, ZeroGrad, of_type
+from ..session import Session, Trace, flat
 from . import unaveraged
 from .deepspeed import engine_update_off, engine_zero_grad_fix
 from .frameworks import dividing_party
@@ -136,11 +142,17 @@ def _zero_grad_inside(case: StepCase) -> Finding | None:
             KindId.ZERO_GRAD_INSIDE_ACCUMULATION, KindId.DOUBLE_AVERAGE,
             KindId.WEIGHTED_AVERAGE_MISMATCH)):
         return None
+    window = case.judged.window
+    own = case.trace.window_of_event(case.judged.step)
+    size = case.trace.window_size(window)
+    unstepped = ((window, size) if own is not None and own > window and size is not None
+                 and size < K else None)
     return zeroed_inside(ZeroedInside(
-        case.rung, K - (case.contributing_from or 0), K, case.judged.ordinal,
-        case.measured_ratio, m.cosine, clipped=case.clip_norm is not None,
+        case.rung, 0 if unstepped else K - (case.contributing_from or 0), K,
+        case.judged.ordinal, case.measured_ratio, m.cosine, clipped=case.clip_norm is not None,
         comparison=case.evidence, fix=engine_zero_grad_fix(case.trace),
-        forced_clip=case.forced_clip, location=location(case.inside_zero[-1].site)))
+        forced_clip=case.forced_clip, location=location(case.inside_zero[-1].site),
+        unstepped=unstepped))
 
 
 def _settle_size_factor_tie(case: StepCase) -> None:
@@ -273,6 +285,30 @@ def _carried_over(case: StepCase) -> Finding | None:
         forced_clip=case.forced_clip, location=location(site)))
 
 
+def _short_window_carried(case: StepCase) -> Finding | None:
+    """An epoch's last, short window that no step consumed and no zero_grad cleared (the step
+    gated by `(i + 1) % K == 0` alone): its gradient rides into the next window's step, whose
+    gradient is then both windows' micro-batches at 1/K each."""
+    trace, judged, K = case.trace, case.judged, case.K
+    window, own = judged.window, trace.window_of_event(judged.step)
+    size = trace.window_size(window)
+    if own is None or own <= window or size is None or size >= K or case.inside_zero:
+        return None
+    expected = case.full * (size / K)
+    consumed = size
+    for later in range(window + 1, own + 1):
+        n = trace.window_size(later) or K
+        ref = case.session.reference(later, case.snapshot.state, case.snapshot.training)
+        expected = expected + flat(case.session, ref.full, case.names) * (n / K)
+        consumed += n
+    if not compare.metrics(case.user_u, expected, compare.Tolerance(case.cand_tol, 0.0)).ok:
+        return None
+    return carried_short_window(CarriedShortWindow(
+        case.rung, judged.ordinal, window, size, consumed, K, case.measured_ratio,
+        case.m.cosine, case.evidence, forced_clip=case.forced_clip,
+        location=location(judged.step.site)))
+
+
 def _summed_over_a_count(case: StepCase) -> Finding | None:
     """Right direction, a size equal to a count every micro-batch shares: a sum reduction."""
     m, measured_ratio = case.m, case.measured_ratio
@@ -338,12 +374,20 @@ def _engine_scale(case: StepCase) -> Finding | None:
 
 
 def _no_known_shape(case: StepCase) -> Finding:
-    """No known shape: say so, with the numbers."""
+    """No known shape: say so, with the numbers (and a clip that bit before the window's last
+    backward, at its line: it clipped a partial sum)."""
     m, judged = case.m, case.judged
+    last = case.backwards[-1].seq if case.backwards else -1
+    early = [c for c in of_type(case.window_events, Clip) if c.seq < last
+             and c.total_norm is not None and c.max_norm is not None
+             and c.total_norm > c.max_norm]
+    site = early[0].site if early else judged.step.site
+    if early:
+        case.evidence["early_clips"] = len(early)
     return unexplained(Unexplained(
         case.rung, judged.ordinal, judged.window, case.judgement.precision, m.rel_err,
         case.measured_ratio, m.cosine, case.judgement.tolerance.rtol, case.evidence,
-        forced_clip=case.forced_clip, location=location(judged.step.site)))
+        forced_clip=case.forced_clip, location=location(site), early_clips=len(early)))
 
 
 #: The known shapes of a mismatch, in the order they are tried: each returns its finding, or
@@ -353,6 +397,7 @@ SHAPES: tuple[Callable[[StepCase], Finding | None], ...] = (
     _zero_grad_inside,
     _named_shape,
     _carried_over,
+    _short_window_carried,
     _summed_over_a_count,
     _varying_divisor,
     _wrong_divisor,

@@ -50,7 +50,7 @@ def scheduler_findings(session: Session, trace: Trace, rung: str) -> list[Findin
             rung, trace.precision, first.scheduler_type, len(events), optimizer_steps, worst,
             step, used, meant, cause=scheduler_cause(trace, first.scheduler_type),
             framework=framework_evidence(trace).get("framework"),
-            location=location(first.site)))]
+            location=location(first.site), raised=trace.error is not None))]
     return []
 
 

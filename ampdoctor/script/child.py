@@ -305,7 +305,7 @@ class ScriptProbe:
         self.current = self.windows
         # a 0-d tensor (a count such as transformers' `num_items_in_batch`) holds no rows: each
         # of the run's K forwards gets the window's count, the reference's one forward gets it
-        # once, so as "rows" it would never line up with the run's (`_misaligned`)
+        # once, so as "rows" it would never line up with the run's (`windows.align`)
         tensors = [t for t in _tensors((args, kwargs), []) if t.dim()]
         rows = int(tensors[0].shape[0]) if tensors else 1
         self.samples += rows

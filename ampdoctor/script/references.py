@@ -6,7 +6,7 @@ micro-batch size b (K = 1, batch b): its window j reads rows j*b..(j+1)*b, the r
 micro-batch j. Teacher-forced to the step's weights at every window, window g*K + k of that run
 is micro-batch k of the run's window g, with its loss normalised over its own rows or tokens as
 the script computes it. Each one's rows must be the run's micro-batch row for row (digests, as
-`ScriptSession._misaligned` checks the whole window); where they are not, or the script has no
+`windows.align` checks the whole window); where they are not, or the script has no
 batch option ampdoctor can read, there are no per-micro-batch references and the rules name
 the mismatch from the whole window only.
 

@@ -1,17 +1,22 @@
 """A run's error as the outcome carries it (`run_error`, `where`), and whose it is: a
 script's first run stopped by transformers or accelerate refusing its HF Trainer over the
 DeepSpeed config's precision (`rules.trainer_precision`): not the user's bare error, the
-double-scaling rung's (`diagnose` names the two settings, as `ampdoctor scan` does)."""
+double-scaling rung's (`diagnose` names the two settings, as `ampdoctor scan` does). Or by its
+own argparse parser refusing the arguments: a usage error naming whose they are."""
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
-from ..core.errors import UserCodeError, format_traceback
+from ..core.errors import UsageError, UserCodeError, format_traceback
 from ..core.safetext import exc_text, safe_str
 from ..probe.callsite import CallSiteFinder, Site
 from ..rules.trainer_precision import Refusal, refusal
+
+#: argparse's last line before it exits 2: "PROG: error: MESSAGE"
+ARGPARSE_ERROR = re.compile(r"^(\S+): error: (.+)$", re.MULTILINE)
 
 
 class PrecisionsRefused(UserCodeError):
@@ -36,6 +41,30 @@ def refused(outcome: Any) -> None:
         f"the script stopped before its first optimizer step: {met.meaning()} "
         f"({text.splitlines()[0][:200] if text else ''})", met,
         location=(site.file, site.line) if site is not None else None)
+
+
+def arguments_refused(outcome: Any, output: str, args: list[str], reference: list[str]) -> None:
+    """Raise UsageError (exit 2) when the script exited 2 with argparse's "error:" line in its
+    output: its parser refused the command line. The options the message names say whose they
+    are: the user's ARGS (run and reference alike would stop there), else the reference's."""
+    if outcome.ended != "exit 2":
+        return
+    found = list(ARGPARSE_ERROR.finditer(output or ""))
+    if not found:
+        return
+    prog, message = found[-1].group(1), found[-1].group(2).strip()
+    named = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w.-]*)", message))
+    keys = {a.split("=", 1)[0] for a in args if a.startswith("-")}
+    theirs = {a.split("=", 1)[0] for a in reference if a.startswith("-")} - keys
+    if named & keys or not named & theirs:
+        raise UsageError(
+            f"the script's arguments ({' '.join(args) or 'none'}) were refused by its own "
+            f"argument parser ({prog}: error: {message}): the run and the reference would both "
+            "stop there, before training. Fix the arguments after `--`")
+    raise UsageError(
+        f"the reference's arguments ({' '.join(reference)}) were refused by the script's "
+        f"argument parser ({prog}: error: {message}): give or fix --reference-args (your ARGS "
+        "with K = 1 and the batch K times the micro-batch)")
 
 
 def failed_first(ss: Any, first: Any, cmd_args: list[str]) -> None:

@@ -5,6 +5,7 @@ exception it raised rebuilt from its type and text, stand-ins for its optimizers
 
 from __future__ import annotations
 
+import bisect
 import builtins
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 from ..loading import AUTOCAST_DTYPES, RunSettings
 from ..probe import recorder
 from ..probe.callsite import CallSiteFinder
-from ..probe.events import Backward, ScalerInit
+from ..probe.events import Backward, ScalerInit, ScalerStep, StepRecord
 from ..probe.trace import Trace
 from .child import Outcome
 
@@ -64,6 +65,41 @@ class ScriptTrace(Trace):
 
     outcome: Outcome = field(default_factory=Outcome)
     _backward_order: dict[int, int] | None = None
+    #: where each of the reference's windows ends in this run's micro-batches (exclusive, in
+    #: order), once the fp32 reference has run: an epoch's short last window makes the windows
+    #: differ from `i // K` for every micro-batch after it (`ScriptSession.window_bounds`)
+    bounds: tuple[int, ...] | None = None
+
+    def window_of_event(self, event: recorder.Event | StepRecord) -> int | None:
+        """By the reference's windows when known (past the last one: K micro-batches each),
+        else as a spec's trace counts them."""
+        if not self.bounds:
+            return super().window_of_event(event)
+        mb = (max(event.consumed) if isinstance(event, StepRecord) and event.consumed
+              else event.microbatch)
+        if mb < 0:
+            return 0
+        last = self.bounds[-1]
+        if mb < last:
+            return bisect.bisect_right(self.bounds, mb)
+        return len(self.bounds) + (mb - last) // max(self.accumulation_steps, 1)
+
+    def window_size(self, window: int) -> int | None:
+        """The micro-batches of one of the reference's windows, when known."""
+        if not self.bounds or not 0 <= window < len(self.bounds):
+            return None
+        return self.bounds[window] - (self.bounds[window - 1] if window else 0)
+
+    def unstepped_window(self, before: int | None, window: int | None) -> int | None:
+        if before is None or window is None or window <= before + 1:
+            return None
+        size = self.window_size(before + 1)
+        if size is None or size >= self.accumulation_steps:
+            return None
+        # a scaler.step there that skipped the optimizer (an overflow) is no unstepped window
+        if any(self.window_of_event(e) == before + 1 for e in self.events_of(ScalerStep)):
+            return None
+        return before + 1
 
     def parameter_names(self) -> dict[int, str]:
         return dict(self.outcome.param_names)

@@ -77,7 +77,8 @@ def reproducibility(ss: ScriptSession) -> RungResult:
     rung = RungId.REPRODUCIBILITY
     first = ss.trace("fp32")
     if first.error is not None or not first.steps:
-        return RungResult(rung, Status.PASS, "nothing to repeat: the fp32 run did not step (see "
+        why = ("raised" if first.error is not None and first.steps else "did not step")
+        return RungResult(rung, Status.PASS, f"nothing to repeat: the fp32 run {why} (see "
                           "fp32-accum)")
     again = ss.run(ss.job("fp32", steps=1, teacher=[ss.initial_state], stop_after_teacher=False,
                           min_samples=ss.reference_rows), "repeat fp32 run")

@@ -25,12 +25,12 @@ from ..probe.callsite import CallSiteFinder
 from ..probe.events import Backward, Clip, EngineBuilt
 from ..probe.trace import Trace
 from ..reference import WindowReference
-from . import spawn
+from . import spawn, windows
 from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
 from .infer import builds_deepspeed_engine
 from .references import deferred, window_reference
-from .refused import failed_first, where
+from .refused import arguments_refused, failed_first, where
 from .refused import refused as _refused
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
@@ -50,6 +50,8 @@ class ScriptSession:
         self.K = 1
         self.traces: dict[str, ScriptTrace] = {}
         self.notes: set[str] = set()
+        #: the reference's windows in the run's micro-batches (`windows.align`), once known
+        self.bounds: tuple[int, ...] | None = None
         self.charts: list[dict[str, Any]] = []
         self.step_observer_for = None
         self.injected: Any = None
@@ -67,7 +69,7 @@ class ScriptSession:
         self.unaligned: str | None = None
         #: each run's captured output, in the order the runs ran
         self.outputs: list[dict[str, Any]] = []
-        self._refs: dict[int, dict[str, torch.Tensor | None]] = {}
+        self._refs: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
         self.per_mb_cache: dict[tuple[int, int], Any] = {}
         #: a DeepSpeed script's reference engine config keys (`references.deferred`)
         self.deepspeed_reference: dict[str, Any] | None = None
@@ -128,6 +130,8 @@ class ScriptSession:
             self.reference_probe = first
             if first.error is not None:
                 _refused(first)
+                arguments_refused(first, self.outputs[-1]["text"] if self.outputs else "",
+                                  self.command.args, cmd_args)
                 failed_first(self, first, cmd_args)
             window0 = [f for f in first.forwards if f.window == 0]
             self.reference_rows = sum(f.rows for f in window0)
@@ -243,6 +247,7 @@ class ScriptSession:
                        clip_at=clip_at)
         outcome = self.run(job, f"{precision} run")
         trace = replay(outcome, precision, self.K, self.finder, clip_at)
+        trace.bounds = self.bounds
         fp32 = self.traces.get("fp32")
         if fp32 is not None and not _same_first_input(fp32.outcome, outcome):
             # the first loss of the two runs is not the same computation: no second scale
@@ -306,44 +311,33 @@ class ScriptSession:
         states = self.teacher_states(trace)
         if not states or self.command.reference_args is None:
             return
+        ref = self._teacher_forced(states)
+        if trace.precision == "fp32":
+            self.window_reference = ref
+            unaligned, bounds = windows.align(trace.outcome.forwards, ref.forwards, self.N)
+            self.unaligned = self.unaligned or unaligned
+            if self.unaligned is None and self.bounds is None:
+                self.bounds = trace.bounds = bounds
+                again = self.teacher_states(trace)
+                if [g for _, g in again] != [g for _, g in states]:
+                    # a short window moved the steps' windows: teacher-force them anew
+                    states = again
+                    ref = self.window_reference = self._teacher_forced(states)
+        for window, (state, group) in enumerate(states):
+            # (a window without a step borrowed the weights before it: not its reference)
+            if group >= 0 and window < len(ref.ref_grads) and ref.ref_grads[window]:
+                self._refs[(id(state), window)] = ref.ref_grads[window]
+                self._pinned.append(state)
+
+    def _teacher_forced(self, states: list[tuple[Mapping[str, torch.Tensor], int]]) -> Outcome:
+        """The reference run, each window teacher-forced to its weights in `states`."""
         ref = self.run(self.job("fp32", reference=True, steps=len(states),
                                 teacher=[s for s, _ in states]), "reference run")
         if ref.error is not None:
             raise UserCodeError(
                 "the script run with --reference-args (the fp32 reference) raised: "
                 f"{ref.error.get('text')}", location=where(ref.error))
-        if trace.precision == "fp32":
-            self.window_reference = ref
-            self.unaligned = self.unaligned or self._misaligned(trace, ref)
-        for window, (state, group) in enumerate(states):
-            # (a window without a step borrowed the weights before it: not its reference)
-            if group >= 0 and window < len(ref.ref_grads) and ref.ref_grads[window]:
-                self._refs[id(state)] = ref.ref_grads[window]
-                self._pinned.append(state)
-
-    def _misaligned(self, trace: ScriptTrace, ref: Outcome) -> str | None:
-        """Why the reference's windows do not read the run's micro-batches, or None when every
-        window does (row by row, every tensor argument of the forwards)."""
-        run = trace.outcome.forwards
-        start = 0
-        for window in range(self.N):
-            theirs = [f for f in ref.forwards if f.window == window]
-            rows_ref = sum(f.rows for f in theirs)
-            # the run's next forwards up to the reference window's rows: K micro-batches, or
-            # fewer in an epoch's last, partial window
-            end, rows_mine = start, 0
-            while end < len(run) and rows_mine < rows_ref:
-                rows_mine += run[end].rows
-                end += 1
-            mine, start = run[start:end], end
-            if not mine or not theirs:
-                break
-            same = rows_mine == rows_ref and _concat(mine) == _concat(theirs)
-            if not same:
-                return (f"window {window}: the reference read {rows_ref} row(s) in "
-                        f"{len(theirs)} forward(s), the run {rows_mine} in {len(mine)} "
-                        f"micro-batch(es) of {mine[0].rows}, and their contents differ")
-        return None
+        return ref
 
     def reference(self, window: int, state: Mapping[str, torch.Tensor] | None = None,
                   training: bool = True, per_mb: bool = False, weighting: Any = None,
@@ -354,7 +348,7 @@ class ScriptSession:
         if not self.has_reference:   # nothing to read it from: no gradient (norm 0)
             return WindowReference(full=dict.fromkeys(self.param_order), per_mb=None,
                                    counts=None, weighted=False, mode="loop")
-        grads = None if rng_seed is not None else self._refs.get(id(state))
+        grads = None if rng_seed is not None else self._refs.get((id(state), window))
         if grads is None:
             ref = self.run(self.job("fp32", reference=True, steps=window + 1,
                                     teacher=[state] * (window + 1)), "reference run")
@@ -373,7 +367,7 @@ class ScriptSession:
                     "the script run with the reference's arguments made no optimizer step")
             grads = ref.ref_grads[window]
             if rng_seed is None:
-                self._refs[id(state)] = grads
+                self._refs[(id(state), window)] = grads
                 self._pinned.append(state)
         return window_reference(self, window, state, grads, per_mb, rng_seed is not None)
 
@@ -429,9 +423,3 @@ def _per_window(injector: Any) -> int:
 
 def _same_first_input(a: Outcome, b: Outcome) -> bool:
     return bool(a.forwards and b.forwards and a.forwards[0].digests == b.forwards[0].digests)
-
-
-def _concat(forwards: list[Any]) -> list[list[str]]:
-    """The row digests of consecutive forwards, tensor argument by tensor argument."""
-    width = min(len(f.digests) for f in forwards)
-    return [[d for f in forwards for d in f.digests[i]] for i in range(width)]

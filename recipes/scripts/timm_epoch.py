@@ -6,11 +6,15 @@ of 8 make 13 micro-batches an epoch: with K = 4, windows of 4, 4, 4 and 1; its r
 batch 32) reads 32, 32, 32 and 4 rows, so `--steps 4` compares the partial window too.
 
 Run as `python timm_epoch.py --amp --clip-grad 1.0`; `--bug` picks a variant:
-- `last-window-full-k`: the partial window is divided by K too (double-average at step 3);
+- `last-window-full-k`: the partial window is divided by K too, as most loops and accelerate's
+  `backward` do: its update is n/K of its window's mean (n of its micro-batches), each
+  micro-batch weighing 1/K as in every window. Healthy, with a note saying so;
 - `no-last-update`: the partial window never steps (the `last_batch` condition left out): the
-  zero_grad at the next epoch's top wipes its gradient, and step 3 trains on the next epoch's
-  first window where the reference's step 3 is the partial one (zero-grad-inside-accumulation
-  at that zero_grad, step 3);
+  zero_grad at the next epoch's top wipes its gradient, and the step after it trains on the
+  next epoch's first window (zero-grad-inside-accumulation at that zero_grad, judged against
+  the partial window, with its real count of micro-batches). `--rows 88` (windows 4, 4, 3)
+  shows it at step 2; `--rows 80` (4, 4, 2) steps anyway, since timm's own `(batch_idx + 1) %
+  last_accum_steps` holds there;
 - `updates-per-batch`: `num_updates` counts micro-batches, so the warm-up set once per update
   runs K times too fast (gradient-mismatch of the learning rate from step 1).
 """
@@ -29,7 +33,7 @@ class NativeScaler:
 
     def __call__(self, loss, optimizer, clip_grad=None, clip_mode="norm", parameters=None,
                  create_graph=False, need_update=True):
-        self._scaler.scale(loss).backward(create_graph=create_graph)  # BUG: double-average
+        self._scaler.scale(loss).backward(create_graph=create_graph)
         if need_update:
             if clip_grad is not None:
                 assert parameters is not None

@@ -7,7 +7,8 @@ plants a mistake on the line marked `# BUG: <kind>` (tests/test_watch_accelerate
 dividing by K under `accelerator.backward`, `loss.backward()` past accelerate (no division),
 `model.zero_grad()` on every micro-batch, a scheduler not prepared (stepped per micro-batch);
 in fp16 on a GPU (accelerate builds its GradScaler only there) a clip past accelerate on the
-scaled gradients, a scaler whose scale doubles after every finite step.
+scaled gradients, a scaler whose scale doubles after every finite step. `tail` adds a short
+last window of that many micro-batches.
 """
 
 import contextlib
@@ -28,7 +29,7 @@ def loss_fn(model, batch):            # one micro-batch's loss, before accelerat
 
 
 def train(bug="none", precision="fp32", steps=8, K=4, b=8, watched=True, every=3,
-          on_error="warn", out=None, device="cpu"):
+          on_error="warn", out=None, device="cpu", tail=0):
     torch.manual_seed(0)
     mixed = {"fp32": "no"}.get(precision, precision)
     if bug == "frequent-skips":       # a scale that doubles after every finite step
@@ -39,7 +40,9 @@ def train(bug="none", precision="fp32", steps=8, K=4, b=8, watched=True, every=3
     model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.1), nn.ReLU(), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-    data = torch.randn(steps * K * b, 16, generator=torch.Generator().manual_seed(1))
+    # `tail` micro-batches more than `steps` windows: a short last window (accelerate syncs
+    # there at the dataloader's end and divides by K, as in every window)
+    data = torch.randn((steps * K + tail) * b, 16, generator=torch.Generator().manual_seed(1))
     loader = DataLoader(TensorDataset(data, data[:, :1] * 0.5), batch_size=b)
     if bug == "scheduler-per-microbatch":        # the scheduler left out of prepare
         model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
