@@ -239,6 +239,24 @@ def test_k_equal_to_the_micro_batch_and_no_average_is_named_not_a_crash(tmp_path
     assert finding["evidence"]["ratio"] == pytest.approx(4.0, rel=1e-3)
 
 
+def test_a_script_that_ends_before_stepping_says_how_it_ended(tmp_path):
+    ends = tmp_path / "ends.py"
+    ends.write_text("import sys\nimport torch\nmodel = torch.nn.Linear(4, 1)\n"
+                    "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                    "model(torch.randn(2, 4)).sum().backward()\nsys.exit(0)\n")
+    result = diagnose(tmp_path, ends, [], None, "--no-reference")
+    assert result.returncode == 3
+    assert result.record["error"]["message"] == (
+        "the script ran 1 forward(s) of its model and 1 backward(s) but never stepped its "
+        "optimizer: it called sys.exit(0)")
+    plain = tmp_path / "plain.py"
+    plain.write_text("import torch\nmodel = torch.nn.Linear(4, 1)\n")
+    result = diagnose(tmp_path, plain, [], None, "--no-reference")
+    assert result.returncode == 3
+    assert result.record["error"]["message"].startswith(
+        "the script ran to its end without building a torch.optim optimizer")
+
+
 def test_init_proposes_the_script_mode_command_and_it_runs(tmp_path):
     result = run_cli("init", LOADER, "-o", tmp_path / "triage.yaml")
     assert result.returncode == 0, result.stderr

@@ -397,8 +397,8 @@ def run(job: Job) -> Outcome:
             # processes to shut down (seconds each) before the run can report.
             _STOPPED.append(exc)
         except SystemExit as exc:
+            out.ended = f"exit {exc.code if exc.code is not None else 0!r}"
             if exc.code not in (None, 0):
-                out.ended = f"exit {exc.code!r}"
                 out.error = run_error(exc, finder)
         except BaseException as exc:  # noqa: BLE001 - the script's failure, recorded
             out.ended = "raised"

@@ -278,7 +278,7 @@ def _check_started(ss: ScriptSession, fp32: Any) -> None:
             location=(site.file, site.line) if site is not None else None)
     if not out.optimizers:
         raise UserCodeError(
-            f"the script ended ({out.ended}) without building a torch.optim optimizer: "
+            f"the script {_how_it_ended(out.ended)} without building a torch.optim optimizer: "
             "ampdoctor finds the model through the optimizer that holds its parameters")
     if not out.models:
         raise UserCodeError("no torch.nn.Module built by the script holds the parameters of its "
@@ -286,5 +286,12 @@ def _check_started(ss: ScriptSession, fp32: Any) -> None:
     if not fp32.steps:
         raise UserCodeError(
             f"the script ran {len(out.forwards)} forward(s) of its model and "
-            f"{out.backward_count} backward(s) but never stepped its optimizer before it "
-            f"ended ({out.ended})")
+            f"{out.backward_count} backward(s) but never stepped its optimizer: it "
+            f"{_how_it_ended(out.ended)}")
+
+
+def _how_it_ended(ended: str) -> str:
+    """`Outcome.ended` in words: "ran to its end", "called sys.exit(0)"."""
+    if ended.startswith("exit "):
+        return f"called sys.exit({ended.removeprefix('exit ')})"
+    return {"finished": "ran to its end"}.get(ended, f"ended ({ended})")
