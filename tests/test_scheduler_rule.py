@@ -13,7 +13,7 @@ def _trace(events):
     seq = [make_event(e["kind"], i, optimizer=0, **e["data"]) for i, e in enumerate(events)]
     steps = [SimpleNamespace(group=i, seq=e.seq, optimizer=0)
              for i, e in enumerate(x for x in seq if x.kind == "step")]
-    return SimpleNamespace(events=seq, steps=steps, precision="fp32",
+    return SimpleNamespace(events=seq, steps=steps, precision="fp32", error=None,
                            events_of=lambda cls: [e for e in seq if isinstance(e, cls)])
 
 

@@ -75,7 +75,7 @@ def _trace(pattern: str, factors: list[float]):
             n += 1
     steps = [SimpleNamespace(group=g, seq=e.seq, optimizer=0)
              for g, e in enumerate(e for e in events if e.kind == "step")]
-    return SimpleNamespace(events=events, steps=steps, precision="fp32",
+    return SimpleNamespace(events=events, steps=steps, precision="fp32", error=None,
                            events_of=lambda cls: [e for e in events if isinstance(e, cls)])
 
 
