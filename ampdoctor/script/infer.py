@@ -22,6 +22,7 @@ from typing import Any
 from ..core.errors import UsageError
 from ..init import script as init_script
 from ..init.script import BATCH_FLAGS, K_FLAGS, TOTAL_FLAGS, Flag
+from .argv import Given, long_options, number, occurrences, set_option
 
 
 @dataclass(frozen=True)
@@ -55,76 +56,6 @@ class Inferred:
                 "how": self.how, "K": self.K, "micro_batch": self.micro_batch,
                 "k_option": self.k_option, "batch_option": self.batch_option,
                 "sources": dict(self.sources)}
-
-
-@dataclass
-class _Given:
-    """Where an option is set in ARGS: (index, form) per occurrence, the last value."""
-
-    at: list[tuple[int, str, str]] = field(default_factory=list)   # (index, form, option)
-    value: str | None = None
-
-
-def _long_options(all_flags: list[Flag]) -> list[str]:
-    return [o for f in all_flags for o in f.options if o.startswith("--")]
-
-
-def _occurrences(flag: Flag, args: list[str], longs: list[str]) -> _Given:
-    """Every place ARGS sets `flag`, as argparse reads them (the last one wins)."""
-    given = _Given()
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if arg == "--":
-            break
-        for option in flag.options:
-            key = arg.split("=", 1)[0]
-            if not flag.configurator and key.startswith("--") and key != option and \
-                    option.startswith(key) and key not in longs and \
-                    [o for o in longs if o.startswith(key)] == [option]:
-                key = option                       # argparse's unambiguous abbreviation
-            if key == option and "=" in arg:
-                given.at.append((i, "joined", arg.split("=", 1)[0]))
-                given.value = arg.split("=", 1)[1]
-            elif key == option and not flag.configurator and i + 1 < len(args):
-                given.at.append((i, "separate", arg))
-                given.value = args[i + 1]
-                i += 1
-            elif (len(option) == 2 and option[0] == "-" and option[1] != "-"
-                  and arg.startswith(option) and len(arg) > 2):
-                given.at.append((i, "attached", option))
-                given.value = arg[2:]
-            else:
-                continue
-            break
-        i += 1
-    return given
-
-
-def _number(text: Any, what: str) -> int:
-    try:
-        value = float(text) if isinstance(text, str) else float(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} is {text!r}, not a number") from None
-    if value != int(value) or value < 1:
-        raise ValueError(f"{what} is {text!r}, not a positive whole number")
-    return int(value)
-
-
-def _set(args: list[str], flag: Flag, given: _Given, value: int) -> list[str]:
-    """ARGS with every occurrence of `flag` set to `value`, or it appended when absent."""
-    out = list(args)
-    if not given.at:
-        return out + ([f"{flag.option}={value}"] if flag.configurator
-                      else [flag.option, str(value)])
-    for index, form, option in given.at:
-        if form == "joined":
-            out[index] = f"{option}={value}"
-        elif form == "separate":
-            out[index + 1] = str(value)
-        else:
-            out[index] = f"{option}{value}"
-    return out
 
 
 def _config_files(args: list[str], cwd: str) -> list[tuple[str, list[Flag]]]:
@@ -232,10 +163,10 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
             "among its arguments. Give the reference's arguments (K = 1, the batch K times the "
             "micro-batch), e.g.: " + _to_try(script, args, k, batch, None, None) + derived)
     configs = _config_files(args, cwd) if k.configurator else []
-    longs = _long_options(all_flags)
+    longs = long_options(all_flags)
     values: dict[str, int] = {}
     sources: dict[str, str] = {}
-    givens: dict[str, _Given] = {}
+    givens: dict[str, Given] = {}
     try:
         for role, flag in (("K", k), ("batch", batch)):
             values[role], sources[role], givens[role] = _read(flag, args, longs, configs)
@@ -245,7 +176,7 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
             "(K = 1, the batch K times the micro-batch), e.g.: "
             + _to_try(script, args, k, batch, values.get("K"), values.get("batch"))) from None
     K, b = values["K"], values["batch"]
-    ref = _set(_set(args, k, givens["K"], 1), batch, givens["batch"], K * b)
+    ref = set_option(set_option(args, k, givens["K"], 1), batch, givens["batch"], K * b)
     how = (f"{k.option} {K} ({sources['K']}) -> 1, {batch.option} {b} ({sources['batch']}) "
            f"-> {K * b}")
     return Inferred(args=ref, text=f"{shlex.join(ref)} (inferred)", how=how, K=K,
@@ -254,10 +185,10 @@ def infer_reference(script: str, args: list[str], cwd: str | None = None) -> Inf
 
 
 def _read(flag: Flag, args: list[str], longs: list[str],
-          configs: list[tuple[str, list[Flag]]]) -> tuple[int, str, _Given]:
+          configs: list[tuple[str, list[Flag]]]) -> tuple[int, str, Given]:
     """The value `flag` has in this command line, where it came from ("args", "default",
     "config FILE"), and where ARGS set it; ValueError when it has none or not a count."""
-    given = _occurrences(flag, args, longs)
+    given = occurrences(flag, args, longs)
     text: Any = flag.default
     source = "default"
     for name, settings in configs:
@@ -268,7 +199,57 @@ def _read(flag: Flag, args: list[str], longs: list[str],
         text, source = given.value, "args"
     if text is None:
         raise ValueError(f"{flag.option} has no default and is not in the script's arguments")
-    return _number(text, flag.option), source, given
+    return number(text, flag.option), source, given
+
+
+@dataclass(frozen=True)
+class _Elsewhere:
+    """K or the micro-batch read outside the options: a config file's key, a literal written
+    in the script (`what`: its `ConfigSetting` / `constants.Literal`)."""
+
+    value: int
+    label: str       # "train.batch_size", "BATCH_SIZE"
+    source: str      # "config cfg.yaml", "script"
+    shown: str       # "train.batch_size 8 (config cfg.yaml)", "BATCH_SIZE = 8 (train.py:19)"
+    what: Any
+
+
+def _combine(script: str, args: list[str], all_flags: list[Flag], k: Flag | None,
+             batch: Flag | None, elsewhere: dict[str, _Elsewhere]
+             ) -> tuple[int, int, list[str], list[str], dict[str, str], dict[str, str],
+                        list[tuple[str, _Elsewhere, int]]]:
+    """K and the micro-batch from the options there are (`k`, `batch`) and from `elsewhere`
+    for the role ("K", "batch") an option lacks: (K, b, the reference's ARGS with the options
+    set to 1 and K x b, each role's "what -> new value", sources, names, and the changes left
+    to make outside ARGS as (role, where, new value))."""
+    longs = long_options(all_flags)
+    values: dict[str, int] = {}
+    shown: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    names: dict[str, str] = {}
+    for role, flag in (("K", k), ("batch", batch)):
+        if flag is not None:
+            try:
+                values[role], sources[role], _ = _read(flag, args, longs, [])
+            except ValueError as exc:
+                raise UsageError(f"cannot infer the reference of {script}: {exc}; give "
+                                 "--reference-args") from None
+            names[role] = flag.option
+            shown[role] = f"{flag.option} {values[role]} ({sources[role]})"
+        else:
+            at = elsewhere[role]
+            values[role], sources[role], names[role], shown[role] = (at.value, at.source,
+                                                                     at.label, at.shown)
+    K, b = values["K"], values["batch"]
+    ref, parts = list(args), []
+    changes: list[tuple[str, _Elsewhere, int]] = []
+    for role, flag, value in (("K", k, 1), ("batch", batch, K * b)):
+        if flag is not None:
+            ref = set_option(ref, flag, occurrences(flag, args, longs), value)
+        else:
+            changes.append((role, elsewhere[role], value))
+        parts.append(f"{shown[role]} -> {value}")
+    return K, b, ref, parts, sources, names, changes
 
 
 def _from_configs(script: str, args: list[str], cwd: str, k: Flag | None, batch: Flag | None,
@@ -294,36 +275,19 @@ def _from_configs(script: str, args: list[str], cwd: str, k: Flag | None, batch:
                              + (shlex.join(args) if args else "ARGS"))
     if (k is None and k_at is None) or (batch is None and b_at is None):
         return None
-    longs = _long_options(all_flags)
-    ref, parts, sources = list(args), [], {}
-    values: dict[str, int] = {}
-    changes: list[tuple[ConfigSetting, int]] = []
-    names: dict[str, str] = {}
-    for role, flag, at in (("K", k, k_at), ("batch", batch, b_at)):
-        if flag is not None:
-            try:
-                values[role], sources[role], given = _read(flag, args, longs, [])
-            except ValueError as exc:
-                raise UsageError(f"cannot infer the reference of {script}: {exc}; give "
-                                 "--reference-args") from None
-            names[role] = flag.option
-        else:
-            assert isinstance(at, ConfigSetting)
+    elsewhere: dict[str, _Elsewhere] = {}
+    for role, at in (("K", k_at), ("batch", b_at)):
+        if isinstance(at, ConfigSetting):
             if at.value < 1:
                 raise UsageError(f"cannot infer the reference of {script}: {at.shown} in "
                                  f"{at.text} is {at.value}, not a positive whole number")
-            values[role], sources[role] = at.value, f"config {at.text}"
-            names[role] = at.shown
-    K, b = values["K"], values["batch"]
-    for role, flag, at, value in (("K", k, k_at, 1), ("batch", batch, b_at, K * b)):
-        if flag is not None:
-            ref = _set(ref, flag, _occurrences(flag, args, longs), value)
-        else:
-            assert isinstance(at, ConfigSetting)
-            changes.append((at, value))
-        parts.append(f"{names[role]} {values[role]} ({sources[role]}) -> {value}")
-    ref = reference_copy(ref, files, changes)
-    copied = sorted({a.text for a, _ in changes})
+            source = f"config {at.text}"
+            elsewhere[role] = _Elsewhere(at.value, at.shown, source,
+                                         f"{at.shown} {at.value} ({source})", at)
+    K, b, ref, parts, sources, names, changes = _combine(script, args, all_flags, k, batch,
+                                                         elsewhere)
+    ref = reference_copy(ref, files, [(at.what, value) for _, at, value in changes])
+    copied = sorted({at.what.text for _, at, _ in changes})
     how = ", ".join(parts) + f"; the reference reads a copy of {', '.join(copied)}"
     return Inferred(args=ref, text=f"{shlex.join(ref)} (inferred)", how=how, K=K,
                     micro_batch=b, k_option=names["K"], batch_option=names["batch"],
@@ -350,47 +314,26 @@ def _from_literals(script: str, args: list[str], tree: ast.Module, k: Flag | Non
                              "--reference-args")
     if (k is None and k_at is None) or (batch is None and b_at is None):
         return None
-    longs = _long_options(all_flags)
-    values: dict[str, int] = {}
-    shown: dict[str, str] = {}
-    sources = {"K": "script", "batch": "script"}
-    for role, flag, at in (("K", k, k_at), ("batch", batch, b_at)):
-        if flag is not None:
-            try:
-                values[role], source, _ = _read(flag, args, longs, [])
-                sources[role] = source
-            except ValueError as exc:
-                raise UsageError(f"cannot infer the reference of {script}: {exc}; give "
-                                 "--reference-args") from None
-            shown[role] = f"{flag.option} {values[role]} ({source})"
-        else:
-            assert isinstance(at, Literal)
+    elsewhere: dict[str, _Elsewhere] = {}
+    for role, at in (("K", k_at), ("batch", b_at)):
+        if isinstance(at, Literal):
             if at.value < 1:
                 raise UsageError(f"cannot infer the reference of {script}: {at.name} = "
                                  f"{at.value} at {name}:{at.line} is not a positive count")
-            values[role] = at.value
-            shown[role] = f"{at.name} = {at.value} ({name}:{at.line})"
-    K, b = values["K"], values["batch"]
-    ref: list[str] = list(args)
-    rewrites: list[tuple[str, str, int, int, int]] = []
-    parts: list[str] = []
-    for role, flag, at, value in (("K", k, k_at, 1), ("batch", batch, b_at, K * b)):
-        if flag is not None:
-            ref = _set(ref, flag, _occurrences(flag, args, longs), value)
-        else:
-            assert isinstance(at, Literal)
-            rewrites.append((role, at.name, at.line, at.col, value))
-        parts.append(f"{shown[role]} -> {value}")
-    literal = [a.name for a in (k_at, b_at) if isinstance(a, Literal)]
-    how = (", ".join(parts) + f"; the reference's runs set {' and '.join(literal)} in "
-           "the script's code as it runs (your file is not changed)")
+            elsewhere[role] = _Elsewhere(at.value, at.name, "script",
+                                         f"{at.name} = {at.value} ({name}:{at.line})", at)
+    K, b, ref, parts, sources, names, changes = _combine(script, args, all_flags, k, batch,
+                                                         elsewhere)
+    rewrites = [(role, at.what.name, at.what.line, at.what.col, value)
+                for role, at, value in changes]
+    how = (", ".join(parts) + f"; the reference's runs set "
+           f"{' and '.join(at.label for _, at, _ in changes)} in the script's code as it runs "
+           "(your file is not changed)")
     text = (shlex.join(ref) + " " if ref else "") + " ".join(
-        f"{a.name}={v}" for a, v in ((k_at, 1), (b_at, K * b)) if isinstance(a, Literal))
+        f"{at.label}={value}" for _, at, value in changes)
     return Inferred(args=ref, text=f"{text} (inferred)", how=how, K=K, micro_batch=b,
-                    k_option=k.option if k is not None else str(getattr(k_at, "name", "")),
-                    batch_option=(batch.option if batch is not None
-                                  else str(getattr(b_at, "name", ""))),
-                    sources=sources, rewrites=rewrites)
+                    k_option=names["K"], batch_option=names["batch"], sources=sources,
+                    rewrites=rewrites)
 
 
 def _pick(all_flags: list[Flag], names: tuple[str, ...]) -> Flag | None:
@@ -415,19 +358,19 @@ def deepspeed_options(script: str, args: list[str], K: set[int], b: int, batch: 
     except (OSError, UnicodeDecodeError, SyntaxError):
         return list(args)
     all_flags = init_script.flags(tree, undefaulted=True)
-    longs = _long_options(all_flags)
+    longs = long_options(all_flags)
     out = list(args)
     for names, engine, value in ((K_FLAGS, K, 1), (BATCH_FLAGS, {b}, batch)):
         flag = _pick(all_flags, names)
         if flag is None or flag.configurator:
             continue
-        given = _occurrences(flag, out, longs)
+        given = occurrences(flag, out, longs)
         try:
-            current = _number(given.value if given.value is not None else flag.default, "")
+            current = number(given.value if given.value is not None else flag.default, "")
         except ValueError:
             continue
         if current in engine:
-            out = _set(out, flag, given, value)
+            out = set_option(out, flag, given, value)
     return out
 
 
@@ -444,4 +387,4 @@ def with_batch(script: str, args: list[str], batch: int, cwd: str | None = None
     flag = _pick(all_flags, BATCH_FLAGS)
     if flag is None:
         return None
-    return _set(args, flag, _occurrences(flag, args, _long_options(all_flags)), batch)
+    return set_option(args, flag, occurrences(flag, args, long_options(all_flags)), batch)
