@@ -362,8 +362,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-#: What DeepSpeed reads to join a process group of one without MPI.
-SINGLE_PROCESS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: What DeepSpeed (and torch.distributed's env:// rendezvous) reads to join a process group of
+#: one without a launcher or MPI; MASTER_PORT is a free port picked when the group forms.
+GROUP_OF_ONE = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
 
 
 def _wrap_init_distributed(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -389,9 +390,7 @@ def group_of_one() -> None:
     form a process group of one, with a free port, unless a launcher set a world or a port."""
     if "MASTER_PORT" in os.environ or os.environ.get("WORLD_SIZE", "1") != "1":
         return
-    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    for key, value in defaults.items():
+    for key, value in {**GROUP_OF_ONE, "MASTER_PORT": str(free_port())}.items():
         os.environ.setdefault(key, value)
 
 

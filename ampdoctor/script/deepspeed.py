@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ..probe import patches
+from ..probe.deepspeed import GROUP_OF_ONE
 from ..probe.events import EngineBuilt
 
 #: a rung's precision -> the config section that enables it
@@ -94,8 +95,7 @@ def single_process_environment() -> None:
     DeepSpeed binds it (picked at the script's start, another process could take it first)."""
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         return
-    defaults = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
-    for key, value in defaults.items():
+    for key, value in GROUP_OF_ONE.items():
         os.environ.setdefault(key, value)
 
 

@@ -184,11 +184,6 @@ def _eager(probe: ScriptProbe, patcher: patches.Patcher) -> None:
     patcher.setattr(torch._dynamo.config, "disable", True)
 
 
-#: what `torch.distributed`'s env:// rendezvous reads, as `torchrun --nproc_per_node 1` sets it
-GROUP_OF_ONE = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                "MASTER_ADDR": "127.0.0.1"}
-
-
 def _group_of_one(probe: ScriptProbe, patcher: patches.Patcher) -> None:
     """A script written for a launcher (`dist.init_process_group("gloo")`, the rendezvous read
     from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) run without one: each run forms a group of
@@ -211,8 +206,9 @@ def _group_of_one(probe: ScriptProbe, patcher: patches.Patcher) -> None:
         if (method in (None, "env://") and kwargs.get("store") is None
                 and len(args) <= 5 and size in (-1, 1)
                 and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ):
-            from ..probe.deepspeed import free_port
-            for key, value in GROUP_OF_ONE.items():
+            from ..probe.deepspeed import GROUP_OF_ONE, free_port
+            # (LOCAL_WORLD_SIZE as `torchrun --nproc_per_node 1` sets it too)
+            for key, value in {**GROUP_OF_ONE, "LOCAL_WORLD_SIZE": "1"}.items():
                 os.environ.setdefault(key, value)
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             site = probe.finder.from_frame(sys._getframe(1))
