@@ -14,6 +14,7 @@ another by a relative path (the copy lives elsewhere), TOML.
 from __future__ import annotations
 
 import atexit
+import copy
 import json
 import shutil
 import tempfile
@@ -68,9 +69,7 @@ def config_files(args: list[str], cwd: str) -> list[ConfigFile]:
             else:
                 import yaml
                 data = yaml.safe_load(raw)
-        except (OSError, UnicodeDecodeError, ValueError, ImportError):
-            continue
-        except Exception:  # noqa: BLE001 - yaml's own errors: not a config we can read
+        except Exception:  # noqa: BLE001 - unreadable, not JSON/YAML (yaml's own errors too)
             continue
         if isinstance(data, dict):
             found.append(ConfigFile(index, text, path, data))
@@ -145,7 +144,6 @@ def reference_copy(args: list[str], files: list[ConfigFile], changes: list[tuple
         mine = [(s, v) for s, v in changes if s.index == f.index]
         if not mine:
             continue
-        import copy
         data = copy.deepcopy(f.data)
         for setting, value in mine:
             _set(data, setting.keys, value)
