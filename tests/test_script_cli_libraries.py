@@ -41,6 +41,15 @@ def test_a_tyro_dataclass_spells_its_options_with_dashes(tmp_path):
     assert inferred.args == ["--grad-accum-steps", "1", "--micro-batch-size", "32"]
 
 
+def test_a_function_with_positional_only_parameters(tmp_path):
+    """`def main(seed, /, batch_size=8, grad_accum=4)`: the defaults line up with the
+    parameters after the positional-only ones too (it raised on the unequal lengths)."""
+    script = tmp_path / "train.py"
+    script.write_text("import fire\n\n\ndef main(seed=0, /, batch_size=8, grad_accum=4):\n"
+                      "    pass\n\n\nfire.Fire(main)\n")
+    assert infer_reference(str(script), []).args == ["--grad_accum", "1", "--batch_size", "32"]
+
+
 def diagnose(tmp_path: Path, script: str, *args: str):
     return run_cli("diagnose", CLIS / script, "--json", "--out", tmp_path / "runs",
                    "--steps", "3", "--", *args, cwd=CLIS)

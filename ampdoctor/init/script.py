@@ -178,8 +178,9 @@ def _function_options(tree: ast.Module, undefaulted: bool) -> list[Flag]:
     for node in ast.walk(tree):
         if not (isinstance(node, ast.FunctionDef) and node.name in entry):
             continue
-        params = node.args.args + node.args.kwonlyargs
-        values = ([None] * (len(node.args.args) - len(node.args.defaults))
+        positional = node.args.posonlyargs + node.args.args
+        params = positional + node.args.kwonlyargs
+        values = ([None] * (len(positional) - len(node.args.defaults))
                   + list(node.args.defaults) + list(node.args.kw_defaults))
         for param, value in zip(params, values, strict=True):
             options: list[str] = []
