@@ -79,45 +79,44 @@ class ReplayCheck(WatchState):
         uu, rr, ur = norm_u ** 2, norm_r ** 2, plain.cosine * norm_u * norm_r
         # a clip after unscale_: the consumed gradient is the pre-clip one times its coefficient;
         # its size before the clip is what the clip returned, its direction what is consumed
-        coef_r = 1.0
         pre = norm_u
         clip_max: float | None = None
         if w.clip_max is not None and w.clip_norm is not None and math.isfinite(w.clip_norm):
             clip_max = w.clip_max
-            coef_r = min(1.0, clip_max / (norm_r + thresholds.CLIP_EPSILON))
             pre = pre if w.clip_scaled else w.clip_norm
-        # against the reference as the loop's clip leaves it (c r): from the same three sums
-        diff = math.sqrt(max(uu - 2 * coef_r * ur + coef_r ** 2 * rr, 0.0))
-        m = compare.metrics_from(norm_u, coef_r * norm_r, diff, lambda: coef_r * ur, numel, tol)
         ratio = pre / norm_r if norm_r > 0 else math.inf
-        # a clip that bit on both sides hides a factor in the update it consumed now, not in
-        # the gradient: the size before the clip must match too (it decides every update the
-        # clip does not bite)
         low, high = thresholds.NOISE_RATIO_BAND
-        size_ok = abs(ratio - 1) <= tol.rtol or (w.precision != "fp32" and low <= ratio <= high)
-        entry = {"step": self.updates, "precision": w.precision, "ratio": round(ratio, 6),
-                 "cosine": round(m.cosine, 6), "relative_error": round(m.rel_err, 6),
-                 "ok": size_ok and (m.ok or compare.is_precision_noise(m, w.precision))}
-        n = len(w.batches)
-        if not entry["ok"] and 0 < n < self.K:
-            # an epoch's short window divided by K like the full ones (accelerate's backward):
-            # n/K of its mean, each micro-batch weighing 1/K -- the convention, not a mistake
-            f = n / self.K
+
+        def against(f: float) -> tuple[compare.Metrics, bool]:
+            """The metrics against f x the reference as the loop's clip leaves it (c r, from
+            the same three sums), and whether the step matches it: a clip that bit on both
+            sides hides a factor in the update it consumed now, not in the gradient, so the
+            size before the clip must be f x the reference's too (it decides every update the
+            clip does not bite)."""
             c = f * (1.0 if clip_max is None
                      else min(1.0, clip_max / (f * norm_r + thresholds.CLIP_EPSILON)))
-            diff_s = math.sqrt(max(uu - 2 * c * ur + c ** 2 * rr, 0.0))
-            ms = compare.metrics_from(norm_u, c * norm_r, diff_s, lambda: c * ur, numel, tol)
-            short_ok = abs(ratio / f - 1) <= tol.rtol or (
+            diff = math.sqrt(max(uu - 2 * c * ur + c ** 2 * rr, 0.0))
+            metrics = compare.metrics_from(norm_u, c * norm_r, diff, lambda: c * ur, numel, tol)
+            size_ok = abs(ratio / f - 1) <= tol.rtol or (
                 w.precision != "fp32" and low <= ratio / f <= high)
-            if short_ok and (ms.ok or compare.is_precision_noise(ms, w.precision)):
-                entry["ok"] = True
-                entry["short_window"] = n
-                if not any("short window" in note for note in self.notes):
-                    self.notes.append(
-                        f"optimizer step {self.updates}: a short window of {n} of K={self.K} "
-                        f"micro-batches (an epoch's end), divided by K like the full ones: its "
-                        f"update is {n}/{self.K} of that window's mean gradient (each "
-                        "micro-batch weighs 1/K, the usual convention and accelerate's)")
+            return metrics, size_ok and (metrics.ok
+                                         or compare.is_precision_noise(metrics, w.precision))
+
+        m, ok = against(1.0)
+        entry = {"step": self.updates, "precision": w.precision, "ratio": round(ratio, 6),
+                 "cosine": round(m.cosine, 6), "relative_error": round(m.rel_err, 6), "ok": ok}
+        n = len(w.batches)
+        # an epoch's short window divided by K like the full ones (accelerate's backward):
+        # n/K of its mean, each micro-batch weighing 1/K -- the convention, not a mistake
+        if not ok and 0 < n < self.K and against(n / self.K)[1]:
+            entry["ok"] = True
+            entry["short_window"] = n
+            if not any("short window" in note for note in self.notes):
+                self.notes.append(
+                    f"optimizer step {self.updates}: a short window of {n} of K={self.K} "
+                    f"micro-batches (an epoch's end), divided by K like the full ones: its "
+                    f"update is {n}/{self.K} of that window's mean gradient (each "
+                    "micro-batch weighs 1/K, the usual convention and accelerate's)")
         explained = self._explained(w)
         if explained:
             entry["explained_by"] = explained
