@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,15 @@ def _pieces_worker(rank: int, world_size: int, port: int, mesh_shape, out: str) 
             sharded.rel_err, sharded.ratio, sharded.cosine, sharded.norm_user, sharded.norm_ref,
             float(held), float(rebuilt)]
     Path(f"{out}.{rank}").write_text(" ".join(repr(v) for v in rows))
+    # as ampdoctor's own ranks leave (ddp/launch.py): the DTensors and the mesh gone, the group
+    # destroyed, then out without the interpreter's finalisers, where gloo's threads can abort
+    # the process (SIGABRT, seen on a loaded CI machine)
+    dist.barrier()
+    del pieces, mesh
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 1), (1, 2)],

@@ -138,6 +138,16 @@ def main():
                                                       plain.state_dict().values(), strict=True))
     Path(result, f"rank{trainer.global_rank}.json").write_text(
         json.dumps({"identical": identical, "record": cb.record}, default=str))
+    # Lightning leaves the process group up after fit: every rank done with its collectives and
+    # the trainers (their strategies hold the DDP wrappers) gone before it is destroyed; a
+    # wrapper or a gloo group left to the interpreter's exit can abort the process (SIGABRT)
+    import gc
+
+    import torch.distributed as dist
+    dist.barrier()
+    del watched, cb, trainer, plain, _  # `_`: the second run's trainer
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
