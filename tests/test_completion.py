@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: the CLI as the console script runs it, telling at exit whether torch was imported
 PROGRAM = ("import atexit, sys; atexit.register(lambda: sys.stderr.write("
            "'torch imported' if 'torch' in sys.modules else 'no torch')); "
-           "from ampdoctor.cli.app import app; app(prog_name='ampdoctor')")
+           "from ampdoctor.cli import app; app(prog_name='ampdoctor')")
 
 
 def _complete(shell: str, words: str) -> subprocess.CompletedProcess:

@@ -384,3 +384,51 @@ def test_sigkill_to_the_cli_or_its_group_leaves_nothing(tmp_path, mode, to_group
         proc.kill()
     proc.communicate(timeout=30)          # nothing holds the pipes
     _assert_none_left(mark, grace_s=10)
+
+
+# ------------------------------------------------------------------------------ the early worker
+def _fork_server_of(token: str, deadline_s: float = 60.0) -> list[int]:
+    """The processes carrying `token` once one of them is the fork server (its imports under
+    way), within `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        found = processes.find(token)
+        commands = []
+        for pid in found:
+            with contextlib.suppress(OSError):
+                commands.append(Path(f"/proc/{pid}/cmdline").read_bytes())
+        if any(b"forkserver" in c for c in commands):
+            return sorted(found)
+        time.sleep(0.05)
+    raise AssertionError("the worker never started its fork server")
+
+
+def test_a_worker_started_early_and_never_given_a_job_is_ended_with_its_folder(tmp_path):
+    """`launch.prestart` starts the worker and, for the script, its fork server, before the
+    CLI has parsed its options; a command that ends there discards them: every process
+    carrying the run's token gone, the run's folder removed."""
+    from ampdoctor.supervise import launch
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\n")
+    started = launch.Launch()
+    try:
+        started.warm(str(script), str(tmp_path))
+        assert len(_fork_server_of(started.token)) >= 2       # the worker and its server
+        assert Path(started.temp).is_dir()
+    finally:
+        started.discard()
+    assert processes.find(started.token) == set()
+    assert not Path(started.temp).exists()
+
+
+@pytest.mark.slow
+def test_a_usage_error_after_the_early_start_leaves_nothing(tmp_path):
+    """`ampdoctor diagnose SCRIPT --rungs nosuch-rung`: the worker the console script started
+    for SCRIPT (before typer saw the bad option) is gone once the command exits 2."""
+    mark = uuid.uuid4().hex
+    result = run_cli_process("diagnose", SCRIPT, "--rungs", "nosuch-rung", "--out",
+                             tmp_path / "runs", *REFERENCE, env=_env(mark))
+    assert result.returncode == 2, result.stderr
+    assert "nosuch-rung" in result.stderr and "Traceback" not in result.stderr
+    _assert_none_left(mark)

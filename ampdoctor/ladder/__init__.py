@@ -51,7 +51,7 @@ RUNG_PRECISION = {"bf16-no-scaler": "bf16", "fp16-scaler": "fp16", "clip-space":
                   "skips": "fp16"}
 
 
-def _skipped(session: Any, rung_id: RungId) -> RungResult | None:
+def skipped(session: Any, rung_id: RungId) -> RungResult | None:
     # session: a Session or a script's ScriptSession (duck-typed)
     """The skip of a rung the spec leaves out (`rungs`, or a precision it does not use)."""
     wanted = RUNG_PRECISION.get(rung_id)
@@ -85,15 +85,15 @@ def run_ladder(session: Any, on_start: Callable[[str], None] | None = None,
     results: list[RungResult] = []
     failed = False
     keep_going = bool(getattr(session.spec, "keep_going", False))
-    progress.plan([r for r in RUNG_IDS if _skipped(session, r) is None],
+    progress.plan([r for r in RUNG_IDS if skipped(session, r) is None],
                   weights if weights is not None else rung_weights(session.spec))
     for rung_id in RUNG_IDS:
         if failed and not keep_going:
             results.append(RungResult(rung_id, Status.NOT_RUN, "an earlier rung failed"))
             continue
-        skipped = _skipped(session, rung_id)
-        if skipped is not None:
-            result = skipped
+        unselected = skipped(session, rung_id)
+        if unselected is not None:
+            result = unselected
         else:
             if on_start:
                 on_start(rung_id)

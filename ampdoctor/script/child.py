@@ -43,7 +43,6 @@ from ..probe.events import Event, OptimizerStep, ScalerStep, Snapshot, StepRecor
 from ..probe.observer import ProbeSettings
 from ..probe.trace import WeightCast, weight_cast
 from . import constants, deepspeed, expectation, files, forcing, prefork
-from .refused import run_error
 
 
 @dataclass
@@ -128,6 +127,7 @@ class Outcome:
     compiled: list[str] = field(default_factory=list)
     #: "file:line" of each `init_process_group` that formed a group of one (`forcing`)
     group_of_one: list[str] = field(default_factory=list)
+    peak_rss: int = 0    #: its peak resident memory in bytes, 0 unknown (set by `spawn`)
 
     def micro_batches(self) -> int:
         """The micro-batches of the run's first window: its backwards before the first
@@ -399,10 +399,10 @@ def run(job: Job) -> Outcome:
         except SystemExit as exc:
             out.ended = f"exit {exc.code if exc.code is not None else 0!r}"
             if exc.code not in (None, 0):
-                out.error = run_error(exc, finder)
+                out.error = _run_error(exc, finder)
         except BaseException as exc:  # noqa: BLE001 - the script's failure, recorded
             out.ended = "raised"
-            out.error = run_error(exc, finder)
+            out.error = _run_error(exc, finder)
         finally:
             recorder.activate(None)
         if job.inject is not None:
@@ -441,3 +441,10 @@ def _finish(probe: ScriptProbe) -> Outcome:
     if out.snapshots:
         out.initial_state = out.snapshots[min(out.snapshots)].state   # the same object
     return out
+
+
+def _run_error(exc: BaseException, finder: CallSiteFinder) -> dict[str, Any]:
+    """`refused.run_error`, imported only here: it imports the rules and the spec (pydantic),
+    0.35 s of the fork server's start-up that a run which ends well never needs."""
+    from .refused import run_error
+    return run_error(exc, finder)

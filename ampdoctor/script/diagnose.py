@@ -20,6 +20,7 @@ from ..core.errors import AmpdoctorError, UsageError, UserCodeError
 from ..core.findings import RungResult
 from ..spec.source import ScriptSource
 from . import spawn
+from .ahead import ENV as PARALLEL_ENV
 from .command import Command
 from .refused import PrecisionsRefused
 from .session import ScriptSession
@@ -98,7 +99,8 @@ def run_script(source: ScriptSource, on_start: Callable[[str], None] | None = No
         try:
             return _diagnose(source, command, started, on_start, on_done, on_progress)
         finally:
-            spawn.finish_runs()     # the last run's processes, before its folders go
+            spawn.stop_all()     # the last runs' processes (and any started ahead), before
+            #                      their folders go
 
 
 def _diagnose(source: ScriptSource, command: Command, started: float,
@@ -110,13 +112,14 @@ def _diagnose(source: ScriptSource, command: Command, started: float,
     from ..ladder import run_ladder
     from ..record.model import RunSeriesModel
     from ..runner import fill_record, new_record
-    from .rungs import RUNGS, weights
+    from .rungs import RUNGS, ahead, weights
 
     record = new_record(source, "unknown")
     ss = ScriptSession(command)
     ss.spec.precisions = list(source.precisions)
     ss.spec.rungs = list(source.rungs) if source.rungs is not None else None
     ss.spec.keep_going = source.keep_going
+    ss.plan = ahead
 
     def started_rung(rung_id: str) -> None:
         progress.rung(rung_id)
@@ -241,6 +244,12 @@ def _notes(ss: ScriptSession, source: ScriptSource) -> set[str]:
                   "reference. Give --reference-args, the script's arguments for K = 1 and a "
                   f"batch K times the micro-batch (here K = {ss.K}, micro-batch "
                   f"{ss.spec.micro_batch_size})")
+    if ss.runs.failed_beside:
+        notes.add(f"the {' and the '.join(ss.runs.failed_beside)} failed beside another run of "
+                  "the script and not alone: it was run again alone and the runs after it one "
+                  "at a time (two copies of the script cannot run at once: a port, a lock or "
+                  f"the memory it holds); {PARALLEL_ENV}=0 runs them one at a time from the "
+                  "start")
     dropout = ss.random_modules()
     if dropout:
         notes.add("dropout was off in every run (" + ", ".join(dropout[:3]) + "): a reference "

@@ -80,8 +80,7 @@ def reproducibility(ss: ScriptSession) -> RungResult:
         why = ("raised" if first.error is not None and first.steps else "did not step")
         return RungResult(rung, Status.PASS, f"nothing to repeat: the fp32 run {why} (see "
                           "fp32-accum)")
-    again = ss.run(ss.job("fp32", steps=1, teacher=[ss.initial_state], stop_after_teacher=False,
-                          min_samples=ss.reference_rows), "repeat fp32 run")
+    again = ss.run(ss.repeat_job(), "repeat fp32 run", ahead="repeat")
     a, b = first.outcome.forwards, again.forwards
     K = ss.K
     if [f.digests for f in a[:K]] != [f.digests for f in b[:K]]:
@@ -338,6 +337,19 @@ RUNGS: dict[str, Callable[[ScriptSession], RungResult]] = {
     "skips": skips_rung,
     "ddp-sync": ddp_sync,
 }
+
+
+def ahead(ss: ScriptSession) -> list[str]:
+    """The runs the ladder will ask for that need nothing but the fp32 run, in the order it
+    asks (`ScriptSession.plan`): the repeat of the fp32 run, the bf16 run and the fp16 run,
+    each where a rung asked for reads it and the script can run it."""
+    from ..ladder import skipped
+    names = ["repeat"] if skipped(ss, RungId.REPRODUCIBILITY) is None else []
+    for precision, rungs in (("bf16", (RungId.BF16_NO_SCALER,)),
+                             ("fp16", (RungId.FP16_SCALER, RungId.CLIP_SPACE, RungId.SKIPS))):
+        if any(skipped(ss, r) is None for r in rungs) and unavailable(ss, precision) is None:
+            names.append(precision)
+    return names
 
 
 def weights(ss: ScriptSession) -> dict[str, float]:

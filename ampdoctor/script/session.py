@@ -9,11 +9,9 @@ steps are judged and explained by the same code as a spec's.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +23,8 @@ from ..probe.callsite import CallSiteFinder
 from ..probe.events import Backward, Clip, EngineBuilt
 from ..probe.trace import Trace
 from ..reference import WindowReference
-from . import spawn, windows
+from . import windows
+from .ahead import Runs, early_overlap_refused, overlap_refused
 from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
 from .infer import builds_deepspeed_engine
@@ -67,8 +66,6 @@ class ScriptSession:
         self.window_reference: Outcome | None = None
         #: why the reference cannot be used (None: it can, or was not asked for)
         self.unaligned: str | None = None
-        #: each run's captured output, in the order the runs ran
-        self.outputs: list[dict[str, Any]] = []
         self._refs: dict[tuple[int, int], dict[str, torch.Tensor | None]] = {}
         self.per_mb_cache: dict[tuple[int, int], Any] = {}
         #: a DeepSpeed script's reference engine config keys (`references.deferred`)
@@ -76,6 +73,11 @@ class ScriptSession:
         self._pinned: list[Any] = []
         #: where the script's file writes land: a folder per run (`scratch`, `files`)
         self.scratch = Scratch()
+        #: the runs (`Runs`: each run's captured output in the order the ladder read them),
+        #: and which runs to start ahead of the ladder once the fp32 run is back (`rungs.ahead`)
+        self.runs = Runs(command, self.scratch)
+        self.outputs = self.runs.outputs
+        self.plan: Callable[[ScriptSession], list[str]] | None = None
 
     # --- running the script ---------------------------------------------------------------
     def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job:
@@ -90,34 +92,11 @@ class ScriptSession:
                    steps=extra.pop("steps", self.N), cwd=cmd.cwd, env=dict(cmd.env),
                    reference=reference, **extra)
 
-    def run(self, job: Job, what: str) -> Outcome:
-        from ..core import progress
-        progress.run_started(what, None)
-        if job.scratch is None:
-            job.scratch = self.scratch.folder()
-        try:
-            outcome = self._spawn(job, what)
-        finally:   # (a run stopped at its time bound leaves its folder behind)
-            shutil.rmtree(job.scratch, ignore_errors=True)
+    def run(self, job: Job, what: str, ahead: str | None = None) -> Outcome:
+        """One run of the script (`Runs.run`); what it wrote noted."""
+        outcome = self.runs.run(job, what, ahead)
         self.notes = self.scratch.absorb(outcome.files, self.notes)
         return outcome
-
-    def _spawn(self, job: Job, what: str) -> Outcome:
-        """One child run, its output captured in `outputs` when the command asks for it."""
-        if self.command.output_dir is None:
-            return spawn.run_child(job, self.command.timeout_s, what)
-        log = os.path.join(self.command.output_dir, f"{len(self.outputs):03d}.log")
-        outcome = None
-        try:
-            outcome = spawn.run_child(job, self.command.timeout_s, what, log)
-            return outcome
-        finally:
-            self.outputs.append({"run": what, "args": list(job.args),
-                                 "optimizer_steps": None if outcome is None
-                                 else len(outcome.steps),
-                                 "text": spawn.read_output(log)})
-            with contextlib.suppress(OSError):
-                os.unlink(log)
 
     def start(self) -> ScriptTrace:
         """The fp32 run (first the reference's first window, if any, for K x b)."""
@@ -126,6 +105,11 @@ class ScriptSession:
             self.command.reference_args = deferred(self, self.command.defer_batch)
         if self.command.reference_args is not None:
             cmd_args = self.command.reference_args
+            # the fp32 run beside the reference's first: it needs the reference's rows only
+            # where they outnumber the run's windows (then it is run again, `_fp32_run`)
+            self.runs.ahead.enabled = (early_overlap_refused(self.script) is None
+                                       and self.command.output_dir is not None)
+            self.runs.ahead.plan([("fp32", self.job("fp32"), "fp32 run")])
             first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
             self.reference_probe = first
             if first.error is not None:
@@ -142,8 +126,7 @@ class ScriptSession:
                     "micro-batches (forwards and backwards) before its first optimizer step; "
                     "the reference must take one micro-batch per optimizer step (K = 1) "
                     "holding the whole step's data: set the script's accumulation option to 1")
-        outcome = self.run(self.job("fp32", min_samples=self.N * self.reference_rows),
-                           "fp32 run")
+        outcome = self._fp32_run()
         if outcome.error is not None and not outcome.steps:
             _refused(outcome)
         self._check_reference_model(outcome)
@@ -166,8 +149,42 @@ class ScriptSession:
         trace = replay(outcome, "fp32", self.K, self.finder, None)
         self.traces["fp32"] = trace
         if outcome.steps and outcome.error is None:
+            self._run_ahead(outcome)
             self.prepare_references(trace)   # (and whether the reference reads the same data)
         return trace
+
+    def _fp32_run(self) -> Outcome:
+        """The fp32 run, over at least the reference's rows of N windows; started beside the
+        reference's first run (without that bound), run again where it read fewer."""
+        job = self.job("fp32", min_samples=self.N * self.reference_rows)
+        ahead = "fp32" in self.runs.ahead.queue
+        outcome = self.run(job, "fp32 run", ahead="fp32")
+        read = sum(f.rows for f in outcome.forwards)
+        if ahead and outcome.error is None and read < job.min_samples:
+            outcome = self.run(job, "fp32 run")
+        return outcome
+
+    def _run_ahead(self, outcome: Outcome) -> None:
+        """Queue the runs the ladder will ask for that need only the fp32 run (`plan`), to
+        overlap the ones it waits for, where the script allows it (`ahead`)."""
+        if self.runs.failed_overlapping:
+            return      # (a run that failed beside another keeps every later one alone)
+        self.runs.sequential = overlap_refused(outcome, self.reference_probe)
+        self.runs.ahead.enabled = self.plan is not None and self.runs.sequential is None \
+            and self.command.output_dir is not None
+        if not self.runs.ahead.enabled or self.plan is None:
+            return
+        jobs = {"repeat": lambda: (self.repeat_job(), "repeat fp32 run"),
+                "bf16": lambda: (self.precision_job("bf16"), "bf16 run"),
+                "fp16": lambda: (self.precision_job("fp16"), "fp16 run")}
+        self.runs.ahead.plan([(name, *jobs[name]()) for name in self.plan(self)
+                              if name in jobs])
+
+    def repeat_job(self) -> Job:
+        """The reproducibility rung's second fp32 run: its first window, from the same
+        weights."""
+        return self.job("fp32", steps=1, teacher=[self.initial_state], stop_after_teacher=False,
+                        min_samples=self.reference_rows)
 
     def config_arguments(self) -> list[str]:
         """The config files among the script's arguments (`--deepspeed ds_config.json` handed
@@ -239,13 +256,9 @@ class ScriptSession:
                   clip_at: float | None = None) -> ScriptTrace:
         """Another run of `precision` from the fp32 run's initial weights (the first window's
         forward loads them), its references prepared when there is a reference."""
-        job = self.job(precision, min_samples=self.N * self.reference_rows,
-                       teacher=[self.initial_state] if self.initial_state else None,
-                       stop_after_teacher=False,
-                       inject=None if inject is None else (inject.window, inject.K,
-                                                           _per_window(inject)),
-                       clip_at=clip_at)
-        outcome = self.run(job, f"{precision} run")
+        job = self.precision_job(precision, inject, clip_at)
+        plain = inject is None and clip_at is None
+        outcome = self.run(job, f"{precision} run", ahead=precision if plain else None)
         trace = replay(outcome, precision, self.K, self.finder, clip_at)
         trace.bounds = self.bounds
         fp32 = self.traces.get("fp32")
@@ -260,6 +273,16 @@ class ScriptSession:
         if self.has_reference:
             self.prepare_references(trace)
         return trace
+
+    def precision_job(self, precision: str, inject: Any = None,
+                      clip_at: float | None = None) -> Job:
+        """A run of `precision` from the fp32 run's initial weights (`fresh_run`)."""
+        return self.job(precision, min_samples=self.N * self.reference_rows,
+                        teacher=[self.initial_state] if self.initial_state else None,
+                        stop_after_teacher=False,
+                        inject=None if inject is None else (inject.window, inject.K,
+                                                            _per_window(inject)),
+                        clip_at=clip_at)
 
     def run_loop(self, precision: str, *, before_backward: Any = None,
                  step_sink: Any = None, max_grad_norm: Any = "spec", **extra: Any) -> Trace:

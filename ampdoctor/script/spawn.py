@@ -18,11 +18,17 @@ import pickle
 import sys
 import time
 import types
+from collections.abc import Callable
 from typing import Any
 
 from ..core import processes
 from ..core.errors import UserCodeError
 from . import prefork
+
+try:
+    import resource  # (imported in the fork server, not in each run: 8 ms a run)
+except ImportError:   # pragma: no cover - not a Unix
+    resource = None   # type: ignore[assignment]
 
 _CONTEXT: Any = None
 
@@ -75,6 +81,10 @@ def _child_main(job: Any, conn: Any, log_path: str | None = None) -> None:
         with contextlib.suppress(OSError):
             os.setpgid(0, 0)         # a group of its own: what the run starts ends with it
         with contextlib.suppress(OSError):
+            devnull = os.open(os.devnull, os.O_RDONLY)   # (the server may hold the CLI's pipe)
+            os.dup2(devnull, 0)
+            os.close(devnull)
+        with contextlib.suppress(OSError):
             if log_path is not None:
                 fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 os.dup2(fd, 2)
@@ -84,6 +94,9 @@ def _child_main(job: Any, conn: Any, log_path: str | None = None) -> None:
         _die_with_parent()
         from . import child
         outcome = child.run(job)
+        if resource is not None:         # the run's peak memory (`ahead.overlap_refused`)
+            with contextlib.suppress(OSError):
+                outcome.peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         try:
             payload = dumps(("ok", outcome))
         except Exception as exc:  # noqa: BLE001 - an event the script made unpicklable
@@ -165,6 +178,14 @@ def finish_runs() -> None:
         processes.end(groups=(process.pid,), carrying=processes.own_token())
 
 
+class RunDied(UserCodeError):
+    """A run's process ended without reporting back (killed, `os._exit`, a native crash)."""
+
+
+class RunTimedOut(UserCodeError):
+    """A run did not reach its last step within its time bound (it was stopped)."""
+
+
 class ChildFailed(Exception):
     """ampdoctor's own code failed in the child (not the script): a bug to report."""
 
@@ -173,47 +194,111 @@ def run_child(job: Any, timeout_s: float, what: str, log_path: str | None = None
     """Run `job` (a `child.Job`) in a child process; its `child.Outcome`. UserCodeError (exit 3)
     when it does not finish within `timeout_s` or the process died without a word (os._exit,
     a crash in native code). `log_path`: where the script's output goes (else stderr)."""
-    finish_runs()
-    warm(job.script, job.cwd)         # the script's libraries imported once
-    ctx = _context()
-    receiver, sender = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_child_main, args=(job, sender, log_path))
-    with _empty_main():
-        process.start()
-    sender.close()
-    deadline = time.monotonic() + timeout_s
-    payload = None
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise UserCodeError(
-                    f"the {what} of the script did not reach its last step within {timeout_s:g} "
-                    "s: ampdoctor stopped it. Give it fewer steps (--steps) or a smaller model or "
-                    "batch through its arguments.")
-            if receiver.poll(min(left, 0.5)):
+    return Run(job, timeout_s, what, log_path).wait()
+
+
+class Run:
+    """One run of the script, started in a child process (`wait` for its outcome). A diagnose
+    may start a run before the ladder reads it (`ScriptSession.ahead`): its outcome is read as
+    soon as it reports (`collect`), so that the process can leave."""
+
+    def __init__(self, job: Any, timeout_s: float, what: str, log_path: str | None = None):
+        finish_runs()
+        warm(job.script, job.cwd)         # the script's libraries imported once
+        ctx = _context()
+        self.what, self.timeout_s = what, timeout_s
+        self.receiver, sender = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_child_main, args=(job, sender, log_path))
+        with _empty_main():
+            self.process.start()
+        sender.close()
+        self.deadline = time.monotonic() + timeout_s
+        self.payload: bytes | None = None
+        self.ended = False
+        _RUNNING.append(self)
+
+    def collect(self, wait_s: float = 0.0) -> bool:
+        """Read the outcome if the run has reported (or died) within `wait_s`; whether it
+        has ended."""
+        if self.ended:
+            return True
+        try:
+            if self.receiver.poll(max(wait_s, 0.0)):
                 try:
-                    payload = receiver.recv_bytes()
+                    self.payload = self.receiver.recv_bytes()
                 except EOFError:
-                    payload = None
-                break
-            if not process.is_alive() and not receiver.poll(0):
-                break
-    finally:
-        receiver.close()
-        _ENDING.append((process, payload is not None))
-        if payload is None:
+                    self.payload = None
+                self._end()
+            elif not self.process.is_alive() and not self.receiver.poll(0):
+                self._end()
+        except OSError:
+            self._end()
+        return self.ended
+
+    def _end(self) -> None:
+        self.ended = True
+        self.receiver.close()
+        with contextlib.suppress(ValueError):
+            _RUNNING.remove(self)
+        _ENDING.append((self.process, self.payload is not None))
+        if self.payload is None:
             finish_runs()
-    if payload is None:
-        code = process.exitcode
-        how = (f"was killed by signal {-code}" if code is not None and code < 0
-               else f"exited with status {code}")
-        raise UserCodeError(f"the {what} of the script {how} before it reported back "
-                            "(os._exit, or a crash in native code): nothing of it can be judged.")
-    status, value = pickle.loads(payload)
-    if status != "ok":
-        raise ChildFailed(value)
-    return value
+
+    def restart_clock(self) -> None:
+        """The time bound counts from now (a run started ahead, now the one waited for)."""
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def stop(self) -> None:
+        """A run the diagnose no longer needs: ended now, with what it started."""
+        if not self.ended:
+            self.payload = None
+            self._end()
+
+    def wait(self, beside: Callable[[], list[Run]] | None = None,
+             on_ended: Callable[[], None] | None = None) -> Any:
+        """The outcome (see `run_child`). `beside`: the other runs in flight, read as they
+        report while this one is waited for, `on_ended` called after each."""
+        while not self.ended:
+            left = self.deadline - time.monotonic()
+            if left <= 0 and not self.collect():   # (an outcome that came in time is read)
+                self.stop()
+                raise RunTimedOut(
+                    f"the {self.what} of the script did not reach its last step within "
+                    f"{self.timeout_s:g} s: ampdoctor stopped it. Give it fewer steps (--steps) "
+                    "or a smaller model or batch through its arguments.")
+            others = [r for r in (beside() if beside is not None else []) if not r.ended]
+            if not others:
+                self.collect(min(left, 0.5))
+                continue
+            from multiprocessing.connection import wait
+            ready = wait([self.receiver, *(r.receiver for r in others)], min(left, 0.5))
+            for run in others:
+                if run.receiver in ready and run.collect() and on_ended is not None:
+                    on_ended()
+            self.collect()
+        if self.payload is None:
+            code = self.process.exitcode
+            how = (f"was killed by signal {-code}" if code is not None and code < 0
+                   else f"exited with status {code}")
+            raise RunDied(f"the {self.what} of the script {how} before it reported back "
+                          "(os._exit, or a crash in native code): nothing of it can be judged.")
+        status, value = pickle.loads(self.payload)
+        self.payload = None
+        if status != "ok":
+            raise ChildFailed(value)
+        return value
+
+
+#: the runs started and not ended (`stop_all` ends them)
+_RUNNING: list[Run] = []
+
+
+def stop_all() -> None:
+    """The end of a diagnose: a run started ahead that the ladder never read is stopped, and
+    every run's processes end (`finish_runs`)."""
+    for run in list(_RUNNING):
+        run.stop()
+    finish_runs()
 
 
 #: The most of one run's output a record keeps: its first and last halves of this.

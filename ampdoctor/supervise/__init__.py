@@ -25,9 +25,6 @@ import os
 import selectors
 import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +40,7 @@ from ..core.errors import (
     UsageError,
     UserCodeError,
 )
+from .launch import take
 from .records import died_record, hung_record
 
 if TYPE_CHECKING:   # (pydantic's import waits until the worker has started)
@@ -96,16 +94,6 @@ class Outcome:
     done: list[RungModel] = field(default_factory=list)
 
 
-def _child_command() -> list[str]:
-    """`python -c` with ampdoctor's own folder first on sys.path, never the current directory
-    (a user's `torch.py` or `ampdoctor/` in it must not shadow the real ones; the console
-    script does not put the working directory on sys.path either)."""
-    root = str(Path(__file__).resolve().parents[2])
-    return [sys.executable, "-c",
-            f"import sys; sys.path[0] = {root!r}; "
-            "from ampdoctor.supervise.worker import main; main()"]
-
-
 class Watch:
     """One child run: reading its three pipes, enforcing each phase's bound."""
 
@@ -122,41 +110,13 @@ class Watch:
         self.result_seen = False
         #: a script's runs are each bounded (by the worker too): the clock restarts per run
         self.per_run = bool(getattr(spec, "script", None))
-        # the run's temporary folder: what ampdoctor writes there goes with the run, even when
-        # the worker is killed (removed by `close`, or by the guardian when this process dies)
-        self.temp = tempfile.mkdtemp(prefix="ampdoctor-")
-        # where the child's faulthandler writes its stacks on SIGUSR2
-        self.dump_path = os.path.join(self.temp, "stacks.txt")
-        Path(self.dump_path).touch()
-        read_fd, write_fd = os.pipe()
-        job = {"spec": wire, "channel_fd": write_fd, "dump_path": self.dump_path,
-               "parent": os.getpid()}
-        # every process of the run carries the token; the guardian ends them if this one dies
-        self.token = processes.new_token()
-        self.guardian = processes.Guardian(self.token)
-        self.guardian.remove(self.temp)
-        env = processes.with_token(dict(os.environ, PYTHONUNBUFFERED="1",
-                                        **{processes.TEMP_ENV: self.temp}), self.token)
-        env.pop("PYTHONSTARTUP", None)
-        try:
-            self.proc = subprocess.Popen(
-                _child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True, env=env)
-        except OSError as exc:
-            os.close(read_fd)
-            os.close(write_fd)
-            shutil.rmtree(self.temp, ignore_errors=True)
-            self.guardian.close()
-            raise LaunchError(f"could not start the process that runs the loop: {exc}",
-                              cause=exc) from exc
-        os.close(write_fd)
-        self.guardian.watch_session(self.proc.pid)
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(json.dumps(job).encode())
-            self.proc.stdin.close()
-        except OSError:
-            pass                         # it died at once: seen below as an exit without a result
+        # the worker: the one the console script started before it parsed its options (a
+        # script's diagnose, its fork server warming up), else one started now
+        launch = take()
+        self.temp, self.dump_path = launch.temp, launch.dump_path
+        self.token, self.guardian, self.proc = launch.token, launch.guardian, launch.proc
+        read_fd = launch.read_fd
+        launch.send_job(wire)
         self.buffers: dict[int, bytes] = {}
         self.sel = selectors.DefaultSelector()
         self.channel = os.fdopen(read_fd, "rb", buffering=0)

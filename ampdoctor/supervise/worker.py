@@ -76,13 +76,11 @@ def _error_fields(exc: BaseException) -> dict[str, Any]:
 
 
 def main() -> None:
-    job = json.loads(sys.stdin.read())
+    _die_with_parent()
+    job = _read_job()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    _die_with_parent()
-    if job.get("parent") not in (None, os.getppid()):
-        _EXIT(1)                  # the parent died before the line above: nothing to run for
     processes.become_subreaper()  # what the loop's processes orphan stays ours to end
     channel = Channel(int(job["channel_fd"]))
     if job.get("dump_path"):
@@ -92,7 +90,7 @@ def main() -> None:
         faulthandler.register(signal.SIGUSR2, file=dump, all_threads=True)
     code = 0
     try:
-        _warm_script_runs(job)
+        _warm_script_runs(job)   # (a no-op when the prestarted server is the job's)
         # ampdoctor's own start (torch's import can take seconds on a loaded machine) is done
         # before "hello": the parent's bound on loading the user's code starts there
         import torch  # noqa: F401
@@ -120,6 +118,28 @@ def main() -> None:
         with contextlib.suppress(Exception):
             processes.end_descendants()
         _EXIT(code)
+
+
+def _read_job() -> dict[str, Any]:
+    """The job from stdin, one JSON document a line. A worker the console script started
+    before it had parsed its options gets first the script to warm up for (`launch.prestart`):
+    its fork server starts at once, then the job is waited for. No job (the command ended
+    first) or a parent that died before `_die_with_parent`: nothing to run for."""
+    line = sys.stdin.readline()
+    message = json.loads(line) if line.strip() else {}
+    if message.get("parent") not in (None, os.getppid()):
+        _EXIT(1)
+    if "warm" in message:
+        from ..script import spawn
+        with contextlib.suppress(Exception):   # the job's own start says what is wrong
+            spawn.warm(str(message["warm"]["script"]), str(message["warm"]["cwd"]))
+        line = sys.stdin.readline()
+        message = json.loads(line) if line.strip() else {}
+    if "spec" not in message:
+        _EXIT(0)
+    if message.get("parent") not in (None, os.getppid()):
+        _EXIT(1)
+    return message
 
 
 def _warm_script_runs(job: dict[str, Any]) -> None:
