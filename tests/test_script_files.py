@@ -176,3 +176,43 @@ def test_a_careful_script_runs_as_plainly_and_leaves_the_project_as_it_was(tmp_p
     scratch = note.split("scratch folder, ")[1].split(" ")[0]
     assert scratch.startswith(str(Path(shutil.os.environ.get("TMPDIR", "/tmp"))))
     assert not os.path.exists(scratch)              # removed with the session
+
+
+BUILD = '''
+import os, subprocess, sys
+from pathlib import Path
+from ampdoctor.probe import patches
+from ampdoctor.script import files
+
+overlay = files.Overlay(sys.argv[1])
+with patches.installed(lambda p: files.install(overlay, p)):
+    # as torch.utils.cpp_extension builds an op (DeepSpeed's shm op at its first initialize):
+    # the build folder and its build.ninja from Python, then the compiler, another process,
+    # reads them in the real folder and writes the library there
+    build = os.path.join(os.environ["TORCH_EXTENSIONS_DIR"], "some_op")
+    os.makedirs(build, exist_ok=True)
+    with open(os.path.join(build, "build.ninja"), "w") as f:
+        f.write("rule cc")
+    subprocess.run(["sh", "-c", "cat build.ninja > some_op.so"], cwd=build, check=True)
+    print(Path(build, "some_op.so").read_text())
+    # (a write anywhere else is still the scratch's)
+    Path(sys.argv[2], "elsewhere.txt").write_text("x")
+'''
+
+
+def test_a_compiled_op_is_built_in_its_real_cache_folder(tmp_path):
+    """torch's C++ extension folder (and Triton's cache) pass through the overlay: the compiler
+    a build starts is another process and works in the real folder. (Redirected, the first
+    DeepSpeed initialize of a machine failed in every run: FileNotFoundError for its build
+    folder.) Writes elsewhere are still redirected."""
+    scratch, project, cache = tmp_path / "scratch", tmp_path / "project", tmp_path / "ext"
+    project.mkdir()
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(cache), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", BUILD, str(scratch), str(project)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "rule cc"
+    assert (cache / "some_op" / "build.ninja").read_text() == "rule cc"
+    assert (cache / "some_op" / "some_op.so").read_text() == "rule cc"
+    assert not (project / "elsewhere.txt").exists()
+    assert (scratch / str(project / "elsewhere.txt").lstrip("/")).read_text() == "x"

@@ -37,6 +37,25 @@ _XATTR = ("listxattr", "getxattr", "setxattr", "removexattr")
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
+def build_caches() -> list[str]:
+    """The folders where compiled ops are built and kept, as a plain run builds them (torch's
+    C++ extensions, which DeepSpeed's ops are, and Triton's kernels): their writes pass
+    through, because the compiler they start (ninja, a C++ compiler: other processes) reads
+    and writes the real folder, and nothing of the user's is there. Redirected, the first build
+    on a machine failed (the build folder made in the scratch, the compiler pointed at the real
+    one)."""
+    home = os.path.expanduser("~")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
+    folders = [os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(cache, "torch_extensions"),
+               os.environ.get("TRITON_CACHE_DIR") or os.path.join(home, ".triton")]
+    found = []
+    for folder in folders:
+        for form in (os.path.abspath(folder), os.path.realpath(folder)):
+            if form not in found and form != os.sep:
+                found.append(form)
+    return found
+
+
 def _missing(path: Any) -> FileNotFoundError:
     return FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
 
@@ -56,9 +75,10 @@ class Overlay:
         self.hidden: set[str] = set()
         self.written: set[str] = set()
         self.real: dict[str, Any] = {}
-        #: folders never redirected: devices and kernel files, and the multiprocessing temp
-        #: folder the run inherited from ampdoctor's fork server (its sockets, not the user's)
-        self.passing = list(SYSTEM)
+        #: folders never redirected: devices and kernel files, the build caches of compiled
+        #: ops (`build_caches`), and the multiprocessing temp folder the run inherited from
+        #: ampdoctor's fork server (its sockets, not the user's)
+        self.passing = list(SYSTEM) + build_caches()
         import multiprocessing.process
         config = getattr(multiprocessing.process.current_process(), "_config", {})
         inherited = config.get("tempdir")
