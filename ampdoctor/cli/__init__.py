@@ -21,8 +21,8 @@ def main() -> None:
 
 
 def _typer_app() -> Any:
-    """typer's app (`app.py`), imported on first use; `ampdoctor.cli.app` names it, not the
-    module of the same name (importing the module binds the module under that name)."""
+    """typer's app (`commands.py`), imported on first use (`ampdoctor --help` needs typer,
+    a script's diagnose starts its worker before)."""
     import importlib
     module = importlib.import_module(f"{__name__}.commands")
     globals()["app"] = module.app

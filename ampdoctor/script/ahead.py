@@ -98,13 +98,18 @@ class Runs:
         #: each run's captured output, in the order the ladder read the runs
         self.outputs: list[dict[str, Any]] = []
         self.ahead = Ahead(self._start)
-        #: why runs do not overlap (None: they may, or the fp32 run has not said yet)
-        self.sequential: str | None = None
         #: whether a run failed beside another (none overlaps after it), and those of them
         #: that did not fail alone
         self.failed_overlapping = False
         self.failed_beside: list[str] = []
         self._logs = 0
+
+    def allow_overlap(self, refused: str | None) -> bool:
+        """Runs go two at a time from now where nothing `refused` it, no run failed beside
+        another, and the runs' output is captured (with `--verbose` it would interleave)."""
+        self.ahead.enabled = (refused is None and not self.failed_overlapping
+                              and self.command.output_dir is not None)
+        return self.ahead.enabled
 
     def run(self, job: Job, what: str, ahead: str | None = None) -> Outcome:
         """One run of the script: `job`, or the run queued ahead under the name `ahead`
@@ -139,7 +144,6 @@ class Runs:
         self._drop_output(log)
         self.ahead.give_up()
         self.failed_overlapping = True
-        self.sequential = f"the {what} failed beside another run"
         progress.run_started(what, None)
         job.scratch = None
         running, log = self._start(job, what)
@@ -198,8 +202,9 @@ def early_overlap_refused(script: str) -> str | None:
     once, before either has said where it trains (None: they may): a GPU on the machine (two
     runs of the script could run out of its memory), one core, a script that may form a process
     group or build a DeepSpeed engine (read from its text), turned off."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no"):
-        return f"{ENV}=0"
+    switched_off = _switched_off()
+    if switched_off is not None:
+        return switched_off
     try:
         with open(script, encoding="utf-8", errors="replace") as f:
             text = f.read()
@@ -207,8 +212,6 @@ def early_overlap_refused(script: str) -> str | None:
         text = ""
     if "init_process_group" in text or "deepspeed" in text.lower():
         return "the script may form a process group"
-    if _cores() < 2:
-        return "one CPU core"
     import torch
     if torch.backends.cuda.is_built() and any(
             os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/kfd")):
@@ -224,18 +227,26 @@ def overlap_refused(outcome: Outcome, reference: Outcome | None = None) -> str |
     """Why two runs of this script must not run at once (None: they may), read off its fp32
     run: where it trained, what it started, how much memory it took (and the reference's
     first run: the reference holds K micro-batches in one)."""
-    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no"):
-        return f"{ENV}=0"
+    switched_off = _switched_off()
+    if switched_off is not None:
+        return switched_off
     if not outcome.device.startswith("cpu"):
         return f"the script trains on {outcome.device}"
     if outcome.group_of_one or _builds_engine(outcome):
         return "the script forms a process group"
-    if _cores() < 2:
-        return "one CPU core"
     available = _available_memory()
     peak = max(outcome.peak_rss, reference.peak_rss if reference is not None else 0)
     if not outcome.peak_rss or available is None or 2 * peak > available:
         return "not enough free memory for two runs"
+    return None
+
+
+def _switched_off() -> str | None:
+    """What refuses every overlap, whatever the script: the variable, one core."""
+    if os.environ.get(ENV, "").strip().lower() in ("0", "false", "no"):
+        return f"{ENV}=0"
+    if _cores() < 2:
+        return "one CPU core"
     return None
 
 

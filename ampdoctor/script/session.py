@@ -107,8 +107,7 @@ class ScriptSession:
             cmd_args = self.command.reference_args
             # the fp32 run beside the reference's first: it needs the reference's rows only
             # where they outnumber the run's windows (then it is run again, `_fp32_run`)
-            self.runs.ahead.enabled = (early_overlap_refused(self.script) is None
-                                       and self.command.output_dir is not None)
+            self.runs.allow_overlap(early_overlap_refused(self.script))
             self.runs.ahead.plan([("fp32", self.job("fp32"), "fp32 run")])
             first = self.run(self.job("fp32", reference=True, steps=1), "reference run")
             self.reference_probe = first
@@ -167,12 +166,8 @@ class ScriptSession:
     def _run_ahead(self, outcome: Outcome) -> None:
         """Queue the runs the ladder will ask for that need only the fp32 run (`plan`), to
         overlap the ones it waits for, where the script allows it (`ahead`)."""
-        if self.runs.failed_overlapping:
-            return      # (a run that failed beside another keeps every later one alone)
-        self.runs.sequential = overlap_refused(outcome, self.reference_probe)
-        self.runs.ahead.enabled = self.plan is not None and self.runs.sequential is None \
-            and self.command.output_dir is not None
-        if not self.runs.ahead.enabled or self.plan is None:
+        if self.plan is None or not self.runs.allow_overlap(
+                overlap_refused(outcome, self.reference_probe)):
             return
         jobs = {"repeat": lambda: (self.repeat_job(), "repeat fp32 run"),
                 "bf16": lambda: (self.precision_job("bf16"), "bf16 run"),

@@ -7,8 +7,8 @@ and the script's libraries (about one plain start-up of the script). The CLI's o
 (typer, rich, pydantic: half a second) used to come before that; `prestart`, called first thing
 by the console script, starts the worker at once with the script's path, and the worker starts
 the fork server while the CLI parses. The job follows on the same pipe once the CLI has it
-(`Launch.send_job`); a command that ends before (a usage error, `--help`) ends the worker with
-it (`discard`, at exit, and the worker dies with its parent in any case).
+(`Launch.send_job`); a command that ends before (a usage error) ends the worker with it
+(`discard`, at exit, and the worker dies with its parent in any case).
 """
 
 from __future__ import annotations

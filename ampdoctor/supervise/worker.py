@@ -125,20 +125,18 @@ def _read_job() -> dict[str, Any]:
     before it had parsed its options gets first the script to warm up for (`launch.prestart`):
     its fork server starts at once, then the job is waited for. No job (the command ended
     first) or a parent that died before `_die_with_parent`: nothing to run for."""
-    line = sys.stdin.readline()
-    message = json.loads(line) if line.strip() else {}
-    if message.get("parent") not in (None, os.getppid()):
-        _EXIT(1)
-    if "warm" in message:
+    while True:
+        line = sys.stdin.readline()
+        message = json.loads(line) if line.strip() else {}
+        if message.get("parent") not in (None, os.getppid()):
+            _EXIT(1)
+        if "warm" not in message:
+            break
         from ..script import spawn
         with contextlib.suppress(Exception):   # the job's own start says what is wrong
             spawn.warm(str(message["warm"]["script"]), str(message["warm"]["cwd"]))
-        line = sys.stdin.readline()
-        message = json.loads(line) if line.strip() else {}
     if "spec" not in message:
         _EXIT(0)
-    if message.get("parent") not in (None, os.getppid()):
-        _EXIT(1)
     return message
 
 
