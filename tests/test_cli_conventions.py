@@ -221,3 +221,25 @@ def test_init_reads_the_clip_threshold_of_the_two_step_clip(tmp_path: Path) -> N
     result = run_cli("init", "train.py", "-o", "triage.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert yaml.safe_load((tmp_path / "triage.yaml").read_text())["max_grad_norm"] == 0.5
+
+
+@pytest.mark.parametrize("code, status", [(None, 0), (0, 0), (2, 2), (3, 3), ("stopped", 1)])
+def test_the_console_script_leaves_with_its_exit_code_its_output_and_its_exit_handlers(
+        code, status):
+    """`cli.leave` (the console script's exit without the interpreter's teardown): the
+    status SystemExit would give, what was written to stdout (buffered, a pipe) whole, the
+    exit handlers run (an unused early worker is ended there), a string said on stderr."""
+    import subprocess
+    import sys
+    program = ("import atexit, sys\n"
+               "from ampdoctor.cli import leave\n"
+               "atexit.register(lambda: print('handler ran', file=sys.stderr))\n"
+               "sys.stdout.write('x' * 100000)\n"
+               f"leave({code!r})\n"
+               "print('not reached')\n")
+    proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == status
+    assert proc.stdout == "x" * 100000
+    assert "handler ran" in proc.stderr
+    assert ("stopped" in proc.stderr) == (code == "stopped")

@@ -407,13 +407,12 @@ def test_a_worker_started_early_and_never_given_a_job_is_ended_with_its_folder(t
     """`launch.prestart` starts the worker and, for the script, its fork server, before the
     CLI has parsed its options; a command that ends there discards them: every process
     carrying the run's token gone, the run's folder removed."""
-    from ampdoctor.supervise import launch
+    from ampdoctor.core import launch
 
     script = tmp_path / "train.py"
     script.write_text("import torch\n")
-    started = launch.Launch()
+    started = launch.Launch(warm=(str(script), str(tmp_path)))
     try:
-        started.warm(str(script), str(tmp_path))
         assert len(_fork_server_of(started.token)) >= 2       # the worker and its server
         assert Path(started.temp).is_dir()
     finally:

@@ -1,5 +1,5 @@
 """A script's diagnose pays its start-up once: the worker and its fork server start before the
-CLI has parsed its options (`supervise.launch.prestart`), and on a CPU the runs that need only
+CLI has parsed its options (`core.launch.prestart`), and on a CPU the runs that need only
 the fp32 run go two at a time (`script.ahead`). Neither may change what is diagnosed."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ampdoctor.supervise import launch
+from ampdoctor.core import launch
 from conftest import RECIPES, marked_line, run_cli_process
 
 AMP = RECIPES / "scripts" / "amp_recipe.py"

@@ -48,7 +48,11 @@ def _torch_dir() -> str:
     return _TORCH_DIRS[0]
 
 
-def _library_dirs() -> tuple[str, ...]:
+def library_dirs() -> tuple[str, ...]:
+    """The folders of the standard library, torch and ampdoctor (never the user's code):
+    read once torch is imported (each run of a script makes its finders)."""
+    if _LIBRARY_DIRS:
+        return _LIBRARY_DIRS[0]
     dirs = {_AMPDOCTOR_DIR}
     for key in ("stdlib", "platstdlib"):
         path = sysconfig.get_paths().get(key)
@@ -58,7 +62,11 @@ def _library_dirs() -> tuple[str, ...]:
     torch_file = getattr(torch_mod, "__file__", None) if torch_mod is not None else None
     if torch_file:
         dirs.add(str(Path(torch_file).resolve().parent) + os.sep)
+        _LIBRARY_DIRS.append(tuple(sorted(dirs)))
     return tuple(sorted(dirs))
+
+
+_LIBRARY_DIRS: list[tuple[str, ...]] = []
 
 
 @dataclass(frozen=True)
@@ -83,7 +91,7 @@ class CallSiteFinder:
 
     def __init__(self, user_roots: list[Path] | None = None):
         self.user_roots = tuple(str(Path(r).resolve()) + os.sep for r in (user_roots or []))
-        self.library_dirs = _library_dirs()
+        self.library_dirs = library_dirs()
         self._cache: dict[str, tuple[bool, bool]] = {}
 
     def _classify(self, filename: str) -> tuple[bool, bool]:

@@ -33,7 +33,7 @@ import sys
 import types
 from typing import Any
 
-from ..probe.callsite import installed
+from ..probe.callsite import installed, library_dirs
 
 #: the environment variable that hands the server its import list (read when it starts)
 ENV = "AMPDOCTOR_PREFORK_IMPORTS"
@@ -218,6 +218,7 @@ def _preload() -> None:
 def _snapshot() -> None:
     """In the server, its imports done: what each run need not look through again."""
     global SERVER_MODULES
+    library_dirs()      # (sysconfig's paths resolved once, not in every run's finder)
     SAFETENSORS_NAMES.extend(_bound_names(list(sys.modules.items())))
     SERVER_MODULES = frozenset(sys.modules)
     for modname in PRELOADED:     # what `rebind` looks up instead of reading every module

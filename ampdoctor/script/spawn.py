@@ -40,8 +40,11 @@ def _context() -> Any:
             else "spawn"
         _CONTEXT = multiprocessing.get_context(method)
         if method == "forkserver":
-            # (safetensors: what the overlay patches in every run, imported once here)
+            # (safetensors: what the overlay patches in every run, imported once here;
+            # torch.profiler._cupti_monitor: what the first `record_function` of a process
+            # imports -- every optimizer step is one -- 25 ms in each run otherwise)
             _CONTEXT.set_forkserver_preload(["torch", "torch._dynamo", "safetensors",
+                                            "torch.profiler._cupti_monitor",
                                             "ampdoctor.script.child",
                                             "ampdoctor.script.spawn",
                                             "ampdoctor.script.prefork"])
@@ -49,6 +52,23 @@ def _context() -> Any:
             with processes.quiet_fd2():     # it warns about what the killed runs left
                 resource_tracker.ensure_running()
     return _CONTEXT
+
+
+def warm_early() -> None:
+    """The worker's first act, before it imports its own modules: the fork server of the
+    script the console script is about to diagnose (`core.launch.WARM_ENV`), started now. The
+    worker dies with the console script from here on; one whose console script is already gone
+    starts nothing (it leaves once it reads no job)."""
+    from ..core.launch import WARM_ENV
+    raw = os.environ.pop(WARM_ENV, None)
+    if not raw:
+        return
+    with contextlib.suppress(Exception):    # the job's own start says what is wrong
+        import json
+        message = json.loads(raw)
+        _die_with_parent()
+        if message.get("parent") == os.getppid():
+            warm(str(message["script"]), str(message["cwd"]))
 
 
 def warm(script: str, cwd: str) -> None:

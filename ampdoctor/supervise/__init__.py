@@ -40,7 +40,7 @@ from ..core.errors import (
     UsageError,
     UserCodeError,
 )
-from .launch import take
+from ..core.launch import take
 from .records import died_record, hung_record
 
 if TYPE_CHECKING:   # (pydantic's import waits until the worker has started)

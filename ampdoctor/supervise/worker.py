@@ -121,21 +121,11 @@ def main() -> None:
 
 
 def _read_job() -> dict[str, Any]:
-    """The job from stdin, one JSON document a line. A worker the console script started
-    before it had parsed its options gets first the script to warm up for (`launch.prestart`):
-    its fork server starts at once, then the job is waited for. No job (the command ended
-    first) or a parent that died before `_die_with_parent`: nothing to run for."""
-    while True:
-        line = sys.stdin.readline()
-        message = json.loads(line) if line.strip() else {}
-        if message.get("parent") not in (None, os.getppid()):
-            _EXIT(1)
-        if "warm" not in message:
-            break
-        from ..script import spawn
-        with contextlib.suppress(Exception):   # the job's own start says what is wrong
-            spawn.warm(str(message["warm"]["script"]), str(message["warm"]["cwd"]))
-    if "spec" not in message:
+    """The job from stdin (one JSON document). No job (the command ended first) or a parent
+    that died before `_die_with_parent`: nothing to run for."""
+    line = sys.stdin.readline()
+    message = json.loads(line) if line.strip() else {}
+    if message.get("parent") not in (None, os.getppid()) or "spec" not in message:
         _EXIT(0)
     return message
 

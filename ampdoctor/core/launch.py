@@ -5,10 +5,11 @@ started before the CLI has parsed its own options (`prestart`).
 A script's diagnose waits first of all for the fork server its runs start from to import torch
 and the script's libraries (about one plain start-up of the script). The CLI's own start
 (typer, rich, pydantic: half a second) used to come before that; `prestart`, called first thing
-by the console script, starts the worker at once with the script's path, and the worker starts
-the fork server while the CLI parses. The job follows on the same pipe once the CLI has it
-(`Launch.send_job`); a command that ends before (a usage error) ends the worker with it
-(`discard`, at exit, and the worker dies with its parent in any case).
+by the console script, starts the worker at once with the script's path in its environment
+(`WARM_ENV`), and the worker starts the fork server first thing, while the CLI parses. The job
+follows on the worker's stdin once the CLI has it (`Launch.send_job`); a command that ends
+before (a usage error) ends the worker with it (`discard`, at exit, and the worker dies with
+its parent in any case).
 """
 
 from __future__ import annotations
@@ -24,24 +25,31 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..core import processes
-from ..core.errors import LaunchError
+from . import processes
+from .errors import LaunchError
+
+#: the environment variable that hands the worker the script to warm up for (`prestart`)
+WARM_ENV = "AMPDOCTOR_WARM"
 
 
 def _child_command() -> list[str]:
     """`python -c` with ampdoctor's own folder first on sys.path, never the current directory
     (a user's `torch.py` or `ampdoctor/` in it must not shadow the real ones; the console
-    script does not put the working directory on sys.path either)."""
+    script does not put the working directory on sys.path either). Its first act, before the
+    worker's own modules are imported, is the script's fork server (`spawn.warm_early`)."""
     root = str(Path(__file__).resolve().parents[2])
     return [sys.executable, "-c",
             f"import sys; sys.path[0] = {root!r}; "
+            "from ampdoctor.script.spawn import warm_early; warm_early(); "
             "from ampdoctor.supervise.worker import main; main()"]
 
 
 class Launch:
-    """The worker, started and waiting for its job on stdin (one JSON document per line)."""
+    """The worker, started and waiting for its job on stdin (one JSON document)."""
 
-    def __init__(self) -> None:
+    def __init__(self, warm: tuple[str, str] | None = None) -> None:
+        """`warm`: (script, cwd) of a script's diagnose, whose fork server the worker starts
+        first thing (`WARM_ENV`), before its job comes."""
         # the run's temporary folder: what ampdoctor writes there goes with the run, even when
         # the worker is killed (removed by `close`, or by the guardian when this process dies)
         self.temp = tempfile.mkdtemp(prefix="ampdoctor-")
@@ -57,6 +65,9 @@ class Launch:
         env = processes.with_token(dict(os.environ, PYTHONUNBUFFERED="1",
                                         **{processes.TEMP_ENV: self.temp}), self.token)
         env.pop("PYTHONSTARTUP", None)
+        if warm is not None:
+            env[WARM_ENV] = json.dumps({"script": warm[0], "cwd": warm[1],
+                                        "parent": os.getpid()})
         try:
             self.proc = subprocess.Popen(
                 _child_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -71,25 +82,18 @@ class Launch:
         os.close(write_fd)
         self.guardian.watch_session(self.proc.pid)
 
-    def _write(self, message: dict[str, object], last: bool) -> None:
+    def send_job(self, wire: str) -> None:
+        """The job, one JSON line on stdin: the run source on the wire, the event channel,
+        the stacks file."""
         stdin = self.proc.stdin
         assert stdin is not None
+        message = {"spec": wire, "channel_fd": self.write_fd, "dump_path": self.dump_path,
+                   "parent": os.getpid()}
         try:
             stdin.write(json.dumps(message).encode() + b"\n")
-            stdin.flush()
-            if last:
-                stdin.close()
+            stdin.close()
         except OSError:
             pass        # it died at once: seen by the watch as an exit without a result
-
-    def warm(self, script: str, cwd: str) -> None:
-        """Have the worker start the fork server of `script` now (before its job)."""
-        self._write({"warm": {"script": script, "cwd": cwd}, "parent": os.getpid()}, last=False)
-
-    def send_job(self, wire: str) -> None:
-        """The job: the run source on the wire, the event channel, the stacks file."""
-        self._write({"spec": wire, "channel_fd": self.write_fd, "dump_path": self.dump_path,
-                     "parent": os.getpid()}, last=True)
 
     def discard(self) -> None:
         """A worker whose job never came: ended, with whatever it started, and its folder."""
@@ -157,9 +161,8 @@ def prestart(argv: list[str]) -> None:
     if script is None or _PRESTARTED is not None:
         return
     try:
-        launch = Launch()
+        launch = Launch(warm=(script, os.getcwd()))
     except Exception:  # noqa: BLE001 - the diagnose starts its worker itself and says why
         return
-    launch.warm(script, os.getcwd())
     _PRESTARTED = launch
     atexit.register(_discard_unused)
