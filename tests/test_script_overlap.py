@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,43 @@ def test_the_first_two_runs_overlap_only_where_the_script_cannot_collide(tmp_pat
     assert ahead.early_overlap_refused(str(plain)) == ("a GPU on this machine" if gpu else None)
     assert ahead.early_overlap_refused(str(grouped)) == "the script may form a process group"
     assert ahead.early_overlap_refused(str(engine)) == "the script may form a process group"
+
+
+@pytest.mark.slow
+def test_the_reference_of_a_run_started_ahead_is_started_ahead_too(tmp_path):
+    """Once a precision's run started ahead has ended (and the reference's windows are known),
+    its reference run -- teacher-forced to that run's weights -- is queued ahead of the rest
+    (`ScriptSession.follow_ups`); the ladder, asking for the run, reads that very reference
+    (the same weights, one reference run, none run again)."""
+    from ampdoctor.script import spawn
+    from ampdoctor.script.command import Command
+    from ampdoctor.script.session import ScriptSession
+
+    if _overlap_refused(AMP) is not None:
+        pytest.skip(f"runs do not overlap here: {_overlap_refused(AMP)}")
+    command = Command(str(AMP), ["--amp", "--accum-steps", "4", "--batch-size", "8"],
+                      ["--amp", "--accum-steps", "1", "--batch-size", "32"], steps=3,
+                      cwd=str(tmp_path), output_dir=str(tmp_path))
+    ss = ScriptSession(command)
+    ss.plan = lambda session: ["fp16"]
+    try:
+        ss.start()
+        queued = "reference of the fp16 run"
+        deadline = time.monotonic() + 120
+        while queued not in ss.runs.ahead.queue and time.monotonic() < deadline:
+            for run in ss.runs.ahead.in_flight():
+                run.collect(0.1)
+            ss.follow_ups()
+        assert queued in ss.runs.ahead.queue
+        job = ss.runs.ahead.queue[queued].job
+        read = len(ss.outputs)
+        trace = ss.trace("fp16")
+        # the queued reference was the one read: taken from the queue, for the run's weights
+        assert queued not in ss.runs.ahead.queue
+        states = [s for s, _ in ss.teacher_states(trace)]
+        assert job.teacher is not None and len(job.teacher) == len(states) == 3
+        assert all(a is b for a, b in zip(job.teacher, states, strict=True))
+        assert [o["run"] for o in ss.outputs[read:]] == ["fp16 run", "reference run"]
+        assert all(ss._refs.get((id(s), w)) for w, s in enumerate(states))
+    finally:
+        spawn.stop_all()

@@ -152,3 +152,38 @@ def test_a_virtual_environment_inside_the_project_holds_libraries(tmp_path, monk
     script = tmp_path / "train.py"
     script.write_text("import fakelib_for_prefork\nimport own_module\n")
     assert prefork.script_imports(str(script), str(tmp_path)) == ["fakelib_for_prefork"]
+
+
+@pytest.mark.parametrize("user", [None, "ACTIVE"])
+def test_the_fork_server_waits_passively_unless_the_user_chose(monkeypatch, user):
+    """Two runs side by side: OpenMP threads that spin while they wait took 4x as long on two
+    cores (bench/README.md). The server starts with OMP_WAIT_POLICY=PASSIVE where the user
+    set none (their own is kept), and removes it once torch has read it, so that no run sees
+    a variable the user did not set."""
+    from multiprocessing import forkserver
+
+    if user is None:
+        monkeypatch.delenv(prefork.WAIT_POLICY, raising=False)
+    else:
+        monkeypatch.setenv(prefork.WAIT_POLICY, user)
+    seen: dict[str, str | None] = {}
+
+    def ensure_running() -> None:
+        seen.update(policy=os.environ.get(prefork.WAIT_POLICY),
+                    marker=os.environ.get(prefork.PASSIVE_ENV))
+
+    monkeypatch.setattr(forkserver._forkserver, "ensure_running", ensure_running)
+    monkeypatch.setattr(prefork, "_SERVING", None)
+    prefork.serve(None, ["numpy"])
+    assert seen == ({"policy": "PASSIVE", "marker": "1"} if user is None
+                    else {"policy": user, "marker": None})
+    assert os.environ.get(prefork.WAIT_POLICY) == user       # this process: as it was
+    assert prefork.PASSIVE_ENV not in os.environ
+    # in the server, after torch's import: the policy serve set goes, the user's stays
+    for key, value in seen.items():
+        name = prefork.WAIT_POLICY if key == "policy" else prefork.PASSIVE_ENV
+        if value is not None:
+            monkeypatch.setenv(name, value)
+    prefork.forget_wait_policy()
+    assert os.environ.get(prefork.WAIT_POLICY) == user
+    assert prefork.PASSIVE_ENV not in os.environ

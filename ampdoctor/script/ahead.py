@@ -53,14 +53,37 @@ class Ahead:
         self._start = start
         self.queue: dict[str, Started] = {}
         self.enabled = False
+        #: called when a run started ahead has ended, before the next one starts: what
+        #: follows from it (its reference) may be queued then (`ScriptSession.follow_ups`)
+        self.follow: Callable[[], None] | None = None
 
-    def plan(self, runs: list[tuple[str, Job, str]]) -> None:
-        """Queue `runs` (name, job, what), started in this order as slots free."""
+    def plan(self, runs: list[tuple[str, Job, str]], first: bool = False) -> None:
+        """Queue `runs` (name, job, what), started in this order as slots free; `first`:
+        before the runs already waiting."""
         if not self.enabled:
             return
-        for name, job, what in runs:
-            self.queue.setdefault(name, Started(job, what))
+        added = {name: Started(job, what) for name, job, what in runs if name not in self.queue}
+        self.queue = {**added, **self.queue} if first else {**self.queue, **added}
         self.fill()
+
+    def ended(self) -> None:
+        """A run started ahead has ended: what follows from it queued, the next started."""
+        if self.follow is not None and self.enabled:
+            self.follow()
+        self.fill()
+
+    def finished(self, name: str) -> Started | None:
+        """The queued run `name` if it has ended (read, not yet taken by the ladder)."""
+        started = self.queue.get(name)
+        if started is None or started.run is None or not started.run.collect():
+            return None
+        return started
+
+    def drop(self, name: str) -> None:
+        """A queued run the ladder will not ask for as it was queued: stopped, forgotten."""
+        started = self.queue.pop(name, None)
+        if started is not None and started.run is not None:
+            started.run.stop()
 
     def take(self, name: str | None) -> Started | None:
         """The queued run `name`, started or not, now the ladder's to read."""
@@ -173,7 +196,7 @@ class Runs:
         `outputs` in the order the ladder read the runs."""
         outcome = None
         try:
-            outcome = running.wait(self.ahead.in_flight, self.ahead.fill)
+            outcome = running.wait(self.ahead.in_flight, self.ahead.ended)
             return outcome
         finally:   # (a run stopped at its time bound leaves its folder behind)
             shutil.rmtree(job.scratch or "", ignore_errors=True)

@@ -76,8 +76,12 @@ class ScriptSession:
         #: the runs (`Runs`: each run's captured output in the order the ladder read them),
         #: and which runs to start ahead of the ladder once the fp32 run is back (`rungs.ahead`)
         self.runs = Runs(command, self.scratch)
+        self.runs.ahead.follow = self.follow_ups
         self.outputs = self.runs.outputs
         self.plan: Callable[[ScriptSession], list[str]] | None = None
+        #: the runs of a precision started ahead, read once they ended (None: not to be
+        #: followed: it failed), with their references queued (`follow_ups`)
+        self._read_ahead: dict[str, ScriptTrace | None] = {}
 
     # --- running the script ---------------------------------------------------------------
     def job(self, precision: str, *, reference: bool = False, **extra: Any) -> Job:
@@ -150,6 +154,7 @@ class ScriptSession:
         if outcome.steps and outcome.error is None:
             self._run_ahead(outcome)
             self.prepare_references(trace)   # (and whether the reference reads the same data)
+            self.follow_ups()                # (the windows are known from here)
         return trace
 
     def _fp32_run(self) -> Outcome:
@@ -172,8 +177,37 @@ class ScriptSession:
         jobs = {"repeat": lambda: (self.repeat_job(), "repeat fp32 run"),
                 "bf16": lambda: (self.precision_job("bf16"), "bf16 run"),
                 "fp16": lambda: (self.precision_job("fp16"), "fp16 run")}
-        self.runs.ahead.plan([(name, *jobs[name]()) for name in self.plan(self)
-                              if name in jobs])
+        # the longest chain first: the fp16 run is followed by its reference, the injected
+        # overflow's run and that run's reference; the repeat by nothing
+        order = ("fp16", "bf16", "repeat")
+        names = sorted((n for n in self.plan(self) if n in jobs), key=order.index)
+        self.runs.ahead.plan([(name, *jobs[name]()) for name in names])
+
+    def follow_ups(self) -> None:
+        """A precision's run started ahead that has ended: read now (`_read`), and the
+        reference run teacher-forced to its weights queued ahead of the rest, so that it runs
+        while the ladder is still elsewhere. Only once the reference's windows are known (the
+        fp32 run's references prepared) and where the run gave steps to compare."""
+        if not self.has_reference or self.bounds is None:
+            return
+        for precision in ("fp16", "bf16"):
+            started = self.runs.ahead.finished(precision)
+            if started is None or precision in self._read_ahead or started.run is None:
+                continue
+            try:
+                outcome = started.run.wait()
+            except Exception:  # noqa: BLE001 - the ladder reads it and says why
+                self._read_ahead[precision] = None
+                continue
+            if outcome.error is not None or not outcome.steps:
+                self._read_ahead[precision] = None
+                continue
+            trace = self._read(outcome, precision, None)
+            self._read_ahead[precision] = trace
+            states = self.teacher_states(trace)
+            if states:
+                self.runs.ahead.plan([(_reference_of(precision), self._reference_job(states),
+                                       "reference run")], first=True)
 
     def repeat_job(self) -> Job:
         """The reproducibility rung's second fp32 run: its first window, from the same
@@ -254,6 +288,18 @@ class ScriptSession:
         job = self.precision_job(precision, inject, clip_at)
         plain = inject is None and clip_at is None
         outcome = self.run(job, f"{precision} run", ahead=precision if plain else None)
+        read = self._read_ahead.pop(precision, None) if plain else None
+        trace = (read if read is not None and read.outcome is outcome
+                 else self._read(outcome, precision, clip_at))
+        if inject is not None and outcome.injected is not None:
+            inject.fired = bool(outcome.injected.get("fired"))
+            inject.param_name = outcome.injected.get("param")
+        if self.has_reference:
+            self.prepare_references(trace, _reference_of(precision) if plain else None)
+        return trace
+
+    def _read(self, outcome: Outcome, precision: str, clip_at: float | None) -> ScriptTrace:
+        """A run of `precision` (not the fp32 run) as a trace, in the reference's windows."""
         trace = replay(outcome, precision, self.K, self.finder, clip_at)
         trace.bounds = self.bounds
         fp32 = self.traces.get("fp32")
@@ -262,11 +308,6 @@ class ScriptSession:
             # can be read from their ratio (`rules.scale_state.runtime_double_scaling`)
             trace.probe.events = [replace(e, value=None) if isinstance(e, Backward) else e
                                   for e in trace.probe.events]
-        if inject is not None and outcome.injected is not None:
-            inject.fired = bool(outcome.injected.get("fired"))
-            inject.param_name = outcome.injected.get("param")
-        if self.has_reference:
-            self.prepare_references(trace)
         return trace
 
     def precision_job(self, precision: str, inject: Any = None,
@@ -323,13 +364,14 @@ class ScriptSession:
                 states.append((self.initial_state, -1))
         return states
 
-    def prepare_references(self, trace: ScriptTrace) -> None:
-        """One reference run for every window of `trace`, teacher-forced to its weights; the
-        first (fp32) one also checks that the reference reads the run's data."""
+    def prepare_references(self, trace: ScriptTrace, ahead: str | None = None) -> None:
+        """One reference run for every window of `trace`, teacher-forced to its weights (the
+        one queued ahead under `ahead`, if any); the first (fp32) one also checks that the
+        reference reads the run's data."""
         states = self.teacher_states(trace)
         if not states or self.command.reference_args is None:
             return
-        ref = self._teacher_forced(states)
+        ref = self._teacher_forced(states, ahead)
         if trace.precision == "fp32":
             self.window_reference = ref
             unaligned, bounds = windows.align(trace.outcome.forwards, ref.forwards, self.N)
@@ -347,10 +389,19 @@ class ScriptSession:
                 self._refs[(id(state), window)] = ref.ref_grads[window]
                 self._pinned.append(state)
 
-    def _teacher_forced(self, states: list[tuple[Mapping[str, torch.Tensor], int]]) -> Outcome:
-        """The reference run, each window teacher-forced to its weights in `states`."""
-        ref = self.run(self.job("fp32", reference=True, steps=len(states),
-                                teacher=[s for s, _ in states]), "reference run")
+    def _reference_job(self, states: list[tuple[Mapping[str, torch.Tensor], int]]) -> Job:
+        return self.job("fp32", reference=True, steps=len(states),
+                        teacher=[s for s, _ in states])
+
+    def _teacher_forced(self, states: list[tuple[Mapping[str, torch.Tensor], int]],
+                        ahead: str | None = None) -> Outcome:
+        """The reference run, each window teacher-forced to its weights in `states`: the one
+        queued ahead under `ahead` (`follow_ups`) when it was queued for these very weights."""
+        job = self._reference_job(states)
+        queued = self.runs.ahead.queue.get(ahead) if ahead is not None else None
+        if queued is not None and not _same_weights(queued.job, job):
+            self.runs.ahead.drop(ahead or "")
+        ref = self.run(job, "reference run", ahead=ahead)
         if ref.error is not None:
             raise UserCodeError(
                 "the script run with --reference-args (the fp32 reference) raised: "
@@ -431,6 +482,18 @@ def _one_process(command: Command, script: str) -> None:
             "forms is a group of one, RANK=0 WORLD_SIZE=1). Run `ampdoctor diagnose SCRIPT -- "
             "ARGS` without the launcher, or diagnose two ranks with a spec (`ddp: {world_size: "
             + ("2, wrapper: deepspeed}`, docs/frameworks.md)" if engine else "2}`, docs/spec.md)"))
+
+
+def _reference_of(precision: str) -> str:
+    """The name under which the reference of a precision's run is queued ahead."""
+    return f"reference of the {precision} run"
+
+
+def _same_weights(a: Job, b: Job) -> bool:
+    """Whether two reference jobs are teacher-forced to the same weights (the same objects)."""
+    return (a.steps == b.steps and a.teacher is not None and b.teacher is not None
+            and len(a.teacher) == len(b.teacher)
+            and all(x is y for x, y in zip(a.teacher, b.teacher, strict=True)))
 
 
 def _per_window(injector: Any) -> int:

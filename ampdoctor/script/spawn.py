@@ -234,6 +234,7 @@ class Run:
         sender.close()
         self.deadline = time.monotonic() + timeout_s
         self.payload: bytes | None = None
+        self._result: tuple[bool, Any] | None = None
         self.ended = False
         _RUNNING.append(self)
 
@@ -276,8 +277,9 @@ class Run:
 
     def wait(self, beside: Callable[[], list[Run]] | None = None,
              on_ended: Callable[[], None] | None = None) -> Any:
-        """The outcome (see `run_child`). `beside`: the other runs in flight, read as they
-        report while this one is waited for, `on_ended` called after each."""
+        """The outcome (see `run_child`; asked again, the same outcome or exception).
+        `beside`: the other runs in flight, read as they report while this one is waited for,
+        `on_ended` called after each."""
         while not self.ended:
             left = self.deadline - time.monotonic()
             if left <= 0 and not self.collect():   # (an outcome that came in time is read)
@@ -296,17 +298,25 @@ class Run:
                 if run.receiver in ready and run.collect() and on_ended is not None:
                     on_ended()
             self.collect()
+        if self._result is None:
+            self._result = self._read()
+        ok, value = self._result
+        if not ok:
+            raise value
+        return value
+
+    def _read(self) -> tuple[bool, Any]:
+        """(True, the outcome) or (False, the exception that says why there is none)."""
         if self.payload is None:
             code = self.process.exitcode
             how = (f"was killed by signal {-code}" if code is not None and code < 0
                    else f"exited with status {code}")
-            raise RunDied(f"the {self.what} of the script {how} before it reported back "
-                          "(os._exit, or a crash in native code): nothing of it can be judged.")
+            return False, RunDied(
+                f"the {self.what} of the script {how} before it reported back (os._exit, or a "
+                "crash in native code): nothing of it can be judged.")
         status, value = pickle.loads(self.payload)
         self.payload = None
-        if status != "ok":
-            raise ChildFailed(value)
-        return value
+        return (True, value) if status == "ok" else (False, ChildFailed(value))
 
 
 #: the runs started and not ended (`stop_all` ends them)
