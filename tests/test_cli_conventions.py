@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -223,13 +224,13 @@ def test_init_reads_the_clip_threshold_of_the_two_step_clip(tmp_path: Path) -> N
     assert yaml.safe_load((tmp_path / "triage.yaml").read_text())["max_grad_norm"] == 0.5
 
 
-@pytest.mark.parametrize("code, status", [(None, 0), (0, 0), (2, 2), (3, 3), ("stopped", 1)])
+@pytest.mark.parametrize("code, status", [(None, 0), (0, 0), (2, 2), (3, 3), (256, 0), (-1, 255),
+                                          ("stopped", 1), (["stopped"], 1)])
 def test_the_console_script_leaves_with_its_exit_code_its_output_and_its_exit_handlers(
         code, status):
     """`cli.leave` (the console script's exit without the interpreter's teardown): the
     status SystemExit would give, what was written to stdout (buffered, a pipe) whole, the
     exit handlers run (an unused early worker is ended there), a string said on stderr."""
-    import subprocess
     import sys
     program = ("import atexit, sys\n"
                "from ampdoctor.cli import leave\n"
@@ -242,4 +243,31 @@ def test_the_console_script_leaves_with_its_exit_code_its_output_and_its_exit_ha
     assert proc.returncode == status
     assert proc.stdout == "x" * 100000
     assert "handler ran" in proc.stderr
-    assert ("stopped" in proc.stderr) == (code == "stopped")
+    assert ("stopped" in proc.stderr) == (code in ("stopped", ["stopped"]))
+
+
+def _leave_in_a_process(lines: str) -> subprocess.CompletedProcess:
+    import sys
+    return subprocess.run([sys.executable, "-c", "import sys\n" + lines], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_a_process_that_ran_training_code_leaves_the_interpreter_s_way(tmp_path):
+    """Where torch is imported (an in-process diagnose, rank 0 under torchrun: the training
+    code ran in this process) the interpreter's own exit is taken: a file the code left open,
+    its writes still buffered, is whole afterwards (os._exit would lose them)."""
+    log = tmp_path / "log.txt"
+    lines = (f"LOG = open({str(log)!r}, 'w')\n"
+             "LOG.write('written by the loop')\n"
+             "import types; sys.modules.setdefault('torch', types.ModuleType('torch'))\n"
+             "from ampdoctor.cli import leave\n"
+             "leave(3)\n")
+    proc = _leave_in_a_process(lines)
+    assert proc.returncode == 3, proc.stderr
+    assert log.read_text() == "written by the loop"
+
+
+def test_a_closed_stdout_does_not_change_the_exit_status():
+    proc = _leave_in_a_process("sys.stdout.close()\nfrom ampdoctor.cli import leave\nleave(2)\n")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr

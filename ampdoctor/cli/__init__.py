@@ -25,30 +25,33 @@ def main() -> None:
 
 
 def leave(code: object) -> None:
-    """Exit with `code` (SystemExit's: None, an int, or a message for stderr and 1) without
-    the interpreter's teardown. A diagnose has imported pydantic, rich, typer and their
+    """Exit with `code` (SystemExit's: None, an int, or anything else said on stderr and 1)
+    without the interpreter's teardown. A diagnose has imported pydantic, rich, typer and their
     hundreds of modules; freeing them one by one at exit took about 80 ms after the record was
     written, for nothing: the process ends anyway. The exit handlers still run (an unused early
-    worker is ended there, temporary folders go), and the output streams are flushed (a flush
-    that fails exits 120, as the interpreter's own exit does). Where a thread other than the
-    main one is alive, the interpreter's own exit is taken (it waits for non-daemon threads)."""
+    worker is ended there, temporary folders go) and the output streams are flushed (a flush
+    that fails exits 120, as the interpreter's own exit does). The interpreter's own exit is
+    taken where this process ran training code itself (torch imported: an in-process diagnose,
+    rank 0 under torchrun, whose open files and native buffers it flushes) or where a thread
+    other than the main one is alive (it waits for non-daemon threads)."""
     import atexit
     import os
     import threading
-    if isinstance(code, str):
+    if code is None or isinstance(code, int):
+        status = 0 if code is None else code & 0xFF if -2**63 <= code < 2**63 else 255
+    else:
         print(code, file=sys.stderr)
-        code = 1
-    status = 0 if code is None else code if isinstance(code, int) else 1
-    if threading.active_count() > 1:
+        status = 1
+    if "torch" in sys.modules or threading.active_count() > 1:
         sys.exit(status)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
-            if stream is not None:
+            if stream is not None and not getattr(stream, "closed", False):
                 stream.flush()
-        except (OSError, ValueError):
+        except Exception:  # noqa: BLE001 - as the interpreter: the exit status says it
             status = status or 120
-    os._exit(status & 0xFF)
+    os._exit(status)
 
 
 def _typer_app() -> Any:

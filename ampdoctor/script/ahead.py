@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,9 +54,7 @@ class Ahead:
         self._start = start
         self.queue: dict[str, Started] = {}
         self.enabled = False
-        #: called when a run started ahead has ended, before the next one starts: what
-        #: follows from it (its reference) may be queued then (`ScriptSession.follow_ups`)
-        self.follow: Callable[[], None] | None = None
+        self._follow: weakref.WeakMethod[Callable[[], None]] | None = None
 
     def plan(self, runs: list[tuple[str, Job, str]], first: bool = False) -> None:
         """Queue `runs` (name, job, what), started in this order as slots free; `first`:
@@ -66,10 +65,17 @@ class Ahead:
         self.queue = {**added, **self.queue} if first else {**self.queue, **added}
         self.fill()
 
+    def follow_with(self, method: Callable[[], None]) -> None:
+        """Call `method` when a run started ahead has ended, before the next one starts: what
+        follows from it (its reference) may be queued then (`ScriptSession.follow_ups`). Held
+        weakly: the runs must not keep the session, its traces and weights, alive."""
+        self._follow = weakref.WeakMethod(method)
+
     def ended(self) -> None:
         """A run started ahead has ended: what follows from it queued, the next started."""
-        if self.follow is not None and self.enabled:
-            self.follow()
+        follow = self._follow() if self._follow is not None else None
+        if follow is not None and self.enabled:
+            follow()
         self.fill()
 
     def finished(self, name: str) -> Started | None:
@@ -218,6 +224,18 @@ class Runs:
         if log is not None:
             with contextlib.suppress(OSError):
                 os.unlink(log)
+
+
+def reference_of(precision: str) -> str:
+    """The name under which the reference of a precision's run is queued ahead."""
+    return f"reference of the {precision} run"
+
+
+def same_weights(a: Job, b: Job) -> bool:
+    """Whether two reference jobs are teacher-forced to the same weights (the same objects)."""
+    return (a.steps == b.steps and a.teacher is not None and b.teacher is not None
+            and len(a.teacher) == len(b.teacher)
+            and all(x is y for x, y in zip(a.teacher, b.teacher, strict=True)))
 
 
 def early_overlap_refused(script: str) -> str | None:

@@ -6,6 +6,7 @@ own argparse parser refusing the arguments: a usage error naming whose they are.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
@@ -106,3 +107,62 @@ def run_error(exc: BaseException, finder: CallSiteFinder) -> dict[str, Any]:
     return {"type": type(exc).__name__, "message": safe_str(exc), "text": exc_text(exc),
             "traceback": format_traceback(exc), "site": site,
             "frames": finder.user_sites(exc.__traceback__)}
+
+
+def reference_model_refused(reference: Any, outcome: Any) -> None:
+    """The reference (its first run, `reference`) must train the run's model: the same
+    parameters, of the same shapes (UsageError, exit 2, with both sizes, before any reference
+    is compared)."""
+    mine = dict(outcome.param_shapes or {})
+    theirs = dict(reference.param_shapes or {}) if reference is not None else {}
+    if not mine or not theirs or mine == theirs:
+        return
+
+    def size(shapes: dict[str, Any]) -> str:
+        count = sum(math.prod(shape) for shape in shapes.values())
+        return f"{count:,} parameters in {len(shapes)} tensors"
+
+    differ = next((n for n in mine if n in theirs and tuple(mine[n]) != tuple(theirs[n])),
+                  None)
+    detail = (f" (`{differ}`: {tuple(theirs[differ])} in the reference, "
+              f"{tuple(mine[differ])} in the run)" if differ is not None else "")
+    raise UsageError(
+        f"--reference-args: the reference builds another model than the run: "
+        f"{size(theirs)} in the reference, {size(mine)} in the run{detail}. Give the "
+        "reference the run's model arguments; only the accumulation (K = 1) and the batch "
+        "(K x b) change")
+
+
+def reference_batch_refused(rows: int, outcome: Any) -> None:
+    """The reference's window (`rows`: what its first optimizer step read) must hold the
+    run's whole window: K x b rows."""
+    b = outcome.forwards[0].rows if outcome.forwards else 0
+    observed = outcome.micro_batches()
+    if not rows or not b:
+        return
+    if rows % b or rows < observed * b:
+        raise UsageError(
+            f"the reference's optimizer step read {rows} row(s), the run's {observed} "
+            f"micro-batch(es) of {b} per step hold {observed * b}: give the reference a "
+            f"batch K x b (here {observed * b}) with one micro-batch per optimizer step "
+            "(--reference-args). If the reference already holds the whole window, the rows "
+            "were counted on another dimension than the batch: ampdoctor reads the first "
+            "dimension of the model's first tensor argument (a sequence-first (T, B) "
+            "input, or several forwards per micro-batch, cannot be compared in script "
+            "mode: write a spec for that loop)")
+
+
+def one_process(env: dict[str, str], script: str) -> None:
+    """A script under a launcher of several ranks (torchrun, deepspeed; `env`: the command's
+    environment): not run (UsageError, exit 2). Each rank would start its own diagnose whose
+    runs wait for ranks that never come."""
+    world = env.get("WORLD_SIZE", "1")
+    if world.isdigit() and int(world) > 1:
+        from .infer import builds_deepspeed_engine
+        engine = builds_deepspeed_engine(script)
+        raise UsageError(
+            f"this process is one of WORLD_SIZE={world} ranks (a launcher started it): script "
+            f"mode runs {os.path.basename(script)} in one process (a process group the script "
+            "forms is a group of one, RANK=0 WORLD_SIZE=1). Run `ampdoctor diagnose SCRIPT -- "
+            "ARGS` without the launcher, or diagnose two ranks with a spec (`ddp: {world_size: "
+            + ("2, wrapper: deepspeed}`, docs/frameworks.md)" if engine else "2}`, docs/spec.md)"))

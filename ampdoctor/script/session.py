@@ -9,7 +9,6 @@ steps are judged and explained by the same code as a spec's.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -24,12 +23,18 @@ from ..probe.events import Backward, Clip, EngineBuilt
 from ..probe.trace import Trace
 from ..reference import WindowReference
 from . import windows
-from .ahead import Runs, early_overlap_refused, overlap_refused
+from .ahead import Runs, early_overlap_refused, overlap_refused, reference_of, same_weights
 from .child import Job, Outcome
 from .command import Command, ScriptCode, ScriptSpec
-from .infer import builds_deepspeed_engine
 from .references import deferred, window_reference
-from .refused import arguments_refused, failed_first, where
+from .refused import (
+    arguments_refused,
+    failed_first,
+    one_process,
+    reference_batch_refused,
+    reference_model_refused,
+    where,
+)
 from .refused import refused as _refused
 from .replay import ScriptTrace, replay
 from .scratch import Scratch
@@ -76,7 +81,7 @@ class ScriptSession:
         #: the runs (`Runs`: each run's captured output in the order the ladder read them),
         #: and which runs to start ahead of the ladder once the fp32 run is back (`rungs.ahead`)
         self.runs = Runs(command, self.scratch)
-        self.runs.ahead.follow = self.follow_ups
+        self.runs.ahead.follow_with(self.follow_ups)
         self.outputs = self.runs.outputs
         self.plan: Callable[[ScriptSession], list[str]] | None = None
         #: the runs of a precision started ahead, read once they ended (None: not to be
@@ -104,7 +109,7 @@ class ScriptSession:
 
     def start(self) -> ScriptTrace:
         """The fp32 run (first the reference's first window, if any, for K x b)."""
-        _one_process(self.command, self.script)
+        one_process(self.command.env, self.script)
         if self.command.reference_args is None and self.command.defer_batch is not None:
             self.command.reference_args = deferred(self, self.command.defer_batch)
         if self.command.reference_args is not None:
@@ -132,14 +137,14 @@ class ScriptSession:
         outcome = self._fp32_run()
         if outcome.error is not None and not outcome.steps:
             _refused(outcome)
-        self._check_reference_model(outcome)
+        reference_model_refused(self.reference_probe, outcome)
         if outcome.param_shapes:
             self.param_shapes = dict(outcome.param_shapes)
             self.param_order = list(outcome.param_shapes)
         self.device = torch.device(outcome.device)
         self.initial_state = outcome.initial_state or {}
         self.K = self._accumulation(outcome)
-        self._check_reference_batch(outcome)
+        reference_batch_refused(self.reference_rows, outcome)
         b = outcome.forwards[0].rows if outcome.forwards else None
         clips = [e.max_norm for e in outcome.events
                  if isinstance(e, Clip) and e.max_norm is not None]
@@ -187,26 +192,30 @@ class ScriptSession:
         """A precision's run started ahead that has ended: read now (`_read`), and the
         reference run teacher-forced to its weights queued ahead of the rest, so that it runs
         while the ladder is still elsewhere. Only once the reference's windows are known (the
-        fp32 run's references prepared) and where the run gave steps to compare."""
-        if not self.has_reference or self.bounds is None:
+        fp32 run's references prepared) and where the run gave steps to compare; a reference
+        queued before the reference was found unusable (`unaligned`) is stopped."""
+        if not self.has_reference:
+            for precision in ("fp16", "bf16"):
+                self.runs.ahead.drop(reference_of(precision))
+            return
+        if self.bounds is None:
             return
         for precision in ("fp16", "bf16"):
             started = self.runs.ahead.finished(precision)
             if started is None or precision in self._read_ahead or started.run is None:
                 continue
+            self._read_ahead[precision] = None    # (a run that failed: the ladder says why)
             try:
                 outcome = started.run.wait()
-            except Exception:  # noqa: BLE001 - the ladder reads it and says why
-                self._read_ahead[precision] = None
+                if outcome.error is not None or not outcome.steps:
+                    continue
+                trace = self._read(outcome, precision, None)
+                states = self.teacher_states(trace)
+            except Exception:  # noqa: BLE001 - read again when the ladder asks, and said then
                 continue
-            if outcome.error is not None or not outcome.steps:
-                self._read_ahead[precision] = None
-                continue
-            trace = self._read(outcome, precision, None)
             self._read_ahead[precision] = trace
-            states = self.teacher_states(trace)
             if states:
-                self.runs.ahead.plan([(_reference_of(precision), self._reference_job(states),
+                self.runs.ahead.plan([(reference_of(precision), self._reference_job(states),
                                        "reference run")], first=True)
 
     def repeat_job(self) -> Job:
@@ -224,47 +233,6 @@ class ScriptSession:
             if path.endswith((".json", ".yaml", ".yml")) and os.path.isfile(path):
                 found.append(os.path.abspath(path))
         return found
-
-    def _check_reference_model(self, outcome: Outcome) -> None:
-        """The reference must train the run's model: the same parameters, of the same shapes
-        (UsageError, exit 2, with both sizes, before any reference is compared)."""
-        ref = self.reference_probe
-        mine = dict(outcome.param_shapes or {})
-        theirs = dict(ref.param_shapes or {}) if ref is not None else {}
-        if not mine or not theirs or mine == theirs:
-            return
-
-        def size(shapes: dict[str, Any]) -> str:
-            count = sum(math.prod(shape) for shape in shapes.values())
-            return f"{count:,} parameters in {len(shapes)} tensors"
-
-        differ = next((n for n in mine if n in theirs and tuple(mine[n]) != tuple(theirs[n])),
-                      None)
-        detail = (f" (`{differ}`: {tuple(theirs[differ])} in the reference, "
-                  f"{tuple(mine[differ])} in the run)" if differ is not None else "")
-        raise UsageError(
-            f"--reference-args: the reference builds another model than the run: "
-            f"{size(theirs)} in the reference, {size(mine)} in the run{detail}. Give the "
-            "reference the run's model arguments; only the accumulation (K = 1) and the batch "
-            "(K x b) change")
-
-    def _check_reference_batch(self, outcome: Outcome) -> None:
-        """The reference's window must hold the run's whole window: K x b rows."""
-        b = outcome.forwards[0].rows if outcome.forwards else 0
-        observed = outcome.micro_batches()
-        rows = self.reference_rows
-        if not rows or not b:
-            return
-        if rows % b or rows < observed * b:
-            raise UsageError(
-                f"the reference's optimizer step read {rows} row(s), the run's {observed} "
-                f"micro-batch(es) of {b} per step hold {observed * b}: give the reference a "
-                f"batch K x b (here {observed * b}) with one micro-batch per optimizer step "
-                "(--reference-args). If the reference already holds the whole window, the rows "
-                "were counted on another dimension than the batch: ampdoctor reads the first "
-                "dimension of the model's first tensor argument (a sequence-first (T, B) "
-                "input, or several forwards per micro-batch, cannot be compared in script "
-                "mode: write a spec for that loop)")
 
     def _accumulation(self, outcome: Outcome) -> int:
         """K: the reference's window over the run's micro-batch when the reference ran (what
@@ -285,6 +253,7 @@ class ScriptSession:
                   clip_at: float | None = None) -> ScriptTrace:
         """Another run of `precision` from the fp32 run's initial weights (the first window's
         forward loads them), its references prepared when there is a reference."""
+        self.follow_ups()
         job = self.precision_job(precision, inject, clip_at)
         plain = inject is None and clip_at is None
         outcome = self.run(job, f"{precision} run", ahead=precision if plain else None)
@@ -295,7 +264,7 @@ class ScriptSession:
             inject.fired = bool(outcome.injected.get("fired"))
             inject.param_name = outcome.injected.get("param")
         if self.has_reference:
-            self.prepare_references(trace, _reference_of(precision) if plain else None)
+            self.prepare_references(trace, reference_of(precision) if plain else None)
         return trace
 
     def _read(self, outcome: Outcome, precision: str, clip_at: float | None) -> ScriptTrace:
@@ -399,7 +368,7 @@ class ScriptSession:
         queued ahead under `ahead` (`follow_ups`) when it was queued for these very weights."""
         job = self._reference_job(states)
         queued = self.runs.ahead.queue.get(ahead) if ahead is not None else None
-        if queued is not None and not _same_weights(queued.job, job):
+        if queued is not None and not same_weights(queued.job, job):
             self.runs.ahead.drop(ahead or "")
         ref = self.run(job, "reference run", ahead=ahead)
         if ref.error is not None:
@@ -468,32 +437,6 @@ class ScriptSession:
     def random_modules(self) -> list[str]:
         fp32 = self.traces.get("fp32")
         return list(fp32.outcome.dropout) if fp32 is not None else []
-
-
-def _one_process(command: Command, script: str) -> None:
-    """A script under a launcher of several ranks (torchrun, deepspeed): not run (UsageError,
-    exit 2). Each rank would start its own diagnose whose runs wait for ranks that never come."""
-    world = command.env.get("WORLD_SIZE", "1")
-    if world.isdigit() and int(world) > 1:
-        engine = builds_deepspeed_engine(script)
-        raise UsageError(
-            f"this process is one of WORLD_SIZE={world} ranks (a launcher started it): script "
-            f"mode runs {os.path.basename(script)} in one process (a process group the script "
-            "forms is a group of one, RANK=0 WORLD_SIZE=1). Run `ampdoctor diagnose SCRIPT -- "
-            "ARGS` without the launcher, or diagnose two ranks with a spec (`ddp: {world_size: "
-            + ("2, wrapper: deepspeed}`, docs/frameworks.md)" if engine else "2}`, docs/spec.md)"))
-
-
-def _reference_of(precision: str) -> str:
-    """The name under which the reference of a precision's run is queued ahead."""
-    return f"reference of the {precision} run"
-
-
-def _same_weights(a: Job, b: Job) -> bool:
-    """Whether two reference jobs are teacher-forced to the same weights (the same objects)."""
-    return (a.steps == b.steps and a.teacher is not None and b.teacher is not None
-            and len(a.teacher) == len(b.teacher)
-            and all(x is y for x, y in zip(a.teacher, b.teacher, strict=True)))
 
 
 def _per_window(injector: Any) -> int:

@@ -284,10 +284,11 @@ class Run:
             left = self.deadline - time.monotonic()
             if left <= 0 and not self.collect():   # (an outcome that came in time is read)
                 self.stop()
-                raise RunTimedOut(
+                self._result = (False, RunTimedOut(
                     f"the {self.what} of the script did not reach its last step within "
                     f"{self.timeout_s:g} s: ampdoctor stopped it. Give it fewer steps (--steps) "
-                    "or a smaller model or batch through its arguments.")
+                    "or a smaller model or batch through its arguments."))
+                break
             others = [r for r in (beside() if beside is not None else []) if not r.ended]
             if not others:
                 self.collect(min(left, 0.5))
