@@ -254,15 +254,18 @@ def die_with_parent() -> bool:
 
 def end_descendants() -> None:
     """The end of a worker's job: every process it started ends, multiprocessing's resource
-    tracker last and by itself (its pipe closed, it unlinks the semaphores the runs left, then
-    leaves), so nothing is left in /dev/shm."""
+    tracker last and by itself (its pipe closed, once nothing else holds it, it unlinks the
+    semaphores the runs left, then leaves), so nothing is left in /dev/shm."""
     tracker = _resource_tracker()
     pid = tracker._pid if tracker is not None else None
     spare = (pid,) if pid else ()
-    end(roots=(os.getpid(),), sessions=(os.getpid(),), reap=True, spare=spare)
     if tracker is not None and pid:
+        # (the tracker reads its pipe's end only once every process holding it is gone: it
+        # still outlives what is killed below, and its own exit overlaps their deaths)
         with contextlib.suppress(OSError):
             os.close(tracker._fd)
+    end(roots=(os.getpid(),), sessions=(os.getpid(),), reap=True, spare=spare)
+    if tracker is not None and pid:
         deadline = time.monotonic() + END_WAIT_S
         while time.monotonic() < deadline:
             try:
