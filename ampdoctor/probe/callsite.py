@@ -62,8 +62,10 @@ def library_dirs() -> tuple[str, ...]:
     torch_file = getattr(torch_mod, "__file__", None) if torch_mod is not None else None
     if torch_file:
         dirs.add(str(Path(torch_file).resolve().parent) + os.sep)
-        _LIBRARY_DIRS.append(tuple(sorted(dirs)))
-    return tuple(sorted(dirs))
+    found = tuple(sorted(dirs))
+    if torch_file:
+        _LIBRARY_DIRS.append(found)
+    return found
 
 
 _LIBRARY_DIRS: list[tuple[str, ...]] = []

@@ -78,12 +78,12 @@ class Ahead:
             follow()
         self.fill()
 
-    def finished(self, name: str) -> Started | None:
+    def finished(self, name: str) -> Run | None:
         """The queued run `name` if it has ended (read, not yet taken by the ladder)."""
         started = self.queue.get(name)
         if started is None or started.run is None or not started.run.collect():
             return None
-        return started
+        return started.run
 
     def drop(self, name: str) -> None:
         """A queued run the ladder will not ask for as it was queued: stopped, forgotten."""

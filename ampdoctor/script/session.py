@@ -201,12 +201,12 @@ class ScriptSession:
         if self.bounds is None:
             return
         for precision in ("fp16", "bf16"):
-            started = self.runs.ahead.finished(precision)
-            if started is None or precision in self._read_ahead or started.run is None:
+            run = self.runs.ahead.finished(precision)
+            if run is None or precision in self._read_ahead:
                 continue
             self._read_ahead[precision] = None    # (a run that failed: the ladder says why)
             try:
-                outcome = started.run.wait()
+                outcome = run.wait()
                 if outcome.error is not None or not outcome.steps:
                     continue
                 trace = self._read(outcome, precision, None)
@@ -367,9 +367,9 @@ class ScriptSession:
         """The reference run, each window teacher-forced to its weights in `states`: the one
         queued ahead under `ahead` (`follow_ups`) when it was queued for these very weights."""
         job = self._reference_job(states)
-        queued = self.runs.ahead.queue.get(ahead) if ahead is not None else None
-        if queued is not None and not same_weights(queued.job, job):
-            self.runs.ahead.drop(ahead or "")
+        queue = self.runs.ahead.queue
+        if ahead in queue and not same_weights(queue[ahead].job, job):
+            self.runs.ahead.drop(ahead)
         ref = self.run(job, "reference run", ahead=ahead)
         if ref.error is not None:
             raise UserCodeError(

@@ -66,7 +66,7 @@ def warm_early() -> None:
     with contextlib.suppress(Exception):    # the job's own start says what is wrong
         import json
         message = json.loads(raw)
-        _die_with_parent()
+        processes.die_with_parent()
         if message.get("parent") == os.getppid():
             warm(str(message["script"]), str(message["cwd"]))
 
@@ -111,7 +111,7 @@ def _child_main(job: Any, conn: Any, log_path: str | None = None) -> None:
                 os.close(fd)
             os.dup2(2, 1)            # the script's prints: stderr (or the log)
         sys.stdout = sys.stderr
-        _die_with_parent()
+        processes.die_with_parent()
         from . import child
         outcome = child.run(job)
         if resource is not None:         # the run's peak memory (`ahead.overlap_refused`)
@@ -167,13 +167,6 @@ def _tensor(data: bytes, dtype: Any, shape: tuple[int, ...], requires_grad: bool
     else:
         tensor = torch.empty(shape, dtype=dtype)
     return tensor.requires_grad_(requires_grad)
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-        import signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)
 
 
 #: runs that reported back and are leaving (a process with torch loaded takes ~10 ms to exit),

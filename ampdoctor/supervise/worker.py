@@ -53,17 +53,6 @@ class Channel:
             self.stream.flush()
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when the parent dies (a killed CLI leaves no run)."""
-    try:
-        import ctypes
-        import signal
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def _error_fields(exc: BaseException) -> dict[str, Any]:
     from ..core.errors import format_traceback
     from ..core.safetext import exc_text
@@ -76,7 +65,7 @@ def _error_fields(exc: BaseException) -> dict[str, Any]:
 
 
 def main() -> None:
-    _die_with_parent()
+    processes.die_with_parent()   # (a killed CLI leaves no run)
     job = _read_job()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -122,7 +111,7 @@ def main() -> None:
 
 def _read_job() -> dict[str, Any]:
     """The job from stdin (one JSON document). No job (the command ended first) or a parent
-    that died before `_die_with_parent`: nothing to run for."""
+    that died before `die_with_parent`: nothing to run for."""
     line = sys.stdin.readline()
     message = json.loads(line) if line.strip() else {}
     if message.get("parent") not in (None, os.getppid()) or "spec" not in message:
